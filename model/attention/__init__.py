@@ -1,0 +1,1 @@
+"""Attention forms. Each causal linear form shares one signature returning ``(out, s, z)``."""

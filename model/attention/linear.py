@@ -1,0 +1,87 @@
+"""Causal linear attention: chunked parallel form, recurrent step, and a naive reference.
+
+All three share one signature, ``(fq, fk, v, s, z, ...) -> (out, s, z)``:
+fq, fk ``[B, H, T, F]`` are feature-mapped queries/keys, v ``[B, H, T, M]``,
+s ``[B, H, F, M]`` = Σ φ(k)vᵀ and z ``[B, H, F]`` = Σ φ(k) carry the prefix in fp32.
+out ``[B, H, T, M]`` = φ(q)ᵀs / (φ(q)ᵀz + eps), including the current token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_linear_parallel(
+    fq: torch.Tensor,
+    fk: torch.Tensor,
+    v: torch.Tensor,
+    s: torch.Tensor,
+    z: torch.Tensor,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunked parallel form: O(T·C) memory, never a T×T matrix.
+
+    Within a chunk of C tokens the causal C×C scores are explicit; across chunks the exclusive
+    prefix sums of φ(k)vᵀ carry the past. Returns out ``[B, H, T, M]`` and the final (s, z).
+    """
+    b, h, t, f = fq.shape
+    m = v.shape[-1]
+    c = min(chunk_size, t)
+    pad = (-t) % c
+    if pad:  # zero keys/values add nothing to sums; padded queries are dropped at the end
+        fq, fk, v = (F.pad(x, (0, 0, 0, pad)) for x in (fq, fk, v))
+    n = (t + pad) // c
+    qc = fq.reshape(b, h, n, c, f)
+    kc = fk.reshape(b, h, n, c, f)
+    vc = v.reshape(b, h, n, c, m)
+    kv = kc.transpose(-1, -2) @ vc  # [B, H, N, F, M]
+    ksum = kc.sum(-2)  # [B, H, N, F]
+    # State before each chunk: an exclusive prefix sum (a shifted cumsum, never cumsum - kv,
+    # whose rounding would leak a chunk's own future tokens into its earlier positions).
+    s_prefix = torch.cumsum(torch.cat([s.unsqueeze(2), kv[:, :, :-1]], dim=2), dim=2)
+    z_prefix = torch.cumsum(torch.cat([z.unsqueeze(2), ksum[:, :, :-1]], dim=2), dim=2)
+    mask = torch.ones(c, c, dtype=torch.bool, device=fq.device).tril()
+    scores = (qc @ kc.transpose(-1, -2)).masked_fill(~mask, 0.0)  # [B, H, N, C, C]
+    num = scores @ vc + qc @ s_prefix
+    den = scores.sum(-1) + (qc * z_prefix.unsqueeze(-2)).sum(-1)
+    out = num / (den.unsqueeze(-1) + eps)
+    out = out.reshape(b, h, n * c, m)[:, :, :t]
+    return out, s_prefix[:, :, -1] + kv[:, :, -1], z_prefix[:, :, -1] + ksum[:, :, -1]
+
+
+def causal_linear_step(
+    fq: torch.Tensor,
+    fk: torch.Tensor,
+    v: torch.Tensor,
+    s: torch.Tensor,
+    z: torch.Tensor,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """One recurrent step, updating ``s`` and ``z`` in place.
+
+    fq, fk ``[B, H, F]``, v ``[B, H, M]``, s ``[B, H, F, M]`` and z ``[B, H, F]`` (views into a
+    batched state are fine). Returns out ``[B, H, M]``.
+    """
+    s.add_(fk.unsqueeze(-1) * v.unsqueeze(-2))
+    z.add_(fk)
+    num = (fq.unsqueeze(-2) @ s).squeeze(-2)
+    den = (fq * z).sum(-1, keepdim=True)
+    return num / (den + eps)
+
+
+def causal_linear_naive(
+    fq: torch.Tensor,
+    fk: torch.Tensor,
+    v: torch.Tensor,
+    s: torch.Tensor,
+    z: torch.Tensor,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference: a Python loop over time. Shapes as :func:`causal_linear_parallel`. Tests only."""
+    s, z = s.clone(), z.clone()
+    outs = []
+    for i in range(fq.shape[2]):
+        outs.append(causal_linear_step(fq[:, :, i], fk[:, :, i], v[:, :, i], s, z, eps))
+    return torch.stack(outs, dim=2), s, z

@@ -1,0 +1,81 @@
+"""Model configuration: a frozen dataclass saved as ``config.json`` beside the weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+AttentionKind = Literal["linear", "favor", "softmax"]
+ATTENTION_KINDS: tuple[str, ...] = ("linear", "favor", "softmax")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture settings. Loading a checkpoint rebuilds the model from these, never from
+    code defaults.
+
+    ``conv_size`` is the width of the short causal depthwise convolution on q, k and v that
+    gives ``linear``/``favor`` their position information (0 disables it: no positions at all).
+    ``max_context`` caps only the ``softmax`` baseline (its rotary table and KV cache).
+    """
+
+    vocab_size: int = 8192
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 1024
+    attention: AttentionKind = "linear"
+    n_features: int = 64
+    conv_size: int = 4
+    max_context: int = 4096
+    rope_base: float = 10000.0
+    chunk_size: int = 64
+    eps: float = 1e-6
+    dropout: float = 0.0
+    favor_seed: int = 0
+    tokenizer: str = "tokenizer.json"
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError("d_model must be divisible by n_heads")
+        if self.head_dim % 2 and self.attention == "softmax":
+            raise ValueError("rotary embeddings need an even head_dim")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "chunk_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def feature_dim(self) -> int:
+        """Size of φ(q), φ(k): head_dim for elu+1, n_features for FAVOR+."""
+        return self.n_features if self.attention == "favor" else self.head_dim
+
+    @property
+    def is_recurrent(self) -> bool:
+        return self.attention in ("linear", "favor")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown config fields: {sorted(unknown)}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))

@@ -1,0 +1,125 @@
+"""Evaluate a checkpoint: ``python -m model.evaluate weights/linear``.
+
+Reports validation and test perplexity and bits per byte (non-overlapping windows of the
+training context, each from an empty state, so every model is scored the same way), and a
+length-generalisation table: held-out works fed as long streams through the stateful form,
+perplexity by position bucket. The softmax baseline stops at its maximum context (the server
+refuses longer sessions), so its buckets past that are reported as refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from model.data import DATA_DIR, load_tokens
+from model.tokenizer import Tokenizer
+from model.transformer import LanguageModel, load_model
+
+
+@torch.inference_mode()
+def windowed_nll(model: LanguageModel, tokens: np.ndarray, window: int,
+                 batch: int = 16) -> tuple[float, int]:
+    """Total NLL (nats) and token count over non-overlapping windows of ``window`` tokens."""
+    n_win = (len(tokens) - 1) // window
+    total, count = 0.0, 0
+    for i in range(0, n_win, batch):
+        rows = [torch.from_numpy(tokens[j * window : j * window + window + 1].astype(np.int64))
+                for j in range(i, min(i + batch, n_win))]
+        x = torch.stack(rows)
+        logits = model(x[:, :-1])
+        total += F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
+        count += x[:, 1:].numel()
+    return total, count
+
+
+@torch.inference_mode()
+def stream_nll(model: LanguageModel, tokens: np.ndarray, chunk: int = 512) -> np.ndarray:
+    """Per-position NLL ``[N-1]`` of one long stream through the stateful form (prefill in
+    chunks carrying the state, which equals stepping token by token). Softmax stops at
+    ``max_context``."""
+    limit = len(tokens) if model.cfg.is_recurrent else min(len(tokens), model.cfg.max_context)
+    x = torch.from_numpy(tokens[:limit].astype(np.int64)).unsqueeze(0)
+    state = model.new_state(1)
+    out = []
+    for start in range(0, limit - 1, chunk):
+        piece = x[:, start : min(start + chunk, limit - 1)]
+        logits, state = model.prefill(piece, state, all_logits=True)
+        target = x[0, start + 1 : start + 1 + piece.shape[1]]
+        out.append(F.cross_entropy(logits[0], target, reduction="none").numpy())
+    return np.concatenate(out)
+
+
+def buckets(train_ctx: int, length: int) -> list[tuple[int, int]]:
+    """[0,T), [T,2T), [2T,4T), [4T,8T), ... up to ``length``."""
+    edges = [0, train_ctx]
+    while edges[-1] * 2 <= length:
+        edges.append(edges[-1] * 2)
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def length_table(model: LanguageModel, streams: list[np.ndarray], train_ctx: int
+                 ) -> list[dict[str, Any]]:
+    """Perplexity per position bucket, averaged over several held-out streams."""
+    length = min(len(s) for s in streams)
+    nll = np.stack([np.pad(stream_nll(model, s[:length]), (0, 0)) for s in streams])
+    rows = []
+    for lo, hi in buckets(train_ctx, length - 1):
+        if hi > nll.shape[1]:
+            rows.append({"bucket": f"[{lo}, {hi})", "ppl": None, "note": "refused: over max_context"})
+            continue
+        rows.append({"bucket": f"[{lo}, {hi})", "ppl": round(math.exp(nll[:, lo:hi].mean()), 3)})
+    return rows
+
+
+def evaluate(weights: Path, data_dir: Path = DATA_DIR, train_ctx: int = 256,
+             stream_len: int = 16384, n_streams: int = 8) -> dict[str, Any]:
+    model = load_model(weights)
+    tok = Tokenizer.from_file(weights / model.cfg.tokenizer)
+    result: dict[str, Any] = {"weights": str(weights), "attention": model.cfg.attention,
+                              "n_params": model.n_params(), "train_context": train_ctx}
+    for split in ("valid", "test"):
+        tokens = np.asarray(load_tokens(split, data_dir))
+        nll, count = windowed_nll(model, tokens, train_ctx)
+        n_bytes = len(tok.decode(tokens[: (len(tokens) - 1) // train_ctx * train_ctx + 1]
+                                 .tolist()[1:]).encode())
+        result[split] = {"ppl": round(math.exp(nll / count), 3), "tokens": count,
+                         "bits_per_byte": round(nll / math.log(2) / n_bytes, 4)}
+    held = np.concatenate([np.asarray(load_tokens(s, data_dir)) for s in ("valid", "test")])
+    step = max(1, (len(held) - stream_len) // max(1, n_streams - 1))
+    streams = [held[i * step : i * step + stream_len] for i in range(n_streams)
+               if i * step + stream_len <= len(held)]
+    result["length_generalisation"] = length_table(model, streams, train_ctx)
+    result["n_streams"] = len(streams)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("weights", type=Path)
+    parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    parser.add_argument("--train-context", type=int, default=256)
+    parser.add_argument("--stream-len", type=int, default=16384)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--output", type=Path, help="write the JSON result here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = evaluate(args.weights, args.data_dir, args.train_context, args.stream_len,
+                      args.streams)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output:
+        args.output.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Transformer building blocks: the two attention modules, the MLP and a pre-norm block.
+
+Activations are ``[B, T, d_model]`` in the parallel form and ``[B, d_model]`` in the step
+form. Attention maths and all recurrent state run in fp32 whatever the weight dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention.features import draw_orthogonal_features, elu_feature, favor_features
+from model.attention.linear import causal_linear_parallel, causal_linear_step
+from model.attention.softmax import apply_rope, rope_tables, softmax_parallel, softmax_step
+from model.config import ModelConfig
+from model.state import KVCache, LinearState
+
+
+class LinearAttention(nn.Module):
+    """Causal linear attention (elu+1 or FAVOR+) with an optional short causal conv on q/k/v."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.out = nn.Linear(d, d, bias=False)
+        self.conv: nn.Parameter | None = None
+        if cfg.conv_size > 0:  # depthwise causal conv; identity at init
+            w = torch.zeros(3 * d, cfg.conv_size)
+            w[:, -1] = 1.0
+            self.conv = nn.Parameter(w)
+        if cfg.attention == "favor":
+            w_feat = draw_orthogonal_features(cfg.n_features, cfg.head_dim, cfg.favor_seed)
+            self.register_buffer("favor_w", w_feat)
+
+    def _phi(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        if self.cfg.attention == "favor":
+            return favor_features(x, self.favor_w, is_query)
+        return elu_feature(x)
+
+    def _conv_parallel(self, qkv: torch.Tensor, buf: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """qkv ``[B, T, 3d]``, buf ``[B, K-1, 3d]`` -> (conv output, new buf)."""
+        if self.conv is None:
+            return qkv, buf
+        k = self.conv.shape[1]
+        if buf is None:
+            buf = qkv.new_zeros(qkv.shape[0], k - 1, qkv.shape[2])
+        full = torch.cat([buf.to(qkv.dtype), qkv], dim=1)
+        out = F.conv1d(full.transpose(1, 2), self.conv.unsqueeze(1), groups=qkv.shape[2])
+        return out.transpose(1, 2), full[:, full.shape[1] - (k - 1):]
+
+    def forward(self, x: torch.Tensor, state: LinearState | None, layer: int) -> torch.Tensor:
+        """Parallel form. x ``[B, T, d]``; updates ``state`` (if given) in place."""
+        b, t, _ = x.shape
+        h, dh = self.cfg.n_heads, self.cfg.head_dim
+        qkv, new_buf = self._conv_parallel(self.qkv(x), None if state is None
+                                           else state.conv[:, layer])
+        q, k, v = qkv.float().view(b, t, 3, h, dh).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, D]
+        if state is None:
+            s = x.new_zeros(b, h, self.cfg.feature_dim, dh, dtype=torch.float32)
+            z = x.new_zeros(b, h, self.cfg.feature_dim, dtype=torch.float32)
+        else:
+            s, z = state.s[:, layer], state.z[:, layer]
+        o, s_new, z_new = causal_linear_parallel(
+            self._phi(q, True), self._phi(k, False), v, s, z, self.cfg.chunk_size, self.cfg.eps)
+        if state is not None:
+            state.s[:, layer] = s_new
+            state.z[:, layer] = z_new
+            if new_buf is not None:
+                state.conv[:, layer] = new_buf
+        return self.out(o.transpose(1, 2).reshape(b, t, -1).to(x.dtype))
+
+    def step(self, x: torch.Tensor, state: LinearState, layer: int) -> torch.Tensor:
+        """Recurrent form. x ``[B, d]``; updates s, z and the conv buffer in place."""
+        b = x.shape[0]
+        h, dh = self.cfg.n_heads, self.cfg.head_dim
+        qkv = self.qkv(x).float()
+        if self.conv is not None:
+            buf = state.conv[:, layer]  # [B, K-1, 3d]
+            window = torch.cat([buf, qkv.unsqueeze(1)], dim=1)  # [B, K, 3d]
+            qkv = (window * self.conv.T.float()).sum(1)
+            buf.copy_(window[:, 1:])
+        q, k, v = qkv.view(b, 3, h, dh).unbind(1)  # [B, H, D]
+        o = causal_linear_step(self._phi(q, True), self._phi(k, False), v,
+                               state.s[:, layer], state.z[:, layer], self.cfg.eps)
+        return self.out(o.reshape(b, -1).to(x.dtype))
+
+
+class SoftmaxAttention(nn.Module):
+    """Multi-head softmax attention with rotary positions, for the KV-cache baseline."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        cos, sin = rope_tables(cfg.max_context, cfg.head_dim, cfg.rope_base)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[B, T, d]``, pos ``[B|1, T]`` -> rotated q, k and v, each ``[B, H, T, D]``."""
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).float().view(b, t, 3, self.cfg.n_heads, -1).permute(2, 0, 3, 1, 4)
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
+        """Parallel form over T new tokens; all rows start at the same cache length."""
+        b, t, _ = x.shape
+        start = 0 if cache is None else int(cache.lengths[0])
+        pos = torch.arange(start, start + t, device=x.device).unsqueeze(0)
+        q, k, v = self._qkv(x, pos)
+        k_past = v_past = None
+        if cache is not None:
+            k_past = cache.k[:, layer, :, :start]
+            v_past = cache.v[:, layer, :, :start]
+        o = softmax_parallel(q, k, v, k_past, v_past)
+        if cache is not None:
+            cache.k[:, layer, :, start : start + t] = k
+            cache.v[:, layer, :, start : start + t] = v
+        return self.out(o.transpose(1, 2).reshape(b, t, -1).to(x.dtype))
+
+    def step(self, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+        """One token per row at its own position ``cache.lengths``. x ``[B, d]``."""
+        b = x.shape[0]
+        pos = cache.lengths.unsqueeze(1)  # [B, 1]
+        q, k, v = self._qkv(x.unsqueeze(1), pos)
+        rows = torch.arange(b)
+        k_l, v_l = cache.k[:, layer], cache.v[:, layer]  # [B, H, C, D] views
+        k_l[rows, :, cache.lengths] = k[:, :, 0]
+        v_l[rows, :, cache.lengths] = v[:, :, 0]
+        o = softmax_step(q[:, :, 0], k_l, v_l, cache.lengths)
+        return self.out(o.reshape(b, -1).to(x.dtype))
+
+
+class MLP(nn.Module):
+    """GELU feed-forward ``[..., d] -> [..., d]``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.d_model)
+        self.norm2 = nn.RMSNorm(cfg.d_model)
+        self.attn: LinearAttention | SoftmaxAttention = (
+            LinearAttention(cfg) if cfg.is_recurrent else SoftmaxAttention(cfg))
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, state: LinearState | KVCache | None,
+                layer: int) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), state, layer))  # type: ignore[arg-type]
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+    def step(self, x: torch.Tensor, state: LinearState | KVCache, layer: int) -> torch.Tensor:
+        x = x + self.attn.step(self.norm1(x), state, layer)  # type: ignore[arg-type]
+        return x + self.mlp(self.norm2(x))

@@ -1,0 +1,145 @@
+"""Vectorised sampling: every row of a batch has its own parameters and its own generator.
+
+Logits are ``[B, V]``. Penalties, temperature, top-k, top-p and min-p are masks computed for
+the whole batch at once; each sampled row then draws one uniform from its own seeded
+``torch.Generator`` and inverts the CDF. Rows with temperature 0 are greedy (argmax).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (OpenAI semantics; 0 / 1.0 mean 'off')."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A per-request generator: seeded if asked, otherwise from fresh entropy."""
+    gen = torch.Generator()
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+@dataclass
+class BatchParams:
+    """Column tensors ``[B]`` of every row's sampling parameters."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams]) -> BatchParams:
+        def col(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype)
+
+        return cls(col("temperature"), col("top_k", torch.long), col("top_p"), col("min_p"),
+                   col("repetition_penalty"), col("presence_penalty"), col("frequency_penalty"))
+
+    def select(self, idx: torch.Tensor) -> BatchParams:
+        return BatchParams(*(getattr(self, f).index_select(0, idx) for f in self.__dataclass_fields__))
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
+                    bp: BatchParams) -> torch.Tensor:
+    """OpenAI presence/frequency penalties on generated-token ``counts [B, V]``, and the CTRL
+    repetition penalty on every ``seen [B, V]`` token (prompt or output). Returns new logits."""
+    logits = logits - bp.frequency[:, None] * counts - bp.presence[:, None] * (counts > 0)
+    rep = bp.repetition[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    return torch.where(seen, penalised, logits)
+
+
+def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """True where a token is outside its row's top k (k ≤ 0: keep all). ``[B, V]`` bool."""
+    kmax = int(k.max())
+    if kmax <= 0:
+        return torch.zeros_like(logits, dtype=torch.bool)
+    kk = k.clamp(min=1, max=logits.shape[-1])
+    top = torch.topk(logits, min(kmax, logits.shape[-1]), dim=-1).values
+    thresh = top.gather(-1, (kk.clamp(max=top.shape[-1]) - 1)[:, None])
+    return (logits < thresh) & (k[:, None] > 0)
+
+
+def top_p_mask(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """True outside the smallest set of tokens whose mass reaches p (the top token is always
+    kept). probs ``[B, V]``, p ``[B]``."""
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
+    drop_sorted = before >= p[:, None]
+    return torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+
+
+def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """True where a token's probability is below min_p × the row's top probability."""
+    return probs < min_p[:, None] * probs.amax(-1, keepdim=True)
+
+
+def sampling_probs(logits: torch.Tensor, bp: BatchParams) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p applied: the distribution to draw from ``[B, V]``."""
+    temp = bp.temperature.clamp(min=1e-5)[:, None]
+    logits = logits / temp
+    logits = logits.masked_fill(top_k_mask(logits, bp.top_k), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    drop = torch.zeros_like(probs, dtype=torch.bool)
+    if bool((bp.top_p < 1.0).any()):
+        drop |= top_p_mask(probs, bp.top_p)
+    if bool((bp.min_p > 0.0).any()):
+        drop |= min_p_mask(probs, bp.min_p)
+    return probs.masked_fill(drop, 0.0)
+
+
+def sample(logits: torch.Tensor, bp: BatchParams, generators: Sequence[torch.Generator],
+           counts: torch.Tensor | None = None, seen: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """Next token per row ``[B]`` (long). ``generators[i]`` serves row i only."""
+    if counts is not None and seen is not None:
+        logits = apply_penalties(logits, counts, seen, bp)
+    tokens = logits.argmax(-1)
+    hot = (bp.temperature > 0).nonzero().flatten()
+    if hot.numel() == 0:
+        return tokens
+    probs = sampling_probs(logits.index_select(0, hot), bp.select(hot))
+    u = torch.cat([torch.rand(1, generator=generators[int(i)]) for i in hot])
+    cdf = probs.cumsum(-1)
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    tokens[hot] = drawn.clamp(max=logits.shape[-1] - 1)
+    return tokens
+
+
+def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, n: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities under the raw model: chosen ``[B]``, and the top n ``([B, n], [B, n])``
+    as (values, token ids)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logp, max(n, 1), dim=-1)
+    return logp.gather(-1, chosen[:, None]).squeeze(-1), top.values, top.indices

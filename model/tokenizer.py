@@ -1,0 +1,96 @@
+"""Byte-level BPE tokenizer (a thin wrapper over ``tokenizers``) with incremental detokenizing.
+
+Every token of a byte-level BPE stands for a fixed byte string, so the incremental detokenizer
+concatenates token bytes and feeds them to an incremental UTF-8 decoder: text is emitted only
+once its bytes are complete, so a stream never carries U+FFFD or half a character.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode table used by the ByteLevel pre-tokenizer."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+def train_tokenizer(files: Iterable[Path], vocab_size: int = 8192) -> HFTokenizer:
+    """Train a byte-level BPE on ``files`` with one special token, ``<|endoftext|>``."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train([str(f) for f in files], trainer)
+    return tok
+
+
+class Tokenizer:
+    """Encode/decode text; ``token_bytes[i]`` is the exact byte string of token i."""
+
+    def __init__(self, tok: HFTokenizer) -> None:
+        self._tok = tok
+        self.vocab_size: int = tok.get_vocab_size()
+        eos = tok.token_to_id(EOS_TOKEN)
+        self.eos_id: int | None = eos
+        table = _byte_decoder()
+        self.token_bytes: list[bytes] = [b""] * self.vocab_size
+        for piece, idx in tok.get_vocab().items():
+            if piece == EOS_TOKEN:
+                self.token_bytes[idx] = b""
+            else:
+                self.token_bytes[idx] = bytes(table[ch] for ch in piece)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        return cls(HFTokenizer.from_file(str(path)))
+
+    def save(self, path: str | Path) -> None:
+        self._tok.save(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Decode ids to text; special tokens are dropped, broken UTF-8 becomes U+FFFD."""
+        return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", errors="replace")
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.token_bytes)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces that are always whole characters."""
+
+    def __init__(self, token_bytes: list[bytes]) -> None:
+        self._token_bytes = token_bytes
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token_id: int) -> str:
+        """Feed one token; return the newly completed text (possibly empty)."""
+        return self._decoder.decode(self._token_bytes[token_id])
+
+    def flush(self) -> str:
+        """End of stream: whatever bytes are left (an incomplete character becomes U+FFFD)."""
+        return self._decoder.decode(b"", final=True)

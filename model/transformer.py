@@ -1,0 +1,135 @@
+"""The language model: one set of weights, three forms (forward, prefill, step)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from model.config import ModelConfig
+from model.layers import Block
+from model.state import KVCache, LinearState, State, empty_state
+
+
+class LanguageModel(nn.Module):
+    """Decoder-only LM with tied input/output embeddings.
+
+    - ``forward(tokens [B, T]) -> logits [B, T, V]``: parallel form for training.
+    - ``prefill(tokens [B, T], state) -> (logits, new_state)``: parallel form continuing a state.
+    - ``step(tokens [B], state) -> logits [B, V]``: one token per row (RNN / KV-cache form),
+      updating ``state`` in place.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.apply(self._init)
+        for block in self.blocks:  # GPT-2 style scaled residual projections
+            for lin in (block.attn.out, block.mlp.down):
+                nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        self._fingerprint: str | None = None
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def new_state(self, batch: int = 1) -> State:
+        return empty_state(self.cfg, batch)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), self.embed.weight).float()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens ``[B, T]`` -> logits ``[B, T, V]`` (fp32), starting from an empty state."""
+        x = self.drop(self.embed(tokens))
+        for i, block in enumerate(self.blocks):
+            x = block(x, None, i)
+        return self._head(x)
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, state: State | None = None,
+                all_logits: bool = False) -> tuple[torch.Tensor, State]:
+        """Run tokens ``[B, T]`` in the parallel form after ``state`` (None: empty).
+
+        Returns logits ``[B, V]`` for the last position (``[B, T, V]`` with ``all_logits``) and
+        a new state; the input state is not modified. For softmax, all rows must share one
+        cache length.
+        """
+        b, t = tokens.shape
+        state = self.new_state(b) if state is None else state.copy()
+        if isinstance(state, KVCache):
+            if bool((state.lengths != state.lengths[0]).any()):
+                raise ValueError("softmax prefill needs rows of equal length")
+            state.ensure_capacity(int(state.lengths[0]) + t)
+        x = self.embed(tokens)
+        for i, block in enumerate(self.blocks):
+            x = block(x, state, i)
+        if isinstance(state, KVCache):
+            state.lengths += t
+        logits = self._head(x if all_logits else x[:, -1])
+        return logits, state
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
+        """tokens ``[B]`` -> logits ``[B, V]``; advances every row of ``state`` by one token."""
+        if isinstance(state, KVCache):
+            state.ensure_capacity(int(state.lengths.max()) + 1)
+        x = self.embed(tokens)
+        for i, block in enumerate(self.blocks):
+            x = block.step(x, state, i)
+        if isinstance(state, KVCache):
+            state.lengths += 1
+        return self._head(x)
+
+    def state_nbytes(self) -> int:
+        """Bytes of one session's state (for softmax: an empty cache; it grows)."""
+        return self.new_state(1).nbytes
+
+    def fingerprint(self) -> str:
+        """sha256 over the config and every weight and buffer; states carry it."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(repr(sorted(self.cfg.to_dict().items())).encode())
+            for name, t in sorted(self.state_dict().items()):
+                h.update(name.encode())
+                h.update(t.detach().float().contiguous().numpy().tobytes())
+            self._fingerprint = h.hexdigest()[:32]
+        return self._fingerprint
+
+    def save(self, directory: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (tied head stored once)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.cfg.save(directory / "config.json")
+        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(tensors, str(directory / "model.safetensors"))
+
+
+def load_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> LanguageModel:
+    """Rebuild a model from ``config.json`` and load ``model.safetensors`` (strict)."""
+    directory = Path(directory)
+    cfg = ModelConfig.load(directory / "config.json")
+    model = LanguageModel(cfg)
+    model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=True)
+    model.fingerprint()  # computed on the fp32 weights, before any cast
+    model.to(dtype)
+    if cfg.attention == "favor":  # random features stay exactly as saved, in fp32
+        for block in model.blocks:
+            block.attn.favor_w.data = block.attn.favor_w.data.float()  # type: ignore[union-attr]
+    return model.eval()

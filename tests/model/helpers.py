@@ -1,0 +1,25 @@
+"""Tiny random models for fast unit tests."""
+
+from __future__ import annotations
+
+import torch
+
+from model.config import ModelConfig
+from model.transformer import LanguageModel
+
+
+def tiny_config(kind: str = "linear", **overrides: object) -> ModelConfig:
+    base: dict[str, object] = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=2, d_ff=64,
+                                   attention=kind, chunk_size=16, n_features=32, max_context=512)
+    base.update(overrides)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+def tiny_model(kind: str = "linear", seed: int = 0, **overrides: object) -> LanguageModel:
+    torch.manual_seed(seed)
+    model = LanguageModel(tiny_config(kind, **overrides)).eval()
+    # Larger-than-init weights so attention patterns are far from uniform.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0 if p.dim() > 1 else 1.0)
+    return model

@@ -1,0 +1,141 @@
+"""The three forms (forward, prefill, step) agree on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.attention.linear import causal_linear_naive, causal_linear_parallel
+from model.state import KVCache, LinearState, cat_states
+from tests.model.helpers import tiny_model
+
+RECURRENT = ["linear", "favor"]
+ALL = ["linear", "favor", "softmax"]
+
+
+def step_all(model, tokens: torch.Tensor) -> torch.Tensor:
+    state = model.new_state(tokens.shape[0])
+    return torch.stack([model.step(tokens[:, t], state) for t in range(tokens.shape[1])], 1)
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_parallel_equals_recurrent_steps(kind: str) -> None:
+    model = tiny_model(kind)
+    tokens = torch.randint(0, 97, (2, 300))  # crosses many chunk boundaries (chunk 16)
+    with torch.no_grad():
+        full = model(tokens)
+    stepped = step_all(model, tokens)
+    assert (full - stepped).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_prefill_then_steps_equals_forward(kind: str) -> None:
+    model = tiny_model(kind)
+    tokens = torch.randint(0, 97, (1, 120))
+    with torch.no_grad():
+        full = model(tokens)
+    logits, state = model.prefill(tokens[:, :77])
+    assert (logits - full[:, 76]).abs().max() <= 1e-4
+    for t in range(77, 120):
+        out = model.step(tokens[:, t], state)
+        assert (out - full[:, t]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_prefill_in_pieces_equals_one_piece(kind: str) -> None:
+    model = tiny_model(kind)
+    tokens = torch.randint(0, 97, (1, 150))
+    one, st_one = model.prefill(tokens, all_logits=True)
+    state = None
+    pieces = []
+    for lo, hi in [(0, 5), (5, 50), (50, 51), (51, 150)]:
+        logits, state = model.prefill(tokens[:, lo:hi], state, all_logits=True)
+        pieces.append(logits)
+    assert (torch.cat(pieces, 1) - one).abs().max() <= 1e-4
+    for name, t in st_one.tensors().items():
+        other = state.tensors()[name]  # type: ignore[union-attr]
+        n = min(t.shape[3], other.shape[3]) if name in ("k", "v") else None
+        if n is None:
+            assert torch.allclose(t.float(), other.float(), atol=1e-4)
+        else:
+            assert torch.allclose(t[:, :, :, :n], other[:, :, :, :n], atol=1e-4)
+
+
+def test_prefill_does_not_modify_input_state() -> None:
+    model = tiny_model("linear")
+    _, state = model.prefill(torch.randint(0, 97, (1, 10)))
+    before = state.copy()
+    model.prefill(torch.randint(0, 97, (1, 10)), state)
+    assert torch.equal(before.s, state.s)  # type: ignore[union-attr]
+
+
+def test_chunked_kernel_matches_naive() -> None:
+    torch.manual_seed(1)
+    b, h, t, f, m = 2, 3, 45, 8, 5
+    fq, fk = torch.rand(b, h, t, f), torch.rand(b, h, t, f)
+    v = torch.randn(b, h, t, m)
+    s, z = torch.rand(b, h, f, m), torch.rand(b, h, f)
+    o1, s1, z1 = causal_linear_parallel(fq, fk, v, s, z, chunk_size=8)
+    o2, s2, z2 = causal_linear_naive(fq, fk, v, s, z)
+    assert torch.allclose(o1, o2, atol=1e-5)
+    assert torch.allclose(s1, s2, atol=1e-4) and torch.allclose(z1, z2, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_causality(kind: str) -> None:
+    model = tiny_model(kind)
+    tokens = torch.randint(0, 97, (1, 80))
+    changed = tokens.clone()
+    t = 50
+    changed[0, t] = (changed[0, t] + 1) % 97
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    assert torch.equal(a[:, :t], b[:, :t])
+    assert not torch.allclose(a[:, t], b[:, t])
+    sa, sb = step_all(model, tokens), step_all(model, changed)
+    assert torch.equal(sa[:, :t], sb[:, :t])
+    pa, _ = model.prefill(tokens[:, : t + 1], all_logits=True)
+    pb, _ = model.prefill(changed[:, : t + 1], all_logits=True)
+    assert torch.equal(pa[:, :t], pb[:, :t])
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_batched_step_with_different_positions_equals_alone(kind: str) -> None:
+    model = tiny_model(kind)
+    lengths = [3, 40, 17]
+    prompts = [torch.randint(0, 97, (1, n)) for n in lengths]
+    states = [model.prefill(p)[1] for p in prompts]
+    batched = cat_states([s.copy() for s in states])
+    nxt = torch.randint(0, 97, (3, 6))
+    for t in range(6):
+        together = model.step(nxt[:, t], batched)
+        for i, st in enumerate(states):
+            alone = model.step(nxt[i : i + 1, t], st)
+            assert (together[i] - alone[0]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", RECURRENT)
+def test_state_size_is_constant(kind: str) -> None:
+    model = tiny_model(kind)
+    _, short = model.prefill(torch.randint(0, 97, (1, 10)))
+    _, long = model.prefill(torch.randint(0, 97, (1, 10_000)))
+    assert isinstance(short, LinearState)
+    assert short.nbytes == long.nbytes
+
+
+def test_kv_cache_grows_and_is_written_in_place() -> None:
+    model = tiny_model("softmax")
+    _, short = model.prefill(torch.randint(0, 97, (1, 10)))
+    _, long = model.prefill(torch.randint(0, 97, (1, 300)))
+    assert isinstance(long, KVCache)
+    assert long.nbytes > short.nbytes
+    ptr = long.k.data_ptr()
+    model.step(torch.tensor([1]), long)  # capacity 512 >= 301: no reallocation
+    assert long.k.data_ptr() == ptr and int(long.lengths[0]) == 301
+
+
+def test_softmax_refuses_past_max_context() -> None:
+    model = tiny_model("softmax", max_context=64)
+    _, state = model.prefill(torch.randint(0, 97, (1, 64)))
+    with pytest.raises(ValueError, match="max_context"):
+        model.step(torch.tensor([1]), state)
