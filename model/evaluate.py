@@ -94,8 +94,8 @@ def evaluate(weights: Path, data_dir: Path = DATA_DIR, train_ctx: int = 256,
                          "bits_per_byte": round(nll / math.log(2) / n_bytes, 4)}
     held = np.concatenate([np.asarray(load_tokens(s, data_dir)) for s in ("valid", "test")])
     step = max(1, (len(held) - stream_len) // max(1, n_streams - 1))
-    streams = [held[i * step : i * step + stream_len] for i in range(n_streams)
-               if i * step + stream_len <= len(held)]
+    streams = [held[i * step : i * step + stream_len + 1] for i in range(n_streams)
+               if i * step + stream_len + 1 <= len(held)]
     result["length_generalisation"] = length_table(model, streams, train_ctx)
     result["n_streams"] = len(streams)
     return result

@@ -48,17 +48,17 @@ class LinearAttention(nn.Module):
         k = self.conv.shape[1]
         if buf is None:
             buf = qkv.new_zeros(qkv.shape[0], k - 1, qkv.shape[2])
-        full = torch.cat([buf.to(qkv.dtype), qkv], dim=1)
-        out = F.conv1d(full.transpose(1, 2), self.conv.unsqueeze(1), groups=qkv.shape[2])
+        full = torch.cat([buf, qkv], dim=1)
+        out = F.conv1d(full.transpose(1, 2), self.conv.float().unsqueeze(1), groups=qkv.shape[2])
         return out.transpose(1, 2), full[:, full.shape[1] - (k - 1):]
 
     def forward(self, x: torch.Tensor, state: LinearState | None, layer: int) -> torch.Tensor:
         """Parallel form. x ``[B, T, d]``; updates ``state`` (if given) in place."""
         b, t, _ = x.shape
         h, dh = self.cfg.n_heads, self.cfg.head_dim
-        qkv, new_buf = self._conv_parallel(self.qkv(x), None if state is None
+        qkv, new_buf = self._conv_parallel(self.qkv(x).float(), None if state is None
                                            else state.conv[:, layer])
-        q, k, v = qkv.float().view(b, t, 3, h, dh).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, D]
+        q, k, v = qkv.view(b, t, 3, h, dh).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, D]
         if state is None:
             s = x.new_zeros(b, h, self.cfg.feature_dim, dh, dtype=torch.float32)
             z = x.new_zeros(b, h, self.cfg.feature_dim, dtype=torch.float32)

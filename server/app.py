@@ -1,0 +1,167 @@
+"""The FastAPI application: lifespan (load weights once, warm up, start the engine thread),
+body-size limits, CORS, error handlers and the routers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import torch
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from model.tokenizer import Tokenizer
+from model.transformer import LanguageModel, load_model
+from server.client import EngineClient
+from server.engine import Engine, EngineLimits
+from server.errors import error_body, install_error_handlers
+from server.routes import completions, misc, sessions
+from server.service import GenerationService
+from server.sessions import MemorySessionStore, SessionStore
+from server.settings import Settings
+
+log = logging.getLogger("linserve")
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
+                   Awaitable[None]]
+
+
+def make_store(settings: Settings) -> SessionStore:
+    if settings.session_store == "memory":
+        return MemorySessionStore(settings.session_memory_bytes, settings.session_ttl)
+    from server.redis_store import RedisSessionStore
+
+    return RedisSessionStore(settings.session_store, settings.session_ttl)
+
+
+def load_engine_model(settings: Settings) -> tuple[LanguageModel, Tokenizer]:
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
+    model = load_model(settings.weights, dtype)
+    tok = Tokenizer.from_file(settings.weights / model.cfg.tokenizer)
+    if tok.vocab_size != model.cfg.vocab_size:
+        raise ValueError(f"tokenizer has {tok.vocab_size} tokens, model {model.cfg.vocab_size}")
+    return model, tok
+
+
+def warm_up(model: LanguageModel) -> None:
+    """Run each form once so the first request does not pay for lazy initialisation."""
+    _, state = model.prefill(torch.zeros(1, 8, dtype=torch.long))
+    model.step(torch.zeros(1, dtype=torch.long), state)
+
+
+class BodyLimit:
+    """Pure-ASGI guard: 413 before parsing when a body exceeds its limit (by Content-Length
+    or while streaming). The state-import route allows one full state's bytes."""
+
+    def __init__(self, app: ASGIApp, default: int, large: dict[str, int]) -> None:
+        self.app, self.default, self.large = app, default, large
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
+                       send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.large.get(scope["path"], self.default)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await _send_413(send, limit)
+            return
+        seen = 0
+
+        async def limited_receive() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await _send_413(send, limit)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _send_413(send: Callable[[Any], Awaitable[None]], limit: int) -> None:
+    body = json.dumps(error_body(413, f"request body exceeds {limit} bytes", None,
+                                 "body_too_large")).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await startup(app, settings)
+        yield
+        await shutdown(app)
+
+    app = FastAPI(title="linserve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server for linear-attention language models "
+                              "with constant-size sessions.")
+    install_error_handlers(app)
+    for router in (completions.router, sessions.router, misc.router):
+        app.include_router(router)
+    origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
+    if origins:  # closed by default: no CORS headers at all
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
+                           allow_headers=["*"])
+    app.state.settings = settings
+    app.state.api_keys = settings.keys()
+    app.state.draining = False
+    return app
+
+
+def wrap(app: FastAPI, settings: Settings, state_limit: int) -> ASGIApp:
+    """The ASGI app to serve: the body limit sits outside everything."""
+    return BodyLimit(app, settings.max_body_bytes,  # type: ignore[arg-type]
+                     {"/v1/sessions/import": state_limit})
+
+
+async def startup(app: FastAPI, settings: Settings) -> None:
+    t0 = time.monotonic()
+    model, tok = await asyncio.to_thread(load_engine_model, settings)
+    await asyncio.to_thread(warm_up, model)
+    limits = EngineLimits(settings.max_running, settings.max_waiting, settings.prefill_chunk,
+                          settings.step_token_budget)
+    client = EngineClient(lambda deliver: Engine(model, tok, limits, deliver))
+    client.start()
+    store = make_store(settings)
+    app.state.model = model
+    app.state.model_name = settings.served_name
+    app.state.max_model_len = model.cfg.max_context if not model.cfg.is_recurrent else None
+    app.state.started = int(time.time())
+    app.state.client = client
+    app.state.service = GenerationService(client, store, model, tok, settings)
+    log.info(json.dumps({
+        "event": "startup", "model": settings.served_name, "weights": str(settings.weights),
+        "attention": model.cfg.attention, "params": model.n_params(), "dtype": settings.dtype,
+        "state_bytes_per_session": model.state_nbytes(),
+        "state_note": "constant" if model.cfg.is_recurrent else "grows with context",
+        "session_store": settings.session_store.split("@")[-1],
+        "threads": torch.get_num_threads(), "load_seconds": round(time.monotonic() - t0, 2)}))
+
+
+async def shutdown(app: FastAPI) -> None:
+    app.state.draining = True
+    await app.state.client.stop()
+    await app.state.service.store.close()
+    log.info(json.dumps({"event": "shutdown"}))

@@ -1,0 +1,32 @@
+"""The chat template: plain text suited to a base model trained on plays.
+
+    {system}\n\n            (if a system message is given)
+    User: {content}\n
+    Assistant: {content}\n
+    ...
+    Assistant:
+
+Generation stops at the next ``\nUser:`` line (added to the request's own stop strings).
+Within a session, only the new messages are rendered and appended after what is stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from server.protocol import ChatMessage
+
+CHAT_STOP = ("\nUser:",)
+ROLE_NAMES = {"user": "User", "assistant": "Assistant"}
+
+
+def render_chat(messages: Sequence[ChatMessage], continuing: bool = False) -> str:
+    """Render messages and end with the ``Assistant:`` cue the model completes."""
+    parts: list[str] = []
+    for msg in messages:
+        if msg.role in ("system", "developer"):
+            parts.append(f"{msg.text().strip()}\n\n")
+        else:
+            parts.append(f"{ROLE_NAMES[msg.role]}: {msg.text().strip()}\n")
+    prefix = "\n" if continuing else ""
+    return prefix + "".join(parts) + "Assistant:"

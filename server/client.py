@@ -1,0 +1,89 @@
+"""The async side of the engine: runs the engine thread and hands each request's deltas to
+an asyncio queue. One ``call_soon_threadsafe`` per engine iteration carries all deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+from server.engine import Engine, Sink
+from server.types import GenerationRequest, Output
+
+
+class RequestHandle:
+    """A submitted request as the HTTP layer sees it."""
+
+    def __init__(self, client: EngineClient, req: GenerationRequest) -> None:
+        self.client = client
+        self.req = req
+        self.queue: asyncio.Queue[Output] = asyncio.Queue()
+        self.final: asyncio.Future[Output] = asyncio.get_running_loop().create_future()
+        self.sent_tokens = 0
+        self.started = time.monotonic()
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self._callbacks: list[Callable[[Output], None]] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.final.done()
+
+    def on_finish(self, fn: Callable[[Output], None]) -> None:
+        self._callbacks.append(fn)
+
+    def _push(self, out: Output) -> None:
+        self.queue.put_nowait(out)
+        if out.finish_reason is not None and not self.final.done():
+            self.final.set_result(out)
+            for fn in self._callbacks:
+                fn(out)
+
+    async def next(self, timeout: float | None = None) -> Output | None:
+        """The next delta, with everything else already queued merged into it (so a slow
+        reader gets fewer, larger chunks). None if ``timeout`` passes first."""
+        try:
+            out = await asyncio.wait_for(self.queue.get(), timeout)
+        except TimeoutError:
+            return None
+        while out.finish_reason is None and not self.queue.empty():
+            out = out.merge(self.queue.get_nowait())
+        return out
+
+    def cancel(self) -> None:
+        """Stop generating; the session keeps exactly the tokens sent so far."""
+        if not self.finished:
+            self.client.engine.cancel(self.req.request_id, self.sent_tokens)
+
+
+class EngineClient:
+    """Starts the engine thread and routes its deltas to request handles."""
+
+    def __init__(self, engine_factory: Callable[[Callable[[list[tuple[Sink, Output]]], None]],
+                                                Engine]) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.engine = engine_factory(self._deliver)
+        self.thread = threading.Thread(target=self.engine.run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    async def stop(self) -> None:
+        self.engine.stop()
+        await asyncio.to_thread(self.thread.join, 10)
+
+    def _deliver(self, batch: list[tuple[Sink, Output]]) -> None:
+        """Called on the engine thread once per iteration."""
+        self.loop.call_soon_threadsafe(_dispatch, batch)
+
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises ``Overloaded`` when the engine is at capacity."""
+        handle = RequestHandle(self, req)
+        self.engine.submit(req, handle._push)
+        return handle
+
+
+def _dispatch(batch: list[tuple[Sink, Output]]) -> None:
+    for sink, out in batch:
+        sink(out)

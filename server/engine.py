@@ -1,0 +1,326 @@
+"""The engine: one thread owns the model and runs the continuous-batching loop.
+
+Each iteration it (1) takes new requests and cancellations from its inbox, (2) prefills
+waiting prompts in chunks under a token budget, and (3) runs ONE batched ``step`` over every
+running sequence, samples all rows at once, and hands the deltas to the event loop in a
+single thread-safe call. HTTP handlers never touch tensors; they talk to :class:`EngineClient`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from model.sampling import BatchParams, sample, top_logprobs
+from model.tokenizer import Tokenizer
+from model.transformer import LanguageModel
+from server import metrics
+from server.pool import SlotPool
+from server.sequence import Sequence, logprob_entries
+from server.types import GenerationRequest, Output, TokenLogprob
+
+log = logging.getLogger("linserve.engine")
+Sink = Callable[[Output], None]
+Deliver = Callable[[list[tuple[Sink, Output]]], None]
+
+
+class Overloaded(Exception):
+    """The engine's queue is full; the caller should answer 429."""
+
+
+@dataclass
+class EngineLimits:
+    max_running: int = 64
+    max_waiting: int = 256
+    prefill_chunk: int = 512
+    step_token_budget: int = 512
+
+
+class Engine:
+    """Continuous-batching scheduler. Public methods are thread-safe; the loop runs in
+    :meth:`run` on its own thread."""
+
+    def __init__(self, model: LanguageModel, tokenizer: Tokenizer, limits: EngineLimits,
+                 deliver: Deliver) -> None:
+        self.model = model
+        self.tok = tokenizer
+        self.limits = limits
+        self.deliver = deliver
+        self.pool = SlotPool(model, limits.max_running)
+        self.inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # running[i] lives in pool slot i
+        self.sinks: dict[str, Sink] = {}
+        self._inflight = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._outbox: list[tuple[Sink, Output]] = []
+        self.steps = 0
+
+    # ---- thread-safe API -------------------------------------------------------------
+    def submit(self, req: GenerationRequest, sink: Sink) -> None:
+        """Queue a request; raises :class:`Overloaded` past running + waiting capacity."""
+        with self._lock:
+            if self._inflight >= self.limits.max_running + self.limits.max_waiting:
+                raise Overloaded
+            self._inflight += 1
+        self.inbox.put(("submit", (req, sink)))
+
+    def cancel(self, request_id: str, sent_tokens: int | None = None) -> None:
+        """Cancel at the next iteration. ``sent_tokens``: how many generated tokens the client
+        received (the session then ends exactly there)."""
+        self.inbox.put(("cancel", (request_id, sent_tokens)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(("wake", None))
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    # ---- the loop --------------------------------------------------------------------
+    def run(self) -> None:
+        log.info("engine loop started")
+        while not self._stop.is_set():
+            try:
+                self.iterate()
+            except Exception:  # never let one bad batch kill the server
+                log.exception("engine iteration failed; failing the affected requests")
+                self._fail_all("internal engine error")
+        log.info("engine loop stopped")
+
+    def iterate(self) -> None:
+        """One scheduler iteration (blocks briefly on the inbox when idle)."""
+        idle = not (self.waiting or self.prefilling or self.running)
+        self._drain_inbox(block=idle)
+        self._admit()
+        self._prefill_some()
+        if self.running:
+            self._decode_step()
+        self._flush()
+        metrics.RUNNING.set(len(self.running) + len(self.prefilling))
+        metrics.WAITING.set(len(self.waiting))
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            cmd, arg = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if cmd == "submit":
+                req, sink = arg  # type: ignore[misc]
+                self.sinks[req.request_id] = sink
+                seq = Sequence(req, self.tok.detokenizer(), self._stop_ids(req))
+                self.waiting.append(seq)
+            elif cmd == "cancel":
+                request_id, sent = arg  # type: ignore[misc]
+                self._cancel(request_id, sent)
+            try:
+                cmd, arg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _stop_ids(self, req: GenerationRequest) -> set[int]:
+        ids = set(req.params.stop_token_ids)
+        if self.tok.eos_id is not None and not req.params.ignore_eos:
+            ids.add(self.tok.eos_id)
+        return ids
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) + len(self.prefilling) < self.limits.max_running:
+            seq = self.waiting.popleft()
+            metrics.QUEUE_TIME.observe(time.monotonic() - seq.arrival)
+            self.prefilling.append(seq)
+
+    # ---- prefill ---------------------------------------------------------------------
+    def _prefill_some(self) -> None:
+        budget = self.limits.step_token_budget
+        while self.prefilling and budget > 0:
+            seq = self.prefilling[0]
+            todo = seq.to_prefill
+            logits = None
+            if todo:
+                n = min(len(todo), self.limits.prefill_chunk, budget)
+                ids = torch.tensor([todo[:n]])
+                logits, seq.state = self.model.prefill(
+                    ids, seq.state, all_logits=seq.prompt_logprobs is not None)
+                if seq.prompt_logprobs is not None:
+                    self._add_prompt_logprobs(seq, logits[0], todo[:n])
+                    logits = logits[:, -1]
+                seq.prefilled += n
+                budget -= n
+                metrics.PROMPT_TOKENS.inc(n)
+            if seq.prefilled >= seq.prefill_target:
+                self.prefilling.popleft()
+                if seq.prefill_only or logits is None:
+                    seq.finish_reason = "prefilled"
+                    state = seq.state if seq.state is not None else self.model.new_state(1)
+                    self._finish(seq, state, seq.req.input_ids[seq.prefill_target :])
+                else:
+                    self._start_decoding(seq, logits)
+
+    def _add_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, ids: list[int]) -> None:
+        """Log-probs of prompt tokens: token j is scored by the logits at j-1."""
+        assert seq.prompt_logprobs is not None
+        if seq.prefilled == 0:
+            seq.prompt_logprobs.append(TokenLogprob(ids[0], None))
+        logp = torch.log_softmax(logits.float(), -1)
+        for j, tid in enumerate(ids):
+            row = seq.last_prompt_logp if j == 0 else logp[j - 1]
+            if row is not None:
+                seq.prompt_logprobs.append(TokenLogprob(tid, float(row[tid])))
+        seq.last_prompt_logp = logp[-1]
+
+    def _start_decoding(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Sample the first token from the prompt's last logits and join the batch."""
+        counts = torch.zeros(1, self.model.cfg.vocab_size)
+        seen = torch.zeros(1, self.model.cfg.vocab_size, dtype=torch.bool)
+        seen[0, torch.tensor(seq.req.input_ids)] = True
+        token = self._sample([seq], logits, counts, seen)
+        if seq.finish_reason is not None or seq.cancelled:
+            self._finish(seq, seq.state, [token])
+            return
+        assert seq.state is not None
+        self.pool.add(seq.state, seq.req.input_ids, [token])
+        seq.state = None
+        self.running.append(seq)
+        self._emit(seq)
+
+    # ---- decode ----------------------------------------------------------------------
+    def _decode_step(self) -> None:
+        t0 = time.perf_counter()
+        self.pool.reserve_step()
+        tokens = torch.tensor([s.last_token for s in self.running])
+        logits = self.model.step(tokens, self.pool.view())
+        n = self.pool.n
+        self._sample(self.running, logits, self.pool.counts[:n], self.pool.seen[:n])
+        self.steps += 1
+        metrics.BATCH_SIZE.set(n)
+        metrics.STEP_TIME.observe(time.perf_counter() - t0)
+        finished = []
+        for seq in self.running:
+            self._emit(seq)
+            if seq.finish_reason is not None:
+                finished.append(seq)
+        for seq in finished:
+            self._retire(seq)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, counts: torch.Tensor,
+                seen: torch.Tensor) -> int:
+        """Sample one token per row, record it on each sequence; returns row 0's token."""
+        params = [s.params for s in seqs]
+        bp = BatchParams.from_params(params)
+        use_pen = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                      for p in params)
+        tokens = sample(logits, bp, [s.generator for s in seqs],
+                        counts if use_pen else None, seen if use_pen else None)
+        n_lp = max((p.logprobs or 0) for p in params)
+        entries: list[TokenLogprob | None] = [None] * len(seqs)
+        if any(p.logprobs is not None for p in params):
+            chosen, values, ids = top_logprobs(logits, tokens, n_lp)
+            packed = logprob_entries(chosen, values, ids, tokens, n_lp)
+            entries = [e if p.logprobs is not None else None
+                       for e, p in zip(packed, params, strict=True)]
+        if len(seqs) == self.pool.n and seqs is self.running:
+            self.pool.record(tokens)
+        for seq, tok, entry in zip(seqs, tokens.tolist(), entries, strict=True):
+            seq.add_token(tok, entry)
+        metrics.GENERATION_TOKENS.inc(len(seqs))
+        return int(tokens[0])
+
+    def _retire(self, seq: Sequence, sent: int | None = None) -> None:
+        """Remove a finished running sequence from the batch (its state goes with it).
+
+        ``sent``: tokens the client actually received (on cancellation). If fewer than were
+        generated, the session state is rebuilt from the request's start state so that it
+        ends exactly after the last token the client was sent.
+        """
+        slot = self.running.index(seq)
+        state = None
+        pending = [seq.generated[-1]]
+        if seq.req.want_state:
+            if sent is None or sent >= len(seq.generated):
+                state = self.pool.take(slot)
+            else:
+                state, pending = self._replay(seq, sent)
+        moved = self.pool.remove(slot)
+        last = self.running.pop()
+        if moved is not None:
+            self.running[slot] = last
+        self._finish(seq, state, pending)
+
+    def _replay(self, seq: Sequence, sent: int) -> tuple[object, list[int]]:
+        """State after input + the first ``sent`` generated tokens (last one left pending)."""
+        stream = seq.req.input_ids + seq.generated[:sent]
+        seq.generated = seq.generated[:sent]
+        state = seq.req.start_state
+        feed = stream[:-1]
+        for i in range(0, len(feed), self.limits.prefill_chunk):
+            _, state = self.model.prefill(torch.tensor([feed[i : i + self.limits.prefill_chunk]]),
+                                          state)
+        return (state if state is not None else self.model.new_state(1)), stream[-1:]
+
+    # ---- output ----------------------------------------------------------------------
+    def _emit(self, seq: Sequence) -> None:
+        sink = self.sinks.get(seq.req.request_id)
+        if sink is None or seq.finish_reason is not None:
+            return  # the final delta is sent by _finish
+        out = seq.take_output()
+        if out.text or out.token_ids or out.prompt_logprobs:
+            self._outbox.append((sink, out))
+
+    def _finish(self, seq: Sequence, state: object, pending: list[int]) -> None:
+        sink = self.sinks.pop(seq.req.request_id, None)
+        with self._lock:
+            self._inflight -= 1
+        if seq.finish_reason is None:
+            seq.finish_reason = "cancelled"
+        out = seq.take_output()
+        if seq.req.want_state and state is not None:
+            out.final_state = state  # type: ignore[assignment]
+            out.final_pending = pending
+        metrics.REQUESTS.labels(status=seq.finish_reason).inc()
+        if sink is not None:
+            self._outbox.append((sink, out))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            batch, self._outbox = self._outbox, []
+            self.deliver(batch)
+
+    def _cancel(self, request_id: str, sent: int | None) -> None:
+        for queue_ in (self.waiting, self.prefilling):
+            for seq in queue_:
+                if seq.req.request_id == request_id:
+                    queue_.remove(seq)
+                    seq.cancelled = True
+                    self._finish(seq, None, [])  # session unchanged: nothing was generated
+                    return
+        for seq in self.running:
+            if seq.req.request_id == request_id:
+                seq.cancelled = True
+                seq.finish_reason = "cancelled"
+                self._retire(seq, sent)
+                return
+
+    def _fail_all(self, message: str) -> None:
+        for seq in [*self.waiting, *self.prefilling, *self.running]:
+            sink = self.sinks.pop(seq.req.request_id, None)
+            with self._lock:
+                self._inflight -= 1
+            if sink is not None:
+                self._outbox.append((sink, Output(finish_reason="error", error=message)))
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.running.clear()
+        self.pool = SlotPool(self.model, self.limits.max_running)
+        self._flush()

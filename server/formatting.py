@@ -1,0 +1,67 @@
+"""Turning engine outputs into OpenAI JSON: completions, chat, logprobs and SSE framing."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from model.tokenizer import Tokenizer
+from server.types import Output, TokenLogprob
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+               "Connection": "keep-alive"}
+SSE_DONE = "data: [DONE]\n\n"
+SSE_KEEPALIVE = ": keep-alive\n\n"
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def usage(out: Output) -> dict[str, int]:
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens}
+
+
+@dataclass
+class CompletionLogprobs:
+    """Accumulates the legacy completions ``logprobs`` object across chunks."""
+
+    tok: Tokenizer
+    offset: int = 0
+    data: dict[str, list[Any]] = field(default_factory=lambda: {
+        "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+
+    def piece(self, entries: list[TokenLogprob]) -> dict[str, list[Any]]:
+        """The logprobs object for these entries (also appended to the running total)."""
+        part: dict[str, list[Any]] = {k: [] for k in self.data}
+        for e in entries:
+            text = self.tok.decode([e.token_id])
+            part["tokens"].append(text)
+            part["token_logprobs"].append(e.logprob)
+            part["top_logprobs"].append(
+                {self.tok.decode([t]): lp for t, lp in e.top} if e.top else None)
+            part["text_offset"].append(self.offset)
+            self.offset += len(text)
+        for k, v in part.items():
+            self.data[k].extend(v)
+        return part
+
+
+def chat_logprobs(tok: Tokenizer, entries: list[TokenLogprob]) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    def item(tid: int, lp: float | None) -> dict[str, Any]:
+        raw = tok.token_bytes[tid]
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": lp,
+                "bytes": list(raw)}
+
+    return {"content": [{**item(e.token_id, e.logprob),
+                         "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def finish_reason(out: Output) -> str | None:
+    """Client-facing finish reason: only ``stop`` and ``length`` reach clients."""
+    if out.finish_reason in ("stop", "length"):
+        return out.finish_reason
+    return None if out.finish_reason is None else "stop"

@@ -1,0 +1,28 @@
+"""Prometheus metrics (prometheus-client), with conventional names."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+TTFT = Histogram("linserve_time_to_first_token_seconds", "Time to first token", buckets=_LAT)
+ITL = Histogram("linserve_inter_token_latency_seconds", "Time between streamed tokens",
+                buckets=_LAT)
+E2E = Histogram("linserve_e2e_request_latency_seconds", "End-to-end request latency",
+                buckets=_LAT)
+QUEUE_TIME = Histogram("linserve_queue_time_seconds", "Time waiting before prefill",
+                       buckets=_LAT)
+STEP_TIME = Histogram("linserve_step_seconds", "Duration of one batched decode step",
+                      buckets=_LAT)
+RUNNING = Gauge("linserve_num_requests_running", "Requests prefilling or decoding")
+WAITING = Gauge("linserve_num_requests_waiting", "Requests queued")
+BATCH_SIZE = Gauge("linserve_batch_size", "Rows in the last decode step")
+SESSIONS = Gauge("linserve_sessions", "Live sessions in the store")
+SESSION_BYTES = Gauge("linserve_session_bytes", "Bytes of state held by live sessions")
+PROMPT_TOKENS = Counter("linserve_prompt_tokens", "Prompt tokens prefilled")
+GENERATION_TOKENS = Counter("linserve_generation_tokens", "Tokens generated")
+REQUESTS = Counter("linserve_requests", "Finished engine requests by status", ["status"])
+HTTP_REQUESTS = Counter("linserve_http_requests", "HTTP responses by route and status code",
+                        ["route", "code"])
+DISCONNECTS = Counter("linserve_client_disconnects", "Streams cancelled by client disconnect")

@@ -1,0 +1,1 @@
+"""Thin FastAPI routers, one per resource."""

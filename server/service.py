@@ -1,0 +1,204 @@
+"""Request lifecycle between the HTTP routes and the engine: tokenising, limits, sessions.
+
+Routes call :class:`GenerationService`; it validates what the pydantic models cannot
+(token ranges, context limits), takes the session's busy-lock, submits to the engine, and
+saves the session when the request ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from model.sampling import SamplingParams
+from model.state import State
+from model.tokenizer import Tokenizer
+from model.transformer import LanguageModel
+from server.client import EngineClient, RequestHandle
+from server.engine import Overloaded
+from server.errors import APIError
+from server.protocol import new_id
+from server.sessions import (
+    Session,
+    SessionStore,
+    SessionUnavailable,
+    StaleWrite,
+    new_session_id,
+)
+from server.settings import Settings
+from server.types import GenerationRequest, Output
+
+log = logging.getLogger("linserve.service")
+OVERLOADED_HEADERS = {"Retry-After": "1"}
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    owner: str
+    session_id: str | None = None
+    prompt_logprobs: bool = False
+
+
+class GenerationService:
+    def __init__(self, client: EngineClient, store: SessionStore, model: LanguageModel,
+                 tokenizer: Tokenizer, settings: Settings) -> None:
+        self.client = client
+        self.store = store
+        self.cfg = model.cfg
+        self.model_fingerprint = model.fingerprint()
+        self.tok = tokenizer
+        self.settings = settings
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---- validation --------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int] | list[str], param: str = "prompt"
+                        ) -> list[int]:
+        """Token ids of a prompt given as text or ids; 400 for ids outside the vocabulary."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = str(prompt[0])
+        if isinstance(prompt, str):
+            ids = self.tok.encode(prompt) if prompt else []
+        else:
+            ids = [int(i) for i in prompt]
+            bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary "
+                               f"[0, {self.cfg.vocab_size})", param, "invalid_token")
+        if len(ids) > self.settings.max_prompt_tokens:
+            raise APIError(400, f"prompt has {len(ids)} tokens; the limit is "
+                           f"{self.settings.max_prompt_tokens}", param, "context_length_exceeded")
+        return ids
+
+    def check_max_tokens(self, max_tokens: int) -> int:
+        if max_tokens > self.settings.max_tokens_limit:
+            raise APIError(400, f"max_tokens must be at most {self.settings.max_tokens_limit}",
+                           "max_tokens", "invalid_value")
+        return max_tokens
+
+    def check_stop_ids(self, params: SamplingParams) -> None:
+        if any(not 0 <= t < self.cfg.vocab_size for t in params.stop_token_ids):
+            raise APIError(400, "stop_token_ids must be in the vocabulary", "stop_token_ids")
+
+    def _check_context(self, consumed: int, n_input: int, max_tokens: int) -> None:
+        """The softmax baseline refuses to go past its maximum context."""
+        if self.cfg.is_recurrent:
+            return
+        total = consumed + n_input + max_tokens
+        if total > self.cfg.max_context:
+            raise APIError(400, f"this model's maximum context is {self.cfg.max_context} tokens; "
+                           f"the request needs {total} ({consumed + n_input} in the prompt and "
+                           f"session, {max_tokens} to generate)", "max_tokens",
+                           "context_length_exceeded")
+
+    # ---- running requests ----------------------------------------------------------------
+    async def start(self, prep: Prepared) -> RequestHandle:
+        """Submit a request (continuing its session, if any); returns its handle."""
+        if prep.session_id is None:
+            if not prep.prompt_ids:
+                raise APIError(400, "prompt must not be empty without a session_id", "prompt")
+            self._check_context(0, len(prep.prompt_ids), prep.params.max_tokens)
+            req = GenerationRequest(new_id("cmpl"), prep.prompt_ids, prep.params, prep.stop,
+                                    prompt_logprobs=prep.prompt_logprobs)
+            return self._submit(req)
+        return await self._start_in_session(prep)
+
+    async def _start_in_session(self, prep: Prepared) -> RequestHandle:
+        assert prep.session_id is not None
+        sid = prep.session_id
+        sess, token = await self.lock_session(sid, prep.owner)
+        try:
+            input_ids = sess.pending + prep.prompt_ids
+            if not input_ids:
+                raise APIError(400, "the session is empty; give a prompt", "prompt")
+            consumed = sess.tokens - len(sess.pending)
+            self._check_context(consumed, len(input_ids), prep.params.max_tokens)
+            req = GenerationRequest(new_id("cmpl"), input_ids, prep.params, prep.stop,
+                                    start_state=sess.state, start_tokens=consumed,
+                                    prompt_logprobs=prep.prompt_logprobs, want_state=True)
+            handle = self._submit(req)
+        except BaseException:
+            await self.store.release(sid, token)
+            raise
+        handle.on_finish(lambda out: self._spawn(self._save(sess, token, consumed, out)))
+        return handle
+
+    async def lock_session(self, sid: str, owner: str) -> tuple[Session, str]:
+        """Take a session's busy-lock and read it: 404 unknown/foreign, 409 busy."""
+        try:
+            token = await self.store.acquire(sid)
+            if token is None:
+                if await self.store.get(sid, owner) is None:
+                    raise APIError(404, f"session {sid!r} not found", "session_id")
+                raise APIError(409, f"session {sid!r} is busy with another request",
+                               "session_id", "session_busy")
+            sess = await self.store.get(sid, owner)
+        except SessionUnavailable as exc:
+            raise APIError(503, "session store unavailable", "session_id") from exc
+        if sess is None:
+            await self.store.release(sid, token)
+            raise APIError(404, f"session {sid!r} not found", "session_id")
+        return sess, token
+
+    def _submit(self, req: GenerationRequest) -> RequestHandle:
+        try:
+            return self.client.submit(req)
+        except Overloaded as exc:
+            raise APIError(429, "server is at capacity; retry later", None, "overloaded",
+                           OVERLOADED_HEADERS) from exc
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _save(self, sess: Session, token: str, consumed: int, out: Output) -> None:
+        """Store the session's new state (if the request produced one), then unlock."""
+        try:
+            if out.final_state is not None:
+                new = Session(sess.id, sess.owner, out.final_state, out.final_pending,
+                              consumed + out.prompt_tokens + out.completion_tokens,
+                              sess.created, time.time(), sess.version)
+                await self.store.put(new)
+        except (StaleWrite, SessionUnavailable):
+            log.warning("session %s could not be saved", sess.id)
+        finally:
+            await self.store.release(sess.id, token)
+
+    async def collect(self, handle: RequestHandle) -> Output:
+        """Wait for the whole result (non-streaming)."""
+        total = Output()
+        while True:
+            out = await handle.next()
+            assert out is not None
+            total = total.merge(out)
+            if out.finish_reason is not None:
+                return total
+
+    # ---- sessions ------------------------------------------------------------------------
+    async def build_state(self, prompt_ids: list[int]) -> tuple[State, list[int]]:
+        """Prefill ``prompt_ids`` in the engine (no sampling): the state and pending tokens."""
+        params = SamplingParams(max_tokens=0)
+        req = GenerationRequest(new_id("prefill"), prompt_ids, params, want_state=True)
+        out = await self.collect(self._submit(req))
+        if out.final_state is None:
+            raise APIError(503, "engine could not build the session state", None)
+        return out.final_state, out.final_pending
+
+    async def create_session(self, owner: str, prompt_ids: list[int]) -> Session:
+        self._check_context(0, len(prompt_ids), 0)
+        state, pending = await self.build_state(prompt_ids)
+        sess = Session(new_session_id(), owner, state, pending, len(prompt_ids))
+        return await self._put_new(sess)
+
+    async def _put_new(self, sess: Session) -> Session:
+        try:
+            return await self.store.put(sess)
+        except SessionUnavailable as exc:
+            raise APIError(503, "session store unavailable", None) from exc

@@ -1,0 +1,83 @@
+"""Server settings: environment variables prefixed ``LINSERVE_`` or command-line flags.
+
+``python -m server --help`` lists every setting; each flag ``--some-name`` is also
+``LINSERVE_SOME_NAME`` in the environment. Bad values fail at start-up, not on a request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "LINSERVE_"
+
+
+class Settings(BaseSettings):
+    """All server configuration. Defaults serve ``weights/linear`` on 127.0.0.1:8000."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    weights: Path = Field(Path("weights/linear"), description="model folder (config.json, "
+                          "model.safetensors, tokenizer.json)")
+    model_name: str = Field("", description="name served in /v1/models (default: folder name)")
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="weight dtype; recurrent state is always float32")
+    threads: int = Field(0, ge=0, description="torch threads for the engine (0: auto)")
+    session_store: str = Field("memory", description="'memory' or redis://HOST:PORT/DB")
+    session_ttl: float = Field(3600.0, gt=0, description="seconds an idle session is kept")
+    session_memory_bytes: int = Field(
+        8 * 2**30, gt=0, description="byte budget of the in-memory session store (LRU)")
+    max_running: int = Field(64, ge=1, le=1024, description="sequences decoded together")
+    max_waiting: int = Field(256, ge=0, description="queued requests before 429")
+    max_prompt_tokens: int = Field(32768, ge=1, description="longest prompt accepted")
+    max_tokens_limit: int = Field(8192, ge=1, description="largest max_tokens accepted")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest JSON request body")
+    prefill_chunk: int = Field(512, ge=16, description="prompt tokens per prefill chunk")
+    step_token_budget: int = Field(
+        512, ge=1, description="prompt tokens prefilled per engine iteration")
+    api_keys: str = Field("", description="comma-separated Bearer keys (empty: open server)")
+    api_keys_file: Path | None = Field(None, description="file with one API key per line")
+    cors_origins: str = Field("", description="comma-separated allowed CORS origins")
+    keepalive_seconds: float = Field(10.0, gt=0, description="SSE keep-alive comment interval")
+    shutdown_grace_seconds: float = Field(
+        15.0, ge=0, description="time in-flight streams get to finish on shutdown")
+    compile: bool = Field(False, description="torch.compile the decode step")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("session_store")
+    @classmethod
+    def _check_store(cls, value: str) -> str:
+        if value != "memory" and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("session_store must be 'memory' or a redis:// URL")
+        return value
+
+    def keys(self) -> set[str]:
+        """The configured API keys (from ``api_keys`` and ``api_keys_file``)."""
+        keys = {k.strip() for k in self.api_keys.split(",") if k.strip()}
+        if self.api_keys_file is not None:
+            keys |= {line.strip() for line in self.api_keys_file.read_text().splitlines()
+                     if line.strip() and not line.startswith("#")}
+        return keys
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or self.weights.resolve().name
+
+
+def parse_cli(argv: list[str] | None = None) -> Settings:
+    """Settings from flags, then environment, then defaults; ``--help`` lists them all."""
+    from pydantic_settings import CliSettingsSource
+
+    class CliSettings(Settings):
+        model_config = SettingsConfigDict(
+            env_prefix=ENV_PREFIX, extra="ignore", cli_kebab_case=True,
+            cli_prog_name="python -m server", cli_implicit_flags=True)
+
+    source: CliSettingsSource[CliSettings] = CliSettingsSource(
+        CliSettings, cli_parse_args=argv if argv is not None else True)
+    return Settings(**CliSettings(_cli_settings_source=source).model_dump())  # type: ignore[call-arg]

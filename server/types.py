@@ -1,0 +1,63 @@
+"""Plain data passed between the HTTP layer and the engine thread (no tensors cross, except
+opaque session states that only the engine and the session store look inside)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model.sampling import SamplingParams
+from model.state import State
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated (or prompt) token with its log-probability and the top alternatives."""
+
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class GenerationRequest:
+    """What to run: ``input_ids`` are fed after ``start_state`` (a session's state or None)."""
+
+    request_id: str
+    input_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...] = ()
+    start_state: State | None = None
+    start_tokens: int = 0
+    prompt_logprobs: bool = False
+    want_state: bool = False
+
+
+@dataclass
+class Output:
+    """A delta of one request, delivered in order. The last one has ``finish_reason`` set."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    final_state: State | None = None
+    final_pending: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    def merge(self, later: Output) -> Output:
+        """Coalesce two consecutive deltas into one (for slow readers)."""
+        return Output(
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            logprobs=self.logprobs + later.logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            finish_reason=later.finish_reason,
+            prompt_tokens=max(self.prompt_tokens, later.prompt_tokens),
+            completion_tokens=max(self.completion_tokens, later.completion_tokens),
+            final_state=later.final_state,
+            final_pending=later.final_pending,
+            error=later.error,
+        )

@@ -1,0 +1,63 @@
+"""FAVOR+ kernel estimation and long-run stability of the recurrent state."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.attention.features import draw_orthogonal_features, favor_raw_features
+from model.transformer import load_model
+from tests.model.helpers import tiny_model
+
+
+def test_favor_estimates_softmax_kernel_better_with_more_features() -> None:
+    torch.manual_seed(0)
+    d = 16
+    q, k = torch.randn(64, d) * 0.5, torch.randn(64, d) * 0.5
+    exact = torch.exp(q @ k.T / d**0.5)
+    errors = []
+    for m in (16, 64, 256, 1024):
+        trials = []
+        for seed in range(5):
+            w = draw_orthogonal_features(m, d, seed)
+            approx = favor_raw_features(q, w) @ favor_raw_features(k, w).T
+            trials.append(((approx - exact).abs() / exact).mean().item())
+        errors.append(sum(trials) / len(trials))
+    assert all(a > b for a, b in zip(errors, errors[1:], strict=False)), errors
+    assert errors[-1] < 0.1
+
+
+def test_favor_features_survive_save_and_load() -> None:
+    model = tiny_model("favor")
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save(tmp)
+        loaded = load_model(Path(tmp))
+    for a, b in zip(model.blocks, loaded.blocks, strict=True):
+        assert torch.equal(a.attn.favor_w, b.attn.favor_w)
+    tokens = torch.randint(0, 97, (1, 20))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), loaded(tokens))
+    assert model.fingerprint() == loaded.fingerprint()
+
+
+@pytest.mark.parametrize("kind", ["linear", "favor"])
+def test_long_recurrence_is_finite_and_matches_float64(kind: str) -> None:
+    model = tiny_model(kind)
+    ref = tiny_model(kind).double()
+    tokens = torch.randint(0, 97, (20_000,))
+    state, ref_state = model.new_state(1), ref.new_state(1)
+    ref_state.s, ref_state.z = ref_state.s.double(), ref_state.z.double()  # type: ignore[union-attr]
+    ref_state.conv = ref_state.conv.double()  # type: ignore[union-attr]
+    worst = 0.0
+    for t in range(tokens.shape[0]):
+        out = model.step(tokens[t : t + 1], state)
+        exp = ref.step(tokens[t : t + 1], ref_state)
+        if t % 500 == 0 or t == tokens.shape[0] - 1:
+            assert torch.isfinite(out).all()
+            rel = ((out.double() - exp).abs().max() / exp.abs().max()).item()
+            worst = max(worst, rel)
+    assert worst <= 1e-3, worst
+    assert state.s.dtype == torch.float32  # type: ignore[union-attr]
