@@ -1,0 +1,56 @@
+"""Shared fixtures: the real weights (or a tiny random checkpoint if they are missing) and
+real server processes."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.serverproc import ROOT, ServerProcess
+
+WEIGHTS = ROOT / "weights"
+
+
+def _tiny_checkpoint(path: Path, kind: str) -> Path:
+    from model.config import ModelConfig
+    from model.transformer import LanguageModel
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=8192, d_model=64, n_layers=2, n_heads=2, d_ff=128,
+                      attention=kind, max_context=1024)  # type: ignore[arg-type]
+    LanguageModel(cfg).save(path)
+    shutil.copy(WEIGHTS / "tokenizer.json", path / "tokenizer.json")
+    return path
+
+
+@pytest.fixture(scope="session")
+def linear_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    real = WEIGHTS / "linear"
+    if (real / "model.safetensors").exists():
+        return real
+    return _tiny_checkpoint(tmp_path_factory.mktemp("tiny-linear"), "linear")
+
+
+@pytest.fixture(scope="session")
+def softmax_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    real = WEIGHTS / "softmax"
+    if (real / "model.safetensors").exists():
+        return real
+    return _tiny_checkpoint(tmp_path_factory.mktemp("tiny-softmax"), "softmax")
+
+
+@pytest.fixture(scope="session")
+def server(linear_weights: Path) -> Iterator[ServerProcess]:
+    """One shared linear server for the integration tests that don't need special settings."""
+    with ServerProcess(linear_weights, args=["--max-running", "64", "--max-waiting", "64"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def softmax_server(softmax_weights: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(softmax_weights) as srv:
+        yield srv

@@ -1,0 +1,82 @@
+"""A matrix of bad inputs: each gets the right 4xx in OpenAI's envelope, never a 500, and the
+server stays healthy."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+
+from tests.serverproc import ServerProcess
+
+pytestmark = pytest.mark.integration
+
+C = "/v1/completions"
+CASES: list[tuple[str, str, object, int]] = [
+    ("invalid json", C, b"{not json", 400),
+    ("not an object", C, b"[1, 2]", 400),
+    ("wrong type prompt", C, {"prompt": 5}, 400),
+    ("wrong type max_tokens", C, {"prompt": "a", "max_tokens": "many"}, 400),
+    ("negative max_tokens", C, {"prompt": "a", "max_tokens": -1}, 400),
+    ("zero max_tokens", C, {"prompt": "a", "max_tokens": 0}, 400),
+    ("huge max_tokens", C, {"prompt": "a", "max_tokens": 10**9}, 400),
+    ("temperature too high", C, {"prompt": "a", "temperature": 5}, 400),
+    ("negative temperature", C, {"prompt": "a", "temperature": -0.1}, 400),
+    ("top_p zero", C, {"prompt": "a", "top_p": 0}, 400),
+    ("top_p above one", C, {"prompt": "a", "top_p": 1.5}, 400),
+    ("presence out of range", C, {"prompt": "a", "presence_penalty": 3}, 400),
+    ("frequency out of range", C, {"prompt": "a", "frequency_penalty": -2.5}, 400),
+    ("repetition penalty zero", C, {"prompt": "a", "repetition_penalty": 0}, 400),
+    ("min_p out of range", C, {"prompt": "a", "min_p": 2}, 400),
+    ("n above one", C, {"prompt": "a", "n": 3}, 400),
+    ("logprobs too many", C, {"prompt": "a", "logprobs": 50}, 400),
+    ("empty prompt without session", C, {"prompt": ""}, 400),
+    ("empty token list", C, {"prompt": []}, 400),
+    ("prompt over the limit", C, {"prompt": list(range(1, 8000)) * 5}, 400),
+    ("token id out of vocabulary", C, {"prompt": [1, 2, 10**6]}, 400),
+    ("negative token id", C, {"prompt": [-1]}, 400),
+    ("stop token out of vocabulary", C, {"prompt": "a", "stop_token_ids": [10**7]}, 400),
+    ("too many stops", C, {"prompt": "a", "stop": ["x"] * 20}, 400),
+    ("empty stop", C, {"prompt": "a", "stop": [""]}, 400),
+    ("unknown session", C, {"prompt": "a", "session_id": "sess_nope"}, 404),
+    ("huge body", C, b'{"prompt": "' + b"a" * (2 << 20) + b'"}', 413),
+    ("invalid utf-8", C, b'{"prompt": "\xff\xfe\xfd"}', 400),
+    ("chat without messages", "/v1/chat/completions", {"messages": []}, 400),
+    ("chat bad role", "/v1/chat/completions", {"messages": [{"role": "x", "content": "a"}]},
+     400),
+    ("detokenize out of vocab", "/detokenize", {"tokens": [10**8]}, 400),
+    ("tokenize nothing", "/tokenize", {}, 400),
+    ("import random bytes", "/v1/sessions/import", os.urandom(4096), 400),
+    ("import empty", "/v1/sessions/import", b"", 400),
+    ("import truncated header", "/v1/sessions/import", b"\x10\x00\x00\x00\x00\x00\x00\x00{",
+     400),
+    ("unknown route", "/v1/nothing", {}, 404),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "body", "status"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input(server: ServerProcess, name: str, path: str, body: object,
+                   status: int) -> None:
+    if isinstance(body, bytes):
+        r = httpx.post(server.url + path, content=body, timeout=30,
+                       headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == status, r.text[:300]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert "Traceback" not in r.text and "/work/" not in r.text and ".py" not in r.text
+
+
+def test_unknown_fields_are_tolerated(server: ServerProcess) -> None:
+    r = httpx.post(server.url + C, json={"prompt": "a", "max_tokens": 2, "best_of": 1,
+                                         "use_beam_search": False, "skip_special_tokens": True,
+                                         "spaces_between_special_tokens": True}, timeout=30)
+    assert r.status_code == 200
+
+
+def test_still_healthy_after_the_matrix(server: ServerProcess) -> None:
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = httpx.post(server.url + C, json={"prompt": "Hello", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200

@@ -1,0 +1,74 @@
+"""Start the real server (``python -m server``) in a subprocess on a free port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """A running server; ``url`` is its base URL. Use as a context manager."""
+
+    def __init__(self, weights: Path | str, env: dict[str, str] | None = None,
+                 args: list[str] | None = None, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"linserve-{self.port}.log"
+        cmd = [sys.executable, "-m", "server", "--weights", str(weights), "--host", "127.0.0.1",
+               "--port", str(self.port), *(args or [])]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not healthy in {timeout}s:\n{self.log_path.read_text()[-3000:]}")
+
+    def logs(self) -> str:
+        return self.log_path.read_text()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
