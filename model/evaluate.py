@@ -10,6 +10,7 @@ refuses longer sessions), so its buckets past that are reported as refused.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 from pathlib import Path
@@ -62,7 +63,7 @@ def buckets(train_ctx: int, length: int) -> list[tuple[int, int]]:
     edges = [0, train_ctx]
     while edges[-1] * 2 <= length:
         edges.append(edges[-1] * 2)
-    return list(zip(edges[:-1], edges[1:], strict=True))
+    return list(itertools.pairwise(edges))
 
 
 def length_table(model: LanguageModel, streams: list[np.ndarray], train_ctx: int
@@ -70,10 +71,11 @@ def length_table(model: LanguageModel, streams: list[np.ndarray], train_ctx: int
     """Perplexity per position bucket, averaged over several held-out streams."""
     length = min(len(s) for s in streams)
     nll = np.stack([np.pad(stream_nll(model, s[:length]), (0, 0)) for s in streams])
-    rows = []
+    rows: list[dict[str, Any]] = []
     for lo, hi in buckets(train_ctx, length - 1):
         if hi > nll.shape[1]:
-            rows.append({"bucket": f"[{lo}, {hi})", "ppl": None, "note": "refused: over max_context"})
+            rows.append({"bucket": f"[{lo}, {hi})", "ppl": None,
+                         "note": "refused: over max_context"})
             continue
         rows.append({"bucket": f"[{lo}, {hi})", "ppl": round(math.exp(nll[:, lo:hi].mean()), 3)})
     return rows

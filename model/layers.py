@@ -20,6 +20,8 @@ from model.state import KVCache, LinearState
 class LinearAttention(nn.Module):
     """Causal linear attention (elu+1 or FAVOR+) with an optional short causal conv on q/k/v."""
 
+    favor_w: torch.Tensor  # [m, D] FAVOR+ projection (buffer; only for attention="favor")
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -91,6 +93,9 @@ class LinearAttention(nn.Module):
 
 class SoftmaxAttention(nn.Module):
     """Multi-head softmax attention with rotary positions, for the KV-cache baseline."""
+
+    cos: torch.Tensor  # [max_context, D/2]
+    sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -164,9 +169,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, state: LinearState | KVCache | None,
                 layer: int) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x), state, layer))  # type: ignore[arg-type]
+        x = x + self.drop(self.attn(self.norm1(x), state, layer))
         return x + self.drop(self.mlp(self.norm2(x)))
 
     def step(self, x: torch.Tensor, state: LinearState | KVCache, layer: int) -> torch.Tensor:
-        x = x + self.attn.step(self.norm1(x), state, layer)  # type: ignore[arg-type]
+        x = x + self.attn.step(self.norm1(x), state, layer)  # type: ignore[arg-type,unused-ignore]
         return x + self.mlp(self.norm2(x))

@@ -66,7 +66,8 @@ class BatchParams:
                    col("repetition_penalty"), col("presence_penalty"), col("frequency_penalty"))
 
     def select(self, idx: torch.Tensor) -> BatchParams:
-        return BatchParams(*(getattr(self, f).index_select(0, idx) for f in self.__dataclass_fields__))
+        cols = (getattr(self, f).index_select(0, idx) for f in self.__dataclass_fields__)
+        return BatchParams(*cols)
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,

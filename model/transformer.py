@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.layers import Block
-from model.state import KVCache, LinearState, State, empty_state
+from model.state import KVCache, State, empty_state
 
 
 class LanguageModel(nn.Module):
@@ -30,10 +31,11 @@ class LanguageModel(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers: list[Block] = [cast(Block, b) for b in self.blocks]
         self.norm = nn.RMSNorm(cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.apply(self._init)
-        for block in self.blocks:  # GPT-2 style scaled residual projections
+        for block in self.layers:  # GPT-2 style scaled residual projections
             for lin in (block.attn.out, block.mlp.down):
                 nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
         self._fingerprint: str | None = None
@@ -59,7 +61,7 @@ class LanguageModel(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens ``[B, T]`` -> logits ``[B, T, V]`` (fp32), starting from an empty state."""
         x = self.drop(self.embed(tokens))
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.layers):
             x = block(x, None, i)
         return self._head(x)
 
@@ -79,7 +81,7 @@ class LanguageModel(nn.Module):
                 raise ValueError("softmax prefill needs rows of equal length")
             state.ensure_capacity(int(state.lengths[0]) + t)
         x = self.embed(tokens)
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.layers):
             x = block(x, state, i)
         if isinstance(state, KVCache):
             state.lengths += t
@@ -92,7 +94,7 @@ class LanguageModel(nn.Module):
         if isinstance(state, KVCache):
             state.ensure_capacity(int(state.lengths.max()) + 1)
         x = self.embed(tokens)
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.layers):
             x = block.step(x, state, i)
         if isinstance(state, KVCache):
             state.lengths += 1

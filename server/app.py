@@ -37,7 +37,8 @@ def make_store(settings: Settings) -> SessionStore:
         return MemorySessionStore(settings.session_memory_bytes, settings.session_ttl)
     from server.redis_store import RedisSessionStore
 
-    return RedisSessionStore(settings.session_store, settings.session_ttl)
+    return RedisSessionStore(settings.session_store, settings.session_ttl,
+                             settings.session_lock_seconds)
 
 
 def load_engine_model(settings: Settings) -> tuple[LanguageModel, Tokenizer]:
@@ -132,7 +133,7 @@ def create_app(settings: Settings) -> FastAPI:
 
 def wrap(app: FastAPI, settings: Settings, state_limit: int) -> ASGIApp:
     """The ASGI app to serve: the body limit sits outside everything."""
-    return BodyLimit(app, settings.max_body_bytes,  # type: ignore[arg-type]
+    return BodyLimit(app, settings.max_body_bytes,
                      {"/v1/sessions/import": state_limit})
 
 
@@ -145,6 +146,9 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     client = EngineClient(lambda deliver: Engine(model, tok, limits, deliver))
     client.start()
     store = make_store(settings)
+    bind = getattr(store, "bind_model", None)
+    if bind is not None:
+        bind(model.cfg, model.fingerprint())
     app.state.model = model
     app.state.model_name = settings.served_name
     app.state.max_model_len = model.cfg.max_context if not model.cfg.is_recurrent else None

@@ -15,10 +15,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from model.sampling import BatchParams, sample, top_logprobs
+from model.state import State
 from model.tokenizer import Tokenizer
 from model.transformer import LanguageModel
 from server import metrics
@@ -54,7 +56,7 @@ class Engine:
         self.limits = limits
         self.deliver = deliver
         self.pool = SlotPool(model, limits.max_running)
-        self.inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i] lives in pool slot i
@@ -117,12 +119,12 @@ class Engine:
             return
         while True:
             if cmd == "submit":
-                req, sink = arg  # type: ignore[misc]
+                req, sink = arg
                 self.sinks[req.request_id] = sink
                 seq = Sequence(req, self.tok.detokenizer(), self._stop_ids(req))
                 self.waiting.append(seq)
             elif cmd == "cancel":
-                request_id, sent = arg  # type: ignore[misc]
+                request_id, sent = arg
                 self._cancel(request_id, sent)
             try:
                 cmd, arg = self.inbox.get_nowait()
@@ -258,7 +260,7 @@ class Engine:
             self.running[slot] = last
         self._finish(seq, state, pending)
 
-    def _replay(self, seq: Sequence, sent: int) -> tuple[object, list[int]]:
+    def _replay(self, seq: Sequence, sent: int) -> tuple[State, list[int]]:
         """State after input + the first ``sent`` generated tokens (last one left pending)."""
         stream = seq.req.input_ids + seq.generated[:sent]
         seq.generated = seq.generated[:sent]
@@ -278,7 +280,7 @@ class Engine:
         if out.text or out.token_ids or out.prompt_logprobs:
             self._outbox.append((sink, out))
 
-    def _finish(self, seq: Sequence, state: object, pending: list[int]) -> None:
+    def _finish(self, seq: Sequence, state: State | None, pending: list[int]) -> None:
         sink = self.sinks.pop(seq.req.request_id, None)
         with self._lock:
             self._inflight -= 1
@@ -286,7 +288,7 @@ class Engine:
             seq.finish_reason = "cancelled"
         out = seq.take_output()
         if seq.req.want_state and state is not None:
-            out.final_state = state  # type: ignore[assignment]
+            out.final_state = state
             out.final_pending = pending
         metrics.REQUESTS.labels(status=seq.finish_reason).inc()
         if sink is not None:

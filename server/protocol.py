@@ -78,9 +78,8 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value: str | list[int] | list[str]) -> str | list[int] | list[str]:
-        if isinstance(value, list) and value and isinstance(value[0], str):
-            if len(value) != 1:
-                raise ValueError("only one prompt per request is supported")
+        if isinstance(value, list) and value and isinstance(value[0], str) and len(value) != 1:
+            raise ValueError("only one prompt per request is supported")
         return value
 
 

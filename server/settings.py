@@ -30,6 +30,8 @@ class Settings(BaseSettings):
     threads: int = Field(0, ge=0, description="torch threads for the engine (0: auto)")
     session_store: str = Field("memory", description="'memory' or redis://HOST:PORT/DB")
     session_ttl: float = Field(3600.0, gt=0, description="seconds an idle session is kept")
+    session_lock_seconds: float = Field(
+        10.0, gt=0, description="Redis busy-lock lifetime (renewed while a request runs)")
     session_memory_bytes: int = Field(
         8 * 2**30, gt=0, description="byte budget of the in-memory session store (LRU)")
     max_running: int = Field(64, ge=1, le=1024, description="sequences decoded together")

@@ -48,7 +48,8 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"server not healthy in {timeout}s:\n{self.log_path.read_text()[-3000:]}")
+        tail = self.log_path.read_text()[-3000:]
+        raise RuntimeError(f"server not healthy in {timeout}s:\n{tail}")
 
     def logs(self) -> str:
         return self.log_path.read_text()

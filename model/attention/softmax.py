@@ -18,7 +18,10 @@ def rope_tables(max_len: int, dim: int, base: float) -> tuple[torch.Tensor, torc
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :D/2], x[..., D/2:]). x ``[B, H, T, D]``, cos/sin ``[B|1, 1, T, D/2]``."""
+    """Rotate pairs (x[..., :D/2], x[..., D/2:]).
+
+    x ``[B, H, T, D]``, cos/sin ``[B|1, 1, T, D/2]``.
+    """
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 

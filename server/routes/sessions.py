@@ -86,8 +86,9 @@ async def export_session(session_id: str, request: Request, owner: Owner) -> Res
     sess = await _get(svc, session_id, owner)
     extra = {"tokens": sess.tokens, "pending": sess.pending}
     blob = await asyncio.to_thread(state_to_bytes, sess.state, svc.model_fingerprint, extra)
+    disposition = f'attachment; filename="{sess.id}.safetensors"'
     return Response(blob, media_type="application/octet-stream",
-                    headers={"Content-Disposition": f'attachment; filename="{sess.id}.safetensors"'})
+                    headers={"Content-Disposition": disposition})
 
 
 @router.post("/v1/sessions/import", response_model=SessionInfo, responses=ERRORS,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def test_favor_estimates_softmax_kernel_better_with_more_features() -> None:
             approx = favor_raw_features(q, w) @ favor_raw_features(k, w).T
             trials.append(((approx - exact).abs() / exact).mean().item())
         errors.append(sum(trials) / len(trials))
-    assert all(a > b for a, b in zip(errors, errors[1:], strict=False)), errors
+    assert all(a > b for a, b in itertools.pairwise(errors)), errors
     assert errors[-1] < 0.1
 
 

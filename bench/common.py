@@ -1,0 +1,67 @@
+"""Helpers shared by the benchmarks: machine description, timing, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on (and how loaded the machine was)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(), "loadavg_1m": os.getloadavg()[0],
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def time_ms(fn: Callable[[], object], min_iters: int = 5, min_seconds: float = 0.3,
+            warmup: int = 2) -> float:
+    """Median milliseconds per call over at least ``min_iters`` calls and ``min_seconds``."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_iters or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+        if len(times) > 2000:
+            break
+    times.sort()
+    return times[len(times) // 2]
+
+
+def write_json(name: str, data: dict[str, Any]) -> Path:
+    path = RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.rjust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return "-" if v is None else str(v)

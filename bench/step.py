@@ -1,0 +1,145 @@
+"""``python -m bench.step``: milliseconds per decode ``step`` for linear and softmax.
+
+Sweeps batch (1, 8, 32, 64), context (128 … 32k; softmax rows stop where its KV cache would
+exceed the memory budget) and threads (1, 2), in fp32 and bf16 weights (state always fp32).
+Each row splits the time into the layers and the embedding + LM head, and measures in the
+same run the physical limit: a tight loop of exactly the step's matrix products with the same
+dtype and threads. ``frac_of_limit`` = limit / step (1.0 = at the limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import machine, print_table, time_ms, write_json
+from model.config import ModelConfig
+from model.state import KVCache, State
+from model.transformer import LanguageModel
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def build(kind: str, dtype: torch.dtype, max_context: int) -> LanguageModel:
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention=kind, max_context=max_context)  # type: ignore[arg-type]
+    return LanguageModel(cfg).eval().to(dtype)
+
+
+def state_at(model: LanguageModel, batch: int, context: int) -> State:
+    """A state as after ``context`` tokens (values random: timing does not depend on them)."""
+    state = model.new_state(batch)
+    if isinstance(state, KVCache):
+        state.resize(context + 1)
+        state.k.normal_()
+        state.v.normal_()
+        state.lengths.fill_(context)
+    return state
+
+
+def matmul_limit(model: LanguageModel, batch: int) -> tuple[float, float]:
+    """(layers ms, head ms) of a tight loop of exactly the step's matrix products."""
+    dtype = model.dtype
+    d, ff, v = model.cfg.d_model, model.cfg.d_ff, model.cfg.vocab_size
+    x, h = torch.randn(batch, d, dtype=dtype), torch.randn(batch, ff, dtype=dtype)
+    ws = [(torch.randn(3 * d, d, dtype=dtype), x), (torch.randn(d, d, dtype=dtype), x),
+          (torch.randn(ff, d, dtype=dtype), x), (torch.randn(d, ff, dtype=dtype), h)]
+    head = torch.randn(v, d, dtype=dtype)
+
+    def layers() -> None:
+        for _ in range(model.cfg.n_layers):
+            for w, inp in ws:
+                F.linear(inp, w)
+
+    return time_ms(layers), time_ms(lambda: F.linear(x, head))
+
+
+def step_parts(model: LanguageModel, state: State, batch: int) -> tuple[float, float, float]:
+    """(whole step, layers only, embedding + head) in ms."""
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch,))
+    x = model.embed(tokens)
+
+    @torch.inference_mode()
+    def layers_only() -> None:
+        y = x
+        for i, block in enumerate(model.layers):
+            y = block.step(y, state, i)
+        if isinstance(state, KVCache):
+            state.lengths -= 0  # positions stay fixed: every call is the same work
+
+    @torch.inference_mode()
+    def head_only() -> None:
+        model._head(model.embed(tokens))
+
+    whole_state = state
+
+    @torch.inference_mode()
+    def whole() -> None:
+        model.step(tokens, whole_state)
+        if isinstance(whole_state, KVCache):
+            whole_state.lengths -= 1  # stay at the same context
+
+    return time_ms(whole), time_ms(layers_only), time_ms(head_only)
+
+
+def kv_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
+    return 2 * batch * cfg.n_layers * cfg.d_model * (context + 1) * 4
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for dname in args.dtypes:
+            for kind in args.kinds:
+                model = build(kind, DTYPES[dname], max(args.contexts) + 1)
+                for batch in args.batches:
+                    lim_layers, lim_head = matmul_limit(model, batch)
+                    for ctx in args.contexts:
+                        if kind == "softmax" and kv_bytes(model.cfg, batch, ctx) > args.kv_budget:
+                            rows.append({"kind": kind, "dtype": dname, "threads": threads,
+                                         "batch": batch, "context": ctx, "step_ms": None,
+                                         "note": "KV cache over memory budget"})
+                            continue
+                        whole, layers, head = step_parts(model, state_at(model, batch, ctx),
+                                                         batch)
+                        limit = lim_layers + lim_head
+                        rows.append({
+                            "kind": kind, "dtype": dname, "threads": threads, "batch": batch,
+                            "context": ctx, "step_ms": whole, "layers_ms": layers,
+                            "head_ms": head, "limit_ms": limit, "limit_layers_ms": lim_layers,
+                            "frac_of_limit": limit / whole,
+                            "layers_frac_of_limit": lim_layers / layers,
+                            "tokens_per_s": batch / whole * 1000})
+                        print(f"{kind:8s} {dname} t={threads} B={batch:3d} ctx={ctx:6d} "
+                              f"step={whole:8.3f} ms  layers={layers:7.3f}  head={head:6.3f}  "
+                              f"limit={limit:6.3f}  frac={limit / whole:.2f}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", nargs="+", default=["linear", "softmax"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
+    parser.add_argument("--contexts", nargs="+", type=int,
+                        default=[128, 512, 2048, 4096, 8192, 32768])
+    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--kv-budget", type=float, default=6e9, help="bytes of KV cache allowed")
+    parser.add_argument("--output", default="step")
+    args = parser.parse_args(argv)
+    rows = run(args)
+    print()
+    print_table([r for r in rows if r.get("step_ms") is not None],
+                ["kind", "dtype", "threads", "batch", "context", "step_ms", "layers_ms",
+                 "head_ms", "limit_ms", "frac_of_limit"])
+    path = write_json(args.output, {"machine": machine(), "rows": rows})
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Two replicas sharing sessions through a real Redis: continuation across replicas,
+kill -9 mid-stream, simultaneous continuations, restarts, and Redis outages."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.redisproc import RedisProcess
+from tests.serverproc import ServerProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.redis]
+PROMPT = "MACBETH.\nIs this a dagger which I see before me,\n"
+
+
+@pytest.fixture()
+def redis_server() -> Iterator[RedisProcess]:
+    proc = RedisProcess()
+    yield proc
+    proc.stop()
+
+
+def replica(weights: Path, rds: RedisProcess) -> ServerProcess:
+    return ServerProcess(weights, args=["--session-store", rds.url,
+                                        "--session-lock-seconds", "2"])
+
+
+def complete(srv: ServerProcess, **body: object) -> httpx.Response:
+    return httpx.post(srv.url + "/v1/completions", timeout=120,
+                      json={"temperature": 0, "ignore_eos": True, **body})
+
+
+def test_session_moves_between_replicas(linear_weights: Path, redis_server: RedisProcess) -> None:
+    with replica(linear_weights, redis_server) as a, replica(linear_weights, redis_server) as b:
+        whole = complete(a, prompt=PROMPT, max_tokens=40).json()["choices"][0]["text"]
+        sess = httpx.post(a.url + "/v1/sessions", json={"prompt": PROMPT}).json()
+        first = complete(a, prompt="", session_id=sess["id"], max_tokens=20).json()
+        second = complete(b, prompt="", session_id=sess["id"], max_tokens=20).json()
+        assert first["choices"][0]["text"] + second["choices"][0]["text"] == whole
+        assert httpx.get(f"{a.url}/v1/sessions/{sess['id']}").json()["tokens"] == \
+            sess["tokens"] + 40
+
+
+def test_simultaneous_continuations_one_wins(linear_weights: Path,
+                                             redis_server: RedisProcess) -> None:
+    with replica(linear_weights, redis_server) as a, replica(linear_weights, redis_server) as b:
+        sess = httpx.post(a.url + "/v1/sessions", json={"prompt": PROMPT}).json()
+
+        async def both() -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                body = {"prompt": "", "session_id": sess["id"], "max_tokens": 200,
+                        "ignore_eos": True}
+                rs = await asyncio.gather(c.post(a.url + "/v1/completions", json=body),
+                                          c.post(b.url + "/v1/completions", json=body))
+                return sorted(r.status_code for r in rs)
+        assert asyncio.run(both()) == [200, 409]
+
+
+def test_kill_mid_stream_leaves_last_saved_state(linear_weights: Path,
+                                                 redis_server: RedisProcess) -> None:
+    b = replica(linear_weights, redis_server)
+    a = replica(linear_weights, redis_server)
+    try:
+        sess = httpx.post(a.url + "/v1/sessions", json={"prompt": PROMPT}).json()
+        complete(a, prompt="", session_id=sess["id"], max_tokens=10)
+        saved = httpx.get(f"{b.url}/v1/sessions/{sess['id']}").json()
+        body = {"prompt": "", "session_id": sess["id"], "max_tokens": 8000, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", a.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            a.kill()
+        deadline = time.time() + 10
+        while True:  # the dead replica's lock expires within --session-lock-seconds
+            r2 = complete(b, prompt="", session_id=sess["id"], max_tokens=5)
+            if r2.status_code != 409 or time.time() > deadline:
+                break
+            time.sleep(0.3)
+        assert r2.status_code == 200, r2.text
+        info = httpx.get(f"{b.url}/v1/sessions/{sess['id']}").json()
+        assert info["tokens"] == saved["tokens"] + 5
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_restarting_both_replicas_loses_no_session(linear_weights: Path,
+                                                   redis_server: RedisProcess) -> None:
+    with replica(linear_weights, redis_server) as a:
+        sess = httpx.post(a.url + "/v1/sessions", json={"prompt": PROMPT}).json()
+        expected = complete(a, prompt="", session_id=sess["id"], max_tokens=10).json()
+        blob = httpx.get(f"{a.url}/v1/sessions/{sess['id']}/state").content
+        twin = httpx.post(a.url + "/v1/sessions/import", content=blob).json()
+    with replica(linear_weights, redis_server) as b:
+        info = httpx.get(f"{b.url}/v1/sessions/{sess['id']}").json()
+        assert info["tokens"] == sess["tokens"] + 10
+        got = complete(b, prompt="", session_id=sess["id"], max_tokens=10).json()
+        again = complete(b, prompt="", session_id=twin["id"], max_tokens=10).json()
+        assert got["choices"][0]["text"] == again["choices"][0]["text"]
+        assert expected["usage"]["completion_tokens"] == 10
+
+
+def test_redis_outage_gives_503_then_recovers(linear_weights: Path,
+                                              redis_server: RedisProcess) -> None:
+    with replica(linear_weights, redis_server) as a:
+        sess = httpx.post(a.url + "/v1/sessions", json={"prompt": PROMPT}).json()
+        redis_server.stop()
+        r = complete(a, prompt="", session_id=sess["id"], max_tokens=5)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert complete(a, prompt="Hello", max_tokens=3).status_code == 200
+        health = httpx.get(a.url + "/health").json()
+        assert health["status"] == "degraded"
+        redis_server.start()  # same port, append-only file: the data comes back
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            r = complete(a, prompt="", session_id=sess["id"], max_tokens=5)
+            if r.status_code == 200:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+        assert httpx.get(a.url + "/health").json()["status"] == "ok"
