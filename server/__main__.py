@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from server.app import create_app, wrap
 from server.settings import parse_cli
@@ -22,14 +24,36 @@ def max_state_bytes(settings_weights: object) -> int:
     return per_pos * cfg.max_context + KVCache.empty(cfg, 1).lengths.numel() * 8 + (1 << 16)
 
 
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT: mark the app draining (health 503, new requests 503), let
+    in-flight streams run, and end the ones still running cleanly (finish_reason "length",
+    then ``[DONE]``) just before the grace period runs out."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace: float) -> None:
+        super().__init__(config)
+        self.fastapi_app, self.grace = app, grace
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        state = self.fastapi_app.state
+        if not state.draining:
+            state.draining = True
+            client = getattr(state, "client", None)
+            if client is not None:
+                deadline = max(self.grace - 1.0, 0.0)
+                client.loop.call_later(deadline, client.engine.finish_all)
+        super().handle_exit(sig, frame)
+
+
 def main() -> None:
     settings = parse_cli()
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = wrap(create_app(settings), settings, max_state_bytes(settings.weights))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                timeout_graceful_shutdown=int(settings.shutdown_grace_seconds) or None,
-                access_log=False)
+    app = create_app(settings)
+    config = uvicorn.Config(wrap(app, settings, max_state_bytes(settings.weights)),
+                            host=settings.host, port=settings.port,
+                            log_level=settings.log_level, access_log=False,
+                            timeout_graceful_shutdown=int(settings.shutdown_grace_seconds) or None)
+    DrainingServer(config, app, settings.shutdown_grace_seconds).run()
 
 
 if __name__ == "__main__":

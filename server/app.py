@@ -155,6 +155,7 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     app.state.started = int(time.time())
     app.state.client = client
     app.state.service = GenerationService(client, store, model, tok, settings)
+    app.state.service.draining = lambda: bool(app.state.draining)
     log.info(json.dumps({
         "event": "startup", "model": settings.served_name, "weights": str(settings.weights),
         "attention": model.cfg.attention, "params": model.n_params(), "dtype": settings.dtype,

@@ -81,6 +81,10 @@ class Engine:
         received (the session then ends exactly there)."""
         self.inbox.put(("cancel", (request_id, sent_tokens)))
 
+    def finish_all(self) -> None:
+        """End every request now, as if it hit max_tokens (used when shutting down)."""
+        self.inbox.put(("finish_all", None))
+
     def stop(self) -> None:
         self._stop.set()
         self.inbox.put(("wake", None))
@@ -123,6 +127,8 @@ class Engine:
                 self.sinks[req.request_id] = sink
                 seq = Sequence(req, self.tok.detokenizer(), self._stop_ids(req))
                 self.waiting.append(seq)
+            elif cmd == "finish_all":
+                self._finish_everything()
             elif cmd == "cancel":
                 request_id, sent = arg
                 self._cancel(request_id, sent)
@@ -313,6 +319,16 @@ class Engine:
                 seq.finish_reason = "cancelled"
                 self._retire(seq, sent)
                 return
+
+    def _finish_everything(self) -> None:
+        for seq in [*self.waiting, *self.prefilling]:
+            seq.finish_reason = "length"
+            self._finish(seq, None, [])
+        self.waiting.clear()
+        self.prefilling.clear()
+        for seq in list(self.running):
+            seq.finish_reason = "length"
+            self._retire(seq)
 
     def _fail_all(self, message: str) -> None:
         for seq in [*self.waiting, *self.prefilling, *self.running]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,7 @@ class GenerationService:
         self.tok = tokenizer
         self.settings = settings
         self._tasks: set[asyncio.Task[None]] = set()
+        self.draining: Callable[[], bool] = lambda: False
 
     # ---- validation --------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | list[str], param: str = "prompt"
@@ -102,6 +103,9 @@ class GenerationService:
     # ---- running requests ----------------------------------------------------------------
     async def start(self, prep: Prepared) -> RequestHandle:
         """Submit a request (continuing its session, if any); returns its handle."""
+        if self.draining():
+            raise APIError(503, "server is shutting down", None, "shutting_down",
+                           OVERLOADED_HEADERS)
         if prep.session_id is None:
             if not prep.prompt_ids:
                 raise APIError(400, "prompt must not be empty without a session_id", "prompt")

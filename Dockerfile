@@ -1,0 +1,36 @@
+# linserve: OpenAI-compatible server for linear-attention LMs (CPU).
+# Build:  docker build -t linserve .
+# Run:    docker run -p 8000:8000 linserve
+# Config: environment variables LINSERVE_* (see `python -m server --help`), e.g.
+#         -e LINSERVE_WEIGHTS=/app/weights/softmax -e LINSERVE_SESSION_STORE=redis://redis:6379/0
+
+FROM python:3.11-slim AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+WORKDIR /src
+# CPU-only torch: from wheels/ if a wheel is there, else from the PyTorch CPU index.
+COPY wheels/ /wheels/
+RUN python3 -m venv /opt/venv \
+ && /opt/venv/bin/pip install --retries 1 --timeout 10 --find-links /wheels \
+      --extra-index-url "${TORCH_INDEX_URL}" "torch==2.13.0" \
+ && if /opt/venv/bin/pip list 2>/dev/null | grep -qi nvidia; then echo "CUDA packages found" >&2; exit 1; fi
+COPY pyproject.toml README.md ./
+COPY model/ model/
+COPY server/ server/
+RUN /opt/venv/bin/pip install --find-links /wheels /src
+
+FROM python:3.11-slim
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    LINSERVE_HOST=0.0.0.0 \
+    LINSERVE_PORT=8000 \
+    LINSERVE_WEIGHTS=/app/weights/linear
+RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin app
+COPY --from=build /opt/venv /opt/venv
+WORKDIR /app
+COPY --chown=app:app weights/ /app/weights/
+USER app
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
+  CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)"]
+CMD ["python3", "-m", "server"]
