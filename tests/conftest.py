@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.serverproc import ROOT, ServerProcess
+from bench.serverproc import ROOT, ServerProcess
 
 WEIGHTS = ROOT / "weights"
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from tests.serverproc import free_port
+from bench.serverproc import free_port
 
 
 class RedisProcess:

@@ -8,7 +8,7 @@ import os
 import httpx
 import pytest
 
-from tests.serverproc import ServerProcess
+from bench.serverproc import ServerProcess
 
 pytestmark = pytest.mark.integration
 

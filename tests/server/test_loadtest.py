@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench import loadtest
-from tests.serverproc import ServerProcess
+from bench.serverproc import ServerProcess
 
 pytestmark = pytest.mark.integration
 

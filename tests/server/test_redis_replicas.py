@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.serverproc import ServerProcess
 from tests.redisproc import RedisProcess
-from tests.serverproc import ServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
 PROMPT = "MACBETH.\nIs this a dagger which I see before me,\n"

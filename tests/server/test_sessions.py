@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serverproc import ServerProcess
+from bench.serverproc import ServerProcess
 
 pytestmark = pytest.mark.integration
 PROMPT = "ROMEO.\nBut soft, what light through yonder window breaks?\n"

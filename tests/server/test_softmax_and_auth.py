@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
+from bench.serverproc import ServerProcess
 from model.config import ModelConfig
-from tests.serverproc import ServerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from tests.serverproc import ServerProcess
+from bench.serverproc import ServerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,114 @@
+"""``python -m bench.concurrency``: aggregate tokens/s and inter-token latency against the
+number of concurrent streaming clients, for the linear server and the softmax baseline.
+
+For each model it starts the real server, then sweeps 1, 4, 16, 64 and 128 clients with
+``--prompt-tokens`` prompts and ``--max-tokens`` outputs through ``bench.loadtest``. In the
+same run it measures the raw batched ``step`` throughput at batch 64 in-process (with the
+server stopped), so the HTTP figure can be quoted as a fraction of it. Writes
+``bench/results/concurrency.json`` and ``concurrency.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import loadtest
+from bench.common import RESULTS, machine, print_table, time_ms, write_json
+from bench.serverproc import ServerProcess
+from model.transformer import load_model
+
+
+def raw_step_tokens_per_s(weights: Path, batch: int, context: int, threads: int) -> float:
+    """Tokens/s of the bare batched step (+ sampling-free), in this process."""
+    torch.set_num_threads(threads)
+    model = load_model(weights)
+    _, one = model.prefill(torch.randint(0, 8000, (1, context)))
+    from model.state import cat_states
+
+    state = cat_states([one.copy() for _ in range(batch)])
+    if not model.cfg.is_recurrent:
+        state.ensure_capacity(context + 64)  # type: ignore[union-attr]
+    tokens = torch.randint(0, 8000, (batch,))
+
+    def step() -> None:
+        model.step(tokens, state)
+        if not model.cfg.is_recurrent:
+            state.lengths -= 1  # type: ignore[union-attr]
+
+    return batch / time_ms(step, min_seconds=1.0) * 1000
+
+
+def sweep(weights: Path, levels: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    server_args = ["--max-running", str(max(levels)), "--max-waiting", str(4 * max(levels))]
+    with ServerProcess(weights, args=server_args) as srv:
+        for n in levels:
+            rep = loadtest.main(["--url", srv.url, "--concurrency", str(n), "--requests",
+                                 str(max(2 * n, 8)), "--prompt-tokens", str(args.prompt_tokens),
+                                 "--max-tokens", str(args.max_tokens), "--ignore-eos",
+                                 "--temperature", "0.8"])
+            rows.append({"model": weights.name, "concurrency": n,
+                         "tokens_per_s": rep["output_tokens_per_s"],
+                         "itl_p50_ms": rep["itl_ms"]["p50"], "itl_p99_ms": rep["itl_ms"]["p99"],
+                         "ttft_p50_ms": rep["ttft_ms"]["p50"], "errors": rep["errors"]})
+    return rows
+
+
+def plot(rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for model, color in (("linear", "tab:blue"), ("softmax", "tab:red")):
+        pts = [r for r in rows if r["model"] == model]
+        xs = [r["concurrency"] for r in pts]
+        a1.plot(xs, [r["tokens_per_s"] for r in pts], "o-", color=color, label=model)
+        a2.plot(xs, [r["itl_p50_ms"] for r in pts], "o-", color=color, label=f"{model} p50")
+        a2.plot(xs, [r["itl_p99_ms"] for r in pts], "s--", color=color, alpha=0.6,
+                label=f"{model} p99")
+    for ax, title, ylabel in ((a1, "aggregate output tokens/s", "tokens/s"),
+                              (a2, "inter-token latency", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streaming clients")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "concurrency.png", dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--levels", nargs="+", type=int, default=[1, 4, 16, 64, 128])
+    p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--models", nargs="+", default=["linear", "softmax"])
+    p.add_argument("--weights", type=Path, default=Path("weights"))
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    raw = {}
+    for model in args.models:
+        rows += sweep(args.weights / model, args.levels, args)
+        raw[model] = raw_step_tokens_per_s(args.weights / model, 64, args.prompt_tokens,
+                                           args.threads)
+    for r in rows:
+        r["frac_of_raw_step_b64"] = r["tokens_per_s"] / raw[r["model"]]
+    print_table(rows, ["model", "concurrency", "tokens_per_s", "frac_of_raw_step_b64",
+                       "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms"])
+    write_json("concurrency", {"machine": machine(), "raw_step_tokens_per_s_b64": raw,
+                               "rows": rows})
+    plot(rows)
+    print(f"wrote {RESULTS}/concurrency.json and concurrency.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""``python -m bench.context``: per-token decode latency and per-session state bytes against
+context length (128 … 64k), linear vs softmax, at batch 1 and 32.
+
+Linear is measured at every length. Softmax stops where its KV cache would exceed the memory
+budget (``--kv-budget``) or its maximum context; the stopping point is marked on the plot.
+Writes ``bench/results/context.json``, ``context_latency.png`` and ``context_state_bytes.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from bench.common import RESULTS, machine, print_table, write_json
+from bench.step import build, kv_bytes, state_at, step_parts
+from model.state import LinearState
+
+CONTEXTS = [128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+
+
+def state_bytes(kind: str, model: Any, context: int) -> int:
+    if kind == "softmax":
+        return kv_bytes(model.cfg, 1, context)
+    return LinearState.empty(model.cfg, 1).nbytes
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    torch.set_num_threads(args.threads)
+    rows = []
+    for kind in ("linear", "softmax"):
+        model = build(kind, torch.float32, max(args.contexts) + 2)
+        for batch in args.batches:
+            for ctx in args.contexts:
+                row: dict[str, Any] = {"kind": kind, "batch": batch, "context": ctx,
+                                       "state_bytes_per_session": state_bytes(kind, model, ctx)}
+                if kind == "softmax" and ctx > args.softmax_max_context:
+                    row["stopped"] = f"over max_context {args.softmax_max_context}"
+                elif kind == "softmax" and kv_bytes(model.cfg, batch, ctx) > args.kv_budget:
+                    row["stopped"] = "KV cache over memory budget"
+                else:
+                    whole, _, _ = step_parts(model, state_at(model, batch, ctx), batch)
+                    row["ms_per_step"] = whole
+                    row["ms_per_token"] = whole / batch
+                    print(f"{kind:8s} B={batch:3d} ctx={ctx:6d} step={whole:8.3f} ms", flush=True)
+                rows.append(row)
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], batches: list[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.2), squeeze=False)
+    for ax, batch in zip(axes[0], batches, strict=True):
+        for kind, color in (("linear", "tab:blue"), ("softmax", "tab:red")):
+            pts = [r for r in rows if r["kind"] == kind and r["batch"] == batch]
+            done = [r for r in pts if "ms_per_step" in r]
+            ax.plot([r["context"] for r in done], [r["ms_per_step"] for r in done], "o-",
+                    color=color, label=kind)
+            stopped = [r for r in pts if "stopped" in r]
+            if stopped and done:
+                ax.axvline(stopped[0]["context"], color=color, ls="--", alpha=0.6)
+                ax.annotate(f"softmax stops:\n{stopped[0]['stopped']}",
+                            (stopped[0]["context"], done[-1]["ms_per_step"]), fontsize=8,
+                            color=color, ha="right")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("ms per decode step")
+        ax.set_title(f"decode step latency, batch {batch}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "context_latency.png", dpi=110)
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for kind, color in (("linear", "tab:blue"), ("softmax", "tab:red")):
+        pts = [r for r in rows if r["kind"] == kind and r["batch"] == batches[0]]
+        ax.plot([r["context"] for r in pts], [r["state_bytes_per_session"] / 2**20 for r in pts],
+                "o-", color=color, label=kind)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("MiB of state per session")
+    ax.set_title("session state size")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "context_state_bytes.png", dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", nargs="+", type=int, default=CONTEXTS)
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--kv-budget", type=float, default=8e9)
+    p.add_argument("--softmax-max-context", type=int, default=65536,
+                   help="cap for the timing run (the shipped model's is in its config)")
+    args = p.parse_args(argv)
+    rows = measure(args)
+    print_table(rows, ["kind", "batch", "context", "ms_per_step", "ms_per_token",
+                       "state_bytes_per_session", "stopped"])
+    write_json("context", {"machine": machine(), "threads": args.threads, "rows": rows})
+    plot(rows, args.batches)
+    print(f"wrote {RESULTS}/context.json and PNG plots")
+
+
+if __name__ == "__main__":
+    main()
