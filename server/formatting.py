@@ -29,19 +29,23 @@ class CompletionLogprobs:
     """Accumulates the legacy completions ``logprobs`` object across chunks."""
 
     tok: Tokenizer
+    as_ids: bool = False
     offset: int = 0
     data: dict[str, list[Any]] = field(default_factory=lambda: {
         "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+
+    def _name(self, token_id: int, text: str) -> str:
+        return f"token_id:{token_id}" if self.as_ids else text
 
     def piece(self, entries: list[TokenLogprob]) -> dict[str, list[Any]]:
         """The logprobs object for these entries (also appended to the running total)."""
         part: dict[str, list[Any]] = {k: [] for k in self.data}
         for e in entries:
             text = self.tok.decode([e.token_id])
-            part["tokens"].append(text)
+            part["tokens"].append(self._name(e.token_id, text))
             part["token_logprobs"].append(e.logprob)
             part["top_logprobs"].append(
-                {self.tok.decode([t]): lp for t, lp in e.top} if e.top else None)
+                {self._name(t, self.tok.decode([t])): lp for t, lp in e.top} if e.top else None)
             part["text_offset"].append(self.offset)
             self.offset += len(text)
         for k, v in part.items():

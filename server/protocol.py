@@ -74,6 +74,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] = ""
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM extension: logprob tokens as "token_id:N"
 
     @field_validator("prompt")
     @classmethod

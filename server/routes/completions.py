@@ -53,7 +53,8 @@ async def completions(body: CompletionRequest, request: Request, owner: Owner) -
     handle = await svc.start(prep)
     name = request.app.state.model_name
     echo = svc.tok.decode(prompt_ids) if body.echo else ""
-    lp = CompletionLogprobs(svc.tok) if body.logprobs is not None else None
+    lp = (CompletionLogprobs(svc.tok, as_ids=body.return_tokens_as_token_ids)
+          if body.logprobs is not None else None)
 
     def choice(out: Output, text: str) -> dict[str, Any]:
         logprobs = None
