@@ -21,6 +21,7 @@ from model.transformer import LanguageModel, load_model
 from server.client import EngineClient
 from server.engine import Engine, EngineLimits
 from server.errors import error_body, install_error_handlers
+from server.openapi import install_openapi
 from server.routes import completions, misc, sessions
 from server.service import GenerationService
 from server.sessions import MemorySessionStore, SessionStore
@@ -156,6 +157,7 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     app.state.client = client
     app.state.service = GenerationService(client, store, model, tok, settings)
     app.state.service.draining = lambda: bool(app.state.draining)
+    install_openapi(app, model.cfg.vocab_size, settings.max_tokens_limit)
     log.info(json.dumps({
         "event": "startup", "model": settings.served_name, "weights": str(settings.weights),
         "attention": model.cfg.attention, "params": model.n_params(), "dtype": settings.dtype,

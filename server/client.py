@@ -25,6 +25,9 @@ class RequestHandle:
         self.first_token: float | None = None
         self.last_token: float | None = None
         self._callbacks: list[Callable[[Output], None]] = []
+        # For session requests: resolves to True once the new state is stored, False if the
+        # store failed (the session then keeps its previous state).
+        self.saved: asyncio.Future[bool] | None = None
 
     @property
     def finished(self) -> bool:

@@ -58,6 +58,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """Every method some route serves at ``path`` (for the Allow header of a 405)."""
+    methods: set[str] = set()
+    for route in app.routes:
+        regex = getattr(route, "path_regex", None)
+        if regex is not None and regex.match(path):
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods - {"HEAD"})
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers that turn every exception into the OpenAI envelope."""
 
@@ -71,9 +81,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, message, param, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), None, None,
-                              getattr(exc, "headers", None))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
+            headers = {"Allow": ", ".join(allowed_methods(app, request.url.path))}
+        return error_response(exc.status_code, str(exc.detail), None, None, headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

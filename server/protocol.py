@@ -8,11 +8,29 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from model.sampling import SamplingParams
+
+
+# Token ids: non-negative integers (never bools or strings); the OpenAPI document gets the
+# model's vocabulary size as their maximum (see ``server.openapi``).
+def _json_integer(value: Any) -> Any:
+    """JSON-Schema integers: 3 and 3.0 yes; true, "3" and 3.5 no."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("must be an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("must be an integer")
+        return int(value)
+    return value
+
+
+TokenId = Annotated[int, BeforeValidator(_json_integer),
+                    Field(ge=0, json_schema_extra={"x-token-id": True})]
+StopString = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class OpenAIBase(BaseModel):
@@ -29,31 +47,23 @@ class SamplingFields(OpenAIBase):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, json_schema_extra={"x-max-tokens": True})
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=2**31 - 1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=0, le=2**53 - 1)
+    stop: StopString | Annotated[list[StopString], Field(max_length=8)] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     user: str | None = Field(None, max_length=256)
     session_id: str | None = Field(None, max_length=128)
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else (value or [])
-        if len(stops) > 8 or any(len(s) == 0 or len(s) > 256 for s in stops):
-            raise ValueError("stop takes at most 8 non-empty strings of up to 256 characters")
-        return value
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -71,17 +81,24 @@ class SamplingFields(OpenAIBase):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] = ""
+    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["prompt"]})
+
+    prompt: (Annotated[str, Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]],
+                         Field(min_length=1, max_length=1)]) = Field(
+        "", description="Text or token ids. May be empty only with a session_id.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_prompt_in_session(cls, data: Any) -> Any:
+        """With a session_id an empty prompt just continues the session."""
+        if isinstance(data, dict) and data.get("session_id") and data.get("prompt") in ("", []):
+            data = {k: v for k, v in data.items() if k != "prompt"}
+        return data
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM extension: logprob tokens as "token_id:N"
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, value: str | list[int] | list[str]) -> str | list[int] | list[str]:
-        if isinstance(value, list) and value and isinstance(value[0], str) and len(value) != 1:
-            raise ValueError("only one prompt per request is supported")
-        return value
 
 
 class ChatMessage(OpenAIBase):
@@ -101,17 +118,16 @@ class ChatRequest(SamplingFields):
 
 
 class SessionCreate(OpenAIBase):
-    prompt: str | list[int] = ""
+    prompt: str | list[TokenId] = ""
 
 
 class TokenizeRequest(OpenAIBase):
-    prompt: str | None = None
-    text: str | None = None
+    prompt: str
     model: str | None = None
 
 
 class DetokenizeRequest(OpenAIBase):
-    tokens: list[int]
+    tokens: list[TokenId]
     model: str | None = None
 
 

@@ -132,7 +132,8 @@ class GenerationService:
         except BaseException:
             await self.store.release(sid, token)
             raise
-        handle.on_finish(lambda out: self._spawn(self._save(sess, token, consumed, out)))
+        handle.saved = asyncio.get_running_loop().create_future()
+        handle.on_finish(lambda out: self._spawn(self._save(sess, token, consumed, out, handle)))
         return handle
 
     async def lock_session(self, sid: str, owner: str) -> tuple[Session, str]:
@@ -164,8 +165,10 @@ class GenerationService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _save(self, sess: Session, token: str, consumed: int, out: Output) -> None:
+    async def _save(self, sess: Session, token: str, consumed: int, out: Output,
+                    handle: RequestHandle) -> None:
         """Store the session's new state (if the request produced one), then unlock."""
+        ok = True
         try:
             if out.final_state is not None:
                 new = Session(sess.id, sess.owner, out.final_state, out.final_pending,
@@ -174,8 +177,11 @@ class GenerationService:
                 await self.store.put(new)
         except (StaleWrite, SessionUnavailable):
             log.warning("session %s could not be saved", sess.id)
+            ok = False
         finally:
             await self.store.release(sess.id, token)
+            if handle.saved is not None and not handle.saved.done():
+                handle.saved.set_result(ok)
 
     async def collect(self, handle: RequestHandle) -> Output:
         """Wait for the whole result (non-streaming)."""
@@ -185,6 +191,9 @@ class GenerationService:
             assert out is not None
             total = total.merge(out)
             if out.finish_reason is not None:
+                if handle.saved is not None and not await handle.saved:
+                    raise APIError(503, "the session store failed; the session keeps its "
+                                   "previous state", "session_id", "session_store_failed")
                 return total
 
     # ---- sessions ------------------------------------------------------------------------

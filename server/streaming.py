@@ -67,6 +67,11 @@ async def event_stream(handle: RequestHandle, render: Render, usage_chunk: Rende
             handle.sent_tokens += len(out.token_ids)
             if out.finish_reason is not None:
                 final = out
+                if handle.saved is not None and not await handle.saved:
+                    yield sse(error_body(503, "the session store failed; the session keeps "
+                                         "its previous state", "session_id",
+                                         "session_store_failed"))
+                    break
                 if usage_chunk is not None:
                     extra = usage_chunk(out)
                     if extra is not None:

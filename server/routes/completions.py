@@ -36,6 +36,7 @@ def _service(request: Request) -> GenerationService:
 def _prepare(svc: GenerationService, body: CompletionRequest | ChatRequest, owner: str,
              prompt_ids: list[int], default_max: int, logprobs: int | None,
              stop: tuple[str, ...]) -> Prepared:
+    default_max = min(default_max, svc.settings.max_tokens_limit)
     max_tokens = svc.check_max_tokens(body.max_tokens or default_max)
     params = body.to_sampling_params(max_tokens, logprobs)
     svc.check_stop_ids(params)

@@ -22,5 +22,8 @@ SSE_RESPONSE: dict[str, Any] = {
                    "'data: {chunk}' frames, optional ': keep-alive' comments, then "
                    "'data: [DONE]'.",
     "content": {"application/json": {"schema": {"type": "object"}},
-                "text/event-stream": {"schema": {"type": "string"}}},
+                "text/event-stream": {"schema": {
+                    "type": "object", "description": "one server-sent event",
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                   "id": {"type": "string"}}}}},
 }

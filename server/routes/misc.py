@@ -26,10 +26,7 @@ async def list_models(request: Request, _: Owner) -> dict[str, Any]:
 
 @router.post("/tokenize", tags=["tokenizer"], responses=ERRORS)
 async def tokenize(body: TokenizeRequest, request: Request, _: Owner) -> dict[str, Any]:
-    text = body.prompt if body.prompt is not None else body.text
-    if text is None:
-        raise APIError(400, "give 'prompt' (or 'text') to tokenize", "prompt")
-    ids = request.app.state.service.tok.encode(text)
+    ids = request.app.state.service.tok.encode(body.prompt)
     return {"tokens": ids, "count": len(ids), "max_model_len": request.app.state.max_model_len}
 
 

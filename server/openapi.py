@@ -1,0 +1,45 @@
+"""The OpenAPI document, completed with what depends on the loaded model and settings.
+
+Token ids get the vocabulary's bounds, ``max_tokens`` the configured limit, and plain-text
+responses their content type, so schema-based fuzzers (schemathesis) can check conformance,
+not only the absence of 5xx.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+
+def _patch(node: Any, vocab_size: int, max_tokens: int) -> None:
+    if isinstance(node, dict):
+        if node.pop("x-token-id", False):
+            node.pop("ge", None)
+            node["minimum"], node["maximum"] = 0, vocab_size - 1
+        if node.pop("x-max-tokens", False):
+            node["maximum"] = max_tokens
+        for value in node.values():
+            _patch(value, vocab_size, max_tokens)
+    elif isinstance(node, list):
+        for value in node:
+            _patch(value, vocab_size, max_tokens)
+
+
+def install_openapi(app: FastAPI, vocab_size: int, max_tokens: int) -> None:
+    """Replace ``app.openapi`` with a generator that fills in model-dependent limits."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version,
+                                 description=app.description, routes=app.routes)
+            _patch(schema, vocab_size, max_tokens)
+            metrics = schema["paths"].get("/metrics", {}).get("get")
+            if metrics is not None:
+                metrics["responses"]["200"]["content"] = {
+                    "text/plain": {"schema": {"type": "string"}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,111 @@
+"""Schema-based fuzzing with schemathesis, hostile state blobs, and security properties."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.serverproc import ROOT, ServerProcess
+from tests.reliability.helpers import duration
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.slow
+def test_schemathesis_default_checks(linear_weights: Path) -> None:
+    """Every default schemathesis check (status codes, content types, schema conformance of
+    JSON and SSE responses, no 5xx) over every operation, bounded by time."""
+    exe = shutil.which("schemathesis") or shutil.which("st")
+    if exe is None:
+        pytest.skip("schemathesis is not installed (pip install -e '.[dev]')")
+    seconds = int(duration(45, 600))
+    with ServerProcess(linear_weights, args=["--max-tokens-limit", "64"]) as srv:
+        proc = subprocess.run(
+            [exe, "run", f"{srv.url}/openapi.json", "--max-time", str(seconds), "--seed", "7",
+             "-n", "40", "--no-color"], cwd=ROOT, capture_output=True, text=True,
+            timeout=seconds + 240)
+        tail = proc.stdout[-3000:]
+        assert proc.returncode == 0, tail
+        assert "Traceback" not in srv.logs()
+    print(tail[-400:])
+
+
+def crafted_state(shape: list[int], dtype: str = "F32", data_len: int = 16) -> bytes:
+    header = {"s": {"dtype": dtype, "shape": shape, "data_offsets": [0, data_len]},
+              "__metadata__": {"format_version": "1", "kind": "linear", "fingerprint": "x"}}
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + b"\0" * data_len
+
+
+def test_hostile_state_blobs_are_rejected(server: ServerProcess) -> None:
+    """Random, truncated and crafted blobs (huge declared shapes, pickles) all get 400."""
+    sess = httpx.post(server.url + "/v1/sessions", json={"prompt": "Hello there"}).json()
+    good = httpx.get(f"{server.url}/v1/sessions/{sess['id']}/state").content
+    rng = random.Random(0)
+    blobs = [os.urandom(rng.randint(0, 4096)) for _ in range(40)]
+    blobs += [good[: rng.randint(0, len(good) - 1)] for _ in range(40)]
+    flipped = bytearray(good)
+    flipped[20] ^= 0xFF
+    blobs += [bytes(flipped), crafted_state([2**31, 2**31, 64, 64]),
+              crafted_state([10**12]), crafted_state([1, 4, 4, 64, 64], "F64"),
+              b"\x80\x04\x95" + os.urandom(200),  # a pickle header: never unpickled
+              good + b"trailing"]
+    for blob in blobs:
+        r = httpx.post(server.url + "/v1/sessions/import", content=blob)
+        assert r.status_code in (400, 413), (r.status_code, r.text[:200])
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    ok = httpx.post(server.url + "/v1/sessions/import", content=good)
+    assert ok.status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_session_ids_are_unguessable(server: ServerProcess) -> None:
+    ids = [httpx.post(server.url + "/v1/sessions", json={}).json()["id"] for _ in range(20)]
+    assert len(set(ids)) == 20
+    assert all(len(i) >= len("sess_") + 32 for i in ids)  # 192 random bits, base64url
+    r = httpx.get(server.url + "/v1/sessions")
+    assert r.status_code == 405  # no listing endpoint to enumerate
+
+
+def test_limits_on_headers_and_bodies(server: ServerProcess) -> None:
+    big = "x" * (2 << 20)
+    r = httpx.post(server.url + "/v1/completions", content=big,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    for head in (b"X-Big: " + b"y" * (1 << 20) + b"\r\n", b"Content-Length: abc\r\n"):
+        answer = raw_request(server.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                             + head + b"\r\n{}")
+        assert answer == b"" or answer.split(b" ")[1] in (b"400", b"413", b"431"), answer[:80]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def raw_request(port: int, data: bytes) -> bytes:
+    """Send raw bytes; return the response (b"" if the server just closes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        try:
+            s.sendall(data)
+            return s.recv(4096)
+        except (ConnectionResetError, BrokenPipeError):
+            return b""
+
+
+def test_errors_never_leak_internals(server: ServerProcess) -> None:
+    probes = [("POST", "/v1/completions", b"\x00\x01"), ("POST", "/v1/sessions/import", b"{"),
+              ("GET", "/v1/sessions/../../etc/passwd", None), ("POST", "/tokenize", b"[]"),
+              ("DELETE", "/v1/completions", None)]
+    for method, path, body in probes:
+        r = httpx.request(method, server.url + path, content=body,
+                          headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500, (path, r.status_code)
+        assert "Traceback" not in r.text and str(ROOT) not in r.text
+        assert sys.prefix not in r.text
