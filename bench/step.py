@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import machine, print_table, time_ms, write_json
+from bench.common import RESULTS, machine, print_table, time_ms, write_json
 from model.config import ModelConfig
 from model.state import KVCache, State
 from model.transformer import LanguageModel
@@ -120,6 +120,37 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def plot(rows: list[dict[str, Any]], context: int) -> None:
+    """Step time and matmul limit against batch, at one context, per dtype and thread count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    combos = sorted({(r["dtype"], r["threads"]) for r in rows})
+    fig, axes = plt.subplots(1, len(combos), figsize=(5 * len(combos), 4), squeeze=False)
+    for ax, (dtype, threads) in zip(axes[0], combos, strict=True):
+        for kind, color in (("linear", "tab:blue"), ("softmax", "tab:red")):
+            pts = [r for r in rows if r["kind"] == kind and r["dtype"] == dtype
+                   and r["threads"] == threads and r["context"] == context
+                   and r.get("step_ms") is not None]
+            if not pts:
+                continue
+            xs = [r["batch"] for r in pts]
+            ax.plot(xs, [r["step_ms"] for r in pts], "o-", color=color, label=f"{kind} step")
+            if kind == "linear":
+                ax.plot(xs, [r["limit_ms"] for r in pts], "k--", label="matmul limit")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("ms per step")
+        ax.set_title(f"{dtype}, {threads} thread(s), context {context}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "step.png", dpi=110)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                 ["kind", "dtype", "threads", "batch", "context", "step_ms", "layers_ms",
                  "head_ms", "limit_ms", "frac_of_limit"])
     path = write_json(args.output, {"machine": machine(), "rows": rows})
+    plot(rows, 4096 if 4096 in args.contexts else args.contexts[0])
     print(f"\nwrote {path}")
 
 

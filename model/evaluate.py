@@ -58,6 +58,21 @@ def stream_nll(model: LanguageModel, tokens: np.ndarray, chunk: int = 512) -> np
     return np.concatenate(out)
 
 
+SLICE_TEXT = Path(__file__).resolve().parents[1] / "weights" / "test_slice.txt"
+
+
+@torch.inference_mode()
+def slice_perplexity(weights: Path, slice_path: Path = SLICE_TEXT) -> float:
+    """Perplexity on the first 1,024 predictions of a fixed slice of the test split (shipped
+    in ``weights/test_slice.txt``), so a test can catch broken loading or a changed
+    tokenizer without the corpus."""
+    model = load_model(weights)
+    tok = Tokenizer.from_file(weights / model.cfg.tokenizer)
+    x = torch.tensor([tok.encode(slice_path.read_text())[:1025]])
+    logits = model(x[:, :-1])
+    return math.exp(F.cross_entropy(logits[0], x[0, 1:]).item())
+
+
 def buckets(train_ctx: int, length: int) -> list[tuple[int, int]]:
     """[0,T), [T,2T), [2T,4T), [4T,8T), ... up to ``length``."""
     edges = [0, train_ctx]

@@ -59,20 +59,20 @@ class LinearAttention(nn.Module):
         b, t, _ = x.shape
         h, dh = self.cfg.n_heads, self.cfg.head_dim
         qkv, new_buf = self._conv_parallel(self.qkv(x).float(), None if state is None
-                                           else state.conv[:, layer])
+                                           else state.conv[layer])
         q, k, v = qkv.view(b, t, 3, h, dh).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, D]
         if state is None:
             s = x.new_zeros(b, h, self.cfg.feature_dim, dh, dtype=torch.float32)
             z = x.new_zeros(b, h, self.cfg.feature_dim, dtype=torch.float32)
         else:
-            s, z = state.s[:, layer], state.z[:, layer]
+            s, z = state.s[layer], state.z[layer]
         o, s_new, z_new = causal_linear_parallel(
             self._phi(q, True), self._phi(k, False), v, s, z, self.cfg.chunk_size, self.cfg.eps)
         if state is not None:
-            state.s[:, layer] = s_new
-            state.z[:, layer] = z_new
+            state.s[layer] = s_new
+            state.z[layer] = z_new
             if new_buf is not None:
-                state.conv[:, layer] = new_buf
+                state.conv[layer] = new_buf
         return self.out(o.transpose(1, 2).reshape(b, t, -1).to(x.dtype))
 
     def step(self, x: torch.Tensor, state: LinearState, layer: int) -> torch.Tensor:
@@ -81,13 +81,13 @@ class LinearAttention(nn.Module):
         h, dh = self.cfg.n_heads, self.cfg.head_dim
         qkv = self.qkv(x).float()
         if self.conv is not None:
-            buf = state.conv[:, layer]  # [B, K-1, 3d]
+            buf = state.conv[layer]  # [B, K-1, 3d]
             window = torch.cat([buf, qkv.unsqueeze(1)], dim=1)  # [B, K, 3d]
             qkv = (window * self.conv.T.float()).sum(1)
             buf.copy_(window[:, 1:])
         q, k, v = qkv.view(b, 3, h, dh).unbind(1)  # [B, H, D]
         o = causal_linear_step(self._phi(q, True), self._phi(k, False), v,
-                               state.s[:, layer], state.z[:, layer], self.cfg.eps)
+                               state.s[layer], state.z[layer], self.cfg.eps)
         return self.out(o.reshape(b, -1).to(x.dtype))
 
 

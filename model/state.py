@@ -28,16 +28,21 @@ class StateError(ValueError):
     """A state blob that cannot be used with this model (wrong model, shape, dtype or format)."""
 
 
-def _rows(t: torch.Tensor, idx: Index) -> torch.Tensor:
+def _rows(t: torch.Tensor, idx: Index, dim: int = 0) -> torch.Tensor:
+    """A copy of the rows ``idx`` along the batch dimension ``dim``."""
     if isinstance(idx, slice):
-        return t[idx].clone()
-    return t.index_select(0, torch.as_tensor(idx, dtype=torch.long)).clone()
+        return t[(slice(None),) * dim + (idx,)].clone()
+    return t.index_select(dim, torch.as_tensor(idx, dtype=torch.long)).clone()
 
 
 @dataclass
 class LinearState:
-    """s ``[B, L, H, F, M]`` = Σ φ(k)vᵀ, z ``[B, L, H, F]`` = Σ φ(k), and the short-conv buffer
-    conv ``[B, L, K-1, 3·d_model]`` holding each layer's last K-1 q/k/v projections. All fp32."""
+    """s ``[L, B, H, F, M]`` = Σ φ(k)vᵀ, z ``[L, B, H, F]`` = Σ φ(k), and the short-conv buffer
+    conv ``[L, B, K-1, 3·d_model]`` holding each layer's last K-1 q/k/v projections. All fp32.
+
+    The layer dimension comes first so that one layer's slice of a batch (``s[l, :n]``) is a
+    contiguous block: the decode step's batched matmuls then run on it without a copy.
+    """
 
     s: torch.Tensor
     z: torch.Tensor
@@ -46,16 +51,16 @@ class LinearState:
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int) -> LinearState:
-        shape = (batch, cfg.n_layers, cfg.n_heads)
+        shape = (cfg.n_layers, batch, cfg.n_heads)
         return cls(
             s=torch.zeros(*shape, cfg.feature_dim, cfg.head_dim),
             z=torch.zeros(*shape, cfg.feature_dim),
-            conv=torch.zeros(batch, cfg.n_layers, max(cfg.conv_size - 1, 0), 3 * cfg.d_model),
+            conv=torch.zeros(cfg.n_layers, batch, max(cfg.conv_size - 1, 0), 3 * cfg.d_model),
         )
 
     @property
     def batch_size(self) -> int:
-        return self.s.shape[0]
+        return self.s.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -66,20 +71,22 @@ class LinearState:
 
     def select(self, idx: Index) -> LinearState:
         """A copy of the rows ``idx``."""
-        return LinearState(_rows(self.s, idx), _rows(self.z, idx), _rows(self.conv, idx))
+        return LinearState(_rows(self.s, idx, 1), _rows(self.z, idx, 1),
+                           _rows(self.conv, idx, 1))
 
     def copy(self) -> LinearState:
         return self.select(slice(None))
 
     def write_rows(self, dst: Index, src: LinearState) -> None:
         """Copy ``src``'s rows into rows ``dst`` of this (pool) state, in place."""
-        self.s[dst] = src.s
-        self.z[dst] = src.z
-        self.conv[dst] = src.conv
+        self.s[:, dst] = src.s
+        self.z[:, dst] = src.z
+        self.conv[:, dst] = src.conv
 
     @classmethod
     def cat(cls, states: Sequence[LinearState]) -> LinearState:
-        return cls(*(torch.cat([getattr(st, n) for st in states]) for n in ("s", "z", "conv")))
+        return cls(*(torch.cat([getattr(st, n) for st in states], dim=1)
+                     for n in ("s", "z", "conv")))
 
     def expected_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         ref = LinearState.empty(cfg, self.batch_size)

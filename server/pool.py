@@ -33,7 +33,7 @@ class SlotPool:
         """The live rows ``[0, n)`` as a state sharing the pool's memory."""
         st = self.state
         if isinstance(st, LinearState):
-            return LinearState(st.s[: self.n], st.z[: self.n], st.conv[: self.n])
+            return LinearState(st.s[:, : self.n], st.z[:, : self.n], st.conv[:, : self.n])
         return KVCache(st.k[: self.n], st.v[: self.n], st.lengths[: self.n], st.max_context)
 
     def reserve_step(self) -> None:

@@ -64,7 +64,7 @@ def causal_linear_step(
     fq, fk ``[B, H, F]``, v ``[B, H, M]``, s ``[B, H, F, M]`` and z ``[B, H, F]`` (views into a
     batched state are fine). Returns out ``[B, H, M]``.
     """
-    s.add_(fk.unsqueeze(-1) * v.unsqueeze(-2))
+    s.addcmul_(fk.unsqueeze(-1), v.unsqueeze(-2))
     z.add_(fk)
     num = (fq.unsqueeze(-2) @ s).squeeze(-2)
     den = (fq * z).sum(-1, keepdim=True)

@@ -38,7 +38,7 @@ def test_state_of_another_kind_or_shape_is_rejected() -> None:
     with pytest.raises(StateError, match="kind"):
         state_from_bytes(state_to_bytes(state, lin.fingerprint()), lin.cfg, lin.fingerprint())
     _, lstate = lin.prefill(torch.randint(0, 97, (1, 5)))
-    lstate.s = lstate.s[:, :, :, :4]  # type: ignore[union-attr]
+    lstate.s = lstate.s[:, :, :, :4]  # type: ignore[union-attr]  # wrong feature size
     with pytest.raises(StateError, match="shape"):
         state_from_bytes(state_to_bytes(lstate, lin.fingerprint()), lin.cfg, lin.fingerprint())
     _, lstate = lin.prefill(torch.randint(0, 97, (1, 5)))
@@ -71,7 +71,7 @@ def test_select_copy_unbatch_are_independent() -> None:
     assert [r.batch_size for r in rows] == [1, 1, 1]
     fork = rows[1].copy()
     model.step(torch.tensor([5]), fork)
-    assert torch.equal(rows[1].s, state.s[1:2])  # type: ignore[union-attr]
+    assert torch.equal(rows[1].s, state.s[:, 1:2])  # type: ignore[union-attr]
     assert not torch.equal(fork.s, rows[1].s)  # type: ignore[union-attr]
     picked = state.select([2, 0])
-    assert torch.equal(picked.s[0], state.s[2])  # type: ignore[union-attr]
+    assert torch.equal(picked.s[:, 0], state.s[:, 2])  # type: ignore[union-attr]

@@ -1,0 +1,68 @@
+"""The shipped checkpoints: they load, their configs round-trip, the linear model's
+perplexity matches its model card, and the three forms agree on real weights."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.config import ModelConfig
+from model.evaluate import slice_perplexity
+from model.sampling import SamplingParams
+from model.tokenizer import Tokenizer
+from model.transformer import load_model
+
+WEIGHTS = Path(__file__).resolve().parents[2] / "weights"
+SHIPPED = [d for d in sorted(WEIGHTS.glob("*")) if (d / "model.safetensors").exists()]
+
+pytestmark = pytest.mark.skipif(not SHIPPED, reason="no shipped weights yet")
+
+
+@pytest.mark.parametrize("weights", SHIPPED, ids=[d.name for d in SHIPPED])
+def test_checkpoint_loads_and_config_round_trips(weights: Path, tmp_path: Path) -> None:
+    cfg = ModelConfig.load(weights / "config.json")
+    cfg.save(tmp_path / "config.json")
+    assert ModelConfig.load(tmp_path / "config.json") == cfg
+    assert json.loads((weights / "config.json").read_text()) == cfg.to_dict()
+    model = load_model(weights)
+    tok = Tokenizer.from_file(weights / cfg.tokenizer)
+    assert tok.vocab_size == cfg.vocab_size
+    assert model.n_params() > 1_000_000
+
+
+def test_linear_perplexity_matches_model_card() -> None:
+    """Perplexity on a fixed slice of the test split is within 2% of the card's figure
+    (catches broken loading or a changed tokenizer)."""
+    weights = WEIGHTS / "linear"
+    card = (weights / "MODEL_CARD.md").read_text()
+    expected = float(re.search(r"test-slice perplexity \| ([0-9.]+)", card).group(1))  # type: ignore[union-attr]
+    assert slice_perplexity(weights) == pytest.approx(expected, rel=0.02)
+
+
+@pytest.mark.parametrize("kind", ["linear", "softmax"])
+def test_greedy_is_deterministic_and_forms_agree(kind: str) -> None:
+    weights = WEIGHTS / kind
+    if not (weights / "model.safetensors").exists():
+        pytest.skip("not shipped")
+    model = load_model(weights)
+    tok = Tokenizer.from_file(weights / "tokenizer.json")
+    from model.generate import generate
+
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    first = "".join(generate(model, tok, "MACBETH.\n", params))
+    assert first == "".join(generate(model, tok, "MACBETH.\n", params))
+    ids = tok.encode("MACBETH.\nIs this a dagger which I see before me, the handle toward")
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        full = model(x)
+    logits, state = model.prefill(x[:, :5])
+    stepped = [logits]
+    for t in range(5, x.shape[1]):
+        stepped.append(model.step(x[:, t], state))
+    got = torch.stack(stepped[1:], 1)
+    assert (got - full[:, 5:]).abs().max().item() <= 1e-3
+    assert (logits - full[:, 4]).abs().max().item() <= 1e-3
