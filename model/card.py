@@ -39,6 +39,17 @@ def length_table(ev: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def length_note(cfg: dict[str, Any]) -> list[str]:
+    if cfg["attention"] == "softmax":
+        return [f"Softmax attention is evaluated with its full KV cache up to its maximum "
+                f"context ({cfg['max_context']}); past that the server refuses the request "
+                "(400, `context_length_exceeded`), so those buckets are marked refused. Its "
+                "rotary positions were trained on 256-token windows, and it degrades past "
+                "them, as the table shows.", ""]
+    return ["The recurrent state has no length limit: the whole 16k stream runs through it "
+            "(equivalently, in prefill chunks carrying the state).", ""]
+
+
 def render(weights: Path) -> str:
     summary = json.loads((weights / "training_summary.json").read_text())
     ev = json.loads((weights / "eval.json").read_text())
@@ -70,7 +81,7 @@ def render(weights: Path) -> str:
         "## Length generalisation", "",
         f"Held-out works fed as {ev['n_streams']} streams of 16,385 tokens through the stateful "
         "form; perplexity by position (T = training context):", "",
-        length_table(ev), "", "## Samples (temperature 0.8)", ""]
+        length_table(ev), "", *length_note(cfg), "## Samples (temperature 0.8)", ""]
     for prompt, seed, text in samples(weights):
         lines += [f"Seed {seed}, prompt {prompt!r}:", "", "```", prompt + text, "```", ""]
     lines += ["## Reproduce", "", "```bash", "python -m model.data",

@@ -88,7 +88,7 @@ def length_table(model: LanguageModel, streams: list[np.ndarray], train_ctx: int
     nll = np.stack([np.pad(stream_nll(model, s[:length]), (0, 0)) for s in streams])
     rows: list[dict[str, Any]] = []
     for lo, hi in buckets(train_ctx, length - 1):
-        if hi > nll.shape[1]:
+        if lo >= nll.shape[1]:
             rows.append({"bucket": f"[{lo}, {hi})", "ppl": None,
                          "note": "refused: over max_context"})
             continue

@@ -48,7 +48,6 @@ class Settings(BaseSettings):
     keepalive_seconds: float = Field(10.0, gt=0, description="SSE keep-alive comment interval")
     shutdown_grace_seconds: float = Field(
         15.0, ge=0, description="time in-flight streams get to finish on shutdown")
-    compile: bool = Field(False, description="torch.compile the decode step")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("session_store")
