@@ -5,6 +5,7 @@
 #         -e LINSERVE_WEIGHTS=/app/weights/softmax -e LINSERVE_SESSION_STORE=redis://redis:6379/0
 
 FROM python:3.11-slim AS build
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 WORKDIR /src
@@ -29,7 +30,7 @@ RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin app
 COPY --from=build /opt/venv /opt/venv
 WORKDIR /app
 COPY --chown=app:app weights/ /app/weights/
-USER app
+USER 10001
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
   CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)"]

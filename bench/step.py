@@ -3,8 +3,9 @@
 Sweeps batch (1, 8, 32, 64), context (128 … 32k; softmax rows stop where its KV cache would
 exceed the memory budget) and threads (1, 2), in fp32 and bf16 weights (state always fp32).
 Each row splits the time into the layers and the embedding + LM head, and measures in the
-same run the physical limit: a tight loop of exactly the step's matrix products with the same
-dtype and threads. ``frac_of_limit`` = limit / step (1.0 = at the limit).
+same run the physical limit: a tight loop of exactly the step's matrix products (projections,
+MLP, each layer's attention products, LM head) with the same dtype and threads.
+``frac_of_limit`` = limit / step (1.0 = at the limit).
 """
 
 from __future__ import annotations
@@ -40,21 +41,55 @@ def state_at(model: LanguageModel, batch: int, context: int) -> State:
     return state
 
 
-def matmul_limit(model: LanguageModel, batch: int) -> tuple[float, float]:
-    """(layers ms, head ms) of a tight loop of exactly the step's matrix products."""
+def attention_products(model: LanguageModel, batch: int, context: int
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Per layer, the attention's own matrix products as (out, a, b) for ``torch.bmm`` (or
+    ``baddbmm_`` into ``out`` when b is given as an update), in fp32 like the real step.
+
+    - linear: the state update s += φ(k) vᵀ (a batched rank-1 GEMM over the state) and the
+      readout φ(q)ᵀ s (a batched GEMV over the state): the RNN step's unavoidable state traffic;
+    - softmax: q Kᵀ and p V over ``context`` cached positions.
+    """
+    cfg = model.cfg
+    bh = batch * cfg.n_heads
+    if cfg.is_recurrent:
+        f, m = cfg.feature_dim, cfg.head_dim
+        s = torch.randn(bh, f, m)
+        return [(s, torch.rand(bh, f, 1), torch.randn(bh, 1, m)),
+                (torch.rand(bh, 1, f), s, None)]
+    dh, t = cfg.head_dim, context + 1
+    return [(torch.randn(bh, 1, dh), torch.randn(bh, dh, t), None),
+            (torch.softmax(torch.randn(bh, 1, t), -1), torch.randn(bh, t, dh), None)]
+
+
+def matmul_limit(model: LanguageModel, batch: int, context: int) -> tuple[float, float]:
+    """(whole-step ms, layers-only ms) of a tight loop of exactly the step's matrix products:
+    the projections and MLP with the model's dtype, each layer's attention products, and the
+    LM head. Running them together, as the step does, makes the weights compete for cache
+    the same way (at batch 1 the step is a memory-bound GEMV over ~21 MB of fp32 weights)."""
     dtype = model.dtype
     d, ff, v = model.cfg.d_model, model.cfg.d_ff, model.cfg.vocab_size
     x, h = torch.randn(batch, d, dtype=dtype), torch.randn(batch, ff, dtype=dtype)
-    ws = [(torch.randn(3 * d, d, dtype=dtype), x), (torch.randn(d, d, dtype=dtype), x),
-          (torch.randn(ff, d, dtype=dtype), x), (torch.randn(d, ff, dtype=dtype), h)]
+    shapes = [(3 * d, d, x), (d, d, x), (ff, d, x), (d, ff, h)]
+    layer_ws = [([(torch.randn(o, i, dtype=dtype), inp) for o, i, inp in shapes],
+                 attention_products(model, batch, context)) for _ in range(model.cfg.n_layers)]
     head = torch.randn(v, d, dtype=dtype)
 
     def layers() -> None:
-        for _ in range(model.cfg.n_layers):
-            for w, inp in ws:
+        for linears, attn in layer_ws:  # distinct weights and states per layer
+            for w, inp in linears:
                 F.linear(inp, w)
+            for out, a, b in attn:
+                if b is None:
+                    torch.bmm(out, a)
+                else:
+                    out.baddbmm_(a, b)
 
-    return time_ms(layers), time_ms(lambda: F.linear(x, head))
+    def whole() -> None:
+        layers()
+        F.linear(x, head)
+
+    return time_ms(whole), time_ms(layers)
 
 
 def step_parts(model: LanguageModel, state: State, batch: int) -> tuple[float, float, float]:
@@ -97,7 +132,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             for kind in args.kinds:
                 model = build(kind, DTYPES[dname], max(args.contexts) + 1)
                 for batch in args.batches:
-                    lim_layers, lim_head = matmul_limit(model, batch)
                     for ctx in args.contexts:
                         if kind == "softmax" and kv_bytes(model.cfg, batch, ctx) > args.kv_budget:
                             rows.append({"kind": kind, "dtype": dname, "threads": threads,
@@ -106,7 +140,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             continue
                         whole, layers, head = step_parts(model, state_at(model, batch, ctx),
                                                          batch)
-                        limit = lim_layers + lim_head
+                        if kind == "softmax" or ctx == args.contexts[0]:
+                            limit, lim_layers = matmul_limit(model, batch, ctx)
                         rows.append({
                             "kind": kind, "dtype": dname, "threads": threads, "batch": batch,
                             "context": ctx, "step_ms": whole, "layers_ms": layers,
