@@ -65,6 +65,7 @@ class Engine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._outbox: list[tuple[Sink, Output]] = []
+        self._bp_cache: tuple[tuple[str, ...], BatchParams, bool] | None = None
         self.steps = 0
 
     # ---- thread-safe API -------------------------------------------------------------
@@ -222,13 +223,25 @@ class Engine:
         for seq in finished:
             self._retire(seq)
 
+    def _batch_params(self, seqs: list[Sequence]) -> tuple[BatchParams, bool]:
+        """Column tensors of the rows' parameters, and whether any row uses penalties.
+        Rebuilt only when the running batch changes (not every step)."""
+        key = tuple(s.req.request_id for s in seqs)
+        if self._bp_cache is not None and self._bp_cache[0] == key:
+            return self._bp_cache[1], self._bp_cache[2]
+        params = [s.params for s in seqs]
+        use_pen = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                      for p in params)
+        bp = BatchParams.from_params(params)
+        if seqs is self.running:
+            self._bp_cache = (key, bp, use_pen)
+        return bp, use_pen
+
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, counts: torch.Tensor,
                 seen: torch.Tensor) -> int:
         """Sample one token per row, record it on each sequence; returns row 0's token."""
         params = [s.params for s in seqs]
-        bp = BatchParams.from_params(params)
-        use_pen = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                      for p in params)
+        bp, use_pen = self._batch_params(seqs)
         tokens = sample(logits, bp, [s.generator for s in seqs],
                         counts if use_pen else None, seen if use_pen else None)
         n_lp = max((p.logprobs or 0) for p in params)
@@ -238,7 +251,7 @@ class Engine:
             packed = logprob_entries(chosen, values, ids, tokens, n_lp)
             entries = [e if p.logprobs is not None else None
                        for e, p in zip(packed, params, strict=True)]
-        if len(seqs) == self.pool.n and seqs is self.running:
+        if use_pen and seqs is self.running:  # only penalised rows read the counts
             self.pool.record(tokens)
         for seq, tok, entry in zip(seqs, tokens.tolist(), entries, strict=True):
             seq.add_token(tok, entry)
