@@ -97,8 +97,9 @@ def length_table(model: LanguageModel, streams: list[np.ndarray], train_ctx: int
 
 
 def evaluate(weights: Path, data_dir: Path = DATA_DIR, train_ctx: int = 256,
-             stream_len: int = 16384, n_streams: int = 8) -> dict[str, Any]:
-    model = load_model(weights)
+             stream_len: int = 16384, n_streams: int = 8,
+             dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    model = load_model(weights, dtype)
     tok = Tokenizer.from_file(weights / model.cfg.tokenizer)
     result: dict[str, Any] = {"weights": str(weights), "attention": model.cfg.attention,
                               "n_params": model.n_params(), "train_context": train_ctx}
@@ -109,6 +110,8 @@ def evaluate(weights: Path, data_dir: Path = DATA_DIR, train_ctx: int = 256,
                                  .tolist()[1:]).encode())
         result[split] = {"ppl": round(math.exp(nll / count), 3), "tokens": count,
                          "bits_per_byte": round(nll / math.log(2) / n_bytes, 4)}
+    if n_streams == 0:
+        return result
     held = np.concatenate([np.asarray(load_tokens(s, data_dir)) for s in ("valid", "test")])
     step = max(1, (len(held) - stream_len) // max(1, n_streams - 1))
     streams = [held[i * step : i * step + stream_len + 1] for i in range(n_streams)
@@ -127,11 +130,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--output", type=Path, help="write the JSON result here")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="weight dtype (recurrent state stays fp32)")
+    parser.add_argument("--no-length-table", action="store_true",
+                        help="only perplexity and bits per byte")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     result = evaluate(args.weights, args.data_dir, args.train_context, args.stream_len,
-                      args.streams)
+                      0 if args.no_length_table else args.streams, getattr(torch, args.dtype))
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:

@@ -40,7 +40,7 @@ class DrainingServer(uvicorn.Server):
             client = getattr(state, "client", None)
             if client is not None:
                 deadline = max(self.grace - 1.0, 0.0)
-                client.loop.call_later(deadline, client.engine.finish_all)
+                client.loop.call_later(deadline, client.finish_all)
         super().handle_exit(sig, frame)
 
 

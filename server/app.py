@@ -18,8 +18,9 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from model.tokenizer import Tokenizer
 from model.transformer import LanguageModel, load_model
-from server.client import EngineClient
+from server.client import EngineBackend, EngineClient
 from server.engine import Engine, EngineLimits
+from server.engine_process import ProcessEngineClient
 from server.errors import error_body, install_error_handlers
 from server.openapi import install_openapi
 from server.routes import completions, misc, sessions
@@ -141,11 +142,15 @@ def wrap(app: FastAPI, settings: Settings, state_limit: int) -> ASGIApp:
 async def startup(app: FastAPI, settings: Settings) -> None:
     t0 = time.monotonic()
     model, tok = await asyncio.to_thread(load_engine_model, settings)
-    await asyncio.to_thread(warm_up, model)
-    limits = EngineLimits(settings.max_running, settings.max_waiting, settings.prefill_chunk,
-                          settings.step_token_budget)
-    client = EngineClient(lambda deliver: Engine(model, tok, limits, deliver))
-    client.start()
+    client: EngineBackend
+    if settings.engine_mode == "process":
+        client = ProcessEngineClient(settings, model.cfg, model.fingerprint())
+    else:
+        await asyncio.to_thread(warm_up, model)
+        limits = EngineLimits(settings.max_running, settings.max_waiting,
+                              settings.prefill_chunk, settings.step_token_budget)
+        client = EngineClient(lambda deliver: Engine(model, tok, limits, deliver))
+    await client.start_async()
     store = make_store(settings)
     bind = getattr(store, "bind_model", None)
     if bind is not None:
@@ -164,7 +169,8 @@ async def startup(app: FastAPI, settings: Settings) -> None:
         "state_bytes_per_session": model.state_nbytes(),
         "state_note": "constant" if model.cfg.is_recurrent else "grows with context",
         "session_store": settings.session_store.split("@")[-1],
-        "threads": torch.get_num_threads(), "load_seconds": round(time.monotonic() - t0, 2)}))
+        "engine": settings.engine_mode, "threads": torch.get_num_threads(),
+        "load_seconds": round(time.monotonic() - t0, 2)}))
 
 
 async def shutdown(app: FastAPI) -> None:

@@ -7,15 +7,33 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from server.engine import Engine, Sink
 from server.types import GenerationRequest, Output
 
 
+class EngineBackend(Protocol):
+    """What the HTTP side needs from an engine: a thread (:class:`EngineClient`) or a
+    process (:class:`server.engine_process.ProcessEngineClient`)."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def submit(self, req: GenerationRequest) -> RequestHandle: ...
+
+    def cancel(self, request_id: str, sent_tokens: int | None = None) -> None: ...
+
+    def finish_all(self) -> None: ...
+
+    async def start_async(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 class RequestHandle:
     """A submitted request as the HTTP layer sees it."""
 
-    def __init__(self, client: EngineClient, req: GenerationRequest) -> None:
+    def __init__(self, client: EngineBackend, req: GenerationRequest) -> None:
         self.client = client
         self.req = req
         self.queue: asyncio.Queue[Output] = asyncio.Queue()
@@ -57,7 +75,7 @@ class RequestHandle:
     def cancel(self) -> None:
         """Stop generating; the session keeps exactly the tokens sent so far."""
         if not self.finished:
-            self.client.engine.cancel(self.req.request_id, self.sent_tokens)
+            self.client.cancel(self.req.request_id, self.sent_tokens)
 
 
 class EngineClient:
@@ -71,6 +89,15 @@ class EngineClient:
 
     def start(self) -> None:
         self.thread.start()
+
+    async def start_async(self) -> None:
+        self.start()
+
+    def cancel(self, request_id: str, sent_tokens: int | None = None) -> None:
+        self.engine.cancel(request_id, sent_tokens)
+
+    def finish_all(self) -> None:
+        self.engine.finish_all()
 
     async def stop(self) -> None:
         self.engine.stop()

@@ -18,7 +18,7 @@ from model.sampling import SamplingParams
 from model.state import State
 from model.tokenizer import Tokenizer
 from model.transformer import LanguageModel
-from server.client import EngineClient, RequestHandle
+from server.client import EngineBackend, RequestHandle
 from server.engine import Overloaded
 from server.errors import APIError
 from server.protocol import new_id
@@ -49,7 +49,7 @@ class Prepared:
 
 
 class GenerationService:
-    def __init__(self, client: EngineClient, store: SessionStore, model: LanguageModel,
+    def __init__(self, client: EngineBackend, store: SessionStore, model: LanguageModel,
                  tokenizer: Tokenizer, settings: Settings) -> None:
         self.client = client
         self.store = store

@@ -28,6 +28,9 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="weight dtype; recurrent state is always float32")
     threads: int = Field(0, ge=0, description="torch threads for the engine (0: auto)")
+    engine_mode: Literal["process", "thread"] = Field(
+        "process", description="run the engine in its own process (no GIL contention with "
+        "HTTP) or as a thread of the server process")
     session_store: str = Field("memory", description="'memory' or redis://HOST:PORT/DB")
     session_ttl: float = Field(3600.0, gt=0, description="seconds an idle session is kept")
     session_lock_seconds: float = Field(

@@ -6,7 +6,6 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
@@ -19,10 +18,10 @@ def duration(ci_seconds: float, full_seconds: float) -> float:
 
 
 def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+    """Resident memory of a server: its process and its children (the engine process)."""
+    from bench.sessions import rss_bytes as tree_rss
+
+    return tree_rss(pid)
 
 
 def metric(url: str, name: str) -> float:
