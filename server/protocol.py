@@ -131,12 +131,6 @@ class DetokenizeRequest(OpenAIBase):
     model: str | None = None
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
 class ErrorBody(BaseModel):
     message: str
     type: str
@@ -158,42 +152,6 @@ class SessionInfo(BaseModel):
     model: str
     created: int
     last_used: int
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    """``text_completion`` (also the shape of each streamed chunk)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    session_id: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: dict[str, Any]
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-
-
-class ChatResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-    session_id: str | None = None
 
 
 def new_id(prefix: str) -> str:

@@ -27,20 +27,22 @@ def _tiny_checkpoint(path: Path, kind: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def linear_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    real = WEIGHTS / "linear"
+def _weights(kind: str, factory: pytest.TempPathFactory) -> Path:
+    """The shipped checkpoint of ``kind``, or a tiny random one if it is missing."""
+    real = WEIGHTS / kind
     if (real / "model.safetensors").exists():
         return real
-    return _tiny_checkpoint(tmp_path_factory.mktemp("tiny-linear"), "linear")
+    return _tiny_checkpoint(factory.mktemp(f"tiny-{kind}"), kind)
+
+
+@pytest.fixture(scope="session")
+def linear_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _weights("linear", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def softmax_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    real = WEIGHTS / "softmax"
-    if (real / "model.safetensors").exists():
-        return real
-    return _tiny_checkpoint(tmp_path_factory.mktemp("tiny-softmax"), "softmax")
+    return _weights("softmax", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

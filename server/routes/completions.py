@@ -70,9 +70,7 @@ async def completions(body: CompletionRequest, request: Request, owner: Owner) -
     if body.session_id:
         base["session_id"] = body.session_id
     if not body.stream:
-        out = await svc.collect(handle)
-        observe_tokens(handle, out)
-        log_request(handle, out, "ok")
+        out = await _collect(svc, handle)
         lp_total = None
         if lp is not None:
             lp.piece((out.prompt_logprobs or []) + out.logprobs)
@@ -97,6 +95,14 @@ async def completions(body: CompletionRequest, request: Request, owner: Owner) -
     return _stream(handle, render, usage_chunk, request)
 
 
+async def _collect(svc: GenerationService, handle: RequestHandle) -> Output:
+    """The whole result of a non-streaming request, with its metrics and log line."""
+    out = await svc.collect(handle)
+    observe_tokens(handle, out)
+    log_request(handle, out, "ok")
+    return out
+
+
 def _stream(handle: RequestHandle, render: Any, usage_chunk: Any,
             request: Request) -> StreamingResponse:
     keepalive = request.app.state.settings.keepalive_seconds
@@ -119,9 +125,7 @@ async def chat_completions(body: ChatRequest, request: Request, owner: Owner) ->
     if body.session_id:
         base["session_id"] = body.session_id
     if not body.stream:
-        out = await svc.collect(handle)
-        observe_tokens(handle, out)
-        log_request(handle, out, "ok")
+        out = await _collect(svc, handle)
         message = {"role": "assistant", "content": out.text.strip()}
         return JSONResponse({**base, "object": "chat.completion", "choices": [{
             "index": 0, "message": message, "finish_reason": finish_reason(out),
