@@ -47,6 +47,24 @@ def time_ms(fn: Callable[[], object], min_iters: int = 5, min_seconds: float = 0
     return times[len(times) // 2]
 
 
+def style_axes(ax: Any, xlabel: str, ylabel: str, title: str, logy: bool = True,
+               legend_size: int | None = None) -> None:
+    """The common look of the benchmark plots: log2 x, optional log y, grid, legend."""
+    ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
+def save_figure(fig: Any, name: str) -> None:
+    fig.tight_layout()
+    fig.savefig(RESULTS / name, dpi=110)
+
+
 def write_json(name: str, data: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from bench import loadtest
-from bench.common import RESULTS, machine, print_table, time_ms, write_json
+from bench.common import RESULTS, machine, print_table, save_figure, style_axes, time_ms, write_json
 from bench.serverproc import ServerProcess
 from model.transformer import load_model
 
@@ -74,14 +74,8 @@ def plot(rows: list[dict[str, Any]]) -> None:
                 label=f"{model} p99")
     for ax, title, ylabel in ((a1, "aggregate output tokens/s", "tokens/s"),
                               (a2, "inter-token latency", "ms")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent streaming clients")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(RESULTS / "concurrency.png", dpi=110)
+        style_axes(ax, "concurrent streaming clients", ylabel, title, logy=False)
+    save_figure(fig, "concurrency.png")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from bench.common import RESULTS, machine, print_table, write_json
+from bench.common import RESULTS, machine, print_table, save_figure, style_axes, write_json
 from bench.step import build, kv_bytes, state_at, step_parts
 from model.state import LinearState
 
@@ -67,29 +67,16 @@ def plot(rows: list[dict[str, Any]], batches: list[int]) -> None:
                 ax.annotate(f"softmax stops:\n{stopped[0]['stopped']}",
                             (stopped[0]["context"], done[-1]["ms_per_step"]), fontsize=8,
                             color=color, ha="right")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("ms per decode step")
-        ax.set_title(f"decode step latency, batch {batch}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(RESULTS / "context_latency.png", dpi=110)
+        style_axes(ax, "context (tokens)", "ms per decode step",
+                   f"decode step latency, batch {batch}")
+    save_figure(fig, "context_latency.png")
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for kind, color in (("linear", "tab:blue"), ("softmax", "tab:red")):
         pts = [r for r in rows if r["kind"] == kind and r["batch"] == batches[0]]
         ax.plot([r["context"] for r in pts], [r["state_bytes_per_session"] / 2**20 for r in pts],
                 "o-", color=color, label=kind)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("MiB of state per session")
-    ax.set_title("session state size")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(RESULTS / "context_state_bytes.png", dpi=110)
+    style_axes(ax, "context (tokens)", "MiB of state per session", "session state size")
+    save_figure(fig, "context_state_bytes.png")
 
 
 def main(argv: list[str] | None = None) -> None:

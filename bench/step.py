@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import RESULTS, machine, print_table, time_ms, write_json
+from bench.common import machine, print_table, save_figure, style_axes, time_ms, write_json
 from model.config import ModelConfig
 from model.state import KVCache, State
 from model.transformer import LanguageModel
@@ -175,15 +175,9 @@ def plot(rows: list[dict[str, Any]], context: int) -> None:
             ax.plot(xs, [r["step_ms"] for r in pts], "o-", color=color, label=f"{kind} step")
             if kind == "linear":
                 ax.plot(xs, [r["limit_ms"] for r in pts], "k--", label="matmul limit")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch")
-        ax.set_ylabel("ms per step")
-        ax.set_title(f"{dtype}, {threads} thread(s), context {context}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "step.png", dpi=110)
+        style_axes(ax, "batch", "ms per step", f"{dtype}, {threads} thread(s), context {context}",
+                   legend_size=8)
+    save_figure(fig, "step.png")
 
 
 def main(argv: list[str] | None = None) -> None:
