@@ -35,3 +35,16 @@ def test_sigterm_ends_streams_cleanly(linear_weights: Path) -> None:
         assert srv.proc.wait(15) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
     finally:
         srv.stop()
+
+
+def test_thread_engine_mode_serves(linear_weights: Path) -> None:
+    """The engine can also run as a thread of the server process (for debugging)."""
+    with ServerProcess(linear_weights, args=["--engine-mode", "thread"]) as srv:
+        sess = httpx.post(srv.url + "/v1/sessions", json={"prompt": "Hark"}).json()
+        body = {"prompt": "", "session_id": sess["id"], "max_tokens": 5, "temperature": 0,
+                "ignore_eos": True}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        info = httpx.get(f"{srv.url}/v1/sessions/{sess['id']}").json()
+        assert info["tokens"] == sess["tokens"] + 5
+        assert '"engine": "thread"' in srv.logs()
