@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the full run fuzzes for 10 minutes
 def test_schemathesis_default_checks(linear_weights: Path) -> None:
     """Every default schemathesis check (status codes, content types, schema conformance of
     JSON and SSE responses, no 5xx) over every operation, bounded by time."""

@@ -27,6 +27,7 @@ from tests.reliability.helpers import (
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
+@pytest.mark.timeout(1800)  # the full run lasts 10 minutes plus warm-up
 def test_soak(linear_weights: Path) -> None:
     """64 concurrent streaming clients for 60 s (10 min full): 0 errors, every stream ends
     with [DONE] and the right finish_reason, RSS growth after warm-up < 5%."""

@@ -20,6 +20,7 @@ from tests.reliability.helpers import FULL, stream
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
+@pytest.mark.timeout(1800)
 def test_long_generation_stays_exact(linear_weights: Path) -> None:
     total = 100_000 if FULL else 5_000
     per_request = 2_000 if FULL else 1_000
