@@ -24,10 +24,13 @@ from model.transformer import LanguageModel
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def build(kind: str, dtype: torch.dtype, max_context: int) -> LanguageModel:
+def build(kind: str, dtype: torch.dtype, max_context: int, fused: bool) -> LanguageModel:
+    """A random model of the shipped shape, with the fused step where it applies."""
     torch.manual_seed(0)
     cfg = ModelConfig(attention=kind, max_context=max_context)  # type: ignore[arg-type]
-    return LanguageModel(cfg).eval().to(dtype)
+    model = LanguageModel(cfg).eval().to(dtype)
+    model.set_fused_step(fused)
+    return model
 
 
 def state_at(model: LanguageModel, batch: int, context: int) -> State:
@@ -71,14 +74,16 @@ def matmul_limit(model: LanguageModel, batch: int, context: int) -> tuple[float,
     d, ff, v = model.cfg.d_model, model.cfg.d_ff, model.cfg.vocab_size
     x, h = torch.randn(batch, d, dtype=dtype), torch.randn(batch, ff, dtype=dtype)
     shapes = [(3 * d, d, x), (d, d, x), (ff, d, x), (d, ff, h)]
-    layer_ws = [([(torch.randn(o, i, dtype=dtype), inp) for o, i, inp in shapes],
+    # Weights [in, out] and contiguous: on this machine ``x @ W`` beats ``F.linear`` (x @ Wᵀ
+    # on the stored [out, in]) by ~20%, so that is the faster, stricter limit.
+    layer_ws = [([(torch.randn(i, o, dtype=dtype), inp) for o, i, inp in shapes],
                  attention_products(model, batch, context)) for _ in range(model.cfg.n_layers)]
-    head = torch.randn(v, d, dtype=dtype)
+    head = torch.randn(d, v, dtype=dtype)
 
     def layers() -> None:
         for linears, attn in layer_ws:  # distinct weights and states per layer
             for w, inp in linears:
-                F.linear(inp, w)
+                torch.mm(inp, w)
             for out, a, b in attn:
                 if b is None:
                     torch.bmm(out, a)
@@ -87,37 +92,40 @@ def matmul_limit(model: LanguageModel, batch: int, context: int) -> tuple[float,
 
     def whole() -> None:
         layers()
-        F.linear(x, head)
+        torch.mm(x, head)
 
     return time_ms(whole), time_ms(layers)
 
 
-def step_parts(model: LanguageModel, state: State, batch: int) -> tuple[float, float, float]:
-    """(whole step, layers only, embedding + head) in ms."""
-    tokens = torch.randint(0, model.cfg.vocab_size, (batch,))
-    x = model.embed(tokens)
+def step_parts(model: LanguageModel, state: State, batch: int
+               ) -> tuple[float, float, float, float | None]:
+    """(whole step, layers only, embedding + head, eager whole step) in ms.
 
-    @torch.inference_mode()
-    def layers_only() -> None:
-        y = x
-        for i, block in enumerate(model.layers):
-            y = block.step(y, state, i)
-        if isinstance(state, KVCache):
-            state.lengths -= 0  # positions stay fixed: every call is the same work
+    The whole step is the one the server runs: the fused native step where the model has
+    it (``model.uses_fused_step``), else the eager one. Its layers are the whole minus the
+    separately timed embedding + head (the fused step cannot be split). The last value is
+    the eager step on the same state, for comparison (None when the step already is eager).
+    """
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch,))
 
     @torch.inference_mode()
     def head_only() -> None:
         model._head(model.embed(tokens))
 
-    whole_state = state
-
     @torch.inference_mode()
     def whole() -> None:
-        model.step(tokens, whole_state)
-        if isinstance(whole_state, KVCache):
-            whole_state.lengths -= 1  # stay at the same context
+        model.step(tokens, state)
+        if isinstance(state, KVCache):
+            state.lengths -= 1  # stay at the same context
 
-    return time_ms(whole), time_ms(layers_only), time_ms(head_only)
+    head = time_ms(head_only)
+    step = time_ms(whole)
+    eager = None
+    if model.uses_fused_step:
+        model.set_fused_step(False)
+        eager = time_ms(whole)
+        model.set_fused_step(True)
+    return step, step - head, head, eager
 
 
 def kv_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
@@ -130,7 +138,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         torch.set_num_threads(threads)
         for dname in args.dtypes:
             for kind in args.kinds:
-                model = build(kind, DTYPES[dname], max(args.contexts) + 1)
+                model = build(kind, DTYPES[dname], max(args.contexts) + 1, args.fused)
                 for batch in args.batches:
                     for ctx in args.contexts:
                         if kind == "softmax" and kv_bytes(model.cfg, batch, ctx) > args.kv_budget:
@@ -138,20 +146,22 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                          "batch": batch, "context": ctx, "step_ms": None,
                                          "note": "KV cache over memory budget"})
                             continue
-                        whole, layers, head = step_parts(model, state_at(model, batch, ctx),
-                                                         batch)
+                        whole, layers, head, eager = step_parts(
+                            model, state_at(model, batch, ctx), batch)
                         if kind == "softmax" or ctx == args.contexts[0]:
                             limit, lim_layers = matmul_limit(model, batch, ctx)
                         rows.append({
                             "kind": kind, "dtype": dname, "threads": threads, "batch": batch,
                             "context": ctx, "step_ms": whole, "layers_ms": layers,
-                            "head_ms": head, "limit_ms": limit, "limit_layers_ms": lim_layers,
+                            "head_ms": head, "eager_step_ms": eager,
+                            "fused": model.uses_fused_step, "limit_ms": limit, "limit_layers_ms": lim_layers,
                             "frac_of_limit": limit / whole,
                             "layers_frac_of_limit": lim_layers / layers,
                             "tokens_per_s": batch / whole * 1000})
                         print(f"{kind:8s} {dname} t={threads} B={batch:3d} ctx={ctx:6d} "
                               f"step={whole:8.3f} ms  layers={layers:7.3f}  head={head:6.3f}  "
-                              f"limit={limit:6.3f}  frac={limit / whole:.2f}", flush=True)
+                              f"limit={limit:6.3f}  frac={limit / whole:.2f}  eager="
+                              f"{eager if eager is None else round(eager, 3)}", flush=True)
     return rows
 
 
@@ -190,13 +200,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     parser.add_argument("--kv-budget", type=float, default=6e9, help="bytes of KV cache allowed")
+    parser.add_argument("--no-fused", dest="fused", action="store_false",
+                        help="time the eager step only (the fused step is the default)")
     parser.add_argument("--output", default="step")
     args = parser.parse_args(argv)
     rows = run(args)
     print()
     print_table([r for r in rows if r.get("step_ms") is not None],
                 ["kind", "dtype", "threads", "batch", "context", "step_ms", "layers_ms",
-                 "head_ms", "limit_ms", "frac_of_limit"])
+                 "head_ms", "limit_ms", "frac_of_limit", "eager_step_ms"])
     path = write_json(args.output, {"machine": machine(), "rows": rows})
     plot(rows, 4096 if 4096 in args.contexts else args.contexts[0])
     print(f"\nwrote {path}")

@@ -14,7 +14,9 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.layers import Block
-from model.state import KVCache, State, empty_state
+from model import fused_step, kernels
+from model.fused_step import FusedStep
+from model.state import KVCache, LinearState, State, empty_state
 
 
 class LanguageModel(nn.Module):
@@ -39,6 +41,7 @@ class LanguageModel(nn.Module):
             for lin in (block.attn.out, block.mlp.down):
                 nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
         self._fingerprint: str | None = None
+        self._fused: FusedStep | None = None
 
     @staticmethod
     def _init(module: nn.Module) -> None:
@@ -88,9 +91,26 @@ class LanguageModel(nn.Module):
         logits = self._head(x if all_logits else x[:, -1])
         return logits, state
 
+    def set_fused_step(self, enabled: bool) -> bool:
+        """Use the native fused decode step (elu+1 models; see :mod:`model.fused_step`).
+
+        Packs the current weights, so call it after any ``.to(dtype)``. Returns whether the
+        fused step is now in use: False when disabled, unsupported or not compilable here.
+        """
+        self._fused = None
+        if enabled and fused_step.supports(self) and kernels.load():
+            self._fused = fused_step.FusedStep(self)
+        return self._fused is not None
+
+    @property
+    def uses_fused_step(self) -> bool:
+        return self._fused is not None
+
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         """tokens ``[B]`` -> logits ``[B, V]``; advances every row of ``state`` by one token."""
+        if self._fused is not None and isinstance(state, LinearState):
+            return self._fused(tokens, state)
         if isinstance(state, KVCache):
             state.ensure_capacity(int(state.lengths.max()) + 1)
         x = self.embed(tokens)
@@ -123,8 +143,13 @@ class LanguageModel(nn.Module):
         save_file(tensors, str(directory / "model.safetensors"))
 
 
-def load_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> LanguageModel:
-    """Rebuild a model from ``config.json`` and load ``model.safetensors`` (strict)."""
+def load_model(directory: str | Path, dtype: torch.dtype = torch.float32,
+               fused: bool = True) -> LanguageModel:
+    """Rebuild a model from ``config.json`` and load ``model.safetensors`` (strict).
+
+    ``fused`` turns on the native fused decode step where the model supports it and the
+    kernel can be built or loaded (see :meth:`LanguageModel.set_fused_step`).
+    """
     directory = Path(directory)
     cfg = ModelConfig.load(directory / "config.json")
     model = LanguageModel(cfg)
@@ -134,4 +159,6 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> Lan
     if cfg.attention == "favor":  # random features stay exactly as saved, in fp32
         for block in model.blocks:
             block.attn.favor_w.data = block.attn.favor_w.data.float()  # type: ignore[union-attr]
-    return model.eval()
+    model.eval()
+    model.set_fused_step(fused)
+    return model

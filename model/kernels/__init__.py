@@ -1,0 +1,83 @@
+"""Native kernels: the fused linear-attention decode step (``linear_step.cpp``).
+
+The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler
+and ninja are needed then, once; the result is cached) or loaded from a prebuilt library,
+which is how the Docker image ships it without a compiler:
+
+- ``LINSERVE_KERNEL_LIB=/path/linserve_kernels.so``: load this prebuilt library.
+- ``LINSERVE_KERNEL_ARCH`` (default ``native``): the ``-march`` the source is compiled for.
+- ``python -m model.kernels build DIR``: compile into DIR and print the library's path.
+
+:func:`load` never raises: without a compiler it returns False and the model keeps its eager
+step, which computes the same thing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("linear_step.cpp")
+NAME = "linserve_kernels"
+_state: dict[str, bool | str] = {}
+
+
+def is_loaded() -> bool:
+    """True once ``torch.ops.linserve.linear_step`` is registered in this process."""
+    try:
+        torch.ops.linserve.linear_step  # noqa: B018 (attribute lookup raises if missing)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def build(directory: str | Path | None = None, verbose: bool = False) -> str:
+    """Compile the kernels (cached by source and flags) and load them; returns the .so path."""
+    from torch.utils import cpp_extension
+
+    arch = os.environ.get("LINSERVE_KERNEL_ARCH", "native")
+    kwargs = {} if directory is None else {"build_directory": str(directory)}
+    if directory is not None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    path = cpp_extension.load(
+        name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3", f"-march={arch}"],
+        is_python_module=False, verbose=verbose, **kwargs)
+    return str(path) if path else str(Path(kwargs.get("build_directory", "")) / f"{NAME}.so")
+
+
+def load() -> bool:
+    """Make the fused step available (prebuilt library, else compile); False if impossible."""
+    if "ok" in _state:
+        return bool(_state["ok"])
+    ok = is_loaded()
+    lib = os.environ.get("LINSERVE_KERNEL_LIB")
+    try:
+        if not ok and lib:
+            torch.ops.load_library(lib)
+        elif not ok:
+            build()
+        ok = is_loaded()
+    except Exception as exc:  # no compiler, no ninja, a bad library: fall back to eager
+        _state["error"] = f"{type(exc).__name__}: {exc}"
+        log.warning("fused step unavailable, using the eager step (%s)", _state["error"])
+        ok = False
+    _state["ok"] = ok
+    return ok
+
+
+def load_error() -> str | None:
+    """Why :func:`load` failed, if it did."""
+    err = _state.get("error")
+    return str(err) if err else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "build":
+        raise SystemExit("usage: python -m model.kernels build DIR")
+    print(build(args[1], verbose=True))

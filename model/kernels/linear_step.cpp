@@ -1,0 +1,224 @@
+// Fused RNN-mode decode step for the elu+1 linear-attention model.
+//
+// One call advances every row of a batched state by one token and returns the logits.
+// The matrix products go to ATen (oneDNN / MKL GEMM); everything between them -- RMSNorm,
+// the short causal convolution and its window shift, phi(x) = elu(x) + 1, the state update
+// s += phi(k) v^T, z += phi(k), the readout phi(q)^T s / phi(q)^T z, residuals and GELU -- is
+// a handful of fused loops. The eager step issues ~30 small PyTorch ops per layer, and at
+// batch 1 their dispatch costs more than the layer's own matrix products.
+//
+// Activations and the residual stream are fp32; they are cast to the weight dtype (fp32 or
+// bf16) only as GEMM inputs. Recurrent state is always fp32.
+//
+// Shapes (B rows, L layers, H heads, F = M = head_dim, d = H*M, K = conv width):
+//   tokens [B] int64
+//   s [L, B, H, F, M], z [L, B, H, F], conv [L, B, K-1, 3d] fp32; each layer's slice
+//   s[l], z[l], conv[l] must be contiguous (the slot pool's live-row views are).
+//   weights (see model/fused_step.py): embed [V, d], head [d, V] (the embedding transposed),
+//   final norm [d] fp32, then per layer norm1 [d] fp32, qkv [d, 3d], conv [K, 3d] fp32 (empty
+//   when K = 0), out [d, d], norm2 [d] fp32, up [d, f], down [f, d]. GEMM weights are stored
+//   [in, out] and contiguous: x @ W runs about 20% faster than x @ W_stored^T here.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPerLayer = 7;
+
+// out[b, :] = x[b, :] / sqrt(mean(x[b, :]^2) + eps) * w, all fp32 [B, d].
+void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t d,
+              double eps) {
+  for (int64_t b = 0; b < rows; ++b) {
+    const float* xr = x + b * d;
+    float* o = out + b * d;
+    float ss = 0.f;
+    for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
+    for (int64_t i = 0; i < d; ++i) o[i] = xr[i] * r * w[i];
+  }
+}
+
+// The normalised activations as a GEMM input in the weight dtype.
+at::Tensor normed(const at::Tensor& x, const at::Tensor& w, double eps,
+                  at::ScalarType wdtype) {
+  at::Tensor out = at::empty_like(x);
+  rms_norm(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), x.size(0),
+           x.size(1), eps);
+  return wdtype == at::kFloat ? out : out.to(wdtype);
+}
+
+// exp(v) for v <= 0 in a form the compiler vectorises: v = n ln2 + r, |r| <= ln2 / 2,
+// a degree-6 polynomial for exp(r), then 2^n through the exponent bits. Within 2 ulp of expf;
+// underflows to 0 below -87 like expf.
+inline float exp_nonpositive(float v) {
+  v = v < -87.f ? -87.f : v;
+  const float n = std::nearbyint(v * 1.44269504088896341f);
+  const float r = v - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// phi(v) = elu(v) + 1: v + 1 for v > 0, exp(v) otherwise.
+inline float elu_plus_one(float v) { return v > 0.f ? v + 1.f : exp_nonpositive(v); }
+
+// qkv [B, 3d] fp32 in place: causal depthwise conv over (buffer, current), then the
+// buffer shifts by one; phi on the q and k parts. buf [B, K-1, 3d], cw [K, 3d].
+void conv_and_features(float* qkv, float* buf, const float* cw, int64_t rows, int64_t width,
+                       int64_t k) {
+  const int64_t qk = 2 * width / 3;
+  std::vector<float> acc(width);
+  for (int64_t b = 0; b < rows; ++b) {
+    float* u = qkv + b * width;
+    if (k > 0) {
+      float* bb = buf + b * (k - 1) * width;
+      const float* last = cw + (k - 1) * width;
+      for (int64_t c = 0; c < width; ++c) acc[c] = last[c] * u[c];
+      for (int64_t i = 0; i < k - 1; ++i) {
+        const float* wi = cw + i * width;
+        const float* bi = bb + i * width;
+        for (int64_t c = 0; c < width; ++c) acc[c] += wi[c] * bi[c];
+      }
+      if (k > 1) {  // shift the window: drop the oldest input, append the current one
+        std::memmove(bb, bb + width, (k - 2) * width * sizeof(float));
+        std::memcpy(bb + (k - 2) * width, u, width * sizeof(float));
+      }
+      std::memcpy(u, acc.data(), width * sizeof(float));
+    }
+    for (int64_t c = 0; c < qk; ++c) u[c] = elu_plus_one(u[c]);
+  }
+}
+
+// One (row, head): s += k v^T, z += k, out = q^T s / (q^T z + eps), in one pass over s
+// [F, M]. DIM > 0 fixes F = M at compile time so the accumulator stays in registers.
+template <int64_t DIM>
+void attend_head(const float* q, const float* kk, const float* v, float* sp, float* zp,
+                 float* o, int64_t dim_rt, float eps) {
+  const int64_t dim = DIM > 0 ? DIM : dim_rt;
+  float num[DIM > 0 ? DIM : 1024];
+  float den = 0.f;
+  for (int64_t m = 0; m < dim; ++m) num[m] = 0.f;
+  for (int64_t f = 0; f < dim; ++f) {
+    zp[f] += kk[f];
+    den += q[f] * zp[f];
+    const float kf = kk[f], qf = q[f];
+    float* row = sp + f * dim;
+    for (int64_t m = 0; m < dim; ++m) {
+      const float updated = row[m] + kf * v[m];
+      row[m] = updated;
+      num[m] += qf * updated;
+    }
+  }
+  const float inv = 1.f / (den + eps);
+  for (int64_t m = 0; m < dim; ++m) o[m] = num[m] * inv;
+}
+
+// Every (row, head). qkv [B, 3d] holds phi(q), phi(k), v; s [B, H, F, M]; z [B, H, F];
+// out [B, d].
+void attend(const float* qkv, float* s, float* z, float* out, int64_t rows, int64_t heads,
+            int64_t dim, double eps) {
+  TORCH_CHECK(dim <= 1024, "head_dim above 1024 is not supported by the fused step");
+  const int64_t d = heads * dim;
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads;
+      const float* q = qkv + b * 3 * d + h * dim;
+      float* args_s = s + bh * dim * dim;
+      float* args_z = z + bh * dim;
+      float* o = out + b * d + h * dim;
+      const auto e = static_cast<float>(eps);
+      if (dim == 64) {
+        attend_head<64>(q, q + d, q + 2 * d, args_s, args_z, o, dim, e);
+      } else if (dim == 32) {
+        attend_head<32>(q, q + d, q + 2 * d, args_s, args_z, o, dim, e);
+      } else {
+        attend_head<0>(q, q + d, q + 2 * d, args_s, args_z, o, dim, e);
+      }
+    }
+  });
+}
+
+// x += y, where y is a GEMM output in the weight dtype.
+void add_residual(at::Tensor& x, const at::Tensor& y) {
+  if (y.scalar_type() == at::kFloat) {
+    x.add_(y);
+  } else {
+    x.add_(y.to(at::kFloat));
+  }
+}
+
+void layer_step(at::Tensor& x, const std::vector<at::Tensor>& w, int64_t base, at::Tensor s,
+                at::Tensor z, at::Tensor conv, int64_t heads, double attn_eps,
+                double norm_eps) {
+  const at::ScalarType wdtype = w[base + 1].scalar_type();
+  const int64_t rows = x.size(0), d = x.size(1);
+  const at::Tensor& cw = w[base + 2];
+  at::Tensor qkv = at::mm(normed(x, w[base], norm_eps, wdtype), w[base + 1]);
+  if (wdtype != at::kFloat) qkv = qkv.to(at::kFloat);
+  const int64_t k = cw.numel() ? cw.size(0) : 0;
+  conv_and_features(qkv.data_ptr<float>(), k > 1 ? conv.data_ptr<float>() : nullptr,
+                    k ? cw.data_ptr<float>() : nullptr, rows, 3 * d, k);
+  at::Tensor o = at::empty({rows, d}, x.options());
+  attend(qkv.data_ptr<float>(), s.data_ptr<float>(), z.data_ptr<float>(),
+         o.data_ptr<float>(), rows, heads, d / heads, attn_eps);
+  if (wdtype == at::kFloat) {
+    x.addmm_(o, w[base + 3]);
+  } else {
+    add_residual(x, at::mm(o.to(wdtype), w[base + 3]));
+  }
+  at::Tensor hid = at::mm(normed(x, w[base + 4], norm_eps, wdtype), w[base + 5]);
+  at::gelu_(hid, "tanh");
+  if (wdtype == at::kFloat) {
+    x.addmm_(hid, w[base + 6]);
+  } else {
+    add_residual(x, at::mm(hid, w[base + 6]));
+  }
+}
+
+at::Tensor linear_step(const at::Tensor& tokens, at::TensorList weights, const at::Tensor& s,
+                       const at::Tensor& z, const at::Tensor& conv, int64_t heads,
+                       double attn_eps, double norm_eps) {
+  const std::vector<at::Tensor> w(weights.begin(), weights.end());
+  const int64_t layers = (static_cast<int64_t>(w.size()) - 3) / kPerLayer;
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == 3 + kPerLayer * layers, "bad weight list");
+  TORCH_CHECK(s.size(0) == layers && z.size(0) == layers && conv.size(0) == layers,
+              "state has the wrong number of layers");
+  TORCH_CHECK(s.scalar_type() == at::kFloat && z.scalar_type() == at::kFloat &&
+                  conv.scalar_type() == at::kFloat, "state must be fp32");
+  const at::Tensor& embed = w[0];
+  at::Tensor x = embed.index_select(0, tokens).to(at::kFloat).contiguous();
+  for (int64_t l = 0; l < layers; ++l) {
+    at::Tensor sl = s[l], zl = z[l], cl = conv[l];
+    TORCH_CHECK(sl.is_contiguous() && zl.is_contiguous() && cl.is_contiguous(),
+                "each layer's state slice must be contiguous");
+    TORCH_CHECK(sl.size(0) == x.size(0), "state and tokens disagree on the batch size");
+    layer_step(x, w, 3 + kPerLayer * l, sl, zl, cl, heads, attn_eps, norm_eps);
+  }
+  at::Tensor logits = at::mm(normed(x, w[2], norm_eps, embed.scalar_type()), w[1]);
+  return logits.scalar_type() == at::kFloat ? logits : logits.to(at::kFloat);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(linserve, m) {
+  m.def(
+      "linear_step(Tensor tokens, Tensor[] weights, Tensor(a!) s, Tensor(b!) z, "
+      "Tensor(c!) conv, int heads, float attn_eps, float norm_eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("linear_step", &linear_step); }
