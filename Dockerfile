@@ -9,6 +9,11 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 WORKDIR /src
+# A C++ compiler for the fused decode step's kernel; only this stage has one.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 # CPU-only torch: from wheels/ if a wheel is there, else from the PyTorch CPU index.
 COPY wheels/ /wheels/
 RUN python3 -m venv /opt/venv \
@@ -19,15 +24,20 @@ COPY pyproject.toml README.md ./
 COPY model/ model/
 COPY server/ server/
 RUN /opt/venv/bin/pip install --find-links /wheels /src
+# Prebuild the kernel for any x86-64 with AVX2/FMA (not -march=native: the image moves).
+RUN PATH=/opt/venv/bin:$PATH LINSERVE_KERNEL_ARCH=x86-64-v3 python -m model.kernels build /opt/kernels \
+ && test -f /opt/kernels/linserve_kernels.so
 
 FROM python:3.11-slim
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     LINSERVE_HOST=0.0.0.0 \
     LINSERVE_PORT=8000 \
-    LINSERVE_WEIGHTS=/app/weights/linear
+    LINSERVE_WEIGHTS=/app/weights/linear \
+    LINSERVE_KERNEL_LIB=/opt/kernels/linserve_kernels.so
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin app
 COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/kernels/linserve_kernels.so /opt/kernels/
 WORKDIR /app
 COPY --chown=app:app weights/ /app/weights/
 USER 10001

@@ -30,7 +30,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     rows = []
     for kind in ("linear", "softmax"):
-        model = build(kind, torch.float32, max(args.contexts) + 2)
+        model = build(kind, torch.float32, max(args.contexts) + 2, fused=True)
         for batch in args.batches:
             for ctx in args.contexts:
                 row: dict[str, Any] = {"kind": kind, "batch": batch, "context": ctx,
@@ -40,7 +40,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 elif kind == "softmax" and kv_bytes(model.cfg, batch, ctx) > args.kv_budget:
                     row["stopped"] = "KV cache over memory budget"
                 else:
-                    whole, _, _ = step_parts(model, state_at(model, batch, ctx), batch)
+                    whole, *_ = step_parts(model, state_at(model, batch, ctx), batch,
+                                           compare_eager=False)
                     row["ms_per_step"] = whole
                     row["ms_per_token"] = whole / batch
                     print(f"{kind:8s} B={batch:3d} ctx={ctx:6d} step={whole:8.3f} ms", flush=True)

@@ -14,7 +14,6 @@ import argparse
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from bench.common import machine, print_table, save_figure, style_axes, time_ms, write_json
 from model.config import ModelConfig
@@ -97,14 +96,15 @@ def matmul_limit(model: LanguageModel, batch: int, context: int) -> tuple[float,
     return time_ms(whole), time_ms(layers)
 
 
-def step_parts(model: LanguageModel, state: State, batch: int
+def step_parts(model: LanguageModel, state: State, batch: int, compare_eager: bool = True
                ) -> tuple[float, float, float, float | None]:
     """(whole step, layers only, embedding + head, eager whole step) in ms.
 
     The whole step is the one the server runs: the fused native step where the model has
     it (``model.uses_fused_step``), else the eager one. Its layers are the whole minus the
     separately timed embedding + head (the fused step cannot be split). The last value is
-    the eager step on the same state, for comparison (None when the step already is eager).
+    the eager step on the same state, for comparison (None when the step already is eager or
+    ``compare_eager`` is off).
     """
     tokens = torch.randint(0, model.cfg.vocab_size, (batch,))
 
@@ -121,7 +121,7 @@ def step_parts(model: LanguageModel, state: State, batch: int
     head = time_ms(head_only)
     step = time_ms(whole)
     eager = None
-    if model.uses_fused_step:
+    if model.uses_fused_step and compare_eager:
         model.set_fused_step(False)
         eager = time_ms(whole)
         model.set_fused_step(True)
@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "kind": kind, "dtype": dname, "threads": threads, "batch": batch,
                             "context": ctx, "step_ms": whole, "layers_ms": layers,
                             "head_ms": head, "eager_step_ms": eager,
-                            "fused": model.uses_fused_step, "limit_ms": limit, "limit_layers_ms": lim_layers,
+                            "fused": model.uses_fused_step, "limit_ms": limit,
+                            "limit_layers_ms": lim_layers,
                             "frac_of_limit": limit / whole,
                             "layers_frac_of_limit": lim_layers / layers,
                             "tokens_per_s": batch / whole * 1000})

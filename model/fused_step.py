@@ -38,7 +38,8 @@ class FusedStep:
             raise RuntimeError(f"native kernels unavailable: {kernels.load_error()}")
         self.heads = model.cfg.n_heads
         self.attn_eps = model.cfg.eps
-        self.norm_eps = torch.finfo(model.dtype).eps  # what nn.RMSNorm(eps=None) uses
+        # nn.RMSNorm(eps=None) uses the epsilon of its compute type, fp32 even for bf16 input.
+        self.norm_eps = torch.finfo(torch.float32).eps
         self.weights = self._pack(model)
 
     @staticmethod

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from model.config import ModelConfig
-from model.layers import Block
 from model import fused_step, kernels
+from model.config import ModelConfig
 from model.fused_step import FusedStep
+from model.layers import Block
 from model.state import KVCache, LinearState, State, empty_state
 
 

@@ -49,7 +49,8 @@ def load_engine_model(settings: Settings) -> tuple[LanguageModel, Tokenizer]:
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
-    model = load_model(settings.weights, dtype)
+    model = load_model(settings.weights, dtype, fused=settings.fused_step)
+    log.info("decode step: %s", "fused native" if model.uses_fused_step else "eager")
     tok = Tokenizer.from_file(settings.weights / model.cfg.tokenizer)
     if tok.vocab_size != model.cfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} tokens, model {model.cfg.vocab_size}")
@@ -166,6 +167,7 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     log.info(json.dumps({
         "event": "startup", "model": settings.served_name, "weights": str(settings.weights),
         "attention": model.cfg.attention, "params": model.n_params(), "dtype": settings.dtype,
+        "decode_step": "fused" if model.uses_fused_step else "eager",
         "state_bytes_per_session": model.state_nbytes(),
         "state_note": "constant" if model.cfg.is_recurrent else "grows with context",
         "session_store": settings.session_store.split("@")[-1],

@@ -41,13 +41,13 @@ def build(directory: str | Path | None = None, verbose: bool = False) -> str:
     from torch.utils import cpp_extension
 
     arch = os.environ.get("LINSERVE_KERNEL_ARCH", "native")
-    kwargs = {} if directory is None else {"build_directory": str(directory)}
-    if directory is not None:
-        Path(directory).mkdir(parents=True, exist_ok=True)
+    build_dir = None if directory is None else str(directory)
+    if build_dir is not None:
+        Path(build_dir).mkdir(parents=True, exist_ok=True)
     path = cpp_extension.load(
         name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3", f"-march={arch}"],
-        is_python_module=False, verbose=verbose, **kwargs)
-    return str(path) if path else str(Path(kwargs.get("build_directory", "")) / f"{NAME}.so")
+        build_directory=build_dir, is_python_module=False, verbose=verbose)
+    return str(path)
 
 
 def load() -> bool:

@@ -46,7 +46,8 @@ async def health(request: Request) -> Response:
     store_ok = await st.service.store.healthy()
     body = {"status": "ok" if store_ok else "degraded", "model": st.model_name,
             "session_store": "ok" if store_ok else "unavailable", "time": now(),
-            "draining": st.draining}
+            "draining": st.draining,
+            "decode_step": "fused" if st.model.uses_fused_step else "eager"}
     import json
 
     code = 503 if st.draining else 200
