@@ -1,0 +1,64 @@
+"""Idle-state compression is lossless and actually smaller."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from model.state import LinearState
+from model.state_codec import pack_state, unpack_state
+from server.sessions import MemorySessionStore, Session
+from tests.model.helpers import tiny_model
+
+
+@pytest.mark.parametrize("kind", ["linear", "favor", "softmax"])
+def test_pack_unpack_is_bit_identical_and_continues_the_same(kind: str) -> None:
+    model = tiny_model(kind)
+    tokens = torch.randint(0, 97, (2, 50))
+    _, state = model.prefill(tokens[:, :30])
+    restored = unpack_state(pack_state(state))
+    assert type(restored) is type(state)
+    for name, t in state.tensors().items():
+        got = restored.tensors()[name]
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(got, t), name
+    for t in range(30, 50):
+        assert torch.equal(model.step(tokens[:, t], state), model.step(tokens[:, t], restored))
+
+
+def test_special_values_survive() -> None:
+    s = torch.tensor([0.0, -0.0, 1e-45, -3.4e38, float("inf"), float("nan")]).repeat(4)
+    state = LinearState(s.reshape(1, 1, 1, 4, 6), torch.ones(1, 1, 1, 4), torch.empty(1, 1, 0, 3))
+    out = unpack_state(pack_state(state))
+    assert isinstance(out, LinearState)
+    assert torch.equal(out.s.view(torch.int32), state.s.view(torch.int32))  # NaN bits included
+
+
+def test_a_real_length_state_packs_smaller() -> None:
+    model = tiny_model("linear", d_model=64, n_heads=2)
+    _, state = model.prefill(torch.randint(0, 97, (1, 500)))
+    packed = pack_state(state)
+    assert packed.nbytes < 0.97 * state.nbytes
+
+
+def test_memory_store_holds_compressed_bytes_and_returns_the_exact_state() -> None:
+    model = tiny_model("linear", d_model=64, n_heads=2)
+    _, state = model.prefill(torch.randint(0, 97, (1, 300)))
+
+    async def scenario() -> None:
+        store = MemorySessionStore(max_bytes=1 << 30, ttl=60)
+        saved = await store.put(Session("sess_a", "", state, [5], 301))
+        assert saved.version == 1
+        n, held = await store.stats()
+        assert n == 1 and held < state.nbytes
+        got = await store.get("sess_a", "")
+        assert got is not None and got.pending == [5] and got.tokens == 301
+        assert isinstance(got.state, LinearState)
+        assert all(torch.equal(got.state.tensors()[k], v) for k, v in state.tensors().items())
+        got.state.s.add_(1.0)  # a caller's changes never reach the stored copy
+        again = await store.get("sess_a", "")
+        assert again is not None and torch.equal(again.state.tensors()["s"], state.s)
+
+    asyncio.run(scenario())
