@@ -6,7 +6,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,25 @@ def time_ms(fn: Callable[[], object], min_iters: int = 5, min_seconds: float = 0
             break
     times.sort()
     return times[len(times) // 2]
+
+
+def time_interleaved(fns: Mapping[str, Callable[[], object]], rounds: int = 7,
+                     round_seconds: float = 0.05, warmup: int = 2) -> dict[str, float]:
+    """Median milliseconds per call of each function, timed in alternating rounds (a, b, c,
+    a, b, c, ...) so that a slow patch of a shared machine hits every one of them alike and
+    their ratios stay meaningful."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            while time.perf_counter() - start < round_seconds or len(samples[name]) < 3:
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - t0) * 1000)
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
 
 
 def style_axes(ax: Any, xlabel: str, ylabel: str, title: str, logy: bool = True,

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from bench.common import RESULTS, machine, print_table, save_figure, style_axes, write_json
-from bench.step import build, kv_bytes, state_at, step_parts
+from bench.common import RESULTS, machine, print_table, save_figure, style_axes, time_ms, write_json
+from bench.step import build, kv_bytes, state_at, step_fns
 from model.state import LinearState
 
 CONTEXTS = [128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
@@ -40,8 +40,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 elif kind == "softmax" and kv_bytes(model.cfg, batch, ctx) > args.kv_budget:
                     row["stopped"] = "KV cache over memory budget"
                 else:
-                    whole, *_ = step_parts(model, state_at(model, batch, ctx), batch,
-                                           compare_eager=False)
+                    whole = time_ms(step_fns(model, state_at(model, batch, ctx), batch,
+                                             compare_eager=False)["step"])
                     row["ms_per_step"] = whole
                     row["ms_per_token"] = whole / batch
                     print(f"{kind:8s} B={batch:3d} ctx={ctx:6d} step={whole:8.3f} ms", flush=True)

@@ -11,13 +11,15 @@ MLP, each layer's attention products, LM head) with the same dtype and threads.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from bench.common import machine, print_table, save_figure, style_axes, time_ms, write_json
+from bench.common import machine, print_table, save_figure, style_axes, time_interleaved, write_json
 from model.config import ModelConfig
-from model.state import KVCache, State
+from model.fused_step import FusedStep
+from model.state import KVCache, LinearState, State
 from model.transformer import LanguageModel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -64,14 +66,19 @@ def attention_products(model: LanguageModel, batch: int, context: int
             (torch.softmax(torch.randn(bh, 1, t), -1), torch.randn(bh, t, dh), None)]
 
 
-def matmul_limit(model: LanguageModel, batch: int, context: int) -> tuple[float, float]:
-    """(whole-step ms, layers-only ms) of a tight loop of exactly the step's matrix products:
-    the projections and MLP with the model's dtype, each layer's attention products, and the
-    LM head. Running them together, as the step does, makes the weights compete for cache
-    the same way (at batch 1 the step is a memory-bound GEMV over ~21 MB of fp32 weights)."""
+def matmul_limit(model: LanguageModel, batch: int, context: int) -> dict[str, Callable[[], None]]:
+    """A tight loop of exactly the step's matrix products: the projections and MLP with the
+    model's dtype, each layer's attention products, and the LM head, as ``limit`` (whole
+    step) and ``limit_layers``. Running them together, as the step does, makes the weights
+    compete for cache the same way (at batch 1 the step is a memory-bound GEMV over ~21 MB
+    of fp32 weights)."""
     dtype = model.dtype
     d, ff, v = model.cfg.d_model, model.cfg.d_ff, model.cfg.vocab_size
-    x, h = torch.randn(batch, d, dtype=dtype), torch.randn(batch, ff, dtype=dtype)
+    # The fused step's own product routine (fp32 activations; a bf16-weight GEMV at small
+    # batch) when it runs, else torch.mm in the weight dtype.
+    mm = torch.ops.linserve.matmul if model.uses_fused_step else torch.mm
+    act = torch.float32 if model.uses_fused_step else dtype
+    x, h = torch.randn(batch, d, dtype=act), torch.randn(batch, ff, dtype=act)
     shapes = [(3 * d, d, x), (d, d, x), (ff, d, x), (d, ff, h)]
     # Weights [in, out] and contiguous: on this machine ``x @ W`` beats ``F.linear`` (x @ Wᵀ
     # on the stored [out, in]) by ~20%, so that is the faster, stricter limit.
@@ -82,7 +89,7 @@ def matmul_limit(model: LanguageModel, batch: int, context: int) -> tuple[float,
     def layers() -> None:
         for linears, attn in layer_ws:  # distinct weights and states per layer
             for w, inp in linears:
-                torch.mm(inp, w)
+                mm(inp, w)
             for out, a, b in attn:
                 if b is None:
                     torch.bmm(out, a)
@@ -91,41 +98,57 @@ def matmul_limit(model: LanguageModel, batch: int, context: int) -> tuple[float,
 
     def whole() -> None:
         layers()
-        torch.mm(x, head)
+        mm(x, head)
 
-    return time_ms(whole), time_ms(layers)
+    return {"limit": whole, "limit_layers": layers}
 
 
-def step_parts(model: LanguageModel, state: State, batch: int, compare_eager: bool = True
-               ) -> tuple[float, float, float, float | None]:
-    """(whole step, layers only, embedding + head, eager whole step) in ms.
-
-    The whole step is the one the server runs: the fused native step where the model has
-    it (``model.uses_fused_step``), else the eager one. Its layers are the whole minus the
-    separately timed embedding + head (the fused step cannot be split). The last value is
-    the eager step on the same state, for comparison (None when the step already is eager or
-    ``compare_eager`` is off).
-    """
+def step_fns(model: LanguageModel, state: State, batch: int, compare_eager: bool = True
+             ) -> dict[str, Callable[[], None]]:
+    """``step`` (the one the server runs: fused where the model has it), ``layers`` (the same
+    step without the final norm and LM head) and, when the step is fused and
+    ``compare_eager``, ``eager`` on the same state. A softmax cache is rewound after each
+    call, so every call is the same work."""
     tokens = torch.randint(0, model.cfg.vocab_size, (batch,))
+    fused = FusedStep(model) if model.uses_fused_step else None
 
-    @torch.inference_mode()
-    def head_only() -> None:
-        model._head(model.embed(tokens))
-
-    @torch.inference_mode()
-    def whole() -> None:
-        model.step(tokens, state)
+    def rewind() -> None:
         if isinstance(state, KVCache):
-            state.lengths -= 1  # stay at the same context
+            state.lengths -= 1
 
-    head = time_ms(head_only)
-    step = time_ms(whole)
-    eager = None
-    if model.uses_fused_step and compare_eager:
-        model.set_fused_step(False)
-        eager = time_ms(whole)
-        model.set_fused_step(True)
-    return step, step - head, head, eager
+    @torch.inference_mode()
+    def layers() -> None:
+        if fused is not None and isinstance(state, LinearState):
+            fused(tokens, state, with_head=False)
+            return
+        x = model.embed(tokens)
+        for i, block in enumerate(model.layers):
+            x = block.step(x, state, i)
+
+    def step() -> None:
+        model.step(tokens, state)
+        rewind()
+
+    def eager() -> None:
+        model.step_eager(tokens, state)
+        rewind()
+
+    fns: dict[str, Callable[[], None]] = {"step": step, "layers": layers}
+    if fused is not None and compare_eager:
+        fns["eager"] = eager
+    return fns
+
+
+def measure_row(model: LanguageModel, batch: int, ctx: int, with_limit: bool = True
+                ) -> dict[str, float]:
+    """Step, layers, eager step and matmul limit of one configuration, timed interleaved;
+    the embedding + head is the step minus its layers."""
+    fns = step_fns(model, state_at(model, batch, ctx), batch)
+    if with_limit:
+        fns.update(matmul_limit(model, batch, ctx))
+    t = time_interleaved(fns)
+    t["head"] = t["step"] - t["layers"]
+    return t
 
 
 def kv_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
@@ -141,29 +164,30 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 model = build(kind, DTYPES[dname], max(args.contexts) + 1, args.fused)
                 for batch in args.batches:
                     for ctx in args.contexts:
+                        base = {"kind": kind, "dtype": dname, "threads": threads,
+                                "batch": batch, "context": ctx}
                         if kind == "softmax" and kv_bytes(model.cfg, batch, ctx) > args.kv_budget:
-                            rows.append({"kind": kind, "dtype": dname, "threads": threads,
-                                         "batch": batch, "context": ctx, "step_ms": None,
+                            rows.append({**base, "step_ms": None,
                                          "note": "KV cache over memory budget"})
                             continue
-                        whole, layers, head, eager = step_parts(
-                            model, state_at(model, batch, ctx), batch)
-                        if kind == "softmax" or ctx == args.contexts[0]:
-                            limit, lim_layers = matmul_limit(model, batch, ctx)
-                        rows.append({
-                            "kind": kind, "dtype": dname, "threads": threads, "batch": batch,
-                            "context": ctx, "step_ms": whole, "layers_ms": layers,
-                            "head_ms": head, "eager_step_ms": eager,
-                            "fused": model.uses_fused_step, "limit_ms": limit,
-                            "limit_layers_ms": lim_layers,
-                            "frac_of_limit": limit / whole,
-                            "layers_frac_of_limit": lim_layers / layers,
-                            "tokens_per_s": batch / whole * 1000})
-                        print(f"{kind:8s} {dname} t={threads} B={batch:3d} ctx={ctx:6d} "
-                              f"step={whole:8.3f} ms  layers={layers:7.3f}  head={head:6.3f}  "
-                              f"limit={limit:6.3f}  frac={limit / whole:.2f}  eager="
-                              f"{eager if eager is None else round(eager, 3)}", flush=True)
+                        rows.append(result_row(base, model, measure_row(model, batch, ctx)))
     return rows
+
+
+def result_row(base: dict[str, Any], model: LanguageModel, t: dict[str, float]
+               ) -> dict[str, Any]:
+    row = {**base, "step_ms": t["step"], "layers_ms": t["layers"], "head_ms": t["head"],
+           "eager_step_ms": t.get("eager"), "fused": model.uses_fused_step,
+           "limit_ms": t["limit"], "limit_layers_ms": t["limit_layers"],
+           "frac_of_limit": t["limit"] / t["step"],
+           "layers_frac_of_limit": t["limit_layers"] / t["layers"],
+           "tokens_per_s": base["batch"] / t["step"] * 1000}
+    eager = t.get("eager")
+    print(f"{base['kind']:8s} {base['dtype']} t={base['threads']} B={base['batch']:3d} "
+          f"ctx={base['context']:6d} step={t['step']:8.3f} ms  layers={t['layers']:7.3f}  "
+          f"head={t['head']:6.3f}  limit={t['limit']:6.3f}  frac={row['frac_of_limit']:.2f}  "
+          f"eager={eager if eager is None else round(eager, 3)}", flush=True)
+    return row
 
 
 def plot(rows: list[dict[str, Any]], context: int) -> None:

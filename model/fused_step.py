@@ -65,8 +65,11 @@ class FusedStep:
                 gemm(block.mlp.down)]
         return packed
 
-    def __call__(self, tokens: torch.Tensor, state: LinearState) -> torch.Tensor:
-        """tokens ``[B]`` -> logits ``[B, V]`` fp32; advances ``state`` (B rows) in place."""
+    def __call__(self, tokens: torch.Tensor, state: LinearState,
+                 with_head: bool = True) -> torch.Tensor:
+        """tokens ``[B]`` -> logits ``[B, V]`` fp32; advances ``state`` (B rows) in place.
+        ``with_head=False`` returns the last layer's output ``[B, d]`` instead (benchmarks
+        time the layers and the LM head apart this way)."""
         return torch.ops.linserve.linear_step(
             tokens, self.weights, state.s, state.z, state.conv, self.heads, self.attn_eps,
-            self.norm_eps)
+            self.norm_eps, with_head)

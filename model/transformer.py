@@ -111,6 +111,12 @@ class LanguageModel(nn.Module):
         """tokens ``[B]`` -> logits ``[B, V]``; advances every row of ``state`` by one token."""
         if self._fused is not None and isinstance(state, LinearState):
             return self._fused(tokens, state)
+        return self.step_eager(tokens, state)
+
+    @torch.inference_mode()
+    def step_eager(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
+        """:meth:`step` in eager PyTorch, layer by layer: the reference the fused step is
+        tested against, and the step of FAVOR+ and softmax models."""
         if isinstance(state, KVCache):
             state.ensure_capacity(int(state.lengths.max()) + 1)
         x = self.embed(tokens)

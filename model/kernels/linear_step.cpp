@@ -1,14 +1,16 @@
 // Fused RNN-mode decode step for the elu+1 linear-attention model.
 //
-// One call advances every row of a batched state by one token and returns the logits.
+// One call advances every row of a batched state by one token and returns the logits (or,
+// with with_head=false, the final hidden state [B, d] before the norm and LM head).
 // The matrix products go to ATen (oneDNN / MKL GEMM); everything between them -- RMSNorm,
 // the short causal convolution and its window shift, phi(x) = elu(x) + 1, the state update
 // s += phi(k) v^T, z += phi(k), the readout phi(q)^T s / phi(q)^T z, residuals and GELU -- is
 // a handful of fused loops. The eager step issues ~30 small PyTorch ops per layer, and at
 // batch 1 their dispatch costs more than the layer's own matrix products.
 //
-// Activations and the residual stream are fp32; they are cast to the weight dtype (fp32 or
-// bf16) only as GEMM inputs. Recurrent state is always fp32.
+// Activations and the residual stream are fp32. With bf16 weights they are cast to bf16 as
+// GEMM inputs at larger batches; small batches use a bf16-weight GEMV on fp32 activations.
+// Recurrent state is always fp32.
 //
 // Shapes (B rows, L layers, H heads, F = M = head_dim, d = H*M, K = conv width):
 //   tokens [B] int64
@@ -45,13 +47,12 @@ void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t 
   }
 }
 
-// The normalised activations as a GEMM input in the weight dtype.
-at::Tensor normed(const at::Tensor& x, const at::Tensor& w, double eps,
-                  at::ScalarType wdtype) {
+// RMSNorm of x [B, d] fp32 into a new fp32 tensor.
+at::Tensor normed(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::Tensor out = at::empty_like(x);
   rms_norm(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), x.size(0),
            x.size(1), eps);
-  return wdtype == at::kFloat ? out : out.to(wdtype);
+  return out;
 }
 
 // exp(v) for v <= 0 in a form the compiler vectorises: v = n ln2 + r, |r| <= ln2 / 2,
@@ -153,46 +154,87 @@ void attend(const float* qkv, float* s, float* z, float* out, int64_t rows, int6
   });
 }
 
-// x += y, where y is a GEMM output in the weight dtype.
-void add_residual(at::Tensor& x, const at::Tensor& y) {
-  if (y.scalar_type() == at::kFloat) {
-    x.add_(y);
-  } else {
-    x.add_(y.to(at::kFloat));
+// Rows up to which bf16 weights use bf16_gemv instead of oneDNN, which is compute-bound on
+// these shapes at batch 1 (a 256x1024 product: 50 us in bf16 against 29 us in fp32).
+constexpr int64_t kSmallBatch = 4;
+
+// y [B, out] (+)= x [B, in] @ W [in, out] with fp32 x and y and bf16 W: one pass over W,
+// each bf16 widened to fp32 by a 16-bit shift; memory-bound, as a GEMV should be.
+void bf16_gemv(const float* x, const at::BFloat16* w, float* y, int64_t rows, int64_t in,
+               int64_t out, bool accumulate) {
+  const auto* wb = reinterpret_cast<const uint16_t*>(w);
+  if (!accumulate) std::memset(y, 0, rows * out * sizeof(float));
+  for (int64_t i = 0; i < in; ++i) {
+    const uint16_t* wr = wb + i * out;
+    for (int64_t b = 0; b < rows; ++b) {
+      const float xi = x[b * in + i];
+      float* yr = y + b * out;
+      for (int64_t o = 0; o < out; ++o) {
+        const uint32_t bits = static_cast<uint32_t>(wr[o]) << 16;
+        float wf;
+        std::memcpy(&wf, &bits, sizeof(wf));
+        yr[o] += xi * wf;
+      }
+    }
   }
+}
+
+// a [B, in] fp32 @ W [in, out] (fp32 or bf16) -> fp32 [B, out]; added into ``into`` if given.
+void project(const at::Tensor& a, const at::Tensor& w, at::Tensor* into, at::Tensor* out) {
+  const int64_t rows = a.size(0);
+  if (w.scalar_type() == at::kFloat) {
+    if (into != nullptr) {
+      into->addmm_(a, w);
+    } else {
+      *out = at::mm(a, w);
+    }
+    return;
+  }
+  if (rows <= kSmallBatch && w.scalar_type() == at::kBFloat16) {
+    at::Tensor& y = into != nullptr ? *into : (*out = at::empty({rows, w.size(1)}, a.options()));
+    bf16_gemv(a.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), rows,
+              w.size(0), w.size(1), into != nullptr);
+    return;
+  }
+  at::Tensor y = at::mm(a.to(w.scalar_type()), w).to(at::kFloat);
+  if (into != nullptr) {
+    into->add_(y);
+  } else {
+    *out = y;
+  }
+}
+
+at::Tensor project(const at::Tensor& a, const at::Tensor& w) {
+  at::Tensor out;
+  project(a, w, nullptr, &out);
+  return out;
+}
+
+void project_add(at::Tensor& x, const at::Tensor& a, const at::Tensor& w) {
+  project(a, w, &x, nullptr);
 }
 
 void layer_step(at::Tensor& x, const std::vector<at::Tensor>& w, int64_t base, at::Tensor s,
                 at::Tensor z, at::Tensor conv, int64_t heads, double attn_eps,
                 double norm_eps) {
-  const at::ScalarType wdtype = w[base + 1].scalar_type();
   const int64_t rows = x.size(0), d = x.size(1);
   const at::Tensor& cw = w[base + 2];
-  at::Tensor qkv = at::mm(normed(x, w[base], norm_eps, wdtype), w[base + 1]);
-  if (wdtype != at::kFloat) qkv = qkv.to(at::kFloat);
+  at::Tensor qkv = project(normed(x, w[base], norm_eps), w[base + 1]);
   const int64_t k = cw.numel() ? cw.size(0) : 0;
   conv_and_features(qkv.data_ptr<float>(), k > 1 ? conv.data_ptr<float>() : nullptr,
                     k ? cw.data_ptr<float>() : nullptr, rows, 3 * d, k);
   at::Tensor o = at::empty({rows, d}, x.options());
   attend(qkv.data_ptr<float>(), s.data_ptr<float>(), z.data_ptr<float>(),
          o.data_ptr<float>(), rows, heads, d / heads, attn_eps);
-  if (wdtype == at::kFloat) {
-    x.addmm_(o, w[base + 3]);
-  } else {
-    add_residual(x, at::mm(o.to(wdtype), w[base + 3]));
-  }
-  at::Tensor hid = at::mm(normed(x, w[base + 4], norm_eps, wdtype), w[base + 5]);
+  project_add(x, o, w[base + 3]);
+  at::Tensor hid = project(normed(x, w[base + 4], norm_eps), w[base + 5]);
   at::gelu_(hid, "tanh");
-  if (wdtype == at::kFloat) {
-    x.addmm_(hid, w[base + 6]);
-  } else {
-    add_residual(x, at::mm(hid, w[base + 6]));
-  }
+  project_add(x, hid, w[base + 6]);
 }
 
 at::Tensor linear_step(const at::Tensor& tokens, at::TensorList weights, const at::Tensor& s,
                        const at::Tensor& z, const at::Tensor& conv, int64_t heads,
-                       double attn_eps, double norm_eps) {
+                       double attn_eps, double norm_eps, bool with_head) {
   const std::vector<at::Tensor> w(weights.begin(), weights.end());
   const int64_t layers = (static_cast<int64_t>(w.size()) - 3) / kPerLayer;
   TORCH_CHECK(static_cast<int64_t>(w.size()) == 3 + kPerLayer * layers, "bad weight list");
@@ -209,8 +251,7 @@ at::Tensor linear_step(const at::Tensor& tokens, at::TensorList weights, const a
     TORCH_CHECK(sl.size(0) == x.size(0), "state and tokens disagree on the batch size");
     layer_step(x, w, 3 + kPerLayer * l, sl, zl, cl, heads, attn_eps, norm_eps);
   }
-  at::Tensor logits = at::mm(normed(x, w[2], norm_eps, embed.scalar_type()), w[1]);
-  return logits.scalar_type() == at::kFloat ? logits : logits.to(at::kFloat);
+  return with_head ? project(normed(x, w[2], norm_eps), w[1]) : x;
 }
 
 }  // namespace
@@ -218,7 +259,17 @@ at::Tensor linear_step(const at::Tensor& tokens, at::TensorList weights, const a
 TORCH_LIBRARY(linserve, m) {
   m.def(
       "linear_step(Tensor tokens, Tensor[] weights, Tensor(a!) s, Tensor(b!) z, "
-      "Tensor(c!) conv, int heads, float attn_eps, float norm_eps) -> Tensor");
+      "Tensor(c!) conv, int heads, float attn_eps, float norm_eps, bool with_head=True) "
+      "-> Tensor");
+  m.def("matmul(Tensor a, Tensor w) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("linear_step", &linear_step); }
+// matmul: a [B, in] fp32 @ w [in, out] the way the step runs its products (benchmarks).
+TORCH_LIBRARY_IMPL(linserve, CPU, m) {
+  m.impl("linear_step", &linear_step);
+  m.impl("matmul", [](const at::Tensor& a, const at::Tensor& w) {
+    TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && w.is_contiguous(),
+                "matmul takes contiguous fp32 activations and [in, out] weights");
+    return project(a, w);
+  });
+}

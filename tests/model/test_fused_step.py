@@ -72,20 +72,31 @@ def test_fused_steps_equal_parallel_forward() -> None:
     assert (full - stepped).abs().max().item() <= 1e-4
 
 
-def test_fused_bf16_weights_track_fp32() -> None:
+@pytest.mark.parametrize("batch", [2, 6])  # the bf16 GEMV path and the oneDNN path
+def test_fused_bf16_weights_track_fp32(batch: int) -> None:
     """bf16 weights with fp32 state: next-token distributions stay close to fp32's (the eager
     bf16 step lands at KL ~1e-5 on this model; the fused one keeps fp32 activations)."""
     model = tiny_model("linear", d_model=64, n_heads=1)
-    ref = model.new_state(2)
-    tokens = torch.randint(0, 97, (200, 2))
+    ref = model.new_state(batch)
+    tokens = torch.randint(0, 97, (200, batch))
     want = [torch.log_softmax(model.step(t, ref), -1) for t in tokens]
     model.to(torch.bfloat16)
     assert model.set_fused_step(True)
-    state = model.new_state(2)
+    state = model.new_state(batch)
     assert state.s.dtype == torch.float32
     got = [torch.log_softmax(model.step(t, state), -1) for t in tokens]
     kl = max((w.exp() * (w - g)).sum(-1).max().item() for w, g in zip(want, got, strict=True))
     assert kl < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_kernel_matmul_equals_torch(dtype: torch.dtype, rows: int) -> None:
+    a, w = torch.randn(rows, 48), torch.randn(48, 200).to(dtype)
+    want = a @ w.float()
+    got = torch.ops.linserve.matmul(a, w)
+    tol = 1e-4 if dtype == torch.float32 or rows <= 4 else 0.3  # large batch: bf16 inputs
+    assert (got - want).abs().max().item() <= tol
 
 
 @pytest.mark.parametrize("kind", ["favor", "softmax"])
