@@ -58,7 +58,7 @@ def sweep(weights: Path, levels: list[int], args: argparse.Namespace) -> list[di
     return rows
 
 
-def plot(rows: list[dict[str, Any]]) -> None:
+def plot(rows: list[dict[str, Any]], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,7 +75,7 @@ def plot(rows: list[dict[str, Any]]) -> None:
     for ax, title, ylabel in ((a1, "aggregate output tokens/s", "tokens/s"),
                               (a2, "inter-token latency", "ms")):
         style_axes(ax, "concurrent streaming clients", ylabel, title, logy=False)
-    save_figure(fig, "concurrency.png")
+    save_figure(fig, f"{name}.png")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="+", default=["linear", "softmax"])
     p.add_argument("--weights", type=Path, default=Path("weights"))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--output", default="concurrency", help="name of the JSON and PNG written")
     args = p.parse_args(argv)
     rows: list[dict[str, Any]] = []
     raw = {}
@@ -98,10 +99,10 @@ def main(argv: list[str] | None = None) -> None:
         r["frac_of_raw_step_b64"] = r["tokens_per_s"] / raw[r["model"]]
     print_table(rows, ["model", "concurrency", "tokens_per_s", "frac_of_raw_step_b64",
                        "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms"])
-    write_json("concurrency", {"machine": machine(), "raw_step_tokens_per_s_b64": raw,
-                               "rows": rows})
-    plot(rows)
-    print(f"wrote {RESULTS}/concurrency.json and concurrency.png")
+    write_json(args.output, {"machine": machine(), "raw_step_tokens_per_s_b64": raw,
+                             "rows": rows})
+    plot(rows, args.output)
+    print(f"wrote {RESULTS}/{args.output}.json and {args.output}.png")
 
 
 if __name__ == "__main__":

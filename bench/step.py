@@ -106,9 +106,9 @@ def matmul_limit(model: LanguageModel, batch: int, context: int) -> dict[str, Ca
 def step_fns(model: LanguageModel, state: State, batch: int, compare_eager: bool = True
              ) -> dict[str, Callable[[], None]]:
     """``step`` (the one the server runs: fused where the model has it), ``layers`` (the same
-    step without the final norm and LM head) and, when the step is fused and
-    ``compare_eager``, ``eager`` on the same state. A softmax cache is rewound after each
-    call, so every call is the same work."""
+    step without the final norm and LM head), then for an eager step ``head`` (embedding +
+    LM head) and for a fused one, if ``compare_eager``, ``eager`` on the same state. A
+    softmax cache is rewound after each call, so every call is the same work."""
     tokens = torch.randint(0, model.cfg.vocab_size, (batch,))
     fused = FusedStep(model) if model.uses_fused_step else None
 
@@ -133,21 +133,27 @@ def step_fns(model: LanguageModel, state: State, batch: int, compare_eager: bool
         model.step_eager(tokens, state)
         rewind()
 
+    @torch.inference_mode()
+    def head() -> None:
+        model._head(model.embed(tokens))
+
     fns: dict[str, Callable[[], None]] = {"step": step, "layers": layers}
-    if fused is not None and compare_eager:
+    if fused is None:
+        fns["head"] = head  # eager: the embedding + head on its own
+    elif compare_eager:
         fns["eager"] = eager
     return fns
 
 
 def measure_row(model: LanguageModel, batch: int, ctx: int, with_limit: bool = True
                 ) -> dict[str, float]:
-    """Step, layers, eager step and matmul limit of one configuration, timed interleaved;
-    the embedding + head is the step minus its layers."""
+    """Step, layers, head, eager step and matmul limit of one configuration, timed
+    interleaved; a fused step's embedding + head is the step minus its layers."""
     fns = step_fns(model, state_at(model, batch, ctx), batch)
     if with_limit:
         fns.update(matmul_limit(model, batch, ctx))
     t = time_interleaved(fns)
-    t["head"] = t["step"] - t["layers"]
+    t.setdefault("head", t["step"] - t["layers"])  # fused: what the layers-only call skips
     return t
 
 

@@ -104,18 +104,6 @@ class _Stored:
     packed: PackedState
 
     @property
-    def last_used(self) -> float:
-        return self.session.last_used
-
-    @property
-    def owner(self) -> str:
-        return self.session.owner
-
-    @property
-    def version(self) -> int:
-        return self.session.version
-
-    @property
     def state_bytes(self) -> int:
         return self.packed.nbytes
 
@@ -136,7 +124,7 @@ class MemorySessionStore(SessionStore):
 
     def _expire(self) -> None:
         cutoff = time.time() - self.ttl
-        for sid in [s for s, sess in self._items.items() if sess.last_used < cutoff]:
+        for sid in [s for s, st in self._items.items() if st.session.last_used < cutoff]:
             if sid not in self._locks:
                 self._drop(sid)
 
@@ -157,21 +145,21 @@ class MemorySessionStore(SessionStore):
         metrics.SESSION_BYTES.set(self._bytes)
 
     async def get(self, session_id: str, owner: str) -> Session | None:
-        sess = self._items.get(session_id)
-        if sess is None or sess.owner != owner:
+        stored = self._items.get(session_id)
+        if stored is None or stored.session.owner != owner:
             return None
-        if sess.last_used < time.time() - self.ttl and session_id not in self._locks:
+        if stored.session.last_used < time.time() - self.ttl and session_id not in self._locks:
             self._drop(session_id)
             self._publish()
             return None
         self._items.move_to_end(session_id)
-        return await asyncio.to_thread(sess.restore)
+        return await asyncio.to_thread(stored.restore)
 
     async def put(self, session: Session) -> Session:
         packed = await asyncio.to_thread(pack_state, session.state)
         async with self._mutex:
             old = self._items.get(session.id)
-            if old is not None and old.version != session.version:
+            if old is not None and old.session.version != session.version:
                 raise StaleWrite(session.id)
             done = replace(session, version=session.version + 1, last_used=time.time())
             stored = _Stored(replace(done, state=_PLACEHOLDER), packed)
@@ -184,8 +172,8 @@ class MemorySessionStore(SessionStore):
             return done
 
     async def delete(self, session_id: str, owner: str) -> bool:
-        sess = self._items.get(session_id)
-        if sess is None or sess.owner != owner:
+        stored = self._items.get(session_id)
+        if stored is None or stored.session.owner != owner:
             return False
         self._drop(session_id)
         self._locks.pop(session_id, None)
