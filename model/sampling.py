@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model import kernels
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -119,12 +121,29 @@ def sampling_probs(logits: torch.Tensor, bp: BatchParams) -> torch.Tensor:
     return probs.masked_fill(drop, 0.0)
 
 
+def _sample_native(logits: torch.Tensor, bp: BatchParams,
+                   generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Temperature / min-p / greedy rows in one native pass per row (``sampling.cpp``). Each
+    sampled row draws one uniform from its own generator, as the eager path does."""
+    hot = (bp.temperature > 0).tolist()
+    u = torch.tensor([torch.rand(1, generator=g).item() if h else 0.0
+                      for g, h in zip(generators, hot, strict=True)])
+    return torch.ops.linserve.sample_rows(logits.float(), bp.temperature, bp.min_p, u)
+
+
 def sample(logits: torch.Tensor, bp: BatchParams, generators: Sequence[torch.Generator],
-           counts: torch.Tensor | None = None, seen: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """Next token per row ``[B]`` (long). ``generators[i]`` serves row i only."""
+           counts: torch.Tensor | None = None, seen: torch.Tensor | None = None,
+           native: bool = True) -> torch.Tensor:
+    """Next token per row ``[B]`` (long). ``generators[i]`` serves row i only.
+
+    Batches without top-k or top-p go through the native sampler when the kernels are
+    loaded (``native=False`` forces this eager path, the reference); both draw from the same
+    distribution with the same per-row uniform.
+    """
     if counts is not None and seen is not None:
         logits = apply_penalties(logits, counts, seen, bp)
+    if native and kernels.available() and bool((bp.top_k <= 0).all() & (bp.top_p >= 1).all()):
+        return _sample_native(logits, bp, generators)
     tokens = logits.argmax(-1)
     hot = (bp.temperature > 0).nonzero().flatten()
     if hot.numel() == 0:

@@ -153,8 +153,8 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32,
                fused: bool = True) -> LanguageModel:
     """Rebuild a model from ``config.json`` and load ``model.safetensors`` (strict).
 
-    ``fused`` turns on the native fused decode step where the model supports it and the
-    kernel can be built or loaded (see :meth:`LanguageModel.set_fused_step`).
+    ``fused`` loads the native kernels (built on first use): the fused decode step where the
+    model supports it (see :meth:`LanguageModel.set_fused_step`) and the native sampler.
     """
     directory = Path(directory)
     cfg = ModelConfig.load(directory / "config.json")
@@ -166,5 +166,7 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32,
         for block in model.blocks:
             block.attn.favor_w.data = block.attn.favor_w.data.float()  # type: ignore[union-attr]
     model.eval()
+    if fused:
+        kernels.load()  # the native sampler serves every kind of model
     model.set_fused_step(fused)
     return model

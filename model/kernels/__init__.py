@@ -1,6 +1,7 @@
-"""Native kernels: the fused linear-attention decode step (``linear_step.cpp``).
+"""Native kernels: the fused linear-attention decode step (``linear_step.cpp``) and the fused
+temperature / min-p sampler (``sampling.cpp``).
 
-The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler
+The C++ sources are compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler
 and ninja are needed then, once; the result is cached) or loaded from a prebuilt library,
 which is how the Docker image ships it without a compiler:
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("linear_step.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("linear_step.cpp", "sampling.cpp")]
 NAME = "linserve_kernels"
 _state: dict[str, bool | str] = {}
 
@@ -45,7 +46,7 @@ def build(directory: str | Path | None = None, verbose: bool = False) -> str:
     if build_dir is not None:
         Path(build_dir).mkdir(parents=True, exist_ok=True)
     path = cpp_extension.load(
-        name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3", f"-march={arch}"],
+        name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=["-O3", f"-march={arch}", "-fopenmp-simd"],
         build_directory=build_dir, is_python_module=False, verbose=verbose)
     return str(path)
 
@@ -68,6 +69,11 @@ def load() -> bool:
         ok = False
     _state["ok"] = ok
     return ok
+
+
+def available() -> bool:
+    """Whether the kernels are loaded, without trying to build them (cheap, per call)."""
+    return bool(_state.get("ok"))
 
 
 def load_error() -> str | None:

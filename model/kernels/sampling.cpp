@@ -1,0 +1,118 @@
+// Fused sampling for the common case: temperature (with optional min-p) or greedy, per row.
+//
+// The eager sampler makes about ten passes over the [B, V] logits (copy, divide, masks,
+// softmax, cumsum, argmax), each a trip to memory once B*V*4 bytes outgrow the cache: at
+// B = 64, V = 8192 that is ~6.8 ms a step, half the decode step itself. Here each row is
+// handled while it sits in L1/L2: one pass for the maximum, one for exp and the sum, one for
+// the inverse-CDF walk. Top-k and top-p need a sort and stay in model/sampling.py.
+//
+// logits [B, V] fp32, temperature [B] fp32 (<= 0: greedy), min_p [B] fp32 (<= 0: off),
+// u [B] fp32 uniforms in [0, 1) from each row's own generator -> tokens [B] int64.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// exp(v) for v <= 0, vectorisable (same polynomial as linear_step.cpp).
+inline float exp_le0(float v) {
+  v = v < -87.f ? -87.f : v;
+  const float n = std::nearbyint(v * 1.44269504088896341f);
+  const float r = v - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// The largest logit of a row (vectorised; NaN never wins).
+float max_row(const float* l, int64_t v) {
+  float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < v; ++i) m = l[i] > m ? l[i] : m;
+  return m;
+}
+
+// Index of the largest logit (the first one on ties; NaN never wins).
+int64_t argmax_row(const float* l, int64_t v) {
+  const float m = max_row(l, v);
+  for (int64_t i = 0; i < v; ++i) {
+    if (l[i] == m) return i;
+  }
+  return 0;  // every logit NaN
+}
+
+// One draw from softmax(l / t), restricted to p_i >= min_p * p_max, by inverse CDF at u.
+int64_t draw_row(const float* l, int64_t v, float t, float min_p, float u, float* w) {
+  const float m = max_row(l, v);
+  if (!std::isfinite(m)) return argmax_row(l, v);
+  const float inv_t = 1.f / t;
+  // p_i >= min_p * p_max  <=>  (l_i - m) / t >= log(min_p)
+  const float floor = min_p > 0.f ? std::log(min_p) : -INFINITY;
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < v; ++i) {
+    const float x = (l[i] - m) * inv_t;  // <= 0; NaN logits compare false below
+    const float e = x >= floor ? exp_le0(x) : 0.f;
+    w[i] = e;
+    total += e;
+  }
+  const float target = u * total;
+  float cum = 0.f;
+  int64_t last = argmax_row(l, v);
+  for (int64_t i = 0; i < v; ++i) {
+    if (w[i] <= 0.f) continue;
+    cum += w[i];
+    last = i;
+    if (cum > target) return i;
+  }
+  return last;  // rounding left the target at the very top: the last kept token
+}
+
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
+                       const at::Tensor& min_p, const at::Tensor& u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "logits: [B, V] fp32");
+  const at::Tensor l = logits.contiguous();
+  const at::Tensor t = temperature.to(at::kFloat).contiguous();
+  const at::Tensor mp = min_p.to(at::kFloat).contiguous();
+  const at::Tensor uu = u.to(at::kFloat).contiguous();
+  const int64_t rows = l.size(0), v = l.size(1);
+  TORCH_CHECK(t.numel() == rows && mp.numel() == rows && uu.numel() == rows,
+              "one temperature, min_p and uniform per row");
+  at::Tensor out = at::empty({rows}, l.options().dtype(at::kLong));
+  const float* lp = l.data_ptr<float>();
+  const float* tp = t.data_ptr<float>();
+  const float* mpp = mp.data_ptr<float>();
+  const float* up = uu.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(v);
+    for (int64_t b = begin; b < end; ++b) {
+      const float* row = lp + b * v;
+      op[b] = tp[b] > 0.f ? draw_row(row, v, tp[b], mpp[b], up[b], w.data())
+                          : argmax_row(row, v);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(linserve, m) {
+  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor min_p, Tensor u) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("sample_rows", &sample_rows); }
