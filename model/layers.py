@@ -42,9 +42,11 @@ class LinearAttention(nn.Module):
             return favor_features(x, self.favor_w, is_query)
         return elu_feature(x)
 
-    def _conv_parallel(self, qkv: torch.Tensor, buf: torch.Tensor | None
+    def _conv_parallel(self, qkv: torch.Tensor, buf: torch.Tensor | None,
+                       lengths: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """qkv ``[B, T, 3d]``, buf ``[B, K-1, 3d]`` -> (conv output, new buf)."""
+        """qkv ``[B, T, 3d]``, buf ``[B, K-1, 3d]`` -> (conv output, new buf). With right-padded
+        rows of ``lengths [B]``, each row's new buffer ends at its own last real token."""
         if self.conv is None:
             return qkv, buf
         k = self.conv.shape[1]
@@ -52,22 +54,37 @@ class LinearAttention(nn.Module):
             buf = qkv.new_zeros(qkv.shape[0], k - 1, qkv.shape[2])
         full = torch.cat([buf, qkv], dim=1)
         out = F.conv1d(full.transpose(1, 2), self.conv.float().unsqueeze(1), groups=qkv.shape[2])
-        return out.transpose(1, 2), full[:, full.shape[1] - (k - 1):]
+        if lengths is None:
+            return out.transpose(1, 2), full[:, full.shape[1] - (k - 1):]
+        # full index j holds qkv position j - (K-1): row b's last K-1 real inputs start at len_b
+        idx = lengths[:, None] + torch.arange(k - 1)[None, :]  # [B, K-1]
+        new_buf = full.gather(1, idx[:, :, None].expand(-1, -1, full.shape[2]))
+        return out.transpose(1, 2), new_buf
 
-    def forward(self, x: torch.Tensor, state: LinearState | None, layer: int) -> torch.Tensor:
-        """Parallel form. x ``[B, T, d]``; updates ``state`` (if given) in place."""
+    def forward(self, x: torch.Tensor, state: LinearState | None, layer: int,
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Parallel form. x ``[B, T, d]``; updates ``state`` (if given) in place.
+
+        ``lengths [B]`` marks rows right-padded to T: padded keys and values are zeroed, so
+        they add nothing to s and z (a sum), and the outputs at real positions, being causal,
+        never see them. Outputs at padded positions are garbage, for the caller to ignore.
+        """
         b, t, _ = x.shape
         h, dh = self.cfg.n_heads, self.cfg.head_dim
         qkv, new_buf = self._conv_parallel(self.qkv(x).float(), None if state is None
-                                           else state.conv[layer])
+                                           else state.conv[layer], lengths)
         q, k, v = qkv.view(b, t, 3, h, dh).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, D]
         if state is None:
             s = x.new_zeros(b, h, self.cfg.feature_dim, dh, dtype=torch.float32)
             z = x.new_zeros(b, h, self.cfg.feature_dim, dtype=torch.float32)
         else:
             s, z = state.s[layer], state.z[layer]
+        fk = self._phi(k, False)
+        if lengths is not None:
+            real = (torch.arange(t)[None, :] < lengths[:, None]).to(fk.dtype)[:, None, :, None]
+            fk, v = fk * real, v * real
         o, s_new, z_new = causal_linear_parallel(
-            self._phi(q, True), self._phi(k, False), v, s, z, self.cfg.chunk_size, self.cfg.eps)
+            self._phi(q, True), fk, v, s, z, self.cfg.chunk_size, self.cfg.eps)
         if state is not None:
             state.s[layer] = s_new
             state.z[layer] = z_new
@@ -168,8 +185,14 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, state: LinearState | KVCache | None,
-                layer: int) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x), state, layer))
+                layer: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """``lengths``: right-padded rows (recurrent attention only; see LinearAttention)."""
+        if lengths is None:
+            attn = self.attn(self.norm1(x), state, layer)
+        else:
+            assert isinstance(self.attn, LinearAttention)
+            attn = self.attn(self.norm1(x), state, layer, lengths)
+        x = x + self.drop(attn)
         return x + self.drop(self.mlp(self.norm2(x)))
 
     def step(self, x: torch.Tensor, state: LinearState | KVCache, layer: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ from model import fused_step, kernels
 from model.config import ModelConfig
 from model.fused_step import FusedStep
 from model.layers import Block
-from model.state import KVCache, LinearState, State, empty_state
+from model.state import KVCache, LinearState, State, cat_states, empty_state, unbatch
 
 
 class LanguageModel(nn.Module):
@@ -105,6 +105,31 @@ class LanguageModel(nn.Module):
     @property
     def uses_fused_step(self) -> bool:
         return self._fused is not None
+
+    @torch.inference_mode()
+    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
+                       ) -> tuple[torch.Tensor, list[State]]:
+        """Prefill several prompts of different lengths in one batched parallel pass
+        (recurrent models only): rows are right-padded and the padding masked out.
+
+        Returns each prompt's last logits ``[B, V]`` and its new single-row state; the input
+        states are not modified. Equal to calling :meth:`prefill` on each prompt alone.
+        """
+        if not self.cfg.is_recurrent:
+            raise ValueError("ragged prefill needs a recurrent (linear or favor) model")
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        lengths = torch.tensor([len(p) for p in prompts])
+        tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p)
+        state = cat_states([st.copy() if st is not None else self.new_state(1)
+                            for st in states])
+        x = self.embed(tokens)
+        for i, block in enumerate(self.layers):
+            x = block(x, state, i, lengths)
+        last = x[torch.arange(len(prompts)), lengths - 1]
+        return self._head(last), unbatch(state)
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:

@@ -152,7 +152,12 @@ class Engine:
 
     # ---- prefill ---------------------------------------------------------------------
     def _prefill_some(self) -> None:
+        """Prefill waiting prompts under the iteration's token budget. With a recurrent model,
+        prompts that need no prompt log-probs are prefilled together in one ragged batch
+        (64 prompts of 16 tokens: one pass instead of 64)."""
         budget = self.limits.step_token_budget
+        if self.model.cfg.is_recurrent:
+            budget = self._prefill_batched(budget)
         while self.prefilling and budget > 0:
             seq = self.prefilling[0]
             todo = seq.to_prefill
@@ -170,12 +175,43 @@ class Engine:
                 metrics.PROMPT_TOKENS.inc(n)
             if seq.prefilled >= seq.prefill_target:
                 self.prefilling.popleft()
-                if seq.prefill_only or logits is None:
-                    seq.finish_reason = "prefilled"
-                    state = seq.state if seq.state is not None else self.model.new_state(1)
-                    self._finish(seq, state, seq.req.input_ids[seq.prefill_target :])
-                else:
-                    self._start_decoding(seq, logits)
+                self._prefill_done(seq, logits)
+
+    def _prefill_batched(self, budget: int) -> int:
+        """One ragged prefill over the leading prompts that fit the budget (padded size);
+        returns the budget left. Prompts with prompt log-probs go the one-by-one way."""
+        group: list[tuple[Sequence, int]] = []
+        for seq in self.prefilling:
+            todo = len(seq.to_prefill)
+            if seq.prompt_logprobs is not None or todo == 0:
+                break
+            n = min(todo, self.limits.prefill_chunk)
+            longest = max([n] + [m for _, m in group])
+            if group and longest * (len(group) + 1) > budget:
+                break
+            group.append((seq, n))
+        if len(group) < 2:
+            return budget
+        logits, states = self.model.prefill_ragged(
+            [seq.to_prefill[:n] for seq, n in group], [seq.state for seq, _ in group])
+        for i, (seq, n) in enumerate(group):
+            seq.state = states[i]
+            seq.prefilled += n
+            metrics.PROMPT_TOKENS.inc(n)
+        for i, (seq, _) in enumerate(group):
+            if seq.prefilled >= seq.prefill_target:
+                self.prefilling.remove(seq)
+                self._prefill_done(seq, logits[i : i + 1])
+        return budget - max(n for _, n in group) * len(group)
+
+    def _prefill_done(self, seq: Sequence, logits: torch.Tensor | None) -> None:
+        """A prompt is in: hand a prefill-only request its state, else start decoding."""
+        if seq.prefill_only or logits is None:
+            seq.finish_reason = "prefilled"
+            state = seq.state if seq.state is not None else self.model.new_state(1)
+            self._finish(seq, state, seq.req.input_ids[seq.prefill_target :])
+        else:
+            self._start_decoding(seq, logits)
 
     def _add_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, ids: list[int]) -> None:
         """Log-probs of prompt tokens: token j is scored by the logits at j-1."""

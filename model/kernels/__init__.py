@@ -46,8 +46,9 @@ def build(directory: str | Path | None = None, verbose: bool = False) -> str:
     if build_dir is not None:
         Path(build_dir).mkdir(parents=True, exist_ok=True)
     path = cpp_extension.load(
-        name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=["-O3", f"-march={arch}", "-fopenmp-simd"],
-        build_directory=build_dir, is_python_module=False, verbose=verbose)
+        name=NAME, sources=[str(s) for s in SOURCES],
+        extra_cflags=["-O3", f"-march={arch}", "-fopenmp-simd"], build_directory=build_dir,
+        is_python_module=False, verbose=verbose)
     return str(path)
 
 

@@ -139,3 +139,35 @@ def test_softmax_refuses_past_max_context() -> None:
     _, state = model.prefill(torch.randint(0, 97, (1, 64)))
     with pytest.raises(ValueError, match="max_context"):
         model.step(torch.tensor([1]), state)
+
+
+@pytest.mark.parametrize("kind", RECURRENT)
+@pytest.mark.parametrize("conv_size", [4, 0, 2])
+def test_ragged_prefill_equals_one_by_one(kind: str, conv_size: int) -> None:
+    """Right-padded batched prefill (the engine's) = each prompt alone, states included,
+    with and without a start state; the input states are left untouched."""
+    model = tiny_model(kind, conv_size=conv_size)
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (5, 17, 1, 40, 3)]
+    _, base = model.prefill(torch.randint(0, 97, (1, 10)))
+    before = base.copy()
+    starts = [None, base, None, base, None]
+    logits, states = model.prefill_ragged(prompts, starts)
+    assert all(torch.equal(a, b) for a, b in zip(base.tensors().values(),
+                                                  before.tensors().values(), strict=True))
+    for i, (p, st) in enumerate(zip(prompts, starts, strict=True)):
+        want, want_state = model.prefill(torch.tensor([p]), st)
+        assert (logits[i] - want[0]).abs().max() <= 1e-5
+        for name, t in want_state.tensors().items():
+            got = states[i].tensors()[name]
+            assert got.shape == t.shape
+            if t.numel():
+                assert (got - t).abs().max() <= 1e-5 * max(1.0, t.abs().max().item())
+        tok = torch.tensor([7])
+        assert (model.step(tok, states[i]) - model.step(tok, want_state)).abs().max() <= 1e-5
+
+
+def test_ragged_prefill_refuses_softmax_and_empty_prompts() -> None:
+    with pytest.raises(ValueError, match="recurrent"):
+        tiny_model("softmax").prefill_ragged([[1, 2]], [None])
+    with pytest.raises(ValueError, match="at least one token"):
+        tiny_model("linear").prefill_ragged([[1], []], [None, None])
