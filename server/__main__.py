@@ -9,6 +9,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from server.app import create_app, wrap
+from server.malloc import pin_mmap_threshold
 from server.settings import parse_cli
 
 
@@ -48,6 +49,7 @@ def main() -> None:
     settings = parse_cli()
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    pin_mmap_threshold(settings.malloc_mmap_threshold)
     app = create_app(settings)
     config = uvicorn.Config(wrap(app, settings, max_state_bytes(settings.weights)),
                             host=settings.host, port=settings.port,
