@@ -169,7 +169,8 @@ def summarise(results: list[Result], wall: float, args: argparse.Namespace) -> d
     out_tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
-        "config": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "config": {k: str(v) if isinstance(v, Path) else v
+                   for k, v in vars(args).items() if k != "api_key"},
         "requests": len(results), "completed": len(ok), "wall_seconds": wall,
         "errors": dict(Counter(r.error for r in results if not r.ok)),
         "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall if wall else 0,

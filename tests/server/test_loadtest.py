@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from bench import loadtest
@@ -10,9 +13,12 @@ from bench.serverproc import ServerProcess
 pytestmark = pytest.mark.integration
 
 
-def test_loadtest_counts_and_percentiles(server: ServerProcess) -> None:
+def test_loadtest_counts_and_percentiles(server: ServerProcess, tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
     rep = loadtest.main(["--url", server.url, "--concurrency", "4", "--requests", "12",
-                         "--max-tokens", "16", "--prompt-tokens", "32", "--ignore-eos"])
+                         "--max-tokens", "16", "--prompt-tokens", "32", "--ignore-eos",
+                         "--output", str(out)])
+    assert json.loads(out.read_text())["output_tokens"] == rep["output_tokens"]
     assert rep["completed"] == 12 and not rep["errors"]
     assert rep["output_tokens"] == 12 * 16  # from the usage chunks
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
