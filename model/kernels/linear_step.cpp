@@ -25,6 +25,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "fastmath.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -55,28 +57,10 @@ at::Tensor normed(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
-// exp(v) for v <= 0 in a form the compiler vectorises: v = n ln2 + r, |r| <= ln2 / 2,
-// a degree-6 polynomial for exp(r), then 2^n through the exponent bits. Within 2 ulp of expf;
-// underflows to 0 below -87 like expf.
-inline float exp_nonpositive(float v) {
-  v = v < -87.f ? -87.f : v;
-  const float n = std::nearbyint(v * 1.44269504088896341f);
-  const float r = v - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 // phi(v) = elu(v) + 1: v + 1 for v > 0, exp(v) otherwise.
-inline float elu_plus_one(float v) { return v > 0.f ? v + 1.f : exp_nonpositive(v); }
+inline float elu_plus_one(float v) {
+  return v > 0.f ? v + 1.f : linserve::exp_nonpositive(v);
+}
 
 // qkv [B, 3d] fp32 in place: causal depthwise conv over (buffer, current), then the
 // buffer shifts by one; phi on the q and k parts. buf [B, K-1, 3d], cw [K, 3d].

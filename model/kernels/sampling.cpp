@@ -13,30 +13,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "fastmath.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
-
-// exp(v) for v <= 0, vectorisable (same polynomial as linear_step.cpp).
-inline float exp_le0(float v) {
-  v = v < -87.f ? -87.f : v;
-  const float n = std::nearbyint(v * 1.44269504088896341f);
-  const float r = v - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // The largest logit of a row (vectorised; NaN never wins).
 float max_row(const float* l, int64_t v) {
@@ -66,7 +50,7 @@ int64_t draw_row(const float* l, int64_t v, float t, float min_p, float u, float
 #pragma omp simd reduction(+ : total)
   for (int64_t i = 0; i < v; ++i) {
     const float x = (l[i] - m) * inv_t;  // <= 0; NaN logits compare false below
-    const float e = x >= floor ? exp_le0(x) : 0.f;
+    const float e = x >= floor ? linserve::exp_nonpositive(x) : 0.f;
     w[i] = e;
     total += e;
   }
