@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -71,6 +72,16 @@ class BatchParams:
         cols = (getattr(self, f).index_select(0, idx) for f in self.__dataclass_fields__)
         return BatchParams(*cols)
 
+    @cached_property
+    def hot(self) -> list[bool]:
+        """Which rows sample (temperature > 0) rather than take the argmax."""
+        return (self.temperature > 0).tolist()
+
+    @cached_property
+    def needs_sort(self) -> bool:
+        """Whether any row uses top-k or top-p (the native sampler handles neither)."""
+        return bool((self.top_k > 0).any() | (self.top_p < 1).any())
+
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
                     bp: BatchParams) -> torch.Tensor:
@@ -125,9 +136,8 @@ def _sample_native(logits: torch.Tensor, bp: BatchParams,
                    generators: Sequence[torch.Generator]) -> torch.Tensor:
     """Temperature / min-p / greedy rows in one native pass per row (``sampling.cpp``). Each
     sampled row draws one uniform from its own generator, as the eager path does."""
-    hot = (bp.temperature > 0).tolist()
     u = torch.tensor([torch.rand(1, generator=g).item() if h else 0.0
-                      for g, h in zip(generators, hot, strict=True)])
+                      for g, h in zip(generators, bp.hot, strict=True)])
     return torch.ops.linserve.sample_rows(logits.float(), bp.temperature, bp.min_p, u)
 
 
@@ -142,7 +152,7 @@ def sample(logits: torch.Tensor, bp: BatchParams, generators: Sequence[torch.Gen
     """
     if counts is not None and seen is not None:
         logits = apply_penalties(logits, counts, seen, bp)
-    if native and kernels.available() and bool((bp.top_k <= 0).all() & (bp.top_p >= 1).all()):
+    if native and not bp.needs_sort and kernels.available():
         return _sample_native(logits, bp, generators)
     tokens = logits.argmax(-1)
     hot = (bp.temperature > 0).nonzero().flatten()

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from model import fused_step, kernels
 from model.config import ModelConfig
@@ -120,9 +121,7 @@ class LanguageModel(nn.Module):
         if not prompts or any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
         lengths = torch.tensor([len(p) for p in prompts])
-        tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p)
+        tokens = pad_sequence([torch.tensor(p) for p in prompts], batch_first=True)
         state = cat_states([st.copy() if st is not None else self.new_state(1)
                             for st in states])
         x = self.embed(tokens)

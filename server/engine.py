@@ -198,7 +198,6 @@ class Engine:
             seq.state = states[i]
             seq.prefilled += n
             metrics.PROMPT_TOKENS.inc(n)
-        for i, (seq, _) in enumerate(group):
             if seq.prefilled >= seq.prefill_target:
                 self.prefilling.remove(seq)
                 self._prefill_done(seq, logits[i : i + 1])
