@@ -24,9 +24,13 @@ COPY pyproject.toml README.md ./
 COPY model/ model/
 COPY server/ server/
 RUN /opt/venv/bin/pip install --find-links /wheels /src
-# Prebuild the kernel for any x86-64 with AVX2/FMA (not -march=native: the image moves).
-RUN PATH=/opt/venv/bin:$PATH LINSERVE_KERNEL_ARCH=x86-64-v3 python -m model.kernels build /opt/kernels \
- && test -f /opt/kernels/linserve_kernels.so
+# Prebuild the kernels for two CPU levels (not -march=native: the image moves); at start the
+# best one this CPU runs is loaded (model/kernels: LINSERVE_KERNEL_DIR), so a CPU without
+# AVX2 gets the baseline build instead of an illegal instruction.
+RUN for arch in x86-64-v3 x86-64; do \
+      PATH=/opt/venv/bin:$PATH LINSERVE_KERNEL_ARCH=$arch python -m model.kernels build "/opt/kernels/$arch" \
+      && test -f "/opt/kernels/$arch/linserve_kernels.so" || exit 1; \
+    done
 
 FROM python:3.11-slim
 ENV PATH=/opt/venv/bin:$PATH \
@@ -34,14 +38,15 @@ ENV PATH=/opt/venv/bin:$PATH \
     LINSERVE_HOST=0.0.0.0 \
     LINSERVE_PORT=8000 \
     LINSERVE_WEIGHTS=/app/weights/linear \
-    LINSERVE_KERNEL_LIB=/opt/kernels/linserve_kernels.so
+    LINSERVE_KERNEL_DIR=/opt/kernels
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin app
 COPY --from=build /opt/venv /opt/venv
-COPY --from=build /opt/kernels/linserve_kernels.so /opt/kernels/
+COPY --from=build /opt/kernels/x86-64-v3/linserve_kernels.so /opt/kernels/x86-64-v3/
+COPY --from=build /opt/kernels/x86-64/linserve_kernels.so /opt/kernels/x86-64/
 WORKDIR /app
 COPY --chown=app:app weights/ /app/weights/
 USER 10001
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
-  CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)"]
+  CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health/live', timeout=2)"]
 CMD ["python3", "-m", "server"]

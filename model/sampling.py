@@ -161,7 +161,9 @@ def sample(logits: torch.Tensor, bp: BatchParams, generators: Sequence[torch.Gen
     probs = sampling_probs(logits.index_select(0, hot), bp.select(hot))
     u = torch.cat([torch.rand(1, generator=generators[int(i)]) for i in hot])
     cdf = probs.cumsum(-1)
-    drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    # side="right": the first token whose cumulative mass exceeds u·total, so u = 0 never
+    # lands on a leading token of zero probability.
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     tokens[hot] = drawn.clamp(max=logits.shape[-1] - 1)
     return tokens
 

@@ -7,6 +7,7 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
+from pydantic import ValidationError
 
 from server.app import create_app, wrap
 from server.malloc import pin_mmap_threshold
@@ -46,7 +47,10 @@ class DrainingServer(uvicorn.Server):
 
 
 def main() -> None:
-    settings = parse_cli()
+    try:
+        settings = parse_cli()
+    except ValidationError as exc:  # a bad flag or variable: say which, without a traceback
+        raise SystemExit(f"linserve: invalid settings\n{exc}") from None
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     pin_mmap_threshold(settings.malloc_mmap_threshold)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from model.tokenizer import Tokenizer
 from model.transformer import LanguageModel, load_model
 from server.client import EngineBackend, EngineClient
+from server.cpus import available_cpus
 from server.engine import Engine, EngineLimits
 from server.engine_process import ProcessEngineClient
 from server.errors import error_body, install_error_handlers
@@ -44,10 +44,7 @@ def make_store(settings: Settings) -> SessionStore:
 
 
 def load_engine_model(settings: Settings) -> tuple[LanguageModel, Tokenizer]:
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    torch.set_num_threads(settings.threads or max(1, available_cpus() - 1))
     dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
     model = load_model(settings.weights, dtype, fused=settings.fused_step)
     log.info("decode step: %s", "fused native" if model.uses_fused_step else "eager")
@@ -64,8 +61,10 @@ def warm_up(model: LanguageModel) -> None:
 
 
 class BodyLimit:
-    """Pure-ASGI guard: 413 before parsing when a body exceeds its limit (by Content-Length
-    or while streaming). The state-import route allows one full state's bytes."""
+    """Pure-ASGI guard: 413 before the app sees a body over its limit. A declared
+    Content-Length is checked up front; a chunked body (no Content-Length) is read here up to
+    the limit and then replayed to the app, so an oversize one is a 413 too. The state-import
+    route allows one full state's bytes."""
 
     def __init__(self, app: ASGIApp, default: int, large: dict[str, int]) -> None:
         self.app, self.default, self.large = app, default, large
@@ -78,28 +77,48 @@ class BodyLimit:
         limit = self.large.get(scope["path"], self.default)
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        if declared is not None:
+            if not declared.isdigit() or int(declared) > limit:
+                await _send_413(send, limit)
+                return
+            await self.app(scope, receive, send)
+            return
+        body = await _read_up_to(receive, limit)
+        if body is None:
             await _send_413(send, limit)
             return
-        seen = 0
-
-        async def limited_receive() -> Any:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise _TooLarge
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await _send_413(send, limit)
+        await self.app(scope, _replay(body, receive), send)
 
 
-class _TooLarge(Exception):
-    pass
+async def _read_up_to(receive: Callable[[], Awaitable[Any]], limit: int) -> bytes | None:
+    """The whole request body, or None once it exceeds ``limit`` (or the client left)."""
+    chunks: list[bytes] = []
+    seen = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        seen += len(chunk)
+        if seen > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+    """A receive callable that yields ``body`` once, then defers to the real one."""
+    sent = False
+
+    async def replay() -> Any:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 async def _send_413(send: Callable[[Any], Awaitable[None]], limit: int) -> None:
@@ -150,7 +169,8 @@ async def startup(app: FastAPI, settings: Settings) -> None:
         await asyncio.to_thread(warm_up, model)
         limits = EngineLimits(settings.max_running, settings.max_waiting,
                               settings.prefill_chunk, settings.step_token_budget)
-        client = EngineClient(lambda deliver: Engine(model, tok, limits, deliver))
+        client = EngineClient(lambda deliver, beat: Engine(model, tok, limits, deliver, beat),
+                              settings.engine_stall_seconds)
     await client.start_async()
     store = make_store(settings)
     bind = getattr(store, "bind_model", None)

@@ -7,7 +7,9 @@
     Assistant:
 
 Generation stops at the next ``\nUser:`` line (added to the request's own stop strings).
-Within a session, only the new messages are rendered and appended after what is stored.
+Within a session, only the new messages are rendered and appended after what is stored: after
+each chat turn the session holds ``… Assistant: {reply stripped}\n``, exactly what a stateless
+client resends (``server.transcript``), so both ways feed the model the same tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ CHAT_STOP = ("\nUser:",)
 ROLE_NAMES = {"user": "User", "assistant": "Assistant"}
 
 
-def render_chat(messages: Sequence[ChatMessage], continuing: bool = False) -> str:
+def render_chat(messages: Sequence[ChatMessage]) -> str:
     """Render messages and end with the ``Assistant:`` cue the model completes."""
     parts: list[str] = []
     for msg in messages:
@@ -28,5 +30,4 @@ def render_chat(messages: Sequence[ChatMessage], continuing: bool = False) -> st
             parts.append(f"{msg.text().strip()}\n\n")
         else:
             parts.append(f"{ROLE_NAMES[msg.role]}: {msg.text().strip()}\n")
-    prefix = "\n" if continuing else ""
-    return prefix + "".join(parts) + "Assistant:"
+    return "".join(parts) + "Assistant:"

@@ -9,8 +9,40 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from server import metrics
 from server.engine import Engine, Sink
 from server.types import GenerationRequest, Output
+
+
+class EngineUnavailable(Exception):
+    """The engine is down or restarting; the caller should answer 503 (with the reason)."""
+
+
+class EngineHealth:
+    """What the supervisor knows: ``up`` (serving), ``down`` (restarting, with a reason) or
+    ``failed`` (gave up restarting: liveness fails). Read by ``/health``."""
+
+    def __init__(self) -> None:
+        self.status = "starting"
+        self.reason: str | None = None
+        self.since = time.time()
+
+    @property
+    def up(self) -> bool:
+        return self.status == "up"
+
+    def _set(self, status: str, reason: str | None) -> None:
+        self.status, self.reason, self.since = status, reason, time.time()
+        metrics.ENGINE_UP.set(1 if status == "up" else 0)
+
+    def set_up(self) -> None:
+        self._set("up", None)
+
+    def set_down(self, reason: str) -> None:
+        self._set("down", reason)
+
+    def set_failed(self, reason: str) -> None:
+        self._set("failed", reason)
 
 
 class EngineBackend(Protocol):
@@ -18,6 +50,7 @@ class EngineBackend(Protocol):
     process (:class:`server.engine_process.ProcessEngineClient`)."""
 
     loop: asyncio.AbstractEventLoop
+    health: EngineHealth
 
     def submit(self, req: GenerationRequest) -> RequestHandle: ...
 
@@ -78,20 +111,44 @@ class RequestHandle:
             self.client.cancel(self.req.request_id, self.sent_tokens)
 
 
-class EngineClient:
-    """Starts the engine thread and routes its deltas to request handles."""
+EngineFactory = Callable[[Callable[[list[tuple[Sink, Output]]], None], Callable[[], None]],
+                         Engine]
 
-    def __init__(self, engine_factory: Callable[[Callable[[list[tuple[Sink, Output]]], None]],
-                                                Engine]) -> None:
+
+class EngineClient:
+    """Starts the engine thread and routes its deltas to request handles (the debugging
+    mode: a stalled engine thread is reported by ``/health`` but cannot be restarted)."""
+
+    def __init__(self, engine_factory: EngineFactory, stall_seconds: float = 10.0) -> None:
         self.loop = asyncio.get_running_loop()
-        self.engine = engine_factory(self._deliver)
+        self.last_beat = time.monotonic()
+        self.stall_seconds = stall_seconds
+        self.engine = engine_factory(self._deliver, self._beat)
         self.thread = threading.Thread(target=self.engine.run, name="engine", daemon=True)
+        self.health = EngineHealth()
+        self._watchdog: asyncio.Task[None] | None = None
+
+    def _beat(self) -> None:
+        self.last_beat = time.monotonic()
 
     def start(self) -> None:
         self.thread.start()
+        self.health.set_up()
 
     async def start_async(self) -> None:
         self.start()
+        self._watchdog = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            stalled = time.monotonic() - self.last_beat
+            if not self.thread.is_alive():
+                self.health.set_failed("the engine thread exited")
+            elif stalled > self.stall_seconds:
+                self.health.set_down(f"the engine made no progress for {stalled:.1f} s")
+            elif not self.health.up:
+                self.health.set_up()
 
     def cancel(self, request_id: str, sent_tokens: int | None = None) -> None:
         self.engine.cancel(request_id, sent_tokens)
@@ -100,6 +157,8 @@ class EngineClient:
         self.engine.finish_all()
 
     async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         self.engine.stop()
         await asyncio.to_thread(self.thread.join, 10)
 

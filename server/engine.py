@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 from model.sampling import BatchParams, sample, top_logprobs
-from model.state import State
+from model.state import KVCache, State
 from model.tokenizer import Tokenizer
 from model.transformer import LanguageModel
 from server import metrics
 from server.pool import SlotPool
 from server.sequence import Sequence, logprob_entries
+from server.transcript import chat_turn_text, common_prefix, session_tokens
 from server.types import GenerationRequest, Output, TokenLogprob
 
 log = logging.getLogger("linserve.engine")
@@ -35,6 +36,18 @@ Deliver = Callable[[list[tuple[Sink, Output]]], None]
 
 class Overloaded(Exception):
     """The engine's queue is full; the caller should answer 429."""
+
+
+@dataclass
+class Replay:
+    """A finished session request whose state must be rebuilt to end exactly where the
+    client's text ends: ``feed`` is prefilled into ``state`` under the iteration's token
+    budget (never more than the tokens the client was sent), then the request finishes."""
+
+    seq: Sequence
+    state: State
+    feed: list[int]
+    pending: list[int]
 
 
 @dataclass
@@ -50,7 +63,7 @@ class Engine:
     :meth:`run` on its own thread."""
 
     def __init__(self, model: LanguageModel, tokenizer: Tokenizer, limits: EngineLimits,
-                 deliver: Deliver) -> None:
+                 deliver: Deliver, beat: Callable[[], None] = lambda: None) -> None:
         self.model = model
         self.tok = tokenizer
         self.limits = limits
@@ -60,6 +73,8 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i] lives in pool slot i
+        self.replays: deque[Replay] = deque()
+        self.beat = beat  # called once per iteration (the supervisor's heartbeat)
         self.sinks: dict[str, Sink] = {}
         self._inflight = 0
         self._lock = threading.Lock()
@@ -100,14 +115,15 @@ class Engine:
         while not self._stop.is_set():
             try:
                 self.iterate()
-            except Exception:  # never let one bad batch kill the server
-                log.exception("engine iteration failed; failing the affected requests")
+            except Exception:  # a failure no single request could be blamed for
+                log.exception("engine iteration failed; failing the running requests")
                 self._fail_all("internal engine error")
         log.info("engine loop stopped")
 
     def iterate(self) -> None:
         """One scheduler iteration (blocks briefly on the inbox when idle)."""
-        idle = not (self.waiting or self.prefilling or self.running)
+        self.beat()
+        idle = not (self.waiting or self.prefilling or self.running or self.replays)
         self._drain_inbox(block=idle)
         self._admit()
         self._prefill_some()
@@ -124,10 +140,7 @@ class Engine:
             return
         while True:
             if cmd == "submit":
-                req, sink = arg
-                self.sinks[req.request_id] = sink
-                seq = Sequence(req, self.tok.detokenizer(), self._stop_ids(req))
-                self.waiting.append(seq)
+                self._accept(*arg)
             elif cmd == "finish_all":
                 self._finish_everything()
             elif cmd == "cancel":
@@ -137,6 +150,26 @@ class Engine:
                 cmd, arg = self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _accept(self, req: GenerationRequest, sink: Sink) -> None:
+        self.sinks[req.request_id] = sink
+        try:
+            seq = Sequence(req, self.tok.detokenizer(), self._stop_ids(req))
+            if req.fault == "submit":
+                raise RuntimeError("injected fault: submit")
+        except Exception as exc:
+            log.exception("request %s rejected by the engine", req.request_id)
+            self._fail_unstarted(req, f"the engine could not start this request: {exc}")
+            return
+        self.waiting.append(seq)
+
+    def _fail_unstarted(self, req: GenerationRequest, message: str) -> None:
+        sink = self.sinks.pop(req.request_id, None)
+        with self._lock:
+            self._inflight -= 1
+        metrics.REQUESTS.labels(status="error").inc()
+        if sink is not None:
+            self._outbox.append((sink, Output(finish_reason="error", error=message)))
 
     def _stop_ids(self, req: GenerationRequest) -> set[int]:
         ids = set(req.params.stop_token_ids)
@@ -152,38 +185,53 @@ class Engine:
 
     # ---- prefill ---------------------------------------------------------------------
     def _prefill_some(self) -> None:
-        """Prefill waiting prompts under the iteration's token budget. With a recurrent model,
-        prompts that need no prompt log-probs are prefilled together in one ragged batch
-        (64 prompts of 16 tokens: one pass instead of 64)."""
-        budget = self.limits.step_token_budget
-        if self.model.cfg.is_recurrent:
+        """Spend the iteration's token budget: session replays first, then prompts. With a
+        recurrent model, prompts that need no prompt log-probs are prefilled together in one
+        ragged batch (64 prompts of 16 tokens: one pass instead of 64)."""
+        budget = self._replay_some(self.limits.step_token_budget)
+        if self.model.cfg.is_recurrent and budget > 0:
             budget = self._prefill_batched(budget)
         while self.prefilling and budget > 0:
             seq = self.prefilling[0]
-            todo = seq.to_prefill
-            logits = None
-            if todo:
-                n = min(len(todo), self.limits.prefill_chunk, budget)
-                ids = torch.tensor([todo[:n]])
-                logits, seq.state = self.model.prefill(
-                    ids, seq.state, all_logits=seq.prompt_logprobs is not None)
-                if seq.prompt_logprobs is not None:
-                    self._add_prompt_logprobs(seq, logits[0], todo[:n])
-                    logits = logits[:, -1]
-                seq.prefilled += n
-                budget -= n
-                metrics.PROMPT_TOKENS.inc(n)
-            if seq.prefilled >= seq.prefill_target:
-                self.prefilling.popleft()
-                self._prefill_done(seq, logits)
+            try:
+                budget -= self._prefill_one(seq, budget)
+            except Exception as exc:
+                log.exception("prefill of %s failed", seq.req.request_id)
+                if self.prefilling and self.prefilling[0] is seq:
+                    self.prefilling.popleft()
+                seq.fail(f"prefill failed: {exc}")
+                self._finish(seq, None, [])
+
+    def _prefill_one(self, seq: Sequence, budget: int) -> int:
+        """Prefill the next chunk of ``seq``; returns the tokens spent."""
+        if seq.req.fault == "prefill":
+            raise RuntimeError("injected fault: prefill")
+        todo = seq.to_prefill
+        logits = None
+        n = 0
+        if todo:
+            n = min(len(todo), self.limits.prefill_chunk, budget)
+            ids = torch.tensor([todo[:n]])
+            logits, seq.state = self.model.prefill(
+                ids, seq.state, all_logits=seq.prompt_logprobs is not None)
+            if seq.prompt_logprobs is not None:
+                self._add_prompt_logprobs(seq, logits[0], todo[:n])
+                logits = logits[:, -1]
+            seq.prefilled += n
+            metrics.PROMPT_TOKENS.inc(n)
+        if seq.prefilled >= seq.prefill_target:
+            self.prefilling.popleft()
+            self._prefill_done(seq, logits)
+        return n
 
     def _prefill_batched(self, budget: int) -> int:
         """One ragged prefill over the leading prompts that fit the budget (padded size);
-        returns the budget left. Prompts with prompt log-probs go the one-by-one way."""
+        returns the budget left. Prompts with prompt log-probs go the one-by-one way, and so
+        does a group whose batched prefill failed (so the failure is pinned on one request)."""
         group: list[tuple[Sequence, int]] = []
         for seq in self.prefilling:
             todo = len(seq.to_prefill)
-            if seq.prompt_logprobs is not None or todo == 0:
+            if seq.prompt_logprobs is not None or todo == 0 or seq.solo:
                 break
             n = min(todo, self.limits.prefill_chunk)
             longest = max([n] + [m for _, m in group])
@@ -192,16 +240,33 @@ class Engine:
             group.append((seq, n))
         if len(group) < 2:
             return budget
-        logits, states = self.model.prefill_ragged(
-            [seq.to_prefill[:n] for seq, n in group], [seq.state for seq, _ in group])
+        try:
+            if any(seq.req.fault == "prefill" for seq, _ in group):
+                raise RuntimeError("injected fault: prefill")
+            logits, states = self.model.prefill_ragged(
+                [seq.to_prefill[:n] for seq, n in group], [seq.state for seq, _ in group])
+        except Exception:
+            log.exception("batched prefill failed; retrying its prompts one by one")
+            for seq, _ in group:
+                seq.solo = True
+            return budget
         for i, (seq, n) in enumerate(group):
             seq.state = states[i]
             seq.prefilled += n
             metrics.PROMPT_TOKENS.inc(n)
             if seq.prefilled >= seq.prefill_target:
                 self.prefilling.remove(seq)
-                self._prefill_done(seq, logits[i : i + 1])
+                self._guarded(seq, self._prefill_done, seq, logits[i : i + 1])
         return budget - max(n for _, n in group) * len(group)
+
+    def _guarded(self, seq: Sequence, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn``; if it raises, fail ``seq`` alone (it is in no queue nor the batch)."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("request %s failed", seq.req.request_id)
+            seq.fail(f"internal error: {exc}")
+            self._finish(seq, None, [])
 
     def _prefill_done(self, seq: Sequence, logits: torch.Tensor | None) -> None:
         """A prompt is in: hand a prefill-only request its state, else start decoding."""
@@ -210,7 +275,7 @@ class Engine:
             state = seq.state if seq.state is not None else self.model.new_state(1)
             self._finish(seq, state, seq.req.input_ids[seq.prefill_target :])
         else:
-            self._start_decoding(seq, logits)
+            self._guarded(seq, self._start_decoding, seq, logits)
 
     def _add_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, ids: list[int]) -> None:
         """Log-probs of prompt tokens: token j is scored by the logits at j-1."""
@@ -226,27 +291,50 @@ class Engine:
 
     def _start_decoding(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample the first token from the prompt's last logits and join the batch."""
+        if seq.req.fault == "first_token":
+            raise RuntimeError("injected fault: first_token")
         counts = torch.zeros(1, self.model.cfg.vocab_size)
         seen = torch.zeros(1, self.model.cfg.vocab_size, dtype=torch.bool)
         seen[0, torch.tensor(seq.req.input_ids)] = True
         token = self._sample([seq], logits, counts, seen)
         if seq.finish_reason is not None or seq.cancelled:
-            self._finish(seq, seq.state, [token])
+            self._finish_unpooled(seq, token)
             return
         assert seq.state is not None
         self.pool.add(seq.state, seq.req.input_ids, [token])
+        # The prompt's state is kept (pool.add copied it) so that a session can be rebuilt
+        # from it at the cost of the generated tokens alone.
+        seq.snapshot = seq.state if seq.req.want_state and self.model.cfg.is_recurrent else None
         seq.state = None
         self.running.append(seq)
         self._emit(seq)
 
+    def _finish_unpooled(self, seq: Sequence, token: int) -> None:
+        """A request that ended on its first sampled token (never entered the batch)."""
+        if not seq.req.want_state or seq.finish_reason == "error" or seq.state is None:
+            self._finish(seq, None, [])
+            return
+        target = self._session_target(seq, None)
+        if target == [token]:
+            self._finish(seq, seq.state, [token])
+        else:
+            self._queue_replay(seq, seq.state, target)
+
     # ---- decode ----------------------------------------------------------------------
     def _decode_step(self) -> None:
         t0 = time.perf_counter()
+        self._end_full_rows()
+        if not self.running:
+            return
         self.pool.reserve_step()
         tokens = torch.tensor([s.last_token for s in self.running])
         logits = self.model.step(tokens, self.pool.view())
         n = self.pool.n
-        self._sample(self.running, logits, self.pool.counts[:n], self.pool.seen[:n])
+        try:
+            self._sample(self.running, logits, self.pool.counts[:n], self.pool.seen[:n])
+        except Exception:
+            log.exception("batched sampling failed; sampling its rows one by one")
+            self._sample_rows_alone(logits)
         self.steps += 1
         metrics.BATCH_SIZE.set(n)
         metrics.STEP_TIME.observe(time.perf_counter() - t0)
@@ -257,6 +345,29 @@ class Engine:
                 finished.append(seq)
         for seq in finished:
             self._retire(seq)
+
+    def _end_full_rows(self) -> None:
+        """KV cache: a row at the model's maximum context ends with "length" rather than
+        failing the batch's capacity check."""
+        if self.model.cfg.is_recurrent:
+            return
+        full = [seq for seq in self.running if seq.total_tokens > self.model.cfg.max_context]
+        for seq in full:
+            seq.finish_reason = "length"
+            self._retire(seq)
+
+    def _sample_rows_alone(self, logits: torch.Tensor) -> None:
+        """Isolate a sampling failure: each row alone; a row that still fails ends alone."""
+        self._bp_cache = None
+        for i, seq in enumerate(self.running):
+            if seq.finish_reason is not None:
+                continue
+            try:
+                self._sample([seq], logits[i : i + 1], self.pool.counts[i : i + 1],
+                             self.pool.seen[i : i + 1])
+            except Exception as exc:
+                log.exception("sampling failed for %s", seq.req.request_id)
+                seq.fail(f"sampling failed: {exc}")
 
     def _batch_params(self, seqs: list[Sequence]) -> tuple[BatchParams, bool]:
         """Column tensors of the rows' parameters, and whether any row uses penalties.
@@ -274,7 +385,8 @@ class Engine:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, counts: torch.Tensor,
                 seen: torch.Tensor) -> int:
-        """Sample one token per row, record it on each sequence; returns row 0's token."""
+        """Sample one token per row, record it on each sequence; returns row 0's token.
+        A row whose bookkeeping raises is failed alone."""
         params = [s.params for s in seqs]
         bp, use_pen = self._batch_params(seqs)
         tokens = sample(logits, bp, [s.generator for s in seqs],
@@ -289,41 +401,94 @@ class Engine:
         if use_pen and seqs is self.running:  # only penalised rows read the counts
             self.pool.record(tokens)
         for seq, tok, entry in zip(seqs, tokens.tolist(), entries, strict=True):
-            seq.add_token(tok, entry)
+            try:
+                seq.add_token(tok, entry)
+            except Exception as exc:
+                log.exception("request %s failed on a sampled token", seq.req.request_id)
+                seq.fail(f"internal error: {exc}")
         metrics.GENERATION_TOKENS.inc(len(seqs))
         return int(tokens[0])
 
+    # ---- finishing -------------------------------------------------------------------
     def _retire(self, seq: Sequence, sent: int | None = None) -> None:
-        """Remove a finished running sequence from the batch (its state goes with it).
+        """Remove a finished running sequence from the batch and finish it.
 
-        ``sent``: tokens the client actually received (on cancellation). If fewer than were
-        generated, the session state is rebuilt from the request's start state so that it
-        ends exactly after the last token the client was sent.
+        A session request keeps the state that ends exactly where the client's text ends
+        (:mod:`server.transcript`). When that is not the batch row's state (a stop string
+        cut the text, the client left early, or a chat reply is normalised), the state is
+        rebuilt by a :class:`Replay` from the prompt's snapshot (recurrent) or from the row
+        truncated to the common prefix (KV cache): at most the tokens the client was sent.
         """
         slot = self.running.index(seq)
-        state = None
-        pending = [seq.generated[-1]]
-        if seq.req.want_state:
-            if sent is None or sent >= len(seq.generated):
+        state: State | None = None
+        target: list[int] | None = None
+        if seq.req.want_state and seq.finish_reason != "error" and sent != 0:
+            target = self._session_target(seq, sent)
+            if target == seq.generated or not self.model.cfg.is_recurrent:
                 state = self.pool.take(slot)
-            else:
-                state, pending = self._replay(seq, sent)
         moved = self.pool.remove(slot)
         last = self.running.pop()
         if moved is not None:
             self.running[slot] = last
-        self._finish(seq, state, pending)
+        if target is None:
+            self._finish(seq, None, [])
+        elif target == seq.generated:
+            assert state is not None
+            self._finish(seq, state, [seq.generated[-1]])
+        else:
+            self._rebuild(seq, state, target)
 
-    def _replay(self, seq: Sequence, sent: int) -> tuple[State, list[int]]:
-        """State after input + the first ``sent`` generated tokens (last one left pending)."""
-        stream = seq.req.input_ids + seq.generated[:sent]
-        seq.generated = seq.generated[:sent]
-        state = seq.req.start_state
-        feed = stream[:-1]
-        for i in range(0, len(feed), self.limits.prefill_chunk):
-            _, state = self.model.prefill(torch.tensor([feed[i : i + self.limits.prefill_chunk]]),
-                                          state)
-        return (state if state is not None else self.model.new_state(1)), stream[-1:]
+    def _session_target(self, seq: Sequence, sent: int | None) -> list[int]:
+        """The generated tokens the session should hold (see :mod:`server.transcript`)."""
+        tokens = seq.generated if sent is None else seq.generated[:sent]
+        text = seq.text if sent is None else self.tok.decode(tokens)
+        if seq.req.chat:
+            target = session_tokens(self.tok, tokens, chat_turn_text(text))
+        elif seq.cut or sent is not None:
+            target = session_tokens(self.tok, tokens, text)
+        else:
+            target = list(tokens)
+        seq.held = len(target)
+        return target
+
+    def _rebuild(self, seq: Sequence, row: State | None, target: list[int]) -> None:
+        """Queue the replay that brings the session state to input + ``target``."""
+        if isinstance(row, KVCache):  # keep the cached prefix, drop the rest
+            keep = common_prefix(target[:-1], seq.generated[:-1])
+            row.lengths.fill_(seq.req.start_tokens + seq.prompt_len + keep)
+            self._queue_replay(seq, row, target, keep)
+        else:
+            assert seq.snapshot is not None
+            self._queue_replay(seq, seq.snapshot, target)
+
+    def _queue_replay(self, seq: Sequence, state: State, target: list[int], done: int = 0
+                      ) -> None:
+        """State after input + target[:done] → after input + target[:-1], pending last."""
+        if not target:
+            self._finish(seq, state, [])
+            return
+        self.replays.append(Replay(seq, state, target[done:-1], target[-1:]))
+
+    def _replay_some(self, budget: int) -> int:
+        """Advance queued replays under the token budget; returns the budget left."""
+        while self.replays and budget > 0:
+            job = self.replays[0]
+            n = min(len(job.feed), self.limits.prefill_chunk, budget)
+            try:
+                if n:
+                    _, job.state = self.model.prefill(torch.tensor([job.feed[:n]]), job.state)
+                    job.feed = job.feed[n:]
+                    budget -= n
+            except Exception as exc:
+                log.exception("session replay of %s failed", job.seq.req.request_id)
+                self.replays.popleft()
+                job.seq.fail(f"the session state could not be rebuilt: {exc}")
+                self._finish(job.seq, None, [])
+                continue
+            if not job.feed:
+                self.replays.popleft()
+                self._finish(job.seq, job.state, job.pending)
+        return budget
 
     # ---- output ----------------------------------------------------------------------
     def _emit(self, seq: Sequence) -> None:
@@ -344,6 +509,8 @@ class Engine:
         if seq.req.want_state and state is not None:
             out.final_state = state
             out.final_pending = pending
+            held = len(seq.generated) if seq.held is None else seq.held
+            out.final_tokens = seq.req.start_tokens + seq.prompt_len + held
         metrics.REQUESTS.labels(status=seq.finish_reason).inc()
         if sink is not None:
             self._outbox.append((sink, out))
@@ -379,14 +546,13 @@ class Engine:
             self._retire(seq)
 
     def _fail_all(self, message: str) -> None:
-        for seq in [*self.waiting, *self.prefilling, *self.running]:
-            sink = self.sinks.pop(seq.req.request_id, None)
-            with self._lock:
-                self._inflight -= 1
-            if sink is not None:
-                self._outbox.append((sink, Output(finish_reason="error", error=message)))
-        self.waiting.clear()
-        self.prefilling.clear()
+        """Last resort after an error no request could be blamed for (the batched step
+        itself raised): fail the running batch and queued replays; waiting prompts stay."""
+        for seq in [*self.running, *(job.seq for job in self.replays)]:
+            seq.fail(message)
+            self._finish(seq, None, [])
         self.running.clear()
+        self.replays.clear()
+        self._bp_cache = None
         self.pool = SlotPool(self.model, self.limits.max_running)
         self._flush()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import multiprocessing as mp
 import queue
@@ -25,7 +26,7 @@ from typing import Any
 from model.config import ModelConfig
 from model.state import state_from_bytes, state_to_bytes
 from server import metrics
-from server.client import RequestHandle
+from server.client import EngineHealth, EngineUnavailable, RequestHandle
 from server.engine import Engine, EngineLimits, Overloaded
 from server.settings import Settings
 from server.types import GenerationRequest, Output
@@ -71,8 +72,10 @@ def apply_metric_events(events: list[MetricEvent]) -> None:
         getattr(metric, op)(value)
 
 
-def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any) -> None:
-    """Entry point of the engine process."""
+def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbeat: Any) -> None:
+    """Entry point of the engine process. ``heartbeat`` (a shared double) gets the monotonic
+    time at every engine iteration while the command pump is alive: the parent's supervisor
+    reads it to tell a stuck engine from a busy one."""
     from server.app import load_engine_model, warm_up
 
     logging.basicConfig(level=settings.log_level.upper(),
@@ -103,11 +106,36 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any) -> None:
 
     limits = EngineLimits(settings.max_running, 10**9, settings.prefill_chunk,
                           settings.step_token_budget)  # the parent enforces the queue limit
-    engine = Engine(model, tok, limits, deliver)
+    pump_thread: threading.Thread | None = None
 
-    def pump() -> None:
+    def beat() -> None:
+        if pump_thread is not None and pump_thread.is_alive():
+            heartbeat.value = time.monotonic()
+
+    engine = Engine(model, tok, limits, deliver, beat)
+    pump_thread = threading.Thread(target=_pump, name="pump", daemon=True,
+                                   args=(inbox, outbox, cfg, fingerprint, engine))
+
+    def flush_metrics() -> None:  # gauges must move while idle too
         while True:
-            cmd, arg = inbox.get()
+            time.sleep(0.1)
+            pending = take_events()
+            if pending:
+                outbox.put(([], pending))
+
+    pump_thread.start()
+    threading.Thread(target=flush_metrics, daemon=True).start()
+    ready.set()
+    engine.run()
+
+
+def _pump(inbox: Any, outbox: Any, cfg: ModelConfig, fingerprint: str, engine: Engine) -> None:
+    """The child's command thread. A command that fails is answered for its own request (an
+    error output) and the pump goes on; if the pump itself ever dies, the heartbeat stops
+    and the parent restarts the process."""
+    while True:
+        cmd, arg = inbox.get()
+        try:
             if cmd == "submit":
                 req, blob = arg
                 if blob is not None:
@@ -120,46 +148,65 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any) -> None:
             elif cmd == "stop":
                 engine.stop()
                 return
-
-    def flush_metrics() -> None:  # gauges must move while idle too
-        while True:
-            time.sleep(0.1)
-            pending = take_events()
-            if pending:
-                outbox.put(([], pending))
-
-    threading.Thread(target=pump, daemon=True).start()
-    threading.Thread(target=flush_metrics, daemon=True).start()
-    ready.set()
-    engine.run()
+        except Exception as exc:
+            log.exception("engine command %r failed", cmd)
+            if cmd == "submit":
+                out = Output(finish_reason="error", error=f"the engine rejected the request: "
+                             f"{exc}")
+                outbox.put(([(arg[0].request_id, out, None)], []))
 
 
 class ProcessEngineClient:
-    """The HTTP process's side: the same interface as :class:`server.client.EngineClient`."""
+    """The HTTP process's side: the same interface as :class:`server.client.EngineClient`,
+    plus a supervisor that restarts the engine process when it dies or stalls.
+
+    The supervisor polls every 0.1 s: a dead process (any exit, ``kill -9`` included) or a
+    heartbeat older than ``engine_stall_seconds`` fails every in-flight request with an
+    error (503 / SSE error event), kills what is left, and starts a fresh process. Sessions
+    live in the HTTP process's store (or Redis) and are untouched. More than
+    ``engine_max_restarts`` restarts within ``engine_restart_window`` seconds and it gives
+    up: liveness then fails, so the orchestrator replaces the whole server.
+    """
 
     def __init__(self, settings: Settings, cfg: ModelConfig, fingerprint: str) -> None:
         self.loop = asyncio.get_running_loop()
         self.settings, self.cfg, self.fingerprint = settings, cfg, fingerprint
-        ctx = mp.get_context("spawn")
-        self.inbox: Any = ctx.Queue()
-        self.outbox: Any = ctx.Queue()
-        self.ready = ctx.Event()
-        self.proc = ctx.Process(target=child_main, name="linserve-engine", daemon=True,
-                                args=(settings, self.inbox, self.outbox, self.ready))
+        self.ctx = mp.get_context("spawn")
         self.handles: dict[str, RequestHandle] = {}
         self.capacity = settings.max_running + settings.max_waiting
-        self.alive = True
-        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self.health = EngineHealth()
+        self.generation = 0
+        self._restart_times: list[float] = []
+        self._watchdog: asyncio.Task[None] | None = None
+        self.proc: Any = None
 
     async def start_async(self) -> None:
+        await self._spawn()
+        self.health.set_up()
+        self._watchdog = asyncio.create_task(self._watch())
+
+    async def _spawn(self) -> None:
+        """Start a fresh engine process (new queues: a killed process may leave the old ones
+        locked) and its reader thread; returns once the model is loaded and warm."""
+        self.generation += 1
+        self.inbox: Any = self.ctx.Queue()
+        outbox: Any = self.ctx.Queue()
+        ready = self.ctx.Event()
+        self.heartbeat: Any = self.ctx.Value("d", 0.0, lock=False)
+        self.proc = self.ctx.Process(target=child_main, name="linserve-engine", daemon=True,
+                                     args=(self.settings, self.inbox, outbox, ready,
+                                           self.heartbeat))
         self.proc.start()
-        if not await asyncio.to_thread(self.ready.wait, 300.0):
-            raise RuntimeError("the engine process did not start")
-        self._reader.start()
+        if not await asyncio.to_thread(ready.wait, 300.0):
+            self.proc.kill()
+            raise RuntimeError("the engine process did not start within 300 s")
+        self.heartbeat.value = time.monotonic()
+        threading.Thread(target=self._read, name="engine-reader", daemon=True,
+                         args=(outbox, self.proc, self.generation)).start()
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
-        if not self.alive:
-            raise Overloaded
+        if not self.health.up:
+            raise EngineUnavailable(self.health.reason or "the engine is not running")
         if len(self.handles) >= self.capacity:
             raise Overloaded
         handle = RequestHandle(self, req)
@@ -171,50 +218,113 @@ class ProcessEngineClient:
         return handle
 
     def cancel(self, request_id: str, sent_tokens: int | None = None) -> None:
-        self.inbox.put(("cancel", (request_id, sent_tokens)))
+        if self.health.up:
+            self.inbox.put(("cancel", (request_id, sent_tokens)))
 
     def finish_all(self) -> None:
-        self.inbox.put(("finish_all", None))
+        if self.health.up:
+            self.inbox.put(("finish_all", None))
 
     @property
     def inflight(self) -> int:
         return len(self.handles)
 
     async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self.health.set_down("stopped")
+        if self.proc is None:
+            return
         self.inbox.put(("stop", None))
         await asyncio.to_thread(self.proc.join, 10)
         if self.proc.is_alive():
             self.proc.kill()
 
-    def _read(self) -> None:
-        """Reader thread: decode states here (off the event loop), then hand over."""
+    # ---- supervision -----------------------------------------------------------------
+    def _fault(self) -> str | None:
+        """Why the engine process is unusable, or None while it is healthy."""
+        if not self.proc.is_alive():
+            return f"the engine process exited (exit code {self.proc.exitcode})"
+        stalled = time.monotonic() - self.heartbeat.value
+        if stalled > self.settings.engine_stall_seconds:
+            return f"the engine made no progress for {stalled:.1f} s"
+        return None
+
+    async def _watch(self) -> None:
         while True:
+            await asyncio.sleep(0.1)
+            if not self.health.up:
+                continue
+            reason = self._fault()
+            if reason is not None:
+                await self._recover(reason)
+
+    async def _recover(self, reason: str) -> None:
+        """Fail in-flight requests, then replace the process (with back-off)."""
+        log.error("engine failure: %s; failing %d in-flight requests and restarting",
+                  reason, len(self.handles))
+        self.health.set_down(reason)
+        self._fail_inflight(f"{reason}; the request was not completed")
+        if self.proc.is_alive():
+            self.proc.kill()
+        await asyncio.to_thread(self.proc.join, 5)
+        delay = 0.5
+        while True:
+            now = time.monotonic()
+            self._restart_times = [t for t in self._restart_times
+                                   if now - t < self.settings.engine_restart_window]
+            if len(self._restart_times) >= self.settings.engine_max_restarts:
+                self.health.set_failed(f"{reason}; gave up after "
+                                       f"{len(self._restart_times)} restarts")
+                log.critical("engine restarted too often; giving up (liveness now fails)")
+                return
+            self._restart_times.append(now)
             try:
-                wire, events = self.outbox.get(timeout=0.5)
+                t0 = time.monotonic()
+                await self._spawn()
+            except Exception:
+                log.exception("engine restart failed; retrying in %.1f s", delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            metrics.ENGINE_RESTARTS.inc()
+            self.health.set_up()
+            log.warning(json.dumps({"event": "engine_restarted", "reason": reason,
+                                    "seconds": round(time.monotonic() - t0, 2)}))
+            return
+
+    def _fail_inflight(self, message: str) -> None:
+        for handle in list(self.handles.values()):
+            handle._push(Output(finish_reason="error", error=message, error_status=503))
+        self.handles.clear()
+
+    def _read(self, outbox: Any, proc: Any, generation: int) -> None:
+        """Reader thread of one engine process: decode states here (off the event loop),
+        then hand over. Ends when its process is gone and its queue is drained."""
+        while generation == self.generation:
+            try:
+                wire, events = outbox.get(timeout=0.2)
             except queue.Empty:
-                if not self.proc.is_alive():
-                    self.loop.call_soon_threadsafe(self._engine_died)
+                if not proc.is_alive():
                     return
                 continue
+            except (EOFError, OSError):
+                return
             decoded = []
             for rid, out, blob in wire:
                 if blob is not None:
                     out.final_state = state_from_bytes(blob, self.cfg, self.fingerprint)[0]
                 decoded.append((rid, out))
-            self.loop.call_soon_threadsafe(self._dispatch, decoded, events)
+            self.loop.call_soon_threadsafe(self._dispatch, decoded, events, generation)
 
-    def _dispatch(self, batch: list[tuple[str, Output]], events: list[MetricEvent]) -> None:
+    def _dispatch(self, batch: list[tuple[str, Output]], events: list[MetricEvent],
+                  generation: int) -> None:
         apply_metric_events(events)
+        if generation != self.generation:
+            return  # a dead process's late outputs: its requests were already failed
         for rid, out in batch:
             handle = self.handles.get(rid)
             if out.finish_reason is not None:
                 self.handles.pop(rid, None)
             if handle is not None:
                 handle._push(out)
-
-    def _engine_died(self) -> None:
-        log.error("the engine process died; failing in-flight requests")
-        self.alive = False
-        for handle in list(self.handles.values()):
-            handle._push(Output(finish_reason="error", error="engine process died"))
-        self.handles.clear()

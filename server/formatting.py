@@ -66,6 +66,27 @@ def chat_logprobs(tok: Tokenizer, entries: list[TokenLogprob]) -> dict[str, Any]
 
 def finish_reason(out: Output) -> str | None:
     """Client-facing finish reason: only ``stop`` and ``length`` reach clients."""
-    if out.finish_reason in ("stop", "length"):
+    if out.finish_reason in ("stop", "length", "error"):
         return out.finish_reason
     return None if out.finish_reason is None else "stop"
+
+
+class StripStream:
+    """Streams text so that the concatenated pieces equal ``text.strip()`` (as a non-streaming
+    chat reply is): leading whitespace is dropped, trailing whitespace held back until more
+    text follows it."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.held = ""
+
+    def feed(self, piece: str) -> str:
+        if not self.started:
+            piece = piece.lstrip()
+            if not piece:
+                return ""
+            self.started = True
+        text = self.held + piece
+        body = text.rstrip()
+        self.held = text[len(body):]
+        return body

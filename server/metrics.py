@@ -26,3 +26,7 @@ REQUESTS = Counter("linserve_requests", "Finished engine requests by status", ["
 HTTP_REQUESTS = Counter("linserve_http_requests", "HTTP responses by route and status code",
                         ["route", "code"])
 DISCONNECTS = Counter("linserve_client_disconnects", "Streams cancelled by client disconnect")
+ENGINE_UP = Gauge("linserve_engine_up", "1 while the engine process serves, 0 while it is "
+                  "down or restarting")
+ENGINE_RESTARTS = Counter("linserve_engine_restarts", "Engine processes restarted by the "
+                          "supervisor after a death or a stall")

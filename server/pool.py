@@ -53,6 +53,7 @@ class SlotPool:
             self.seen[slot, torch.tensor(seen_ids)] = True
         for tok in generated:
             self.counts[slot, tok] += 1
+            self.seen[slot, tok] = True
         self.n += 1
         return slot
 

@@ -65,6 +65,11 @@ class SamplingFields(OpenAIBase):
     user: str | None = Field(None, max_length=256)
     session_id: str | None = Field(None, max_length=128)
 
+    def requested_max_tokens(self) -> int | None:
+        """``max_tokens``, or chat's newer ``max_completion_tokens`` when that is given."""
+        extra = getattr(self, "max_completion_tokens", None)
+        return extra if extra is not None else self.max_tokens
+
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -113,6 +118,9 @@ class ChatMessage(OpenAIBase):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(
+        None, ge=1, json_schema_extra={"x-max-tokens": True},
+        description="what current OpenAI SDKs send; wins over max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 

@@ -4,8 +4,9 @@ Each session is a hash ``{prefix}sess:{id}`` with the state as safetensors bytes
 format) beside its metadata: owner hash, token count, pending tokens, model fingerprint,
 format version, timestamps and a write version. Keys expire after the TTL, refreshed on use.
 
-- Busy-lock: ``SET {prefix}lock:{id} TOKEN NX PX`` and a compare-and-delete release, so two
-  replicas can never advance one session at once.
+- Busy-lock: redis-py's ``Lock`` on ``{prefix}lock:{id}`` (``SET NX PX`` with a random token,
+  atomic token-checked renewal and release), so two replicas can never advance one session
+  at once.
 - Versioned writes: a Lua script writes only if the stored version is the one the writer
   read, so a stale replica cannot overwrite a newer state.
 - Redis down: every call raises :class:`SessionUnavailable` (answered with 503); the client
@@ -22,7 +23,8 @@ import time
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.lock import Lock
+from redis.exceptions import LockError, RedisError
 
 from model.config import ModelConfig
 from model.state import STATE_FORMAT_VERSION, StateError, state_from_bytes, state_to_bytes
@@ -37,10 +39,6 @@ redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 class RedisSessionStore(SessionStore):
@@ -51,11 +49,11 @@ class RedisSessionStore(SessionStore):
         self.ttl_ms = int(ttl * 1000)
         self.lock_ms = int(lock_seconds * 1000)
         self._renewers: dict[str, asyncio.Task[None]] = {}
+        self._locks: dict[str, Lock] = {}
         self.prefix = prefix
         self.cfg: ModelConfig | None = None
         self.fingerprint = ""
         self._put = self.redis.register_script(_PUT)
-        self._release = self.redis.register_script(_RELEASE)
 
     def bind_model(self, cfg: ModelConfig, fingerprint: str) -> None:
         """States are (de)serialised for this model; others' sessions are invisible."""
@@ -111,23 +109,25 @@ class RedisSessionStore(SessionStore):
         return bool(await self._call(self.redis.delete(key)))
 
     async def acquire(self, session_id: str) -> str | None:
-        """The lock lives ``lock_seconds`` and is renewed while held, so a replica that dies
-        mid-request frees the session within that time."""
-        token = secrets.token_hex(16)
-        key = f"{self.prefix}lock:{session_id}"
-        ok = await self._call(self.redis.set(key, token, nx=True, px=self.lock_ms))
-        if not ok:
+        """The lock lives ``lock_seconds`` and is renewed while held (redis-py's ``Lock``:
+        atomic token-checked extend and release), so a replica that dies mid-request frees
+        the session within that time."""
+        lock = Lock(self.redis, f"{self.prefix}lock:{session_id}",
+                    timeout=self.lock_ms / 1000, blocking=False)
+        if not await self._call(lock.acquire(blocking=False)):
             return None
-        self._renewers[token] = asyncio.create_task(self._renew(key, token))
+        token = secrets.token_hex(16)
+        self._locks[token] = lock
+        self._renewers[token] = asyncio.create_task(self._renew(lock))
         return token
 
-    async def _renew(self, key: str, token: str) -> None:
+    async def _renew(self, lock: Lock) -> None:
         while True:
             await asyncio.sleep(self.lock_ms / 3000)
             try:
-                if await self.redis.get(key) != token.encode():
-                    return
-                await self.redis.pexpire(key, self.lock_ms)
+                await lock.reacquire()  # resets the TTL only while the token is still ours
+            except LockError:
+                return
             except (RedisError, OSError):
                 continue
 
@@ -135,8 +135,10 @@ class RedisSessionStore(SessionStore):
         renewer = self._renewers.pop(token, None)
         if renewer is not None:
             renewer.cancel()
-        with contextlib.suppress(RedisError, OSError):  # else the lock expires by itself
-            await self._release(keys=[f"{self.prefix}lock:{session_id}"], args=[token])
+        lock = self._locks.pop(token, None)
+        if lock is not None:
+            with contextlib.suppress(LockError, RedisError, OSError):  # else it expires
+                await lock.release()
 
     async def stats(self) -> tuple[int, int]:
         count = 0

@@ -41,6 +41,11 @@ class Sequence:
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.cancelled = False
+        self.cut = False  # a stop string truncated the text: the session is rebuilt from it
+        self.error: str | None = None  # why the request failed (finish_reason "error")
+        self.held: int | None = None  # generated tokens the session keeps (None: all)
+        self.snapshot: State | None = None  # state right after the prompt (session replays)
+        self.solo = False  # prefill alone (a ragged batch holding it failed once)
         self.last_prompt_logp: torch.Tensor | None = None  # scores the next prompt chunk's 1st
 
     @property
@@ -65,8 +70,15 @@ class Sequence:
     def total_tokens(self) -> int:
         return self.req.start_tokens + self.prompt_len + len(self.generated)
 
+    def fail(self, message: str) -> None:
+        """Mark the request failed; the engine then ends it alone."""
+        self.error = message
+        self.finish_reason = "error"
+
     def add_token(self, token: int, logprob: TokenLogprob | None) -> None:
         """Record a sampled token and decide whether the sequence is finished."""
+        if self.req.fault == "decode" and len(self.generated) >= 2:
+            raise RuntimeError("injected fault: decode")
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.generated.append(token)
@@ -88,18 +100,19 @@ class Sequence:
         if hits:
             self.text = self.text[: min(hits)]
             self.finish_reason = "stop"
+            self.cut = True
             return True
         return False
 
     def take_output(self) -> Output:
         """The delta since the last call: text safe to show (held back while it could still
         turn into a stop string) and the new tokens."""
-        if self.finish_reason is not None and self.finish_reason != "stop":
+        if self.finish_reason in ("length", "cancelled"):
             self.text += self.detok.flush()
         safe = len(self.text) if self.finish_reason else max(self.sent, len(self.text) - self.hold)
         out = Output(text=self.text[self.sent : safe], logprobs=self.pending_logprobs,
                      finish_reason=self.finish_reason, prompt_tokens=self.prompt_len,
-                     completion_tokens=len(self.generated))
+                     completion_tokens=len(self.generated), error=self.error)
         out.token_ids = self.generated[self.emitted_tokens :]
         self.emitted_tokens = len(self.generated)
         self.sent = safe

@@ -18,7 +18,7 @@ from model.sampling import SamplingParams
 from model.state import State
 from model.tokenizer import Tokenizer
 from model.transformer import LanguageModel
-from server.client import EngineBackend, RequestHandle
+from server.client import EngineBackend, EngineUnavailable, RequestHandle
 from server.engine import Overloaded
 from server.errors import APIError
 from server.protocol import new_id
@@ -46,6 +46,17 @@ class Prepared:
     owner: str
     session_id: str | None = None
     prompt_logprobs: bool = False
+    chat: bool = False
+    fault: str | None = None
+
+
+def engine_error(out: Output) -> APIError:
+    """The client-facing error of a request the engine failed (503 when the engine went
+    down and a retry will be served by its replacement, else 500)."""
+    assert out.error is not None
+    if out.error_status == 503:
+        return APIError(503, out.error, None, "engine_unavailable", OVERLOADED_HEADERS)
+    return APIError(500, out.error, None, "internal_error")
 
 
 class GenerationService:
@@ -111,7 +122,8 @@ class GenerationService:
                 raise APIError(400, "prompt must not be empty without a session_id", "prompt")
             self._check_context(0, len(prep.prompt_ids), prep.params.max_tokens)
             req = GenerationRequest(new_id("cmpl"), prep.prompt_ids, prep.params, prep.stop,
-                                    prompt_logprobs=prep.prompt_logprobs)
+                                    prompt_logprobs=prep.prompt_logprobs, chat=prep.chat,
+                                    fault=prep.fault)
             return self._submit(req)
         return await self._start_in_session(prep)
 
@@ -127,13 +139,14 @@ class GenerationService:
             self._check_context(consumed, len(input_ids), prep.params.max_tokens)
             req = GenerationRequest(new_id("cmpl"), input_ids, prep.params, prep.stop,
                                     start_state=sess.state, start_tokens=consumed,
-                                    prompt_logprobs=prep.prompt_logprobs, want_state=True)
+                                    prompt_logprobs=prep.prompt_logprobs, want_state=True,
+                                    chat=prep.chat, fault=prep.fault)
             handle = self._submit(req)
         except BaseException:
             await self.store.release(sid, token)
             raise
         handle.saved = asyncio.get_running_loop().create_future()
-        handle.on_finish(lambda out: self._spawn(self._save(sess, token, consumed, out, handle)))
+        handle.on_finish(lambda out: self._spawn(self._save(sess, token, out, handle)))
         return handle
 
     async def lock_session(self, sid: str, owner: str) -> tuple[Session, str]:
@@ -159,21 +172,23 @@ class GenerationService:
         except Overloaded as exc:
             raise APIError(429, "server is at capacity; retry later", None, "overloaded",
                            OVERLOADED_HEADERS) from exc
+        except EngineUnavailable as exc:
+            raise APIError(503, f"the engine is unavailable ({exc}); retry shortly", None,
+                           "engine_unavailable", OVERLOADED_HEADERS) from exc
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _save(self, sess: Session, token: str, consumed: int, out: Output,
+    async def _save(self, sess: Session, token: str, out: Output,
                     handle: RequestHandle) -> None:
         """Store the session's new state (if the request produced one), then unlock."""
         ok = True
         try:
             if out.final_state is not None:
                 new = Session(sess.id, sess.owner, out.final_state, out.final_pending,
-                              consumed + out.prompt_tokens + out.completion_tokens,
-                              sess.created, time.time(), sess.version)
+                              out.final_tokens, sess.created, time.time(), sess.version)
                 await self.store.put(new)
         except (StaleWrite, SessionUnavailable):
             log.warning("session %s could not be saved", sess.id)
@@ -184,12 +199,15 @@ class GenerationService:
                 handle.saved.set_result(ok)
 
     async def collect(self, handle: RequestHandle) -> Output:
-        """Wait for the whole result (non-streaming)."""
+        """Wait for the whole result (non-streaming); a failed request raises its error
+        (never a 200 carrying an error)."""
         total = Output()
         while True:
             out = await handle.next()
             assert out is not None
             total = total.merge(out)
+            if out.error is not None:
+                raise engine_error(out)
             if out.finish_reason is not None:
                 if handle.saved is not None and not await handle.saved:
                     raise APIError(503, "the session store failed; the session keeps its "

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from model.state import LinearState, State
+from model.config import ModelConfig
+from model.state import KVCache, LinearState, State
 from model.state_codec import PackedState, pack_state, unpack_state
 from server import metrics
 
@@ -48,6 +49,31 @@ class Session:
     @property
     def state_bytes(self) -> int:
         return self.state.nbytes
+
+
+def session_problem(state: State, tokens: object, pending: object, cfg: ModelConfig
+                    ) -> str | None:
+    """Why a session's metadata cannot go with its state (None if it can): one row, a token
+    count that covers the pending tokens, pending ids in the vocabulary, and for a KV cache a
+    cached length equal to the tokens consumed, within the model's context."""
+    if state.batch_size != 1:
+        return "a session state has exactly one row"
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        return "'tokens' must be a non-negative integer"
+    if not isinstance(pending, list) or len(pending) > 1 or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < cfg.vocab_size
+            for t in pending):
+        return "'pending' must be a list of at most one token id in the vocabulary"
+    if tokens < len(pending):
+        return "'tokens' is smaller than the pending tokens"
+    if isinstance(state, KVCache):
+        cached = int(state.lengths[0])
+        if cached != tokens - len(pending):
+            return (f"the KV cache holds {cached} positions but the session says "
+                    f"{tokens - len(pending)} tokens were consumed")
+        if tokens > cfg.max_context:
+            return f"the session has {tokens} tokens; the model's context is {cfg.max_context}"
+    return None
 
 
 # What a stored session's ``state`` field holds while the real state is compressed: an

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "LINSERVE_"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 class Settings(BaseSettings):
@@ -34,6 +35,17 @@ class Settings(BaseSettings):
     engine_mode: Literal["process", "thread"] = Field(
         "process", description="run the engine in its own process (no GIL contention with "
         "HTTP) or as a thread of the server process")
+    engine_stall_seconds: float = Field(
+        10.0, gt=0, description="an engine that completes no iteration for this long is "
+        "declared stuck and restarted (an iteration is bounded by step_token_budget)")
+    engine_max_restarts: int = Field(
+        5, ge=0, description="restarts allowed within engine_restart_window; past that the "
+        "supervisor gives up and /health/live answers 503")
+    engine_restart_window: float = Field(300.0, gt=0, description="seconds; see "
+                                         "engine_max_restarts")
+    fault_injection: bool = Field(
+        False, description="TESTING ONLY: honour the request field linserve_fault "
+        "(submit|prefill|first_token|decode) to make the engine fail that request")
     session_store: str = Field("memory", description="'memory' or redis://HOST:PORT/DB")
     session_ttl: float = Field(3600.0, gt=0, description="seconds an idle session is kept")
     session_lock_seconds: float = Field(
@@ -65,6 +77,19 @@ class Settings(BaseSettings):
         if value != "memory" and not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("session_store must be 'memory' or a redis:// URL")
         return value
+
+    @field_validator("weights")
+    @classmethod
+    def _find_weights(cls, value: Path) -> Path:
+        """A relative folder is looked up from the working directory, then from the project
+        root (so the default works from anywhere in a checkout); a missing one fails here,
+        with the setting's name, not later with a raw FileNotFoundError."""
+        candidates = [value] if value.is_absolute() else [value, PROJECT_ROOT / value]
+        for path in candidates:
+            if (path / "config.json").is_file():
+                return path
+        raise ValueError(f"no model folder (config.json) at {value}; give --weights PATH "
+                         f"or {ENV_PREFIX}WEIGHTS")
 
     def keys(self) -> set[str]:
         """The configured API keys (from ``api_keys`` and ``api_keys_file``)."""

@@ -13,6 +13,7 @@ from server import metrics
 from server.client import RequestHandle
 from server.errors import error_body
 from server.formatting import SSE_DONE, SSE_KEEPALIVE, sse
+from server.service import engine_error
 from server.types import Output
 
 log = logging.getLogger("linserve.request")
@@ -57,7 +58,8 @@ async def event_stream(handle: RequestHandle, render: Render, usage_chunk: Rende
                 yield SSE_KEEPALIVE
                 continue
             if out.error is not None:
-                yield sse(error_body(503, out.error, None, "engine_error"))
+                err = engine_error(out)
+                yield sse(error_body(err.status, err.message, None, err.code))
                 final = out
                 break
             observe_tokens(handle, out)

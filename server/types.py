@@ -30,6 +30,8 @@ class GenerationRequest:
     start_tokens: int = 0
     prompt_logprobs: bool = False
     want_state: bool = False
+    chat: bool = False  # the session keeps the reply as a chat transcript (server.transcript)
+    fault: str | None = None  # test-only fault injection point (settings.fault_injection)
 
 
 @dataclass
@@ -45,7 +47,9 @@ class Output:
     completion_tokens: int = 0
     final_state: State | None = None
     final_pending: list[int] = field(default_factory=list)
-    error: str | None = None
+    final_tokens: int = 0  # tokens the session holds with final_state (pending included)
+    error: str | None = None  # set (with finish_reason "error") when the request failed
+    error_status: int = 500  # 500: this request failed; 503: the engine went down
 
     def merge(self, later: Output) -> Output:
         """Coalesce two consecutive deltas into one (for slow readers)."""
@@ -59,5 +63,7 @@ class Output:
             completion_tokens=max(self.completion_tokens, later.completion_tokens),
             final_state=later.final_state,
             final_pending=later.final_pending,
+            final_tokens=later.final_tokens,
             error=later.error,
+            error_status=later.error_status,
         )

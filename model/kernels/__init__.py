@@ -6,6 +6,9 @@ and ninja are needed then, once; the result is cached) or loaded from a prebuilt
 which is how the Docker image ships it without a compiler:
 
 - ``LINSERVE_KERNEL_LIB=/path/linserve_kernels.so``: load this prebuilt library.
+- ``LINSERVE_KERNEL_DIR=/opt/kernels``: prebuilt libraries for several CPU levels, one per
+  sub-folder (``x86-64-v3/``, ``x86-64/``); the best one this CPU runs is loaded
+  (:func:`pick_arch`), so an image built once never runs AVX2 code on a CPU without it.
 - ``LINSERVE_KERNEL_ARCH`` (default ``native``): the ``-march`` the source is compiled for.
 - ``python -m model.kernels build DIR``: compile into DIR and print the library's path.
 
@@ -37,6 +40,44 @@ def is_loaded() -> bool:
     return True
 
 
+# What -march=x86-64-v3 may use (its psABI level), as /proc/cpuinfo names the flags.
+X86_64_V3_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe",
+                             "xsave"})
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags (empty when they cannot be read)."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def pick_arch(flags: frozenset[str], offered: list[str]) -> str | None:
+    """The best of the ``offered`` prebuilt levels this CPU can run (None: none fits)."""
+    if "x86-64-v3" in offered and flags >= X86_64_V3_FLAGS:
+        return "x86-64-v3"
+    return "x86-64" if "x86-64" in offered else None
+
+
+def prebuilt_library() -> str | None:
+    """The prebuilt library to load: ``LINSERVE_KERNEL_LIB``, else the best level under
+    ``LINSERVE_KERNEL_DIR``."""
+    lib = os.environ.get("LINSERVE_KERNEL_LIB")
+    root = os.environ.get("LINSERVE_KERNEL_DIR")
+    if lib or not root:
+        return lib
+    offered = [p.parent.name for p in Path(root).glob(f"*/{NAME}.so")]
+    arch = pick_arch(cpu_flags(), offered)
+    if arch is None:
+        return None
+    log.info("kernels: loading the %s build", arch)
+    return str(Path(root) / arch / f"{NAME}.so")
+
+
 def build(directory: str | Path | None = None, verbose: bool = False) -> str:
     """Compile the kernels (cached by source and flags) and load them; returns the .so path."""
     from torch.utils import cpp_extension
@@ -57,7 +98,7 @@ def load() -> bool:
     if "ok" in _state:
         return bool(_state["ok"])
     ok = is_loaded()
-    lib = os.environ.get("LINSERVE_KERNEL_LIB")
+    lib = prebuilt_library()
     try:
         if not ok and lib:
             torch.ops.load_library(lib)

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from server import metrics
 from server.auth import Owner
 from server.chat_template import CHAT_STOP, render_chat
 from server.client import RequestHandle
 from server.formatting import (
     SSE_HEADERS,
     CompletionLogprobs,
+    StripStream,
     chat_logprobs,
     finish_reason,
     usage,
@@ -26,6 +29,7 @@ from server.types import Output
 router = APIRouter(tags=["completions"])
 DEFAULT_COMPLETION_TOKENS = 16
 DEFAULT_CHAT_TOKENS = 256
+DISCONNECT_POLL_SECONDS = 0.25
 
 
 def _service(request: Request) -> GenerationService:
@@ -37,11 +41,15 @@ def _prepare(svc: GenerationService, body: CompletionRequest | ChatRequest, owne
              prompt_ids: list[int], default_max: int, logprobs: int | None,
              stop: tuple[str, ...]) -> Prepared:
     default_max = min(default_max, svc.settings.max_tokens_limit)
-    max_tokens = svc.check_max_tokens(body.max_tokens or default_max)
+    max_tokens = svc.check_max_tokens(body.requested_max_tokens() or default_max)
     params = body.to_sampling_params(max_tokens, logprobs)
     svc.check_stop_ids(params)
     echo_lp = isinstance(body, CompletionRequest) and body.echo and logprobs is not None
-    return Prepared(prompt_ids, params, stop, owner, body.session_id, prompt_logprobs=echo_lp)
+    fault = None
+    if svc.settings.fault_injection and body.model_extra:
+        fault = body.model_extra.get("linserve_fault")
+    return Prepared(prompt_ids, params, stop, owner, body.session_id, prompt_logprobs=echo_lp,
+                    chat=isinstance(body, ChatRequest), fault=fault)
 
 
 @router.post("/v1/completions", responses={**ERRORS, 200: SSE_RESPONSE})
@@ -70,7 +78,7 @@ async def completions(body: CompletionRequest, request: Request, owner: Owner) -
     if body.session_id:
         base["session_id"] = body.session_id
     if not body.stream:
-        out = await _collect(svc, handle)
+        out = await _collect(svc, handle, request)
         lp_total = None
         if lp is not None:
             lp.piece((out.prompt_logprobs or []) + out.logprobs)
@@ -95,11 +103,27 @@ async def completions(body: CompletionRequest, request: Request, owner: Owner) -
     return _stream(handle, render, usage_chunk, request)
 
 
-async def _collect(svc: GenerationService, handle: RequestHandle) -> Output:
-    """The whole result of a non-streaming request, with its metrics and log line."""
-    out = await svc.collect(handle)
+async def _collect(svc: GenerationService, handle: RequestHandle, request: Request) -> Output:
+    """The whole result of a non-streaming request, with its metrics and log line. A client
+    that disconnects first has its request cancelled (the session is left unchanged: the
+    client received nothing)."""
+    task = asyncio.ensure_future(svc.collect(handle))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                break
+            if await request.is_disconnected():
+                metrics.DISCONNECTS.inc()
+                handle.cancel()
+                await asyncio.wait({task})
+                break
+    except asyncio.CancelledError:
+        handle.cancel()
+        raise
+    out = task.result()
     observe_tokens(handle, out)
-    log_request(handle, out, "ok")
+    log_request(handle, out, "ok" if out.finish_reason != "cancelled" else "disconnected")
     return out
 
 
@@ -114,8 +138,7 @@ def _stream(handle: RequestHandle, render: Any, usage_chunk: Any,
 async def chat_completions(body: ChatRequest, request: Request, owner: Owner) -> Any:
     """OpenAI chat completions over the plain-text chat template (see ``chat_template``)."""
     svc = _service(request)
-    prompt_ids = svc.tokenize_prompt(render_chat(body.messages, bool(body.session_id)),
-                                     "messages")
+    prompt_ids = svc.tokenize_prompt(render_chat(body.messages), "messages")
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     prep = _prepare(svc, body, owner, prompt_ids, DEFAULT_CHAT_TOKENS, n_lp,
                     body.stop_list() + CHAT_STOP)
@@ -125,19 +148,20 @@ async def chat_completions(body: ChatRequest, request: Request, owner: Owner) ->
     if body.session_id:
         base["session_id"] = body.session_id
     if not body.stream:
-        out = await _collect(svc, handle)
+        out = await _collect(svc, handle, request)
         message = {"role": "assistant", "content": out.text.strip()}
         return JSONResponse({**base, "object": "chat.completion", "choices": [{
             "index": 0, "message": message, "finish_reason": finish_reason(out),
             "logprobs": chat_logprobs(svc.tok, out.logprobs) if n_lp is not None else None}],
             "usage": usage(out)})
     state = {"first": True}
+    trim = StripStream()
 
     def render(out: Output) -> dict[str, Any] | None:
         delta: dict[str, Any] = {}
         if state["first"]:
             delta["role"], state["first"] = "assistant", False
-        text = out.text.lstrip() if "role" in delta else out.text
+        text = trim.feed(out.text)
         if text:
             delta["content"] = text
         if not delta and out.finish_reason is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -39,19 +40,53 @@ async def detokenize(body: DetokenizeRequest, request: Request, _: Owner) -> dic
     return {"prompt": tok.decode(body.tokens)}
 
 
+def _engine(request: Request) -> dict[str, Any]:
+    health = request.app.state.client.health
+    return {"status": health.status, "reason": health.reason, "since": int(health.since)}
+
+
+def _json(body: dict[str, Any], code: int) -> Response:
+    return Response(json.dumps(body), status_code=code, media_type="application/json")
+
+
 @router.get("/health", tags=["health"])
 async def health(request: Request) -> Response:
-    """Liveness: answers at once, even under full load. 503 while draining on shutdown."""
+    """Readiness with details: 200 while the server takes requests; 503 with the reason
+    while it drains on shutdown or its engine is down (restarting) or has failed."""
     st = request.app.state
     store_ok = await st.service.store.healthy()
-    body = {"status": "ok" if store_ok else "degraded", "model": st.model_name,
-            "session_store": "ok" if store_ok else "unavailable", "time": now(),
-            "draining": st.draining,
+    engine = _engine(request)
+    ready = engine["status"] == "up" and not st.draining
+    reason = "draining" if st.draining else engine["reason"]
+    body = {"status": ("ok" if store_ok else "degraded") if ready else "unavailable",
+            "reason": None if ready else reason, "model": st.model_name,
+            "engine": engine, "session_store": "ok" if store_ok else "unavailable",
+            "time": now(), "draining": st.draining,
             "decode_step": "fused" if st.model.uses_fused_step else "eager"}
-    import json
+    return _json(body, 200 if ready else 503)
 
-    code = 503 if st.draining else 200
-    return Response(json.dumps(body), status_code=code, media_type="application/json")
+
+@router.get("/health/live", tags=["health"])
+async def liveness(request: Request) -> Response:
+    """Liveness (restart the server if this fails): 200 while the HTTP process answers and
+    its supervisor can keep an engine running, draining included; 503 once the supervisor
+    has given up restarting the engine."""
+    engine = _engine(request)
+    failed = engine["status"] == "failed"
+    return _json({"status": "failed" if failed else "ok", "engine": engine},
+                 503 if failed else 200)
+
+
+@router.get("/health/ready", tags=["health"])
+async def readiness(request: Request) -> Response:
+    """Readiness (send traffic here?): 200 only while the engine is up and the server is not
+    draining."""
+    st = request.app.state
+    engine = _engine(request)
+    ready = engine["status"] == "up" and not st.draining
+    reason = "draining" if st.draining else engine["reason"]
+    return _json({"status": "ready" if ready else "unavailable", "reason": None if ready
+                  else reason, "engine": engine}, 200 if ready else 503)
 
 
 @router.get("/metrics", tags=["health"])

@@ -14,7 +14,7 @@ from server.errors import APIError
 from server.protocol import SessionCreate, SessionInfo
 from server.routes.docs import ERRORS
 from server.service import GenerationService
-from server.sessions import Session, SessionUnavailable, new_session_id
+from server.sessions import Session, SessionUnavailable, new_session_id, session_problem
 
 router = APIRouter(tags=["sessions"])
 
@@ -57,12 +57,16 @@ async def get_session(session_id: str, request: Request, owner: Owner) -> Sessio
 
 @router.delete("/v1/sessions/{session_id}", responses=ERRORS)
 async def delete_session(session_id: str, request: Request, owner: Owner) -> dict[str, object]:
+    """Delete a session: 409 while a request is running on it (cancel that request first),
+    so an in-flight save can never bring a deleted session back."""
     svc = _svc(request)
-    await _get(svc, session_id, owner)
+    _, token = await svc.lock_session(session_id, owner)
     try:
         await svc.store.delete(session_id, owner)
     except SessionUnavailable as exc:
         raise APIError(503, "session store unavailable", "session_id") from exc
+    finally:
+        await svc.store.release(session_id, token)
     return {"id": session_id, "object": "session.deleted", "deleted": True}
 
 
@@ -105,11 +109,9 @@ async def import_session(request: Request, owner: Owner) -> SessionInfo:
     except StateError as exc:
         raise APIError(400, f"invalid state: {exc}", "body", "invalid_state") from exc
     pending, tokens = extra.get("pending", []), extra.get("tokens", 0)
-    valid = (state.batch_size == 1 and isinstance(tokens, int) and isinstance(pending, list)
-             and len(pending) <= 1 and tokens >= len(pending)
-             and all(isinstance(t, int) and 0 <= t < svc.cfg.vocab_size for t in pending))
-    if not valid:
-        raise APIError(400, "invalid state: bad session metadata", "body", "invalid_state")
+    problem = session_problem(state, tokens, pending, svc.cfg)
+    if problem is not None:
+        raise APIError(400, f"invalid state: {problem}", "body", "invalid_state")
     sess = Session(new_session_id(), owner, state, pending, tokens, time.time(), time.time())
     sess = await svc._put_new(sess)
     return _info(sess, request.app.state.model_name)
