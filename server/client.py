@@ -26,6 +26,7 @@ class EngineHealth:
         self.status = "starting"
         self.reason: str | None = None
         self.since = time.time()
+        self.pid: int | None = None  # the engine process (None: a thread)
 
     @property
     def up(self) -> bool:

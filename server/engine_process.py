@@ -201,6 +201,7 @@ class ProcessEngineClient:
             self.proc.kill()
             raise RuntimeError("the engine process did not start within 300 s")
         self.heartbeat.value = time.monotonic()
+        self.health.pid = self.proc.pid
         threading.Thread(target=self._read, name="engine-reader", daemon=True,
                          args=(outbox, self.proc, self.generation)).start()
 

@@ -42,7 +42,8 @@ async def detokenize(body: DetokenizeRequest, request: Request, _: Owner) -> dic
 
 def _engine(request: Request) -> dict[str, Any]:
     health = request.app.state.client.health
-    return {"status": health.status, "reason": health.reason, "since": int(health.since)}
+    return {"status": health.status, "reason": health.reason, "since": int(health.since),
+            "pid": health.pid}
 
 
 def _json(body: dict[str, Any], code: int) -> Response:

@@ -1,0 +1,90 @@
+"""The engine's exact sessions on tiny random models, driven iteration by iteration: the state
+a request hands back is exactly the state of "input + the tokens the session holds"."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.sampling import SamplingParams
+from model.state import KVCache, LinearState, State
+from model.tokenizer import Tokenizer
+from server.engine import Engine, EngineLimits
+from server.types import GenerationRequest, Output
+from tests.model.helpers import tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(engine: Engine, req: GenerationRequest, cancel_after: int | None = None) -> Output:
+    """Submit ``req`` and iterate the engine until it finishes (optionally cancelling it
+    once ``cancel_after`` tokens were generated); returns the final output."""
+    outs: list[Output] = []
+    engine.deliver = lambda batch: outs.extend(o for _, o in batch)
+    engine.submit(req, lambda _: None)
+    cancelled = False
+    for _ in range(500):
+        engine.iterate()
+        seq = next((s for s in engine.running if s.req is req), None)
+        if (cancel_after is not None and not cancelled and seq is not None
+                and len(seq.generated) >= cancel_after):
+            engine.cancel(req.request_id, cancel_after)
+            cancelled = True
+        if outs and outs[-1].finish_reason is not None:
+            total = Output()
+            for o in outs:
+                total = total.merge(o)
+            return total
+    raise AssertionError("the request did not finish")
+
+
+def close(a: State, b: State) -> bool:
+    if isinstance(a, LinearState) and isinstance(b, LinearState):
+        return all(torch.allclose(x, y, atol=1e-5) for x, y in
+                   zip(a.tensors().values(), b.tensors().values(), strict=True))
+    assert isinstance(a, KVCache) and isinstance(b, KVCache)
+    n = int(a.lengths[0])
+    return n == int(b.lengths[0]) and torch.allclose(a.k[..., :n, :], b.k[..., :n, :], atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_file(ROOT / "weights" / "tokenizer.json")
+
+
+@pytest.mark.parametrize("kind", ["linear", "favor", "softmax"])
+@pytest.mark.parametrize("mode", ["chat", "cancel", "complete"])
+def test_session_state_is_input_plus_held_tokens(kind: str, mode: str, tok: Tokenizer) -> None:
+    model = tiny_model(kind, vocab_size=tok.vocab_size, max_context=4096)
+    engine = Engine(model, tok, EngineLimits(max_running=4), lambda _: None)
+    prompt = tok.encode("ROMEO. Good morrow.")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    req = GenerationRequest(f"r-{kind}-{mode}", prompt, params, want_state=True,
+                            chat=mode == "chat")
+    out = run(engine, req, cancel_after=5 if mode == "cancel" else None)
+    assert out.final_state is not None
+    held = out.final_tokens - len(prompt)
+    if mode == "cancel":
+        assert held == 5
+    full = prompt + _held_tokens(engine, out, prompt, held, tok, mode)
+    assert out.final_pending == full[-1:]
+    _, want = model.prefill(torch.tensor([full[:-1]]))
+    assert close(out.final_state, want)
+
+
+def _held_tokens(engine: Engine, out: Output, prompt: list[int], held: int, tok: Tokenizer,
+                 mode: str) -> list[int]:
+    """Recompute what the session should hold from the greedy generation alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    free = run(engine, GenerationRequest(f"ref-{mode}", prompt, params))
+    gen = free.token_ids
+    from server.transcript import chat_turn_text, session_tokens
+
+    if mode == "chat":
+        target = session_tokens(tok, gen, chat_turn_text(tok.decode(gen)))
+    else:
+        target = gen[:held]
+    assert len(target) == held
+    return target

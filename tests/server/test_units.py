@@ -1,0 +1,111 @@
+"""Unit tests of small server pieces: session transcripts, CPU quota, kernel CPU levels,
+chat stream trimming, and the engine's exact-session replays on a tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import kernels
+from model.sampling import BatchParams, SamplingParams, sample
+from model.tokenizer import Tokenizer
+from server.cpus import available_cpus, cgroup_cpu_limit
+from server.formatting import StripStream
+from server.transcript import chat_turn_text, common_prefix, session_tokens
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_file(ROOT / "weights" / "tokenizer.json")
+
+
+def test_session_tokens_keep_the_generated_prefix_and_retokenise_the_rest(tok: Tokenizer
+                                                                           ) -> None:
+    generated = tok.encode(" Good morrow, sir.\nUser: more")
+    text = " Good morrow, sir."  # what the client got: the stop string "\nUser:" cut
+    held = session_tokens(tok, generated, text)
+    assert tok.decode(held) == text
+    assert held == generated[: len(held)]  # here the cut falls on a token boundary
+    assert session_tokens(tok, generated, tok.decode(generated)) == generated
+    assert session_tokens(tok, generated, "") == []
+
+
+def test_session_tokens_when_the_cut_falls_inside_a_token(tok: Tokenizer) -> None:
+    generated = tok.encode(" Farewell")
+    for cut in range(1, len(" Farewell")):
+        held = session_tokens(tok, generated, " Farewell"[:cut])
+        assert tok.decode(held) == " Farewell"[:cut]
+
+
+def test_session_tokens_never_split_a_character(tok: Tokenizer) -> None:
+    generated = tok.encode(" café au lait")
+    held = session_tokens(tok, generated, " café")
+    assert tok.decode(held) == " café"
+
+
+def test_chat_turn_text_is_what_a_stateless_client_resends() -> None:
+    assert chat_turn_text("  Hello there. \n") == " Hello there.\n"
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0
+
+
+def test_strip_stream_equals_strip() -> None:
+    for pieces in (["  ", " Hi", " there", "  ", "\n"], ["\n", "a", " ", "b ", " "], [" "],
+                   ["x"]):
+        trim = StripStream()
+        assert "".join(trim.feed(p) for p in pieces) == "".join(pieces).strip()
+
+
+def test_cgroup_quota_v2_and_v1(tmp_path: Path) -> None:
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_limit(tmp_path) == 1.5
+    assert available_cpus(tmp_path) <= 2
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(tmp_path) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("100000")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
+    assert cgroup_cpu_limit(v1) == 1.0
+    assert available_cpus(v1) == 1
+
+
+def test_kernel_level_is_picked_from_cpu_flags(tmp_path: Path) -> None:
+    both = ["x86-64", "x86-64-v3"]
+    assert kernels.pick_arch(kernels.X86_64_V3_FLAGS | {"sse2"}, both) == "x86-64-v3"
+    assert kernels.pick_arch(frozenset({"sse2", "avx"}), both) == "x86-64"
+    assert kernels.pick_arch(frozenset(), ["x86-64-v3"]) is None
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor: 0\nflags\t\t: fpu sse2 avx2\n")
+    assert kernels.cpu_flags(info) == {"fpu", "sse2", "avx2"}
+
+
+def test_eager_sampler_never_draws_a_masked_token_at_u_zero() -> None:
+    """u = 0 used to land on token 0 even when min-p had masked it out."""
+    logits = torch.tensor([[-10.0, 5.0, 4.0, -10.0]])
+    bp = BatchParams.from_params([SamplingParams(temperature=1.0, min_p=0.5, top_k=3)])
+    gen = torch.Generator()
+    gen.manual_seed(0)
+    orig = torch.rand
+
+    def zero_rand(*args: object, **kw: object) -> torch.Tensor:
+        return torch.zeros(1)
+
+    torch.rand = zero_rand  # type: ignore[assignment]
+    try:
+        token = sample(logits, bp, [gen], native=False)
+    finally:
+        torch.rand = orig
+    assert int(token[0]) == 1
+
+
+def test_the_first_sampled_token_counts_for_the_repetition_penalty() -> None:
+    from server.pool import SlotPool
+    from tests.model.helpers import tiny_model
+
+    pool = SlotPool(tiny_model("linear"), 2)
+    pool.add(pool.model.new_state(1), [3, 4], [7])
+    assert bool(pool.seen[0, 7]) and float(pool.counts[0, 7]) == 1.0
