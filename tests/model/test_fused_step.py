@@ -43,11 +43,11 @@ def run_both(model, state: LinearState, tokens: torch.Tensor, rows: int
 
 @pytest.mark.parametrize(("conv_size", "d_model", "n_heads"),
                          [(4, 32, 2), (0, 32, 2), (1, 32, 2), (2, 32, 2),
-                          (4, 128, 2), (4, 256, 4), (3, 48, 2)])
+                          (4, 128, 2), (4, 256, 4), (3, 48, 2), (4, 64, 2), (2, 128, 4)])
 def test_fused_step_equals_eager(conv_size: int, d_model: int, n_heads: int) -> None:
-    """Head dims 16, 64 (the specialised path) and 24, every conv width, a pool view whose
-    spare row must stay untouched; logits within 1e-5, every state tensor within 1e-5 of its
-    own scale (s grows into the thousands here, so absolute fp32 rounding does too)."""
+    """Head dims 16, 24, and 32 and 64 (the two specialised paths), every conv width, a pool
+    view whose spare row must stay untouched; logits within 1e-5, every state tensor within
+    1e-5 of its own scale (s grows into the thousands here, so absolute fp32 rounding does too)."""
     model = tiny_model("linear", conv_size=conv_size, d_model=d_model, n_heads=n_heads)
     _, state = model.prefill(torch.randint(0, 97, (6, 37)))
     worst, eager_st, fused_st = run_both(model, state, torch.randint(0, 97, (40, 5)), rows=5)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from safetensors.torch import load
 
 from bench.serverproc import ROOT, ServerProcess
 from tests.reliability.helpers import duration
@@ -41,11 +42,46 @@ def test_schemathesis_default_checks(linear_weights: Path) -> None:
     print(tail[-400:])
 
 
-def crafted_state(shape: list[int], dtype: str = "F32", data_len: int = 16) -> bytes:
-    header = {"s": {"dtype": dtype, "shape": shape, "data_offsets": [0, data_len]},
-              "__metadata__": {"format_version": "1", "kind": "linear", "fingerprint": "x"}}
+def blob_metadata(blob: bytes) -> dict[str, str]:
+    n = struct.unpack("<Q", blob[:8])[0]
+    return dict(json.loads(blob[8 : 8 + n])["__metadata__"])
+
+
+def crafted_state(meta: dict[str, str], tensors: dict[str, tuple[str, list[int]]],
+                  data_len: int | None = None) -> bytes:
+    """A well-formed safetensors blob with the server's own metadata (valid fingerprint, so
+    it reaches the shape, dtype and size checks) and the given tensor headers."""
+    header: dict[str, object] = {"__metadata__": meta}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        size = 4 if dtype in ("F32", "I32") else 8
+        n = size
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
     raw = json.dumps(header).encode()
-    return struct.pack("<Q", len(raw)) + raw + b"\0" * data_len
+    body = b"\0" * (offset if data_len is None else data_len)
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
+def hostile_blobs(good: bytes, shapes: dict[str, list[int]]) -> list[bytes]:
+    """Blobs that pass the fingerprint check and break one rule each."""
+    meta = blob_metadata(good)
+    ok = {name: ("F32", shape) for name, shape in shapes.items()}
+    out = []
+    for name, shape in shapes.items():
+        out.append(crafted_state(meta, {**ok, name: ("F64", shape)}))  # wrong dtype
+        out.append(crafted_state(meta, {**ok, name: ("F32", [*shape[:-1], shape[-1] + 1])}))
+        out.append(crafted_state(meta, {**ok, name: ("F32", [shape[0], 2, *shape[2:]])}))
+    out.append(crafted_state(meta, {k: v for k, v in list(ok.items())[1:]}))  # a tensor short
+    out.append(crafted_state(meta, {**ok, "extra": ("F32", [4])}))  # a tensor too many
+    out.append(crafted_state(meta, ok, data_len=16))  # declared sizes beyond the data
+    huge = next(iter(shapes))
+    out.append(crafted_state(meta, {**ok, huge: ("F32", [2**31, 2**31])}, data_len=16))
+    nan = crafted_state(meta, ok)
+    out.append(nan[: -4] + struct.pack("<f", float("nan")))  # a NaN in the state
+    return out
 
 
 def test_hostile_state_blobs_are_rejected(server: ServerProcess) -> None:
@@ -57,14 +93,17 @@ def test_hostile_state_blobs_are_rejected(server: ServerProcess) -> None:
     blobs += [good[: rng.randint(0, len(good) - 1)] for _ in range(40)]
     flipped = bytearray(good)
     flipped[20] ^= 0xFF
-    blobs += [bytes(flipped), crafted_state([2**31, 2**31, 64, 64]),
-              crafted_state([10**12]), crafted_state([1, 4, 4, 64, 64], "F64"),
+    shapes = {name: list(t.shape) for name, t in load(good).items()}
+    crafted = hostile_blobs(good, shapes)
+    blobs += [bytes(flipped), *crafted,
               b"\x80\x04\x95" + os.urandom(200),  # a pickle header: never unpickled
               good + b"trailing"]
     for blob in blobs:
         r = httpx.post(server.url + "/v1/sessions/import", content=blob)
         assert r.status_code in (400, 413), (r.status_code, r.text[:200])
         assert r.json()["error"]["type"] == "invalid_request_error"
+        if blob in crafted and r.status_code == 400:  # got past the fingerprint check
+            assert "fingerprint" not in r.json()["error"]["message"], r.text
     ok = httpx.post(server.url + "/v1/sessions/import", content=good)
     assert ok.status_code == 200
     assert httpx.get(server.url + "/health").status_code == 200
