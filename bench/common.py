@@ -85,7 +85,8 @@ def save_figure(fig: Any, name: str) -> None:
 
 
 def write_json(name: str, data: dict[str, Any]) -> Path:
-    path = RESULTS / f"{name}.json"
+    """Write ``bench/results/{name}.json`` (``name`` may already end in .json)."""
+    path = RESULTS / f"{name.removesuffix('.json')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path

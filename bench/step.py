@@ -34,14 +34,29 @@ def build(kind: str, dtype: torch.dtype, max_context: int, fused: bool) -> Langu
     return model
 
 
+_PREFILLED: dict[tuple[int, int], State] = {}
+
+
 def state_at(model: LanguageModel, batch: int, context: int) -> State:
-    """A state as after ``context`` tokens (values random: timing does not depend on them)."""
+    """A state as after ``context`` tokens. Recurrent: really prefilled with ``context``
+    random tokens (one row, copied to every row of the batch; cached per model and context),
+    so the step runs on the values a long session has, not on zeros. KV cache: random keys
+    and values at the right length (its cost depends on the length, not the values)."""
     state = model.new_state(batch)
     if isinstance(state, KVCache):
         state.resize(context + 1)
         state.k.normal_()
         state.v.normal_()
         state.lengths.fill_(context)
+        return state
+    key = (id(model), context)
+    if key not in _PREFILLED:
+        gen = torch.Generator().manual_seed(context)
+        tokens = torch.randint(0, model.cfg.vocab_size, (1, context), generator=gen)
+        with torch.no_grad():
+            _PREFILLED[key] = model.prefill(tokens)[1]
+    row = _PREFILLED[key]
+    state.write_rows(slice(0, batch), row)  # type: ignore[arg-type]
     return state
 
 
