@@ -20,6 +20,7 @@ import torch
 
 from bench.common import machine, time_ms, write_json
 from bench.serverproc import ServerProcess
+from model.state import KVCache
 from model.transformer import load_model
 
 
@@ -29,7 +30,14 @@ def raw(weights: Path, prompt: list[int], threads: int) -> dict[str, float]:
     x = torch.tensor([prompt])
     _, state = model.prefill(x)
     tok = torch.tensor([prompt[-1]])
-    step_ms = time_ms(lambda: model.step(tok, state.copy()), min_seconds=1.0)
+
+    @torch.inference_mode()
+    def one_step() -> None:  # in place, as the server steps (a KV cache is rewound after)
+        model.step(tok, state)
+        if isinstance(state, KVCache):
+            state.lengths -= 1
+
+    step_ms = time_ms(one_step, min_seconds=1.0)
     prefill_ms = time_ms(lambda: model.prefill(x), min_iters=5)
 
     def stepwise() -> None:
@@ -65,25 +73,36 @@ def over_http(url: str, prompt: list[int], n_tokens: int, repeats: int) -> dict[
     return {"itl_p50_ms": float(np.median(gaps)), "ttft_p50_ms": float(np.median(ttfts))}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def measure(weights: Path, prompt: list[int], threads: int, repeats: int) -> dict[str, Any]:
+    """Every figure of one model: raw in-process timings, then through its own server."""
+    res: dict[str, Any] = {"weights": str(weights), **raw(weights, prompt, threads)}
+    with ServerProcess(weights, args=["--threads", str(threads)]) as srv:
+        res |= over_http(srv.url, prompt, 128, repeats)
+    res["itl_over_step"] = res["itl_p50_ms"] / res["step_b1_ms"]
+    res["ttft_over_prefill"] = res["ttft_p50_ms"] / res["prefill_1000_ms"]
+    return res
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", type=Path, default=Path("weights/linear"))
+    p.add_argument("--weights", type=Path, nargs="+",
+                   default=[Path("weights/linear"), Path("weights/softmax")],
+                   help="models measured one after the other in this one run")
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--output", default="latency")
     args = p.parse_args(argv)
     prompt = [(i * 7919) % 8000 + 100 for i in range(args.prompt_tokens)]
-    res = raw(args.weights, prompt, args.threads)
-    with ServerProcess(args.weights, args=["--threads", str(args.threads)]) as srv:
-        res |= over_http(srv.url, prompt, 128, args.repeats)
-    res["itl_over_step"] = res["itl_p50_ms"] / res["step_b1_ms"]
-    res["ttft_over_prefill"] = res["ttft_p50_ms"] / res["prefill_1000_ms"]
-    for k, v in res.items():
-        print(f"{k:20s} {v:10.3f}")
-    write_json(f"latency_{args.weights.name}", {"machine": machine(), "weights": str(args.weights),
-                                                "threads": args.threads, **res})
-    return res
+    rows = [measure(w, prompt, args.threads, args.repeats) for w in args.weights]
+    for row in rows:
+        print(row["weights"])
+        for k, v in row.items():
+            if isinstance(v, float):
+                print(f"  {k:20s} {v:10.3f}")
+    write_json(args.output, {"machine": machine(), "threads": args.threads, "rows": rows})
+    return rows
 
 
 if __name__ == "__main__":

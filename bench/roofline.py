@@ -3,8 +3,8 @@ ceilings (a real roofline, not a loop of the step's own products).
 
 1. The ceilings, measured on 1 thread: peak fp32 and bf16 GEMM FLOP/s (a large square
    matmul) and two bandwidths (a copy, counting bytes read + written): DRAM (512 MiB) and the
-   last-level cache (a copy whose two buffers fill half of it). A step whose bytes fit in the last-level cache
-   is held to the cache ceiling, since repeated steps re-read weights from there.
+   last-level cache (a copy whose two buffers fill half of it). A step whose bytes fit in
+   the last-level cache is held to the cache ceiling (repeated steps re-read from there).
 2. For each decode step (linear at any context, softmax at ``--context``; batches 1–64):
    its FLOPs and the bytes it must move at least once (every weight, plus per row the state
    it reads and writes: the linear s and z, or the softmax K and V up to the context). The

@@ -62,8 +62,7 @@ def render(weights: Path) -> str:
         f"with **{cfg['attention']}** attention ({summary['n_params']:,} parameters), trained "
         "on Shakespeare's works. See `../DATA_CARD.md` for the data and split.", "",
         "| | |", "| --- | --- |",
-        f"| attention | {cfg['attention']} (conv_size {cfg['conv_size']}, "
-        f"max_context {cfg['max_context'] if cfg['attention'] == 'softmax' else 'none'}) |",
+        f"| attention | {_positions(cfg)} |",
         f"| tokens seen | {summary['tokens_seen']:,} ({summary['steps']} steps × "
         f"{tc['batch_size']} × {tc['seq_len']}) |",
         f"| wall time | {summary['wall_seconds'] / 60:.1f} min on 1 thread (3 runs shared "
@@ -89,6 +88,14 @@ def render(weights: Path) -> str:
               f"python -m model.evaluate weights/{name} --output weights/{name}/eval.json",
               f"python -m model.card weights/{name}", "```", ""]
     return "\n".join(lines)
+
+
+def _positions(cfg: dict[str, object]) -> str:
+    """How the model knows positions: the softmax baseline uses rotary embeddings and its
+    config's conv_size is unused; the linear kinds use the short convolution."""
+    if cfg["attention"] == "softmax":
+        return f"softmax, rotary positions (max_context {cfg['max_context']})"
+    return f"{cfg['attention']}, causal convolution of width {cfg['conv_size']}, no max context"
 
 
 def main(argv: list[str] | None = None) -> None:
