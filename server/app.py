@@ -168,7 +168,8 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     else:
         await asyncio.to_thread(warm_up, model)
         limits = EngineLimits(settings.max_running, settings.max_waiting,
-                              settings.prefill_chunk, settings.step_token_budget)
+                              settings.prefill_chunk, settings.step_token_budget,
+                              settings.prefix_cache_bytes, settings.prefix_cache_interval)
         client = EngineClient(lambda deliver, beat: Engine(model, tok, limits, deliver, beat),
                               settings.engine_stall_seconds)
     await client.start_async()

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 
 from server.protocol import ChatMessage
 
-CHAT_STOP = ("\nUser:",)
 ROLE_NAMES = {"user": "User", "assistant": "Assistant"}
+USER_CUE = f"{ROLE_NAMES['user']}:"
+CHAT_STOP = (f"\n{USER_CUE}",)
 
 
 def render_chat(messages: Sequence[ChatMessage]) -> str:

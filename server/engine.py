@@ -25,8 +25,15 @@ from model.tokenizer import Tokenizer
 from model.transformer import LanguageModel
 from server import metrics
 from server.pool import SlotPool
+from server.prefix_cache.engine_side import EnginePrefixCache
+from server.replay import Replay, ReplayQueue
 from server.sequence import Sequence, logprob_entries
-from server.transcript import chat_turn_text, common_prefix, session_tokens
+from server.transcript import (
+    chat_next_turn_text,
+    chat_turn_text,
+    common_prefix,
+    session_tokens,
+)
 from server.types import GenerationRequest, Output, TokenLogprob
 
 log = logging.getLogger("linserve.engine")
@@ -39,23 +46,13 @@ class Overloaded(Exception):
 
 
 @dataclass
-class Replay:
-    """A finished session request whose state must be rebuilt to end exactly where the
-    client's text ends: ``feed`` is prefilled into ``state`` under the iteration's token
-    budget (never more than the tokens the client was sent), then the request finishes."""
-
-    seq: Sequence
-    state: State
-    feed: list[int]
-    pending: list[int]
-
-
-@dataclass
 class EngineLimits:
     max_running: int = 64
     max_waiting: int = 256
     prefill_chunk: int = 512
     step_token_budget: int = 512
+    prefix_cache_bytes: int = 0
+    prefix_cache_interval: int = 1024
 
 
 class Engine:
@@ -73,8 +70,10 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i] lives in pool slot i
-        self.replays: deque[Replay] = deque()
+        self.replays = ReplayQueue(model, limits.prefill_chunk)
         self.beat = beat  # called once per iteration (the supervisor's heartbeat)
+        self.prefix = (EnginePrefixCache(limits.prefix_cache_bytes, limits.prefix_cache_interval)
+                       if limits.prefix_cache_bytes > 0 else None)
         self.sinks: dict[str, Sink] = {}
         self._inflight = 0
         self._lock = threading.Lock()
@@ -157,6 +156,8 @@ class Engine:
             seq = Sequence(req, self.tok.detokenizer(), self._stop_ids(req))
             if req.fault == "submit":
                 raise RuntimeError("injected fault: submit")
+            if self.prefix is not None:
+                self.prefix.lookup(seq)
         except Exception as exc:
             log.exception("request %s rejected by the engine", req.request_id)
             self._fail_unstarted(req, f"the engine could not start this request: {exc}")
@@ -188,7 +189,7 @@ class Engine:
         """Spend the iteration's token budget: session replays first, then prompts. With a
         recurrent model, prompts that need no prompt log-probs are prefilled together in one
         ragged batch (64 prompts of 16 tokens: one pass instead of 64)."""
-        budget = self._replay_some(self.limits.step_token_budget)
+        budget = self.replays.run(self.limits.step_token_budget)
         if self.model.cfg.is_recurrent and budget > 0:
             budget = self._prefill_batched(budget)
         while self.prefilling and budget > 0:
@@ -219,6 +220,8 @@ class Engine:
                 logits = logits[:, -1]
             seq.prefilled += n
             metrics.PROMPT_TOKENS.inc(n)
+            if self.prefix is not None:
+                self.prefix.after_prefill(seq, n)
         if seq.prefilled >= seq.prefill_target:
             self.prefilling.popleft()
             self._prefill_done(seq, logits)
@@ -254,6 +257,8 @@ class Engine:
             seq.state = states[i]
             seq.prefilled += n
             metrics.PROMPT_TOKENS.inc(n)
+            if self.prefix is not None:
+                self.prefix.after_prefill(seq, n)
             if seq.prefilled >= seq.prefill_target:
                 self.prefilling.remove(seq)
                 self._guarded(seq, self._prefill_done, seq, logits[i : i + 1])
@@ -304,7 +309,9 @@ class Engine:
         self.pool.add(seq.state, seq.req.input_ids, [token])
         # The prompt's state is kept (pool.add copied it) so that a session can be rebuilt
         # from it at the cost of the generated tokens alone.
-        seq.snapshot = seq.state if seq.req.want_state and self.model.cfg.is_recurrent else None
+        keep = seq.req.want_state or (seq.req.chat and self.prefix is not None
+                                      and self.prefix.eligible(seq))
+        seq.snapshot = seq.state if keep and self.model.cfg.is_recurrent else None
         seq.state = None
         self.running.append(seq)
         self._emit(seq)
@@ -420,6 +427,9 @@ class Engine:
         truncated to the common prefix (KV cache): at most the tokens the client was sent.
         """
         slot = self.running.index(seq)
+        if (self.prefix is not None and self.prefix.eligible(seq) and sent is None
+                and seq.finish_reason != "error"):
+            self._cache_generation(seq, slot)
         state: State | None = None
         target: list[int] | None = None
         if seq.req.want_state and seq.finish_reason != "error" and sent != 0:
@@ -437,6 +447,42 @@ class Engine:
             self._finish(seq, state, [seq.generated[-1]])
         else:
             self._rebuild(seq, state, target)
+
+    def _cache_generation(self, seq: Sequence, slot: int) -> None:
+        """Give the prefix cache the state after this generation. Usually that is the batch
+        row (input + generated[:-1], one row copy). A chat reply whose sampled tokens do not
+        spell how a stateless client resends it (a leading double space, a non-canonical
+        split) is re-tokenised and replayed instead, under the token budget."""
+        assert self.prefix is not None
+        gen = seq.generated
+        if seq.req.chat:
+            target = self.tok.encode(chat_next_turn_text(seq.text))
+            if common_prefix(gen[:-1], target) < len(gen) - 1:
+                self._cache_replay(seq, slot, self.tok.encode(chat_turn_text(seq.text)))
+                return
+        self.prefix.after_generation(seq, self.pool.take(slot))
+
+    def _cache_replay(self, seq: Sequence, slot: int, target: list[int]) -> None:
+        """Queue the replay whose state the prefix cache keeps after input + ``target``."""
+        prefix = self.prefix
+        assert prefix is not None
+        base: State | None = seq.snapshot
+        keep = 0
+        if base is None:  # KV cache: the row truncated to what it shares with the target
+            row = self.pool.take(slot)
+            assert isinstance(row, KVCache)
+            keep = common_prefix(seq.generated[:-1], target)
+            row.lengths.fill_(seq.prompt_len + keep)
+            base = row
+        key = seq.req.input_ids + target
+
+        def done(state: State) -> None:
+            prefix.insert(key, state)
+
+        def failed(exc: Exception) -> None:
+            del exc  # the cache simply lacks this entry
+
+        self.replays.add(Replay(base, target[keep:], done, failed, seq.req.request_id))
 
     def _session_target(self, seq: Sequence, sent: int | None) -> list[int]:
         """The generated tokens the session should hold (see :mod:`server.transcript`)."""
@@ -467,28 +513,15 @@ class Engine:
         if not target:
             self._finish(seq, state, [])
             return
-        self.replays.append(Replay(seq, state, target[done:-1], target[-1:]))
 
-    def _replay_some(self, budget: int) -> int:
-        """Advance queued replays under the token budget; returns the budget left."""
-        while self.replays and budget > 0:
-            job = self.replays[0]
-            n = min(len(job.feed), self.limits.prefill_chunk, budget)
-            try:
-                if n:
-                    _, job.state = self.model.prefill(torch.tensor([job.feed[:n]]), job.state)
-                    job.feed = job.feed[n:]
-                    budget -= n
-            except Exception as exc:
-                log.exception("session replay of %s failed", job.seq.req.request_id)
-                self.replays.popleft()
-                job.seq.fail(f"the session state could not be rebuilt: {exc}")
-                self._finish(job.seq, None, [])
-                continue
-            if not job.feed:
-                self.replays.popleft()
-                self._finish(job.seq, job.state, job.pending)
-        return budget
+        def finished(st: State) -> None:
+            self._finish(seq, st, target[-1:])
+
+        def failed(exc: Exception) -> None:
+            seq.fail(f"the session state could not be rebuilt: {exc}")
+            self._finish(seq, None, [])
+
+        self.replays.add(Replay(state, target[done:-1], finished, failed, seq.req.request_id))
 
     # ---- output ----------------------------------------------------------------------
     def _emit(self, seq: Sequence) -> None:
@@ -548,11 +581,11 @@ class Engine:
     def _fail_all(self, message: str) -> None:
         """Last resort after an error no request could be blamed for (the batched step
         itself raised): fail the running batch and queued replays; waiting prompts stay."""
-        for seq in [*self.running, *(job.seq for job in self.replays)]:
+        for seq in self.running:
             seq.fail(message)
             self._finish(seq, None, [])
         self.running.clear()
-        self.replays.clear()
+        self.replays.fail_all(RuntimeError(message))
         self._bp_cache = None
         self.pool = SlotPool(self.model, self.limits.max_running)
         self._flush()

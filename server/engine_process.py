@@ -60,7 +60,9 @@ class _Recorder:
 
 
 ENGINE_METRICS = ("RUNNING", "WAITING", "BATCH_SIZE", "STEP_TIME", "QUEUE_TIME",
-                  "PROMPT_TOKENS", "GENERATION_TOKENS", "REQUESTS")
+                  "PROMPT_TOKENS", "GENERATION_TOKENS", "REQUESTS", "PREFIX_QUERIES",
+                  "PREFIX_HITS", "PREFIX_HIT_RATE", "PREFIX_BYTES", "PREFIX_ENTRIES",
+                  "PREFIX_EVICTIONS")
 
 
 def apply_metric_events(events: list[MetricEvent]) -> None:
@@ -105,7 +107,8 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
         outbox.put((wire, take_events()))
 
     limits = EngineLimits(settings.max_running, 10**9, settings.prefill_chunk,
-                          settings.step_token_budget)  # the parent enforces the queue limit
+                          settings.step_token_budget, settings.prefix_cache_bytes,
+                          settings.prefix_cache_interval)  # the parent enforces the queue
     pump_thread: threading.Thread | None = None
 
     def beat() -> None:

@@ -19,9 +19,12 @@ def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def usage(out: Output) -> dict[str, int]:
+def usage(out: Output) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` counts the prompt
+    tokens served from the prefix cache."""
     return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens}
+            "total_tokens": out.prompt_tokens + out.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
 
 @dataclass

@@ -30,3 +30,13 @@ ENGINE_UP = Gauge("linserve_engine_up", "1 while the engine process serves, 0 wh
                   "down or restarting")
 ENGINE_RESTARTS = Counter("linserve_engine_restarts", "Engine processes restarted by the "
                           "supervisor after a death or a stall")
+PREFIX_QUERIES = Counter("linserve_prefix_cache_queries", "Prompt tokens looked up in the "
+                         "prefix-state cache (vLLM: prefix_cache_queries)")
+PREFIX_HITS = Counter("linserve_prefix_cache_hits", "Prompt tokens served from the "
+                      "prefix-state cache (vLLM: prefix_cache_hits)")
+PREFIX_HIT_RATE = Gauge("linserve_prefix_cache_hit_rate", "Cached prompt tokens / prompt "
+                        "tokens looked up, since start")
+PREFIX_BYTES = Gauge("linserve_prefix_cache_bytes", "Bytes of state held by the prefix cache")
+PREFIX_ENTRIES = Gauge("linserve_prefix_cache_entries", "States held by the prefix cache")
+PREFIX_EVICTIONS = Counter("linserve_prefix_cache_evictions", "Prefix-cache entries evicted "
+                           "(LRU, byte budget)")

@@ -29,6 +29,7 @@ class Sequence:
         self.stop_ids = stop_ids
         self.state: State | None = req.start_state
         self.prefilled = 0  # input tokens consumed so far
+        self.cached = 0  # input tokens taken from the prefix cache
         self.generated: list[int] = []
         self.last_token: int | None = None
         self.text = ""
@@ -112,7 +113,8 @@ class Sequence:
         safe = len(self.text) if self.finish_reason else max(self.sent, len(self.text) - self.hold)
         out = Output(text=self.text[self.sent : safe], logprobs=self.pending_logprobs,
                      finish_reason=self.finish_reason, prompt_tokens=self.prompt_len,
-                     completion_tokens=len(self.generated), error=self.error)
+                     completion_tokens=len(self.generated), error=self.error,
+                     cached_tokens=self.cached)
         out.token_ids = self.generated[self.emitted_tokens :]
         self.emitted_tokens = len(self.generated)
         self.sent = safe

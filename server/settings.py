@@ -63,6 +63,12 @@ class Settings(BaseSettings):
     prefill_chunk: int = Field(512, ge=16, description="prompt tokens per prefill chunk")
     step_token_budget: int = Field(
         512, ge=1, description="prompt tokens prefilled per engine iteration")
+    prefix_cache_bytes: int = Field(
+        1 << 30, ge=0, description="byte budget of the automatic prefix-state cache for "
+        "requests without a session_id (LRU; 0 turns it off)")
+    prefix_cache_interval: int = Field(
+        1024, ge=0, description="also keep a prefix state every this many tokens inside a "
+        "long prefill, so a prompt that diverges inside it resumes nearby (0: off)")
     api_keys: str = Field("", description="comma-separated Bearer keys (empty: open server)")
     api_keys_file: Path | None = Field(None, description="file with one API key per line")
     cors_origins: str = Field("", description="comma-separated allowed CORS origins")

@@ -16,11 +16,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from model.tokenizer import Tokenizer
+from server.chat_template import USER_CUE
 
 
 def chat_turn_text(reply: str) -> str:
     """The text a chat reply occupies in the transcript after the ``Assistant:`` cue."""
     return f" {reply.strip()}\n"
+
+
+def chat_next_turn_text(reply: str) -> str:
+    """How a stateless client's next prompt goes on after the ``Assistant:`` cue: the reply,
+    then the next user message's cue."""
+    return chat_turn_text(reply) + USER_CUE
 
 
 def session_tokens(tok: Tokenizer, generated: Sequence[int], text: str) -> list[int]:

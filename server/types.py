@@ -45,6 +45,7 @@ class Output:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     final_state: State | None = None
     final_pending: list[int] = field(default_factory=list)
     final_tokens: int = 0  # tokens the session holds with final_state (pending included)
@@ -61,6 +62,7 @@ class Output:
             finish_reason=later.finish_reason,
             prompt_tokens=max(self.prompt_tokens, later.prompt_tokens),
             completion_tokens=max(self.completion_tokens, later.completion_tokens),
+            cached_tokens=max(self.cached_tokens, later.cached_tokens),
             final_state=later.final_state,
             final_pending=later.final_pending,
             final_tokens=later.final_tokens,

@@ -1,0 +1,60 @@
+"""The prefix cache's radix tree: longest-prefix hits at any depth, edge splits, LRU under a
+byte budget, pruning."""
+
+from __future__ import annotations
+
+import random
+
+from server.prefix_cache import PrefixCache
+
+
+def test_longest_cached_prefix_wins_and_limit_is_respected() -> None:
+    cache: PrefixCache[str] = PrefixCache(10**6)
+    cache.insert([1, 2, 3], "a", 10)
+    cache.insert([1, 2, 3, 4, 5, 6], "b", 10)
+    cache.insert([1, 2, 9], "c", 10)  # splits the edge (1, 2, 3)
+    assert cache.match([1, 2, 3, 4, 5, 6, 7], 100) == (6, "b")
+    assert cache.match([1, 2, 3, 4, 5, 6], 5) == (3, "a")  # leave a token to prefill
+    assert cache.match([1, 2, 3, 4, 9], 100) == (3, "a")  # diverges inside a cached span
+    assert cache.match([1, 2, 9, 9], 100) == (3, "c")
+    assert cache.match([1, 2], 100) == (0, None)
+    assert cache.match([7], 100) == (0, None)
+    assert cache.stats.hit_tokens == 6 + 3 + 3 + 3
+
+
+def test_lru_eviction_under_the_byte_budget_and_pruning() -> None:
+    cache: PrefixCache[int] = PrefixCache(30)
+    for i in range(3):
+        cache.insert([i, 1, 2], i, 10)
+    cache.match([0, 1, 2, 3], 10)  # 0 is now most recent
+    cache.insert([5, 5], 5, 10)  # evicts 1, the least recent
+    assert cache.bytes == 30 and len(cache) == 3 and cache.stats.evictions == 1
+    assert cache.match([1, 1, 2, 3], 10) == (0, None)
+    assert 1 not in cache.root.children  # its branch was pruned
+    assert not cache.insert([9], 9, 31)  # larger than the whole budget
+
+
+def test_replacing_an_entry_keeps_the_byte_count() -> None:
+    cache: PrefixCache[str] = PrefixCache(100)
+    cache.insert([1, 2], "x", 40)
+    cache.insert([1, 2], "y", 30)
+    assert cache.bytes == 30 and cache.match([1, 2, 3], 5) == (2, "y")
+
+
+def test_random_inserts_agree_with_a_brute_force_search() -> None:
+    rng = random.Random(0)
+    cache: PrefixCache[tuple[int, ...]] = PrefixCache(10**9)
+    stored: list[tuple[int, ...]] = []
+    for _ in range(300):
+        base = list(rng.choice(stored)) if stored and rng.random() < 0.7 else []
+        key = tuple(base[: rng.randint(0, len(base))] + [rng.randint(0, 3)
+                                                         for _ in range(rng.randint(1, 6))])
+        cache.insert(key, key, 1)
+        stored.append(key)
+    for _ in range(300):
+        query = list(rng.choice(stored)) + [rng.randint(0, 3) for _ in range(3)]
+        limit = rng.randint(0, len(query))
+        want = max((k for k in stored if len(k) <= limit and tuple(query[: len(k)]) == k),
+                   key=len, default=None)
+        depth, got = cache.match(query, limit)
+        assert got == want and depth == (len(want) if want else 0)
