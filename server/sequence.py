@@ -30,6 +30,7 @@ class Sequence:
         self.state: State | None = req.start_state
         self.prefilled = 0  # input tokens consumed so far
         self.cached = 0  # input tokens taken from the prefix cache
+        self.branch = 0  # where this prompt leaves a path the cache has seen (a state is kept)
         self.generated: list[int] = []
         self.last_token: int | None = None
         self.text = ""
@@ -64,8 +65,12 @@ class Sequence:
 
     @property
     def to_prefill(self) -> list[int]:
-        """Input tokens not yet consumed, leaving the last one for the first sample."""
-        return self.req.input_ids[self.prefilled : self.prefill_target]
+        """Input tokens not yet consumed, leaving the last one for the first sample (and
+        stopping first at ``branch``, where the prefix cache wants a state)."""
+        end = self.prefill_target
+        if self.prefilled < self.branch < end:
+            end = self.branch
+        return self.req.input_ids[self.prefilled : end]
 
     @property
     def total_tokens(self) -> int:

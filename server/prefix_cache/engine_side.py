@@ -4,8 +4,11 @@ and when, and the metrics. Runs on the engine thread only (no locks).
 - Looked up: every request without a start state (no ``session_id``) and without prompt
   log-probs (those need the logits of every prompt token). The hit leaves at least the last
   prompt token to prefill, whose logits the first sample needs.
-- Stored, at no copy: the state at the end of every prompt's prefill, and every
-  ``interval`` tokens inside a long prefill (``prefill`` returns a fresh state per chunk).
+- Stored, at no copy: the state at the end of every prompt's prefill, every ``interval``
+  tokens inside a long prefill (``prefill`` returns a fresh state per chunk), and at the
+  *branch point* where a prompt leaves the path of an earlier one (its prefill stops there
+  once): a system prompt shared by many requests is kept after the second one, whatever
+  its length.
 - Stored, at one row copy: the state after a finished generation (input + generated tokens
   but the last), so a client that resends the whole conversation resumes after the reply.
   A chat reply's stop string ``\\nUser:`` is exactly how the next turn's rendering goes on,
@@ -19,6 +22,8 @@ from model.state import State
 from server import metrics
 from server.prefix_cache.radix import PrefixCache
 from server.sequence import Sequence
+
+MIN_BRANCH = 8  # a shared stretch shorter than this is not worth a state of its own
 
 
 class EnginePrefixCache:
@@ -37,11 +42,13 @@ class EnginePrefixCache:
             return
         ids = seq.req.input_ids
         limit = seq.prefill_target if seq.prefill_only else seq.prompt_len - 1
-        depth, state = self.cache.match(ids, limit)
+        hit = self.cache.match(ids, limit)
         metrics.PREFIX_QUERIES.inc(len(ids))
-        if state is not None:
-            seq.state, seq.prefilled, seq.cached = state, depth, depth
-            metrics.PREFIX_HITS.inc(depth)
+        if hit.state is not None:
+            seq.state, seq.prefilled, seq.cached = hit.state, hit.depth, hit.depth
+            metrics.PREFIX_HITS.inc(hit.depth)
+        if hit.depth + MIN_BRANCH <= hit.shared <= limit:
+            seq.branch = hit.shared  # an earlier prompt went this way: keep a state here
         self._publish()
 
     def after_prefill(self, seq: Sequence, n: int) -> None:
@@ -51,7 +58,7 @@ class EnginePrefixCache:
             return
         done = seq.prefilled
         crossed = self.interval > 0 and done // self.interval > (done - n) // self.interval
-        if done >= seq.prefill_target or crossed:
+        if done >= seq.prefill_target or done == seq.branch or crossed:
             self._insert(seq.req.input_ids[:done], seq.state)
 
     def after_generation(self, seq: Sequence, take_row: State) -> None:

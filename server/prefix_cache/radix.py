@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from server.transcript import common_prefix
 
@@ -33,6 +33,12 @@ class CacheStats:
     hit_tokens: int = 0
     evictions: int = 0
     inserts: int = 0
+
+
+class Match(NamedTuple, Generic[S]):
+    depth: int  # tokens covered by ``state`` (0: no entry)
+    state: S | None
+    shared: int  # tokens of the query found on the tree's paths, entry or not
 
 
 @dataclass(eq=False)
@@ -58,26 +64,31 @@ class PrefixCache(Generic[S]):
     def __len__(self) -> int:
         return len(self.lru)
 
-    def match(self, tokens: Sequence[int], limit: int) -> tuple[int, S | None]:
-        """The deepest entry whose prefix is ``tokens[:depth]`` with ``depth <= limit``:
-        ``(depth, state)``, or ``(0, None)``. Counts the query and the hit."""
+    def match(self, tokens: Sequence[int], limit: int) -> Match[S]:
+        """The deepest entry whose prefix is ``tokens[:depth]`` with ``depth <= limit``, and
+        how far ``tokens`` follow a path the tree has seen (``shared``: where this prompt
+        branches off an earlier one, a good place to keep a state). Counts the query."""
         best: _Node[S] | None = None
         node, i = self.root, 0
         while True:
             if node.state is not None and node.depth <= limit:
                 best = node
-            if i >= len(tokens) or node.depth >= limit:
+            if i >= len(tokens):
                 break
             child = node.children.get(tokens[i])
-            if child is None or tuple(tokens[i : i + len(child.edge)]) != child.edge:
+            if child is None:
                 break
-            node, i = child, i + len(child.edge)
+            n = common_prefix(child.edge, tokens[i : i + len(child.edge)])
+            if n < len(child.edge):
+                i += n
+                break
+            node, i = child, i + n
         self.stats.queried_tokens += len(tokens)
         if best is None:
-            return 0, None
+            return Match(0, None, i)
         self.lru.move_to_end(best)
         self.stats.hit_tokens += best.depth
-        return best.depth, best.state
+        return Match(best.depth, best.state, i)
 
     def insert(self, tokens: Sequence[int], state: S, nbytes: int) -> bool:
         """Store ``state`` as the state after ``tokens`` (replacing an entry there); False

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 from server.prefix_cache import PrefixCache
+from server.transcript import common_prefix
 
 
 def test_longest_cached_prefix_wins_and_limit_is_respected() -> None:
@@ -13,12 +14,12 @@ def test_longest_cached_prefix_wins_and_limit_is_respected() -> None:
     cache.insert([1, 2, 3], "a", 10)
     cache.insert([1, 2, 3, 4, 5, 6], "b", 10)
     cache.insert([1, 2, 9], "c", 10)  # splits the edge (1, 2, 3)
-    assert cache.match([1, 2, 3, 4, 5, 6, 7], 100) == (6, "b")
-    assert cache.match([1, 2, 3, 4, 5, 6], 5) == (3, "a")  # leave a token to prefill
-    assert cache.match([1, 2, 3, 4, 9], 100) == (3, "a")  # diverges inside a cached span
-    assert cache.match([1, 2, 9, 9], 100) == (3, "c")
-    assert cache.match([1, 2], 100) == (0, None)
-    assert cache.match([7], 100) == (0, None)
+    assert cache.match([1, 2, 3, 4, 5, 6, 7], 100) == (6, "b", 6)
+    assert cache.match([1, 2, 3, 4, 5, 6], 5) == (3, "a", 6)  # leave a token to prefill
+    assert cache.match([1, 2, 3, 4, 9], 100) == (3, "a", 4)  # diverges inside a cached span
+    assert cache.match([1, 2, 9, 9], 100) == (3, "c", 3)
+    assert cache.match([1, 2], 100) == (0, None, 2)
+    assert cache.match([7], 100) == (0, None, 0)
     assert cache.stats.hit_tokens == 6 + 3 + 3 + 3
 
 
@@ -29,7 +30,7 @@ def test_lru_eviction_under_the_byte_budget_and_pruning() -> None:
     cache.match([0, 1, 2, 3], 10)  # 0 is now most recent
     cache.insert([5, 5], 5, 10)  # evicts 1, the least recent
     assert cache.bytes == 30 and len(cache) == 3 and cache.stats.evictions == 1
-    assert cache.match([1, 1, 2, 3], 10) == (0, None)
+    assert cache.match([1, 1, 2, 3], 10).state is None
     assert 1 not in cache.root.children  # its branch was pruned
     assert not cache.insert([9], 9, 31)  # larger than the whole budget
 
@@ -38,7 +39,7 @@ def test_replacing_an_entry_keeps_the_byte_count() -> None:
     cache: PrefixCache[str] = PrefixCache(100)
     cache.insert([1, 2], "x", 40)
     cache.insert([1, 2], "y", 30)
-    assert cache.bytes == 30 and cache.match([1, 2, 3], 5) == (2, "y")
+    assert cache.bytes == 30 and cache.match([1, 2, 3], 5) == (2, "y", 2)
 
 
 def test_random_inserts_agree_with_a_brute_force_search() -> None:
@@ -56,5 +57,6 @@ def test_random_inserts_agree_with_a_brute_force_search() -> None:
         limit = rng.randint(0, len(query))
         want = max((k for k in stored if len(k) <= limit and tuple(query[: len(k)]) == k),
                    key=len, default=None)
-        depth, got = cache.match(query, limit)
+        depth, got, shared = cache.match(query, limit)
         assert got == want and depth == (len(want) if want else 0)
+        assert shared == max(common_prefix(k, query) for k in stored)
