@@ -23,6 +23,7 @@ from server.engine import Engine, EngineLimits
 from server.engine_process import ProcessEngineClient
 from server.errors import error_body, install_error_handlers
 from server.openapi import install_openapi
+from server.prefix_cache.remote import RemotePrefixes
 from server.routes import completions, misc, sessions
 from server.service import GenerationService
 from server.sessions import MemorySessionStore, SessionStore
@@ -184,6 +185,7 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     app.state.client = client
     app.state.service = GenerationService(client, store, model, tok, settings)
     app.state.service.draining = lambda: bool(app.state.draining)
+    app.state.service.remote = shared_prefixes(settings, client, model.fingerprint())
     install_openapi(app, model.cfg.vocab_size, settings.max_tokens_limit)
     log.info(json.dumps({
         "event": "startup", "model": settings.served_name, "weights": str(settings.weights),
@@ -196,8 +198,23 @@ async def startup(app: FastAPI, settings: Settings) -> None:
         "load_seconds": round(time.monotonic() - t0, 2)}))
 
 
+def shared_prefixes(settings: Settings, client: EngineBackend, fingerprint: str
+                    ) -> RemotePrefixes | None:
+    """Prefix states shared through Redis: with a Redis session store, the prefix cache on
+    and the engine in its own process (the thread mode keeps its cache local)."""
+    if (settings.session_store == "memory" or settings.prefix_cache_bytes <= 0
+            or not isinstance(client, ProcessEngineClient)):
+        return None
+    remote = RemotePrefixes(settings.session_store, fingerprint, settings.prefix_cache_redis_ttl,
+                            settings.prefix_cache_redis_max_entry_bytes)
+    client.on_publish = remote.publish_soon
+    return remote
+
+
 async def shutdown(app: FastAPI) -> None:
     app.state.draining = True
     await app.state.client.stop()
     await app.state.service.store.close()
+    if app.state.service.remote is not None:
+        await app.state.service.remote.close()
     log.info(json.dumps({"event": "shutdown"}))

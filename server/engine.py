@@ -25,7 +25,7 @@ from model.tokenizer import Tokenizer
 from model.transformer import LanguageModel
 from server import metrics
 from server.pool import SlotPool
-from server.prefix_cache.engine_side import EnginePrefixCache
+from server.prefix_cache.engine_side import EnginePrefixCache, Publish
 from server.replay import Replay, ReplayQueue
 from server.sequence import Sequence, logprob_entries
 from server.transcript import (
@@ -60,7 +60,8 @@ class Engine:
     :meth:`run` on its own thread."""
 
     def __init__(self, model: LanguageModel, tokenizer: Tokenizer, limits: EngineLimits,
-                 deliver: Deliver, beat: Callable[[], None] = lambda: None) -> None:
+                 deliver: Deliver, beat: Callable[[], None] = lambda: None,
+                 publish: Publish | None = None) -> None:
         self.model = model
         self.tok = tokenizer
         self.limits = limits
@@ -72,8 +73,8 @@ class Engine:
         self.running: list[Sequence] = []  # running[i] lives in pool slot i
         self.replays = ReplayQueue(model, limits.prefill_chunk)
         self.beat = beat  # called once per iteration (the supervisor's heartbeat)
-        self.prefix = (EnginePrefixCache(limits.prefix_cache_bytes, limits.prefix_cache_interval)
-                       if limits.prefix_cache_bytes > 0 else None)
+        self.prefix = (EnginePrefixCache(limits.prefix_cache_bytes, limits.prefix_cache_interval,
+                                         publish) if limits.prefix_cache_bytes > 0 else None)
         self.sinks: dict[str, Sink] = {}
         self._inflight = 0
         self._lock = threading.Lock()

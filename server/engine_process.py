@@ -21,10 +21,11 @@ import multiprocessing as mp
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from model.config import ModelConfig
-from model.state import state_from_bytes, state_to_bytes
+from model.state import State, state_from_bytes, state_to_bytes
 from server import metrics
 from server.client import EngineHealth, EngineUnavailable, RequestHandle
 from server.engine import Engine, EngineLimits, Overloaded
@@ -62,7 +63,7 @@ class _Recorder:
 ENGINE_METRICS = ("RUNNING", "WAITING", "BATCH_SIZE", "STEP_TIME", "QUEUE_TIME",
                   "PROMPT_TOKENS", "GENERATION_TOKENS", "REQUESTS", "PREFIX_QUERIES",
                   "PREFIX_HITS", "PREFIX_HIT_RATE", "PREFIX_BYTES", "PREFIX_ENTRIES",
-                  "PREFIX_EVICTIONS")
+                  "PREFIX_EVICTIONS", "PREFIX_REMOTE_HITS")
 
 
 def apply_metric_events(events: list[MetricEvent]) -> None:
@@ -104,7 +105,10 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
                 blob = state_to_bytes(out.final_state, fingerprint)
                 out = dataclasses.replace(out, final_state=None)
             wire.append((rid, out, blob))
-        outbox.put((wire, take_events()))
+        outbox.put((wire, take_events(), []))
+
+    def publish(tokens: list[int], state: State) -> None:  # a prefix entry for Redis
+        outbox.put(([], [], [(tokens, state_to_bytes(state, fingerprint))]))
 
     limits = EngineLimits(settings.max_running, 10**9, settings.prefill_chunk,
                           settings.step_token_budget, settings.prefix_cache_bytes,
@@ -115,7 +119,8 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
         if pump_thread is not None and pump_thread.is_alive():
             heartbeat.value = time.monotonic()
 
-    engine = Engine(model, tok, limits, deliver, beat)
+    shared = settings.session_store != "memory"
+    engine = Engine(model, tok, limits, deliver, beat, publish if shared else None)
     pump_thread = threading.Thread(target=_pump, name="pump", daemon=True,
                                    args=(inbox, outbox, cfg, fingerprint, engine))
 
@@ -124,7 +129,7 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
             time.sleep(0.1)
             pending = take_events()
             if pending:
-                outbox.put(([], pending))
+                outbox.put(([], pending, []))
 
     pump_thread.start()
     threading.Thread(target=flush_metrics, daemon=True).start()
@@ -143,6 +148,9 @@ def _pump(inbox: Any, outbox: Any, cfg: ModelConfig, fingerprint: str, engine: E
                 req, blob = arg
                 if blob is not None:
                     req.start_state = state_from_bytes(blob, cfg, fingerprint)[0]
+                if req.prefix_blob is not None:
+                    req.prefix_state = state_from_bytes(req.prefix_blob, cfg, fingerprint)[0]
+                    req.prefix_blob = None
                 engine.submit(req, req.request_id)
             elif cmd == "cancel":
                 engine.cancel(*arg)
@@ -156,7 +164,7 @@ def _pump(inbox: Any, outbox: Any, cfg: ModelConfig, fingerprint: str, engine: E
             if cmd == "submit":
                 out = Output(finish_reason="error", error=f"the engine rejected the request: "
                              f"{exc}")
-                outbox.put(([(arg[0].request_id, out, None)], []))
+                outbox.put(([(arg[0].request_id, out, None)], [], []))
 
 
 class ProcessEngineClient:
@@ -182,6 +190,7 @@ class ProcessEngineClient:
         self._restart_times: list[float] = []
         self._watchdog: asyncio.Task[None] | None = None
         self.proc: Any = None
+        self.on_publish: Callable[[list[int], bytes], None] | None = None  # prefix entries
 
     async def start_async(self) -> None:
         await self._spawn()
@@ -307,7 +316,7 @@ class ProcessEngineClient:
         then hand over. Ends when its process is gone and its queue is drained."""
         while generation == self.generation:
             try:
-                wire, events = outbox.get(timeout=0.2)
+                wire, events, published = outbox.get(timeout=0.2)
             except queue.Empty:
                 if not proc.is_alive():
                     return
@@ -320,6 +329,9 @@ class ProcessEngineClient:
                     out.final_state = state_from_bytes(blob, self.cfg, self.fingerprint)[0]
                 decoded.append((rid, out))
             self.loop.call_soon_threadsafe(self._dispatch, decoded, events, generation)
+            if published and self.on_publish is not None:
+                for tokens, blob in published:
+                    self.loop.call_soon_threadsafe(self.on_publish, tokens, blob)
 
     def _dispatch(self, batch: list[tuple[str, Output]], events: list[MetricEvent],
                   generation: int) -> None:

@@ -38,5 +38,9 @@ PREFIX_HIT_RATE = Gauge("linserve_prefix_cache_hit_rate", "Cached prompt tokens 
                         "tokens looked up, since start")
 PREFIX_BYTES = Gauge("linserve_prefix_cache_bytes", "Bytes of state held by the prefix cache")
 PREFIX_ENTRIES = Gauge("linserve_prefix_cache_entries", "States held by the prefix cache")
+PREFIX_REMOTE_HITS = Counter("linserve_prefix_cache_remote_hits", "Prompt tokens served from "
+                             "a prefix state another replica published to Redis")
+PREFIX_REMOTE_ERRORS = Counter("linserve_prefix_cache_remote_errors", "Redis calls of the "
+                               "prefix cache that failed or timed out (requests went on)")
 PREFIX_EVICTIONS = Counter("linserve_prefix_cache_evictions", "Prefix-cache entries evicted "
                            "(LRU, byte budget)")

@@ -21,6 +21,7 @@ from model.transformer import LanguageModel
 from server.client import EngineBackend, EngineUnavailable, RequestHandle
 from server.engine import Overloaded
 from server.errors import APIError
+from server.prefix_cache.remote import RemotePrefixes
 from server.protocol import new_id
 from server.sessions import (
     Session,
@@ -70,6 +71,7 @@ class GenerationService:
         self.settings = settings
         self._tasks: set[asyncio.Task[None]] = set()
         self.draining: Callable[[], bool] = lambda: False
+        self.remote: RemotePrefixes | None = None  # prefix states shared through Redis
 
     # ---- validation --------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | list[str], param: str = "prompt"
@@ -124,6 +126,10 @@ class GenerationService:
             req = GenerationRequest(new_id("cmpl"), prep.prompt_ids, prep.params, prep.stop,
                                     prompt_logprobs=prep.prompt_logprobs, chat=prep.chat,
                                     fault=prep.fault)
+            if self.remote is not None and not prep.prompt_logprobs:
+                hint = await self.remote.lookup(prep.prompt_ids, len(prep.prompt_ids) - 1)
+                if hint is not None:
+                    req.prefix_depth, req.prefix_blob = hint
             return self._submit(req)
         return await self._start_in_session(prep)
 

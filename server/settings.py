@@ -69,6 +69,12 @@ class Settings(BaseSettings):
     prefix_cache_interval: int = Field(
         1024, ge=0, description="also keep a prefix state every this many tokens inside a "
         "long prefill, so a prompt that diverges inside it resumes nearby (0: off)")
+    prefix_cache_redis_ttl: float = Field(
+        600.0, gt=0, description="with a Redis session store, prefix states are also "
+        "published to Redis for the other replicas, kept this many seconds")
+    prefix_cache_redis_max_entry_bytes: int = Field(
+        4 << 20, ge=0, description="largest prefix state published to Redis (a softmax KV "
+        "prefix grows 8 KiB a token; a linear state is 296 KiB)")
     api_keys: str = Field("", description="comma-separated Bearer keys (empty: open server)")
     api_keys_file: Path | None = Field(None, description="file with one API key per line")
     cors_origins: str = Field("", description="comma-separated allowed CORS origins")

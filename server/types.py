@@ -32,6 +32,11 @@ class GenerationRequest:
     want_state: bool = False
     chat: bool = False  # the session keeps the reply as a chat transcript (server.transcript)
     fault: str | None = None  # test-only fault injection point (settings.fault_injection)
+    # A prefix state fetched from another replica (server.prefix_cache.remote): the state
+    # after input_ids[:prefix_depth], as bytes across processes, decoded by the engine side.
+    prefix_depth: int = 0
+    prefix_blob: bytes | None = None
+    prefix_state: State | None = None
 
 
 @dataclass

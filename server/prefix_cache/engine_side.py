@@ -18,18 +18,22 @@ and when, and the metrics. Runs on the engine thread only (no locks).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from model.state import State
 from server import metrics
 from server.prefix_cache.radix import PrefixCache
 from server.sequence import Sequence
 
+Publish = Callable[[list[int], State], None]
 MIN_BRANCH = 8  # a shared stretch shorter than this is not worth a state of its own
 
 
 class EnginePrefixCache:
-    def __init__(self, max_bytes: int, interval: int) -> None:
+    def __init__(self, max_bytes: int, interval: int, publish: Publish | None = None) -> None:
         self.cache: PrefixCache[State] = PrefixCache(max_bytes)
         self.interval = interval
+        self.publish = publish  # shares entries with other replicas (Redis), if set
         self._evictions = 0
 
     @staticmethod
@@ -44,10 +48,18 @@ class EnginePrefixCache:
         limit = seq.prefill_target if seq.prefill_only else seq.prompt_len - 1
         hit = self.cache.match(ids, limit)
         metrics.PREFIX_QUERIES.inc(len(ids))
+        depth = hit.depth
         if hit.state is not None:
             seq.state, seq.prefilled, seq.cached = hit.state, hit.depth, hit.depth
-            metrics.PREFIX_HITS.inc(hit.depth)
-        if hit.depth + MIN_BRANCH <= hit.shared <= limit:
+        remote = seq.req.prefix_state
+        if remote is not None and depth < seq.req.prefix_depth <= limit:
+            depth = seq.req.prefix_depth
+            seq.state, seq.prefilled, seq.cached = remote, depth, depth
+            metrics.PREFIX_REMOTE_HITS.inc(depth)
+            self._insert(ids[:depth], remote, publish=False)
+        if depth:
+            metrics.PREFIX_HITS.inc(depth)
+        if depth + MIN_BRANCH <= hit.shared <= limit:
             seq.branch = hit.shared  # an earlier prompt went this way: keep a state here
         self._publish()
 
@@ -59,7 +71,8 @@ class EnginePrefixCache:
         done = seq.prefilled
         crossed = self.interval > 0 and done // self.interval > (done - n) // self.interval
         if done >= seq.prefill_target or done == seq.branch or crossed:
-            self._insert(seq.req.input_ids[:done], seq.state)
+            landmark = done >= seq.prefill_target or done == seq.branch
+            self._insert(seq.req.input_ids[:done], seq.state, publish=landmark)
 
     def after_generation(self, seq: Sequence, take_row: State) -> None:
         """Keep the state after input + generated[:-1] (``take_row``: a copy of the row)."""
@@ -69,8 +82,9 @@ class EnginePrefixCache:
         """Keep ``state`` as the state after ``tokens`` (a replay's result)."""
         self._insert(tokens, state)
 
-    def _insert(self, tokens: list[int], state: State) -> None:
-        self.cache.insert(tokens, state, state.nbytes)
+    def _insert(self, tokens: list[int], state: State, publish: bool = True) -> None:
+        if self.cache.insert(tokens, state, state.nbytes) and publish and self.publish:
+            self.publish(tokens, state)
         self._publish()
 
     def _publish(self) -> None:

@@ -164,3 +164,34 @@ def test_redis_restart_under_load(linear_weights: Path, redis_server: RedisProce
             info = httpx.get(f"{a.url}/v1/sessions/{s['id']}").json()
             # Every successful request was saved (Redis persisted it with its AOF).
             assert info["tokens"] == s["tokens"] + done[s["id"]], info
+
+
+def test_prefix_states_cross_replicas(linear_weights: Path, redis_server: RedisProcess) -> None:
+    """Turn 1 of a stateless chat on replica A, turn 2 on replica B: B resumes from the
+    state A published (no session_id anywhere), with the same reply A would give. With
+    Redis down, stateless requests still succeed (the cache just stays local)."""
+    from tests.reliability.helpers import metric
+
+    system = "A hall in the castle at Elsinore. Enter the King, the Queen, and the court. " * 2
+    history = [{"role": "system", "content": system},
+               {"role": "user", "content": "What says the ghost?"}]
+    body = {"max_tokens": 30, "temperature": 0}
+    with replica(linear_weights, redis_server) as a, replica(linear_weights, redis_server) as b:
+        first = httpx.post(a.url + "/v1/chat/completions", timeout=60,
+                           json={**body, "messages": history}).json()
+        history += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": "And what of the King?"}]
+        time.sleep(0.5)  # A publishes after it answered
+        on_b = httpx.post(b.url + "/v1/chat/completions", timeout=60,
+                          json={**body, "messages": history}).json()
+        cached = on_b["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= first["usage"]["prompt_tokens"], on_b["usage"]
+        assert metric(b.url, "linserve_prefix_cache_remote_hits_total") == cached
+        on_a = httpx.post(a.url + "/v1/chat/completions", timeout=60,
+                          json={**body, "messages": history}).json()
+        assert on_a["choices"][0]["message"] == on_b["choices"][0]["message"]
+        redis_server.stop()
+        history.append({"role": "user", "content": "Speak!"})
+        down = httpx.post(a.url + "/v1/chat/completions", timeout=60,
+                          json={**body, "messages": history})
+        assert down.status_code == 200
