@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,9 @@ def plot(rows: list[dict[str, Any]]) -> None:
     save_figure(fig, "multiturn.png")
 
 
+PARTS = ("by_turn", "concurrent", "shared_system_prompt", "per_gb", "no_reuse")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -214,16 +218,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turns", type=int, default=30)
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="what to run; the others are kept from the JSON already there")
     p.add_argument("--output", default="multiturn")
     args = p.parse_args(argv)
     linear, softmax = args.weights / "linear", args.weights / "softmax"
-    result: dict[str, Any] = {"machine": machine()}
-    result["by_turn"] = by_turn(linear, args) + by_turn(softmax, args)
-    plot(result["by_turn"])
-    result["concurrent"] = concurrent(linear, args)
-    result["shared_system_prompt"] = shared_system_prompt(linear)
-    result["per_gb"] = [per_gb(linear, 4000), per_gb(softmax, 4000)]
-    result["no_reuse"] = no_reuse(linear, args)
+    path = RESULTS / f"{args.output}.json"
+    result: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    runs = {"by_turn": lambda: by_turn(linear, args) + by_turn(softmax, args),
+            "concurrent": lambda: concurrent(linear, args),
+            "shared_system_prompt": lambda: shared_system_prompt(linear),
+            "per_gb": lambda: [per_gb(linear, 4000), per_gb(softmax, 4000)],
+            "no_reuse": lambda: no_reuse(linear, args)}
+    for part in args.parts:
+        result[part] = runs[part]()
+        result.setdefault("machine_by_part", {})[part] = machine()
+    if "by_turn" in result:
+        plot(result["by_turn"])
     print(write_json(args.output, result), RESULTS / "multiturn.png")
 
 

@@ -32,6 +32,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
 
     @property
     def greedy(self) -> bool:
@@ -59,6 +60,7 @@ class BatchParams:
     repetition: torch.Tensor
     presence: torch.Tensor
     frequency: torch.Tensor
+    bias: LogitBias | None = None
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams]) -> BatchParams:
@@ -66,10 +68,12 @@ class BatchParams:
             return torch.tensor([getattr(p, name) for p in params], dtype=dtype)
 
         return cls(col("temperature"), col("top_k", torch.long), col("top_p"), col("min_p"),
-                   col("repetition_penalty"), col("presence_penalty"), col("frequency_penalty"))
+                   col("repetition_penalty"), col("presence_penalty"), col("frequency_penalty"),
+                   LogitBias.from_params(params))
 
     def select(self, idx: torch.Tensor) -> BatchParams:
-        cols = (getattr(self, f).index_select(0, idx) for f in self.__dataclass_fields__)
+        """These rows' columns (the logit bias is applied before rows are selected)."""
+        cols = (getattr(self, f).index_select(0, idx) for f in COLUMNS)
         return BatchParams(*cols)
 
     @cached_property
@@ -81,6 +85,33 @@ class BatchParams:
     def needs_sort(self) -> bool:
         """Whether any row uses top-k or top-p (the native sampler handles neither)."""
         return bool((self.top_k > 0).any() | (self.top_p < 1).any())
+
+
+COLUMNS = ("temperature", "top_k", "top_p", "min_p", "repetition", "presence", "frequency")
+
+
+@dataclass(frozen=True)
+class LogitBias:
+    """OpenAI's ``logit_bias`` for a batch, as sparse (row, token, bias) triples. A bias of
+    -100 bans the token outright (-inf), as OpenAI documents it; others are added."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams]) -> LogitBias | None:
+        triples = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
+        if not triples:
+            return None
+        rows, ids, values = zip(*triples, strict=True)
+        vals = torch.tensor(values, dtype=torch.float32)
+        vals = torch.where(vals <= -100, torch.tensor(float("-inf")), vals)
+        return cls(torch.tensor(rows), torch.tensor(ids), vals)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """New logits ``[B, V]`` with the biases added."""
+        return logits.float().index_put((self.rows, self.ids), self.values, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
@@ -150,6 +181,8 @@ def sample(logits: torch.Tensor, bp: BatchParams, generators: Sequence[torch.Gen
     loaded (``native=False`` forces this eager path, the reference); both draw from the same
     distribution with the same per-row uniform.
     """
+    if bp.bias is not None:
+        logits = bp.bias.apply(logits)
     if counts is not None and seen is not None:
         logits = apply_penalties(logits, counts, seen, bp)
     if native and not bp.needs_sort and kernels.available():

@@ -10,7 +10,14 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from model.sampling import SamplingParams
 
@@ -62,6 +69,9 @@ class SamplingFields(OpenAIBase):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=300, description="token id (as a string) → bias added to its logit; "
+        "-100 bans the token, 100 all but forces it")
     user: str | None = Field(None, max_length=256)
     session_id: str | None = Field(None, max_length=128)
 
@@ -82,7 +92,20 @@ class SamplingFields(OpenAIBase):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=self.seed, max_tokens=max_tokens,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            logprobs=logprobs)
+            logprobs=logprobs, logit_bias=self.bias_pairs())
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, value: dict[str, float] | None
+                                 ) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit():
+                raise ValueError(f"key {key!r} is not a token id")
+        return value
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as sorted (token id, bias) pairs."""
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
 
 
 class CompletionRequest(SamplingFields):

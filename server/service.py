@@ -31,6 +31,7 @@ from server.sessions import (
     new_session_id,
 )
 from server.settings import Settings
+from server.token_cache import PromptTokens
 from server.types import GenerationRequest, Output
 
 log = logging.getLogger("linserve.service")
@@ -68,6 +69,7 @@ class GenerationService:
         self.cfg = model.cfg
         self.model_fingerprint = model.fingerprint()
         self.tok = tokenizer
+        self.prompt_tokens = PromptTokens(tokenizer)
         self.settings = settings
         self._tasks: set[asyncio.Task[None]] = set()
         self.draining: Callable[[], bool] = lambda: False
@@ -80,7 +82,7 @@ class GenerationService:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = str(prompt[0])
         if isinstance(prompt, str):
-            ids = self.tok.encode(prompt) if prompt else []
+            ids = self.prompt_tokens.encode(prompt) if prompt else []
         else:
             ids = [int(i) for i in prompt]
             bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
@@ -99,8 +101,13 @@ class GenerationService:
         return max_tokens
 
     def check_stop_ids(self, params: SamplingParams) -> None:
+        """Token ids in ``stop_token_ids`` and ``logit_bias`` must be in the vocabulary."""
         if any(not 0 <= t < self.cfg.vocab_size for t in params.stop_token_ids):
             raise APIError(400, "stop_token_ids must be in the vocabulary", "stop_token_ids")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise APIError(400, f"logit_bias token id {bad[0]} is outside the vocabulary "
+                           f"[0, {self.cfg.vocab_size})", "logit_bias", "invalid_token")
 
     def _check_context(self, consumed: int, n_input: int, max_tokens: int) -> None:
         """The softmax baseline refuses to go past its maximum context."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from model.sampling import (
@@ -84,3 +85,26 @@ def test_penalties() -> None:
     # token 0: 2 - 0.5 - 0.5 = 1.0, then /2; token 1: -2 - 0.25 - 0.5 = -2.75, then *2
     # token 2: seen in prompt only: 1.0 / 2; token 3: untouched
     assert torch.allclose(out, torch.tensor([[0.5, -5.5, 0.5, 0.5]]))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_logit_bias_bans_and_forces(native: bool) -> None:
+    from model import kernels
+    from model.sampling import BatchParams, SamplingParams, make_generator, sample
+
+    if native and not kernels.load():
+        pytest.skip("native kernels unavailable")
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 2
+    top = logits.argmax(-1)
+    params = [SamplingParams(temperature=0.0, logit_bias=((int(top[0]), -100.0),)),
+              SamplingParams(temperature=0.0, logit_bias=((7, 100.0),)),
+              SamplingParams(temperature=1.0, logit_bias=((3, 100.0),)),
+              SamplingParams(temperature=0.0)]
+    bp = BatchParams.from_params(params)
+    gens = [make_generator(i) for i in range(4)]
+    for _ in range(20):
+        tokens = sample(logits, bp, gens, native=native)
+        assert int(tokens[0]) != int(top[0])  # banned
+        assert int(tokens[1]) == 7 and int(tokens[2]) == 3  # forced, greedy and sampled
+        assert int(tokens[3]) == int(top[3])  # an unbiased row is untouched

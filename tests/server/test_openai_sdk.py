@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import openai
 import pytest
 
@@ -97,3 +98,21 @@ def test_logprobs(server: ServerProcess) -> None:
                                 logprobs=1, echo=True)
     assert echo.choices[0].text.startswith("Good morrow")
     assert echo.choices[0].logprobs.token_logprobs[0] is None  # type: ignore[union-attr]
+
+
+def test_logit_bias_forces_and_bans_tokens(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    kw = {"model": "linear", "prompt": "ROMEO.\n", "max_tokens": 6, "temperature": 0,
+          "extra_body": {"ignore_eos": True, "logprobs": 1, "return_tokens_as_token_ids": True}}
+    plain = client.completions.create(**kw)  # type: ignore[call-overload]
+    ids = [int(t.split(":")[1]) for t in plain.choices[0].logprobs.tokens]
+    banned = client.completions.create(logit_bias={str(i): -100 for i in set(ids)}, **kw)  # type: ignore[call-overload]
+    got = [int(t.split(":")[1]) for t in banned.choices[0].logprobs.tokens]
+    assert not set(got) & set(ids)
+    forced = client.completions.create(logit_bias={"258": 100}, **kw)  # type: ignore[call-overload]
+    assert [int(t.split(":")[1]) for t in forced.choices[0].logprobs.tokens] == [258] * 6
+    chat = client.chat.completions.create(model="linear", max_tokens=3, logit_bias={"258": 100},
+                                          messages=[{"role": "user", "content": "Hail"}],
+                                          extra_body={"ignore_eos": True})
+    text = httpx.post(server.url + "/detokenize", json={"tokens": [258] * 3}).json()["prompt"]
+    assert chat.choices[0].message.content == text.strip()
