@@ -13,6 +13,7 @@ Every client here is what chat UIs and agent frameworks are: the openai SDK's
 4. **Cached conversations per GiB** at 4,000 tokens of history: the bytes of the state a
    cache entry holds after that history, linear against softmax.
 5. **No reuse at all**: random prompts through ``bench.loadtest``, tokens/s on against off.
+6. **What taking an entry costs** the engine thread, against a batch-64 decode step.
 
 Writes ``bench/results/multiturn.json`` and ``multiturn.png``.
 """
@@ -208,7 +209,41 @@ def plot(rows: list[dict[str, Any]]) -> None:
     save_figure(fig, "multiturn.png")
 
 
-PARTS = ("by_turn", "concurrent", "shared_system_prompt", "per_gb", "no_reuse")
+def take_cost(weights: Path) -> dict[str, Any]:
+    """What storing a generation-end entry costs the engine thread: one ``pool.take`` (a
+    row copy) and the radix insert, against the batch-64 decode step it runs beside.
+    Prompt-end, interval and branch entries are stored without a copy."""
+    import torch
+
+    from bench.common import time_ms
+    from model.transformer import load_model
+    from server.pool import SlotPool
+    from server.prefix_cache import PrefixCache
+
+    torch.set_num_threads(1)
+    model = load_model(weights)
+    pool = SlotPool(model, 64)
+    with torch.inference_mode():
+        _, row = model.prefill(torch.randint(100, 8000, (1, 1000)))
+        for _ in range(64):
+            pool.add(row, [], [])
+        cache: PrefixCache[Any] = PrefixCache(1 << 40)
+        ids = list(range(100, 1100))
+        counter = iter(range(10**9))
+
+        def take_and_insert() -> None:
+            state = pool.take(0)
+            cache.insert([*ids, next(counter)], state, state.nbytes)
+
+        take = time_ms(take_and_insert, min_seconds=1.0)
+        tokens = torch.randint(100, 8000, (64,))
+        step = time_ms(lambda: model.step(tokens, pool.view()), min_seconds=1.0)
+    print(weights.name, "take+insert", take, "ms; batch-64 step", step, "ms", flush=True)
+    return {"model": weights.name, "take_and_insert_ms": take, "step_b64_ms": step,
+            "share_of_step": take / step}
+
+
+PARTS = ("by_turn", "concurrent", "shared_system_prompt", "per_gb", "no_reuse", "take_cost")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -229,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
             "concurrent": lambda: concurrent(linear, args),
             "shared_system_prompt": lambda: shared_system_prompt(linear),
             "per_gb": lambda: [per_gb(linear, 4000), per_gb(softmax, 4000)],
-            "no_reuse": lambda: no_reuse(linear, args)}
+            "no_reuse": lambda: no_reuse(linear, args),
+            "take_cost": lambda: [take_cost(linear), take_cost(softmax)]}
     for part in args.parts:
         result[part] = runs[part]()
         result.setdefault("machine_by_part", {})[part] = machine()

@@ -32,7 +32,9 @@ def _rows(t: torch.Tensor, idx: Index, dim: int = 0) -> torch.Tensor:
     """A copy of the rows ``idx`` along the batch dimension ``dim``."""
     if isinstance(idx, slice):
         return t[(slice(None),) * dim + (idx,)].clone()
-    return t.index_select(dim, torch.as_tensor(idx, dtype=torch.long)).clone()
+    # index_select already copies: a second copy would leave a freed buffer of the same
+    # size between long-lived ones (heap fragmentation measured in the soak test).
+    return t.index_select(dim, torch.as_tensor(idx, dtype=torch.long))
 
 
 @dataclass

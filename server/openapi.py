@@ -13,8 +13,25 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 
+def id_pattern(n: int) -> str:
+    """A regex of the decimal integers 0 … n-1, no leading zeros (token ids as JSON keys)."""
+    top = str(n - 1)
+    k = len(top)
+    alts = ["0"] if n > 0 else []
+    if k >= 2:
+        alts.append(f"[1-9][0-9]{{0,{k - 2}}}")
+    for i, digit in enumerate(top):
+        lo = 1 if i == 0 else 0
+        if int(digit) > lo:
+            alts.append(f"{top[:i]}[{lo}-{int(digit) - 1}][0-9]{{{k - i - 1}}}")
+    alts.append(top)
+    return "^(" + "|".join(dict.fromkeys(alts)) + ")$"
+
+
 def _patch(node: Any, vocab_size: int, max_tokens: int) -> None:
     if isinstance(node, dict):
+        if node.pop("x-token-id-keys", False):
+            node["propertyNames"] = {"pattern": id_pattern(vocab_size)}
         if node.pop("x-token-id", False):
             node.pop("ge", None)
             node["minimum"], node["maximum"] = 0, vocab_size - 1

@@ -69,9 +69,11 @@ class SamplingFields(OpenAIBase):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
-        None, max_length=300, description="token id (as a string) → bias added to its logit; "
-        "-100 bans the token, 100 all but forces it")
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=300, json_schema_extra={"x-token-id-keys": True})
+                          ] | None = Field(
+        None, description="token id (as a string) → bias added to its logit; -100 bans the "
+        "token, 100 all but forces it")
     user: str | None = Field(None, max_length=256)
     session_id: str | None = Field(None, max_length=128)
 
@@ -99,7 +101,7 @@ class SamplingFields(OpenAIBase):
     def _bias_keys_are_token_ids(cls, value: dict[str, float] | None
                                  ) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit() and key == str(int(key))):
                 raise ValueError(f"key {key!r} is not a token id")
         return value
 
