@@ -36,6 +36,9 @@ from server.types import GenerationRequest, Output
 
 log = logging.getLogger("linserve.service")
 OVERLOADED_HEADERS = {"Retry-After": "1"}
+# A write that fails in flight (Redis going down mid-reply) may still have been applied.
+STORE_FAILED = ("the session store failed while saving this reply; the session holds its "
+                "previous state, or this reply if the store applied the write before failing")
 
 
 @dataclass
@@ -223,8 +226,7 @@ class GenerationService:
                 raise engine_error(out)
             if out.finish_reason is not None:
                 if handle.saved is not None and not await handle.saved:
-                    raise APIError(503, "the session store failed; the session keeps its "
-                                   "previous state", "session_id", "session_store_failed")
+                    raise APIError(503, STORE_FAILED, "session_id", "session_store_failed")
                 return total
 
     # ---- sessions ------------------------------------------------------------------------

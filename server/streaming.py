@@ -13,7 +13,7 @@ from server import metrics
 from server.client import RequestHandle
 from server.errors import error_body
 from server.formatting import SSE_DONE, SSE_KEEPALIVE, sse
-from server.service import engine_error
+from server.service import STORE_FAILED, engine_error
 from server.types import Output
 
 log = logging.getLogger("linserve.request")
@@ -70,8 +70,7 @@ async def event_stream(handle: RequestHandle, render: Render, usage_chunk: Rende
             if out.finish_reason is not None:
                 final = out
                 if handle.saved is not None and not await handle.saved:
-                    yield sse(error_body(503, "the session store failed; the session keeps "
-                                         "its previous state", "session_id",
+                    yield sse(error_body(503, STORE_FAILED, "session_id",
                                          "session_store_failed"))
                     break
                 if usage_chunk is not None:

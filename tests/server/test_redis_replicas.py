@@ -133,6 +133,7 @@ def test_redis_restart_under_load(linear_weights: Path, redis_server: RedisProce
         sessions = [httpx.post(a.url + "/v1/sessions", json={"prompt": PROMPT}).json()
                     for _ in range(8)]
         done = {s["id"]: 0 for s in sessions}
+        unsure = {s["id"]: 0 for s in sessions}  # saves that failed in flight
         codes: list[int] = []
 
         async def user(i: int, until: float) -> None:
@@ -145,6 +146,8 @@ def test_redis_restart_under_load(linear_weights: Path, redis_server: RedisProce
                     codes.append(r.status_code)
                     if r.status_code == 200:
                         done[sid] += 4
+                    elif r.json()["error"]["code"] == "session_store_failed":
+                        unsure[sid] += 4
                     else:
                         assert r.json()["error"]["type"] in ("service_unavailable",
                                                              "conflict_error")
@@ -162,8 +165,10 @@ def test_redis_restart_under_load(linear_weights: Path, redis_server: RedisProce
         assert set(codes) <= {200, 409, 503} and 503 in codes and codes[-1] == 200
         for s in sessions:
             info = httpx.get(f"{a.url}/v1/sessions/{s['id']}").json()
-            # Every successful request was saved (Redis persisted it with its AOF).
-            assert info["tokens"] == s["tokens"] + done[s["id"]], info
+            # Every successful request was saved (Redis persisted it with its AOF); a save
+            # that failed in flight may or may not have been applied, and says so.
+            held = info["tokens"] - s["tokens"]
+            assert done[s["id"]] <= held <= done[s["id"]] + unsure[s["id"]], (info, unsure)
 
 
 def test_prefix_states_cross_replicas(linear_weights: Path, redis_server: RedisProcess) -> None:
