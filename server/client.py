@@ -80,6 +80,9 @@ class RequestHandle:
         # For session requests: resolves to True once the new state is stored, False if the
         # store failed (the session then keeps its previous state).
         self.saved: asyncio.Future[bool] | None = None
+        # For a choice forked from a shared prefill (n > 1): the prompt tokens that prefill
+        # took from the prefix cache.
+        self.forked_from: int | None = None
 
     @property
     def finished(self) -> bool:

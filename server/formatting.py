@@ -19,12 +19,14 @@ def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def usage(out: Output) -> dict[str, Any]:
-    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` counts the prompt
+def usage_of(outs: list[Output], prompt_tokens: int, cached: int) -> dict[str, Any]:
+    """OpenAI's usage object for a request's choices: each prompt counted once, the choices'
+    completion tokens summed; ``prompt_tokens_details.cached_tokens`` counts the prompt
     tokens served from the prefix cache."""
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+    completion = sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 @dataclass

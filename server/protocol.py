@@ -38,6 +38,8 @@ def _json_integer(value: Any) -> Any:
 TokenId = Annotated[int, BeforeValidator(_json_integer),
                     Field(ge=0, json_schema_extra={"x-token-id": True})]
 StopString = Annotated[str, Field(min_length=1, max_length=256)]
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 32  # prompts in one batched /v1/completions request
 
 
 class OpenAIBase(BaseModel):
@@ -68,7 +70,8 @@ class SamplingFields(OpenAIBase):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_N, description="choices to sample; the prompt is "
+                   "prefilled once and its state forked n ways")
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
                           Field(max_length=300, json_schema_extra={"x-token-id-keys": True})
                           ] | None = Field(
@@ -116,8 +119,13 @@ class CompletionRequest(SamplingFields):
     prompt: (Annotated[str, Field(min_length=1)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[str, Field(min_length=1)]],
-                         Field(min_length=1, max_length=1)]) = Field(
-        "", description="Text or token ids. May be empty only with a session_id.")
+                         Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
+        "", description="Text, token ids, or a batch of either (up to 32 prompts; choice "
+        "i·n + j is sample j of prompt i). May be empty only with a session_id.")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only equal to n (or "
+                                "absent) is accepted: best-of ranking is not implemented")
 
     @model_validator(mode="before")
     @classmethod
@@ -128,6 +136,13 @@ class CompletionRequest(SamplingFields):
         return data
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: one entry per prompt of a batch."""
+        p: Any = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]
+        return list(p)
     return_tokens_as_token_ids: bool = False  # vLLM extension: logprob tokens as "token_id:N"
 
 

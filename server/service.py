@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from model.sampling import SamplingParams
@@ -143,6 +143,43 @@ class GenerationService:
             return self._submit(req)
         return await self._start_in_session(prep)
 
+    async def start_choices(self, prep: Prepared, n: int) -> list[RequestHandle]:
+        """``n`` samples of one prompt, each its own request with seed + j (when a seed is
+        given). For n > 1 the prompt is prefilled once (a prefill-only request, which the
+        prefix cache also serves) and every choice starts from that state with only the
+        last prompt token to feed: the fork is a shared immutable state, O(1) per choice."""
+        if n == 1:
+            return [await self.start(prep)]
+        if prep.session_id is not None:
+            raise APIError(400, "n > 1 cannot continue a session (which choice would it "
+                           "keep?); use n = 1 or fork the session", "n")
+        if self.draining():
+            raise APIError(503, "server is shutting down", None, "shutting_down",
+                           OVERLOADED_HEADERS)
+        ids = prep.prompt_ids
+        if not ids:
+            raise APIError(400, "prompt must not be empty without a session_id", "prompt")
+        self._check_context(0, len(ids), prep.params.max_tokens)
+        base: State | None = None
+        feed, cached = ids, 0
+        if len(ids) > 1 and not prep.prompt_logprobs:
+            base, feed, cached = await self._prefill(ids)
+        handles: list[RequestHandle] = []
+        try:
+            for j in range(n):
+                seed = None if prep.params.seed is None else prep.params.seed + j
+                req = GenerationRequest(
+                    new_id("cmpl"), feed, replace(prep.params, seed=seed), prep.stop,
+                    start_state=base, start_tokens=len(ids) - len(feed),
+                    prompt_logprobs=prep.prompt_logprobs, chat=prep.chat, fault=prep.fault)
+                handles.append(self._submit(req))
+                handles[-1].forked_from = cached
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
+
     async def _start_in_session(self, prep: Prepared) -> RequestHandle:
         assert prep.session_id is not None
         sid = prep.session_id
@@ -232,12 +269,18 @@ class GenerationService:
     # ---- sessions ------------------------------------------------------------------------
     async def build_state(self, prompt_ids: list[int]) -> tuple[State, list[int]]:
         """Prefill ``prompt_ids`` in the engine (no sampling): the state and pending tokens."""
+        state, pending, _ = await self._prefill(prompt_ids)
+        return state, pending
+
+    async def _prefill(self, prompt_ids: list[int]) -> tuple[State, list[int], int]:
+        """A prefill-only request: the state, the pending tokens, and how many prompt tokens
+        the prefix cache served."""
         params = SamplingParams(max_tokens=0)
         req = GenerationRequest(new_id("prefill"), prompt_ids, params, want_state=True)
         out = await self.collect(self._submit(req))
         if out.final_state is None:
             raise APIError(503, "engine could not build the session state", None)
-        return out.final_state, out.final_pending
+        return out.final_state, out.final_pending, out.cached_tokens
 
     async def create_session(self, owner: str, prompt_ids: list[int]) -> Session:
         self._check_context(0, len(prompt_ids), 0)

@@ -12,13 +12,14 @@ from server import metrics
 from server.auth import Owner
 from server.chat_template import CHAT_STOP, render_chat
 from server.client import RequestHandle
+from server.errors import APIError
 from server.formatting import (
     SSE_HEADERS,
     CompletionLogprobs,
     StripStream,
     chat_logprobs,
     finish_reason,
-    usage,
+    usage_of,
 )
 from server.protocol import ChatRequest, CompletionRequest, now
 from server.routes.docs import ERRORS, SSE_RESPONSE
@@ -54,53 +55,79 @@ def _prepare(svc: GenerationService, body: CompletionRequest | ChatRequest, owne
 
 @router.post("/v1/completions", responses={**ERRORS, 200: SSE_RESPONSE})
 async def completions(body: CompletionRequest, request: Request, owner: Owner) -> Any:
-    """OpenAI text completions, streaming (SSE) or not; ``session_id`` continues a session."""
+    """OpenAI text completions, streaming (SSE) or not; ``session_id`` continues a session.
+    A batch of prompts and ``n`` give choice ``i·n + j`` for sample j of prompt i."""
     svc = _service(request)
-    prompt_ids = svc.tokenize_prompt(body.prompt)
-    prep = _prepare(svc, body, owner, prompt_ids, DEFAULT_COMPLETION_TOKENS, body.logprobs,
-                    body.stop_list())
-    handle = await svc.start(prep)
-    name = request.app.state.model_name
-    echo = svc.tok.decode(prompt_ids) if body.echo else ""
-    lp = (CompletionLogprobs(svc.tok, as_ids=body.return_tokens_as_token_ids)
-          if body.logprobs is not None else None)
-
-    def choice(out: Output, text: str) -> dict[str, Any]:
-        logprobs = None
-        if lp is not None:
-            entries = (out.prompt_logprobs or []) + out.logprobs
-            logprobs = lp.piece(entries)
-        return {"index": 0, "text": text, "logprobs": logprobs,
-                "finish_reason": finish_reason(out)}
-
-    base = {"id": handle.req.request_id, "object": "text_completion", "created": now(),
-            "model": name}
+    _check_best_of(body)
+    all_ids = [svc.tokenize_prompt(p) for p in body.prompts()]
+    handles: list[RequestHandle] = []
+    try:
+        for ids in all_ids:
+            prep = _prepare(svc, body, owner, ids, DEFAULT_COMPLETION_TOKENS, body.logprobs,
+                            body.stop_list())
+            handles += await svc.start_choices(prep, body.n)
+    except BaseException:
+        for handle in handles:
+            handle.cancel()
+        raise
+    prompt_of = [i for i, _ in enumerate(all_ids) for _ in range(body.n)]
+    echoes = [svc.tok.decode(ids) if body.echo else "" for ids in all_ids]
+    lps = [CompletionLogprobs(svc.tok, as_ids=body.return_tokens_as_token_ids)
+           if body.logprobs is not None else None for _ in handles]
+    base = {"id": handles[0].req.request_id, "object": "text_completion", "created": now(),
+            "model": request.app.state.model_name}
     if body.session_id:
         base["session_id"] = body.session_id
-    if not body.stream:
-        out = await _collect(svc, handle, request)
-        lp_total = None
-        if lp is not None:
-            lp.piece((out.prompt_logprobs or []) + out.logprobs)
-            lp_total = lp.data
-        return JSONResponse({**base, "choices": [{"index": 0, "text": echo + out.text,
-                                                  "logprobs": lp_total,
-                                                  "finish_reason": finish_reason(out)}],
-                             "usage": usage(out)})
-    state = {"first": True}
+    prompt_tokens = sum(len(ids) for ids in all_ids)
 
-    def render(out: Output) -> dict[str, Any] | None:
+    def usage(outs: list[Output]) -> dict[str, Any]:
+        return usage_of(outs, prompt_tokens, cached_of(handles, outs))
+
+    def choice(k: int, out: Output, text: str, whole: bool = False) -> dict[str, Any]:
+        logprobs = None
+        lp = lps[k]
+        if lp is not None:
+            part = lp.piece((out.prompt_logprobs or []) + out.logprobs)
+            logprobs = lp.data if whole else part
+        return {"index": k, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason(out)}
+
+    if not body.stream:
+        outs = await asyncio.gather(*(_collect(svc, h, request) for h in handles))
+        return JSONResponse({**base, "choices": [
+            choice(k, out, echoes[prompt_of[k]] + out.text, whole=True)
+            for k, out in enumerate(outs)], "usage": usage(outs)})
+    started: set[int] = set()
+
+    def render(k: int, out: Output) -> dict[str, Any] | None:
         text = out.text
-        if state["first"]:
-            text, state["first"] = echo + text, False
+        if k not in started:
+            text = echoes[prompt_of[k]] + text
+            started.add(k)
         if not text and not out.token_ids and out.finish_reason is None:
             return None
-        return {**base, "choices": [choice(out, text)], "usage": None}
+        return {**base, "choices": [choice(k, out, text)], "usage": None}
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    usage_chunk = (lambda out: {**base, "choices": [], "usage": usage(out)}) \
-        if include_usage else None
-    return _stream(handle, render, usage_chunk, request)
+    usage_chunk = None
+    if body.stream_options and body.stream_options.include_usage:
+        def usage_chunk(outs: list[Output]) -> dict[str, Any]:
+            return {**base, "choices": [], "usage": usage(outs)}
+    return _stream(handles, render, usage_chunk, request)
+
+
+def cached_of(handles: list[RequestHandle], outs: list[Output]) -> int:
+    """Prompt tokens the prefix cache served: per prompt, its shared prefill's hit (n > 1)
+    or its one request's (n = 1)."""
+    forked = {id(h.req.start_state): h.forked_from for h in handles if h.forked_from is not None}
+    alone = sum(o.cached_tokens for h, o in zip(handles, outs, strict=True)
+                if h.forked_from is None)
+    return alone + sum(v for v in forked.values() if v is not None)
+
+
+def _check_best_of(body: CompletionRequest) -> None:
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of other than n is not supported: every sampled choice is "
+                       "returned (use n)", "best_of", "unsupported_parameter")
 
 
 async def _collect(svc: GenerationService, handle: RequestHandle, request: Request) -> Output:
@@ -127,10 +154,10 @@ async def _collect(svc: GenerationService, handle: RequestHandle, request: Reque
     return out
 
 
-def _stream(handle: RequestHandle, render: Any, usage_chunk: Any,
+def _stream(handles: list[RequestHandle], render: Any, usage_chunk: Any,
             request: Request) -> StreamingResponse:
     keepalive = request.app.state.settings.keepalive_seconds
-    return StreamingResponse(event_stream(handle, render, usage_chunk, keepalive),
+    return StreamingResponse(event_stream(handles, render, usage_chunk, keepalive),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -142,36 +169,44 @@ async def chat_completions(body: ChatRequest, request: Request, owner: Owner) ->
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     prep = _prepare(svc, body, owner, prompt_ids, DEFAULT_CHAT_TOKENS, n_lp,
                     body.stop_list() + CHAT_STOP)
-    handle = await svc.start(prep)
-    base = {"id": handle.req.request_id.replace("cmpl", "chatcmpl", 1), "created": now(),
+    handles = await svc.start_choices(prep, body.n)
+    base = {"id": handles[0].req.request_id.replace("cmpl", "chatcmpl", 1), "created": now(),
             "model": request.app.state.model_name}
     if body.session_id:
         base["session_id"] = body.session_id
-    if not body.stream:
-        out = await _collect(svc, handle, request)
-        message = {"role": "assistant", "content": out.text.strip()}
-        return JSONResponse({**base, "object": "chat.completion", "choices": [{
-            "index": 0, "message": message, "finish_reason": finish_reason(out),
-            "logprobs": chat_logprobs(svc.tok, out.logprobs) if n_lp is not None else None}],
-            "usage": usage(out)})
-    state = {"first": True}
-    trim = StripStream()
 
-    def render(out: Output) -> dict[str, Any] | None:
+    def usage(outs: list[Output]) -> dict[str, Any]:
+        return usage_of(outs, len(prompt_ids), cached_of(handles, outs))
+
+    def logprobs(out: Output) -> dict[str, Any] | None:
+        return chat_logprobs(svc.tok, out.logprobs) if n_lp is not None else None
+
+    if not body.stream:
+        outs = await asyncio.gather(*(_collect(svc, h, request) for h in handles))
+        return JSONResponse({**base, "object": "chat.completion", "choices": [{
+            "index": k, "message": {"role": "assistant", "content": out.text.strip()},
+            "finish_reason": finish_reason(out), "logprobs": logprobs(out)}
+            for k, out in enumerate(outs)], "usage": usage(outs)})
+    started: set[int] = set()
+    trims = [StripStream() for _ in handles]
+
+    def render(k: int, out: Output) -> dict[str, Any] | None:
         delta: dict[str, Any] = {}
-        if state["first"]:
-            delta["role"], state["first"] = "assistant", False
-        text = trim.feed(out.text)
+        if k not in started:
+            delta["role"] = "assistant"
+            started.add(k)
+        text = trims[k].feed(out.text)
         if text:
             delta["content"] = text
         if not delta and out.finish_reason is None:
             return None
-        lp = chat_logprobs(svc.tok, out.logprobs) if n_lp is not None else None
         return {**base, "object": "chat.completion.chunk", "choices": [{
-            "index": 0, "delta": delta, "logprobs": lp,
+            "index": k, "delta": delta, "logprobs": logprobs(out),
             "finish_reason": finish_reason(out)}], "usage": None}
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    usage_chunk = (lambda out: {**base, "object": "chat.completion.chunk", "choices": [],
-                                "usage": usage(out)}) if include_usage else None
-    return _stream(handle, render, usage_chunk, request)
+    usage_chunk = None
+    if body.stream_options and body.stream_options.include_usage:
+        def usage_chunk(outs: list[Output]) -> dict[str, Any]:
+            return {**base, "object": "chat.completion.chunk", "choices": [],
+                    "usage": usage(outs)}
+    return _stream(handles, render, usage_chunk, request)
