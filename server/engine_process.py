@@ -80,11 +80,8 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
     time at every engine iteration while the command pump is alive: the parent's supervisor
     reads it to tell a stuck engine from a busy one."""
     from server.app import load_engine_model, warm_up
-    from server.malloc import pin_mmap_threshold
 
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    pin_mmap_threshold(settings.malloc_mmap_threshold)  # evicted cache states go back
+    _setup_process(settings)
     events: list[MetricEvent] = []
     lock = threading.Lock()
     for name in ENGINE_METRICS:
@@ -137,6 +134,14 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
     threading.Thread(target=flush_metrics, daemon=True).start()
     ready.set()
     engine.run()
+
+
+def _setup_process(settings: Settings) -> None:
+    from server.malloc import pin_mmap_threshold
+
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    pin_mmap_threshold(settings.malloc_mmap_threshold)  # evicted cache states go back
 
 
 def _pump(inbox: Any, outbox: Any, cfg: ModelConfig, fingerprint: str, engine: Engine) -> None:
