@@ -15,13 +15,11 @@ import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from model.tokenizer import Tokenizer
-from model.transformer import LanguageModel, load_model
 from server.client import EngineBackend, EngineClient
-from server.cpus import available_cpus
 from server.engine import Engine, EngineLimits
 from server.engine_process import ProcessEngineClient
 from server.errors import error_body, install_error_handlers
+from server.loading import load_engine_model, warm_up
 from server.openapi import install_openapi
 from server.prefix_cache.remote import RemotePrefixes
 from server.routes import completions, misc, sessions
@@ -42,23 +40,6 @@ def make_store(settings: Settings) -> SessionStore:
 
     return RedisSessionStore(settings.session_store, settings.session_ttl,
                              settings.session_lock_seconds)
-
-
-def load_engine_model(settings: Settings) -> tuple[LanguageModel, Tokenizer]:
-    torch.set_num_threads(settings.threads or max(1, available_cpus() - 1))
-    dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
-    model = load_model(settings.weights, dtype, fused=settings.fused_step)
-    log.info("decode step: %s", "fused native" if model.uses_fused_step else "eager")
-    tok = Tokenizer.from_file(settings.weights / model.cfg.tokenizer)
-    if tok.vocab_size != model.cfg.vocab_size:
-        raise ValueError(f"tokenizer has {tok.vocab_size} tokens, model {model.cfg.vocab_size}")
-    return model, tok
-
-
-def warm_up(model: LanguageModel) -> None:
-    """Run each form once so the first request does not pay for lazy initialisation."""
-    _, state = model.prefill(torch.zeros(1, 8, dtype=torch.long))
-    model.step(torch.zeros(1, dtype=torch.long), state)
 
 
 class BodyLimit:

@@ -29,6 +29,7 @@ from model.state import State, state_from_bytes, state_to_bytes
 from server import metrics
 from server.client import EngineHealth, EngineUnavailable, RequestHandle
 from server.engine import Engine, EngineLimits, Overloaded
+from server.loading import load_engine_model, warm_up
 from server.settings import Settings
 from server.types import GenerationRequest, Output
 
@@ -79,7 +80,6 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
     """Entry point of the engine process. ``heartbeat`` (a shared double) gets the monotonic
     time at every engine iteration while the command pump is alive: the parent's supervisor
     reads it to tell a stuck engine from a busy one."""
-    from server.app import load_engine_model, warm_up
 
     _setup_process(settings)
     events: list[MetricEvent] = []

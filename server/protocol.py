@@ -124,8 +124,9 @@ class CompletionRequest(SamplingFields):
                          Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
         "", description="Text, token ids, or a batch of either (up to 32 prompts; choice "
         "i·n + j is sample j of prompt i). May be empty only with a session_id.")
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only equal to n (or "
-                                "absent) is accepted: best-of ranking is not implemented")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="samples per prompt, of "
+                                "which the n with the highest total log-probability are "
+                                "returned (at least n; streamed only once all are done)")
 
     @model_validator(mode="before")
     @classmethod

@@ -151,6 +151,12 @@ class GenerationService:
         if n == 1:
             return [await self.start(prep)]
         if prep.session_id is not None:
+            try:
+                known = await self.store.get(prep.session_id, prep.owner) is not None
+            except SessionUnavailable as exc:
+                raise APIError(503, "session store unavailable", "session_id") from exc
+            if not known:
+                raise APIError(404, f"session {prep.session_id!r} not found", "session_id")
             raise APIError(400, "n > 1 cannot continue a session (which choice would it "
                            "keep?); use n = 1 or fork the session", "n")
         if self.draining():

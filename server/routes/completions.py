@@ -12,13 +12,14 @@ from server import metrics
 from server.auth import Owner
 from server.chat_template import CHAT_STOP, render_chat
 from server.client import RequestHandle
-from server.errors import APIError
 from server.formatting import (
+    SSE_DONE,
     SSE_HEADERS,
     CompletionLogprobs,
     StripStream,
     chat_logprobs,
     finish_reason,
+    sse,
     usage_of,
 )
 from server.protocol import ChatRequest, CompletionRequest, now
@@ -58,19 +59,20 @@ async def completions(body: CompletionRequest, request: Request, owner: Owner) -
     """OpenAI text completions, streaming (SSE) or not; ``session_id`` continues a session.
     A batch of prompts and ``n`` give choice ``i·n + j`` for sample j of prompt i."""
     svc = _service(request)
-    _check_best_of(body)
+    k = max(body.n, body.best_of or body.n)  # samples per prompt (best_of keeps the top n)
+    run_lp = body.logprobs if body.logprobs is not None or k == body.n else 0
     all_ids = [svc.tokenize_prompt(p) for p in body.prompts()]
     handles: list[RequestHandle] = []
     try:
         for ids in all_ids:
-            prep = _prepare(svc, body, owner, ids, DEFAULT_COMPLETION_TOKENS, body.logprobs,
+            prep = _prepare(svc, body, owner, ids, DEFAULT_COMPLETION_TOKENS, run_lp,
                             body.stop_list())
-            handles += await svc.start_choices(prep, body.n)
+            handles += await svc.start_choices(prep, k)
     except BaseException:
         for handle in handles:
             handle.cancel()
         raise
-    prompt_of = [i for i, _ in enumerate(all_ids) for _ in range(body.n)]
+    prompt_of = [i for i, _ in enumerate(all_ids) for _ in range(k)]
     echoes = [svc.tok.decode(ids) if body.echo else "" for ids in all_ids]
     lps = [CompletionLogprobs(svc.tok, as_ids=body.return_tokens_as_token_ids)
            if body.logprobs is not None else None for _ in handles]
@@ -83,30 +85,43 @@ async def completions(body: CompletionRequest, request: Request, owner: Owner) -
     def usage(outs: list[Output]) -> dict[str, Any]:
         return usage_of(outs, prompt_tokens, cached_of(handles, outs))
 
-    def choice(k: int, out: Output, text: str, whole: bool = False) -> dict[str, Any]:
+    def choice(j: int, out: Output, text: str, whole: bool = False) -> dict[str, Any]:
         logprobs = None
-        lp = lps[k]
+        lp = lps[j]
         if lp is not None:
             part = lp.piece((out.prompt_logprobs or []) + out.logprobs)
             logprobs = lp.data if whole else part
-        return {"index": k, "text": text, "logprobs": logprobs,
+        return {"index": j, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason(out)}
 
+    if k > body.n:  # best_of: every sample runs to its end, the top n are returned
+        outs = await asyncio.gather(*(_collect(svc, h, request) for h in handles))
+        kept = best_of(outs, k, body.n)
+        choices = [choice(j, outs[i], echoes[prompt_of[i]] + outs[i].text, whole=True)
+                   for j, i in enumerate(kept)]
+        if not body.stream:
+            return JSONResponse({**base, "choices": choices, "usage": usage(outs)})
+        tail = [{**base, "choices": [], "usage": usage(outs)}] if body.stream_options and \
+            body.stream_options.include_usage else []
+        frames = [sse({**base, "choices": [c], "usage": None}) for c in choices]
+        frames += [sse(t) for t in tail] + [SSE_DONE]
+        return StreamingResponse(iter(frames), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     if not body.stream:
         outs = await asyncio.gather(*(_collect(svc, h, request) for h in handles))
         return JSONResponse({**base, "choices": [
-            choice(k, out, echoes[prompt_of[k]] + out.text, whole=True)
-            for k, out in enumerate(outs)], "usage": usage(outs)})
+            choice(i, out, echoes[prompt_of[i]] + out.text, whole=True)
+            for i, out in enumerate(outs)], "usage": usage(outs)})
     started: set[int] = set()
 
-    def render(k: int, out: Output) -> dict[str, Any] | None:
+    def render(i: int, out: Output) -> dict[str, Any] | None:
         text = out.text
-        if k not in started:
-            text = echoes[prompt_of[k]] + text
-            started.add(k)
+        if i not in started:
+            text = echoes[prompt_of[i]] + text
+            started.add(i)
         if not text and not out.token_ids and out.finish_reason is None:
             return None
-        return {**base, "choices": [choice(k, out, text)], "usage": None}
+        return {**base, "choices": [choice(i, out, text)], "usage": None}
 
     usage_chunk = None
     if body.stream_options and body.stream_options.include_usage:
@@ -124,10 +139,16 @@ def cached_of(handles: list[RequestHandle], outs: list[Output]) -> int:
     return alone + sum(v for v in forked.values() if v is not None)
 
 
-def _check_best_of(body: CompletionRequest) -> None:
-    if body.best_of is not None and body.best_of != body.n:
-        raise APIError(400, "best_of other than n is not supported: every sampled choice is "
-                       "returned (use n)", "best_of", "unsupported_parameter")
+def best_of(outs: list[Output], k: int, n: int) -> list[int]:
+    """Indices of the kept samples: for each prompt's ``k`` samples (consecutive in
+    ``outs``), the ``n`` with the highest total log-probability, best first (OpenAI's
+    ``best_of``)."""
+    kept: list[int] = []
+    for start in range(0, len(outs), k):
+        group = range(start, start + k)
+        score = {i: sum(e.logprob or 0.0 for e in outs[i].logprobs) for i in group}
+        kept += sorted(group, key=lambda i: -score[i])[:n]
+    return kept
 
 
 async def _collect(svc: GenerationService, handle: RequestHandle, request: Request) -> Output:

@@ -75,3 +75,18 @@ def test_streaming_interleaves_choices(server: ServerProcess) -> None:
         temperature=1.0, seed=5, extra_body={"ignore_eos": True, "stop": ["zzzz"]})
     assert [parts[c.index] for c in whole.choices] == [c.message.content for c in whole.choices]
     assert usage is not None and usage.completion_tokens == 48
+
+
+def test_best_of_returns_the_most_likely_samples(server: ServerProcess) -> None:
+    """best_of = 4, n = 2: the two kept samples are the two of highest total log-probability
+    among the four that n = 4 gives with the same seed."""
+    kw = {"model": "linear", "prompt": PROMPT, "max_tokens": 10, "seed": 21,
+          "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    four = client(server).completions.create(n=4, logprobs=0, **kw)  # type: ignore[call-overload]
+    ranked = sorted(four.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = client(server).completions.create(n=2, best_of=4, **kw)  # type: ignore[call-overload]
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage is not None and best.usage.completion_tokens == 40
+    streamed = client(server).completions.create(n=2, best_of=4, stream=True, **kw)  # type: ignore[call-overload]
+    assert [c.choices[0].text for c in streamed if c.choices] == [c.text for c in best.choices]
