@@ -35,10 +35,22 @@ def _json_integer(value: Any) -> Any:
     return value
 
 
+def _json_number(value: Any) -> Any:
+    """JSON-Schema numbers: 3 and 3.5 yes; true and "3" no (pydantic's lax mode takes both)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("must be a number")
+    return value
+
+
+Integer = Annotated[int, BeforeValidator(_json_integer)]
+Number = Annotated[float, BeforeValidator(_json_number)]
 TokenId = Annotated[int, BeforeValidator(_json_integer),
                     Field(ge=0, json_schema_extra={"x-token-id": True})]
 StopString = Annotated[str, Field(min_length=1, max_length=256)]
 MAX_N = 16  # choices per prompt
+# Fields other servers implement that would change the output here (refused, not dropped).
+REFUSED = ("suffix", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+           "structured_outputs", "min_tokens", "use_beam_search", "functions")
 MAX_PROMPTS = 32  # prompts in one batched /v1/completions request
 
 
@@ -56,29 +68,46 @@ class SamplingFields(OpenAIBase):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, json_schema_extra={"x-max-tokens": True})
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=2**31 - 1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    seed: int | None = Field(None, ge=0, le=2**53 - 1)
+    max_tokens: Integer | None = Field(None, ge=1, json_schema_extra={"x-max-tokens": True})
+    temperature: Number = Field(1.0, ge=0.0, le=2.0)
+    top_p: Number = Field(1.0, gt=0.0, le=1.0)
+    top_k: Integer = Field(0, ge=-1, le=2**31 - 1)
+    min_p: Number = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: Number = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Number = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Number = Field(1.0, gt=0.0, le=10.0)
+    seed: Integer | None = Field(None, ge=0, le=2**53 - 1)
     stop: StopString | Annotated[list[StopString], Field(max_length=8)] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_N, description="choices to sample; the prompt is "
+    n: Integer = Field(1, ge=1, le=MAX_N, description="choices to sample; the prompt is "
                    "prefilled once and its state forked n ways")
-    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+    logit_bias: Annotated[dict[str, Annotated[Number, Field(ge=-100, le=100)]],
                           Field(max_length=300, json_schema_extra={"x-token-id-keys": True})
                           ] | None = Field(
         None, description="token id (as a string) → bias added to its logit; -100 bans the "
         "token, 100 all but forces it")
     user: str | None = Field(None, max_length=256)
     session_id: str | None = Field(None, max_length=128)
+
+    @model_validator(mode="after")
+    def _refuse_unimplemented(self) -> SamplingFields:
+        """A field that would change the output but is not implemented is a 400 naming it,
+        never silently dropped (harmless extras such as ``metadata`` stay ignored)."""
+        extra = self.model_extra or {}
+        for name in REFUSED:
+            if extra.get(name) not in (None, False, [], {}):
+                raise ValueError(f"{name} is not supported by this server")
+        fmt = extra.get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+            raise ValueError(f"response_format {fmt.get('type')!r} is not supported yet (only "
+                             "'text'): structured outputs are not implemented")
+        choice = extra.get("tool_choice")
+        if extra.get("tools") and (choice == "required" or isinstance(choice, dict)):
+            raise ValueError("tools with a required or named tool_choice are not supported")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         """``max_tokens``, or chat's newer ``max_completion_tokens`` when that is given."""
@@ -124,7 +153,7 @@ class CompletionRequest(SamplingFields):
                          Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
         "", description="Text, token ids, or a batch of either (up to 32 prompts; choice "
         "i·n + j is sample j of prompt i). May be empty only with a session_id.")
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="samples per prompt, of "
+    best_of: Integer | None = Field(None, ge=1, le=MAX_N, description="samples per prompt, of "
                                 "which the n with the highest total log-probability are "
                                 "returned (at least n; streamed only once all are done)")
 
@@ -135,7 +164,7 @@ class CompletionRequest(SamplingFields):
         if isinstance(data, dict) and data.get("session_id") and data.get("prompt") in ("", []):
             data = {k: v for k, v in data.items() if k != "prompt"}
         return data
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: Integer | None = Field(None, ge=0, le=20)
     echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:
@@ -159,11 +188,11 @@ class ChatMessage(OpenAIBase):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(
+    max_completion_tokens: Integer | None = Field(
         None, ge=1, json_schema_extra={"x-max-tokens": True},
         description="what current OpenAI SDKs send; wins over max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Integer | None = Field(None, ge=0, le=20)
 
 
 class SessionCreate(OpenAIBase):
