@@ -28,8 +28,17 @@ def id_pattern(n: int) -> str:
     return "^(" + "|".join(dict.fromkeys(alts)) + ")$"
 
 
+# Constraints pydantic leaves in its own names where a before-validator wraps the type.
+_JSON_SCHEMA_NAMES = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum",
+                      "lt": "exclusiveMaximum"}
+
+
 def _patch(node: Any, vocab_size: int, max_tokens: int) -> None:
     if isinstance(node, dict):
+        if node.get("type") in ("integer", "number"):
+            for ours, theirs in _JSON_SCHEMA_NAMES.items():
+                if ours in node:
+                    node.setdefault(theirs, node.pop(ours))
         if node.pop("x-token-id-keys", False):
             node["propertyNames"] = {"pattern": id_pattern(vocab_size)}
         if node.pop("x-token-id", False):

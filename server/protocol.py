@@ -68,7 +68,8 @@ class SamplingFields(OpenAIBase):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    max_tokens: Integer | None = Field(None, ge=1, json_schema_extra={"x-max-tokens": True})
+    max_tokens: Annotated[Integer, Field(ge=1)] | None = Field(
+        None, json_schema_extra={"x-max-tokens": True})
     temperature: Number = Field(1.0, ge=0.0, le=2.0)
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
     top_k: Integer = Field(0, ge=-1, le=2**31 - 1)
@@ -76,7 +77,7 @@ class SamplingFields(OpenAIBase):
     presence_penalty: Number = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: Number = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: Number = Field(1.0, gt=0.0, le=10.0)
-    seed: Integer | None = Field(None, ge=0, le=2**53 - 1)
+    seed: Annotated[Integer, Field(ge=0, le=2**53 - 1)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=8)] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
@@ -153,9 +154,9 @@ class CompletionRequest(SamplingFields):
                          Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
         "", description="Text, token ids, or a batch of either (up to 32 prompts; choice "
         "i·n + j is sample j of prompt i). May be empty only with a session_id.")
-    best_of: Integer | None = Field(None, ge=1, le=MAX_N, description="samples per prompt, of "
-                                "which the n with the highest total log-probability are "
-                                "returned (at least n; streamed only once all are done)")
+    best_of: Annotated[Integer, Field(ge=1, le=MAX_N)] | None = Field(
+        None, description="samples per prompt, of which the n with the highest total "
+        "log-probability are returned (at least n; streamed only once all are done)")
 
     @model_validator(mode="before")
     @classmethod
@@ -164,7 +165,7 @@ class CompletionRequest(SamplingFields):
         if isinstance(data, dict) and data.get("session_id") and data.get("prompt") in ("", []):
             data = {k: v for k, v in data.items() if k != "prompt"}
         return data
-    logprobs: Integer | None = Field(None, ge=0, le=20)
+    logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
     echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:
@@ -188,11 +189,11 @@ class ChatMessage(OpenAIBase):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Integer | None = Field(
-        None, ge=1, json_schema_extra={"x-max-tokens": True},
+    max_completion_tokens: Annotated[Integer, Field(ge=1)] | None = Field(
+        None, json_schema_extra={"x-max-tokens": True},
         description="what current OpenAI SDKs send; wins over max_tokens")
     logprobs: bool = False
-    top_logprobs: Integer | None = Field(None, ge=0, le=20)
+    top_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
 
 
 class SessionCreate(OpenAIBase):
