@@ -262,7 +262,7 @@ class Engine:
                 self.prefix.after_prefill(seq, n)
             if seq.prefilled >= seq.prefill_target:
                 self.prefilling.remove(seq)
-                self._guarded(seq, self._prefill_done, seq, logits[i : i + 1])
+                self._prefill_done(seq, logits[i : i + 1])
         return budget - max(n for _, n in group) * len(group)
 
     def _guarded(self, seq: Sequence, fn: Callable[..., None], *args: Any) -> None:
@@ -467,14 +467,8 @@ class Engine:
         """Queue the replay whose state the prefix cache keeps after input + ``target``."""
         prefix = self.prefix
         assert prefix is not None
-        base: State | None = seq.snapshot
-        keep = 0
-        if base is None:  # KV cache: the row truncated to what it shares with the target
-            row = self.pool.take(slot)
-            assert isinstance(row, KVCache)
-            keep = common_prefix(seq.generated[:-1], target)
-            row.lengths.fill_(seq.prompt_len + keep)
-            base = row
+        row = self.pool.take(slot) if seq.snapshot is None else None
+        base, keep = self._replay_base(seq, row, target)
         key = seq.req.input_ids + target
 
         def done(state: State) -> None:
@@ -500,13 +494,21 @@ class Engine:
 
     def _rebuild(self, seq: Sequence, row: State | None, target: list[int]) -> None:
         """Queue the replay that brings the session state to input + ``target``."""
-        if isinstance(row, KVCache):  # keep the cached prefix, drop the rest
-            keep = common_prefix(target[:-1], seq.generated[:-1])
+        base, keep = self._replay_base(seq, row, target[:-1])
+        self._queue_replay(seq, base, target, keep)
+
+    @staticmethod
+    def _replay_base(seq: Sequence, row: State | None, tokens: list[int]
+                     ) -> tuple[State, int]:
+        """Where a replay towards input + ``tokens`` starts, and how many of ``tokens`` that
+        state already holds: a KV row truncated to what it shares with them (the batch row
+        holds input + generated[:-1]), else the recurrent state kept right after prefill."""
+        if isinstance(row, KVCache):
+            keep = common_prefix(tokens, seq.generated[:-1])
             row.lengths.fill_(seq.req.start_tokens + seq.prompt_len + keep)
-            self._queue_replay(seq, row, target, keep)
-        else:
-            assert seq.snapshot is not None
-            self._queue_replay(seq, seq.snapshot, target)
+            return row, keep
+        assert seq.snapshot is not None
+        return seq.snapshot, 0
 
     def _queue_replay(self, seq: Sequence, state: State, target: list[int], done: int = 0
                       ) -> None:

@@ -126,13 +126,9 @@ class GenerationService:
     # ---- running requests ----------------------------------------------------------------
     async def start(self, prep: Prepared) -> RequestHandle:
         """Submit a request (continuing its session, if any); returns its handle."""
-        if self.draining():
-            raise APIError(503, "server is shutting down", None, "shutting_down",
-                           OVERLOADED_HEADERS)
+        self._check_open()
         if prep.session_id is None:
-            if not prep.prompt_ids:
-                raise APIError(400, "prompt must not be empty without a session_id", "prompt")
-            self._check_context(0, len(prep.prompt_ids), prep.params.max_tokens)
+            self._check_stateless(prep)
             req = GenerationRequest(new_id("cmpl"), prep.prompt_ids, prep.params, prep.stop,
                                     prompt_logprobs=prep.prompt_logprobs, chat=prep.chat,
                                     fault=prep.fault)
@@ -142,6 +138,17 @@ class GenerationService:
                     req.prefix_depth, req.prefix_blob = hint
             return self._submit(req)
         return await self._start_in_session(prep)
+
+    def _check_open(self) -> None:
+        if self.draining():
+            raise APIError(503, "server is shutting down", None, "shutting_down",
+                           OVERLOADED_HEADERS)
+
+    def _check_stateless(self, prep: Prepared) -> None:
+        """A request without a session needs a prompt, within the model's context."""
+        if not prep.prompt_ids:
+            raise APIError(400, "prompt must not be empty without a session_id", "prompt")
+        self._check_context(0, len(prep.prompt_ids), prep.params.max_tokens)
 
     async def start_choices(self, prep: Prepared, n: int) -> list[RequestHandle]:
         """``n`` samples of one prompt, each its own request with seed + j (when a seed is
@@ -159,13 +166,9 @@ class GenerationService:
                 raise APIError(404, f"session {prep.session_id!r} not found", "session_id")
             raise APIError(400, "n > 1 cannot continue a session (which choice would it "
                            "keep?); use n = 1 or fork the session", "n")
-        if self.draining():
-            raise APIError(503, "server is shutting down", None, "shutting_down",
-                           OVERLOADED_HEADERS)
+        self._check_open()
+        self._check_stateless(prep)
         ids = prep.prompt_ids
-        if not ids:
-            raise APIError(400, "prompt must not be empty without a session_id", "prompt")
-        self._check_context(0, len(ids), prep.params.max_tokens)
         base: State | None = None
         feed, cached = ids, 0
         if len(ids) > 1 and not prep.prompt_logprobs:

@@ -61,7 +61,7 @@ class EnginePrefixCache:
             metrics.PREFIX_HITS.inc(depth)
         if depth + MIN_BRANCH <= hit.shared <= limit:
             seq.branch = hit.shared  # an earlier prompt went this way: keep a state here
-        self._publish()
+        self._update_metrics()
 
     def after_prefill(self, seq: Sequence, n: int) -> None:
         """``seq`` just prefilled ``n`` more tokens: keep its state at the prompt's end and
@@ -85,9 +85,9 @@ class EnginePrefixCache:
     def _insert(self, tokens: list[int], state: State, publish: bool = True) -> None:
         if self.cache.insert(tokens, state, state.nbytes) and publish and self.publish:
             self.publish(tokens, state)
-        self._publish()
+        self._update_metrics()
 
-    def _publish(self) -> None:
+    def _update_metrics(self) -> None:
         stats = self.cache.stats
         if stats.evictions > self._evictions:
             metrics.PREFIX_EVICTIONS.inc(stats.evictions - self._evictions)

@@ -150,7 +150,3 @@ class PrefixCache(Generic[S]):
         while node.parent is not None and node.state is None and not node.children:
             del node.parent.children[node.edge[0]]
             node = node.parent
-
-    def clear(self) -> None:
-        for node in list(self.lru):
-            self.drop(node)
