@@ -50,7 +50,9 @@ StopString = Annotated[str, Field(min_length=1, max_length=256)]
 MAX_N = 16  # choices per prompt
 # Fields other servers implement that would change the output here (refused, not dropped).
 REFUSED = ("suffix", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-           "structured_outputs", "min_tokens", "use_beam_search", "functions")
+           "structured_outputs", "min_tokens", "use_beam_search", "functions",
+           "prompt_logprobs", "include_stop_str_in_output", "bad_words", "allowed_token_ids",
+           "truncate_prompt_tokens")
 MAX_PROMPTS = 32  # prompts in one batched /v1/completions request
 
 

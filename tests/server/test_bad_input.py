@@ -39,6 +39,7 @@ CASES: list[tuple[str, str, object, int]] = [
     ("too many prompts", C, {"prompt": ["a"] * 33}, 400),
     ("bool for a number", C, {"prompt": "a", "presence_penalty": False}, 400),
     ("suffix (not implemented)", C, {"prompt": "a", "suffix": "end"}, 400),
+    ("prompt_logprobs (not implemented)", C, {"prompt": "a", "prompt_logprobs": 1}, 400),
     ("guided_json (not implemented)", C, {"prompt": "a", "guided_json": {"type": "object"}},
      400),
     ("response_format json (not implemented)", "/v1/chat/completions",
