@@ -114,6 +114,29 @@ class LogitBias:
         return logits.float().index_put((self.rows, self.ids), self.values, accumulate=True)
 
 
+@dataclass(frozen=True)
+class TokenMask:
+    """Rows restricted to some tokens (structured outputs), as packed bits: ``bits
+    [B, ceil(V/32)]`` int32 has bit ``i % 32`` of word ``i // 32`` set where token i may come
+    next; an unconstrained row is all ones (-1). ``rows [k]``: the constrained rows."""
+
+    bits: torch.Tensor
+    rows: torch.Tensor
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        """The constrained rows' masks unpacked: ``[k, V]`` bool."""
+        packed = self.bits.index_select(0, self.rows)
+        shifts = torch.arange(32, dtype=torch.int32)
+        return ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """New logits ``[B, V]`` with every disallowed token of the masked rows at -inf."""
+        logits = logits.float()
+        allowed = self.allowed(logits.shape[-1])
+        masked = logits.index_select(0, self.rows).masked_fill(~allowed, float("-inf"))
+        return logits.index_copy(0, self.rows, masked)
+
+
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
                     bp: BatchParams) -> torch.Tensor:
     """OpenAI presence/frequency penalties on generated-token ``counts [B, V]``, and the CTRL
@@ -164,18 +187,22 @@ def sampling_probs(logits: torch.Tensor, bp: BatchParams) -> torch.Tensor:
 
 
 def _sample_native(logits: torch.Tensor, bp: BatchParams,
-                   generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """Temperature / min-p / greedy rows in one native pass per row (``sampling.cpp``). Each
-    sampled row draws one uniform from its own generator, as the eager path does."""
+                   generators: Sequence[torch.Generator], mask: TokenMask | None
+                   ) -> torch.Tensor:
+    """Temperature / min-p / greedy rows in one native pass per row (``sampling.cpp``), the
+    token mask read in the same pass. Each sampled row draws one uniform from its own
+    generator, as the eager path does."""
     u = torch.tensor([torch.rand(1, generator=g).item() if h else 0.0
                       for g, h in zip(generators, bp.hot, strict=True)])
-    return torch.ops.linserve.sample_rows(logits.float(), bp.temperature, bp.min_p, u)
+    return torch.ops.linserve.sample_rows(logits.float(), bp.temperature, bp.min_p, u,
+                                          None if mask is None else mask.bits)
 
 
 def sample(logits: torch.Tensor, bp: BatchParams, generators: Sequence[torch.Generator],
            counts: torch.Tensor | None = None, seen: torch.Tensor | None = None,
-           native: bool = True) -> torch.Tensor:
-    """Next token per row ``[B]`` (long). ``generators[i]`` serves row i only.
+           native: bool = True, mask: TokenMask | None = None) -> torch.Tensor:
+    """Next token per row ``[B]`` (long). ``generators[i]`` serves row i only; ``mask``
+    restricts some rows to allowed tokens (applied last, so no bias can lift it).
 
     Batches without top-k or top-p go through the native sampler when the kernels are
     loaded (``native=False`` forces this eager path, the reference); both draw from the same
@@ -186,7 +213,9 @@ def sample(logits: torch.Tensor, bp: BatchParams, generators: Sequence[torch.Gen
     if counts is not None and seen is not None:
         logits = apply_penalties(logits, counts, seen, bp)
     if native and not bp.needs_sort and kernels.available():
-        return _sample_native(logits, bp, generators)
+        return _sample_native(logits, bp, generators, mask)
+    if mask is not None:
+        logits = mask.apply(logits)
     tokens = logits.argmax(-1)
     hot = (bp.temperature > 0).nonzero().flatten()
     if hot.numel() == 0:

@@ -69,6 +69,10 @@ class Tokenizer:
     def save(self, path: str | Path) -> None:
         self._tok.save(str(path))
 
+    def to_json(self) -> str:
+        """The whole tokenizer as ``tokenizers`` JSON (what grammar engines load)."""
+        return str(self._tok.to_str())
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text).ids)
 

@@ -14,6 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from model.state import KVCache, State
 from model.tokenizer import Tokenizer
 from model.transformer import LanguageModel
 from server import metrics
+from server.grammar.engine_side import EngineGrammars, MaskResult
 from server.pool import SlotPool
 from server.prefix_cache.engine_side import EnginePrefixCache, Publish
 from server.replay import Replay, ReplayQueue
@@ -75,6 +77,7 @@ class Engine:
         self.beat = beat  # called once per iteration (the supervisor's heartbeat)
         self.prefix = (EnginePrefixCache(limits.prefix_cache_bytes, limits.prefix_cache_interval,
                                          publish) if limits.prefix_cache_bytes > 0 else None)
+        self.grammars = EngineGrammars(tokenizer, model.cfg.vocab_size)
         self.sinks: dict[str, Sink] = {}
         self._inflight = 0
         self._lock = threading.Lock()
@@ -157,6 +160,8 @@ class Engine:
             seq = Sequence(req, self.tok.detokenizer(), self._stop_ids(req))
             if req.fault == "submit":
                 raise RuntimeError("injected fault: submit")
+            if req.grammar is not None:
+                seq.matcher = self.grammars.matcher(req.grammar)
             if self.prefix is not None:
                 self.prefix.lookup(seq)
         except Exception as exc:
@@ -336,10 +341,11 @@ class Engine:
             return
         self.pool.reserve_step()
         tokens = torch.tensor([s.last_token for s in self.running])
+        masks = self.grammars.start([s.matcher for s in self.running])  # beside the step
         logits = self.model.step(tokens, self.pool.view())
         n = self.pool.n
         try:
-            self._sample(self.running, logits, self.pool.counts[:n], self.pool.seen[:n])
+            self._sample(self.running, logits, self.pool.counts[:n], self.pool.seen[:n], masks)
         except Exception:
             log.exception("batched sampling failed; sampling its rows one by one")
             self._sample_rows_alone(logits)
@@ -392,13 +398,18 @@ class Engine:
         return bp, use_pen
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, counts: torch.Tensor,
-                seen: torch.Tensor) -> int:
+                seen: torch.Tensor, masks: Future[MaskResult] | None = None) -> int:
         """Sample one token per row, record it on each sequence; returns row 0's token.
-        A row whose bookkeeping raises is failed alone."""
+        ``masks``: the rows' grammar masks, if already started. A row whose bookkeeping
+        raises is failed alone."""
         params = [s.params for s in seqs]
         bp, use_pen = self._batch_params(seqs)
+        mask, dead = (masks.result() if masks is not None
+                      else self.grammars.masks([s.matcher for s in seqs]))
+        for i in dead:
+            seqs[i].fail(f"the grammar allows no next token: {seqs[i].matcher.get_error()}")
         tokens = sample(logits, bp, [s.generator for s in seqs],
-                        counts if use_pen else None, seen if use_pen else None)
+                        counts if use_pen else None, seen if use_pen else None, mask=mask)
         n_lp = max((p.logprobs or 0) for p in params)
         entries: list[TokenLogprob | None] = [None] * len(seqs)
         if any(p.logprobs is not None for p in params):
@@ -409,6 +420,8 @@ class Engine:
         if use_pen and seqs is self.running:  # only penalised rows read the counts
             self.pool.record(tokens)
         for seq, tok, entry in zip(seqs, tokens.tolist(), entries, strict=True):
+            if seq.finish_reason == "error":
+                continue
             try:
                 seq.add_token(tok, entry)
             except Exception as exc:

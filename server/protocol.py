@@ -15,11 +15,13 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     field_validator,
     model_validator,
 )
 
 from model.sampling import SamplingParams
+from server.grammar.spec import GrammarSpec, from_request
 
 
 # Token ids: non-negative integers (never bools or strings); the OpenAPI document gets the
@@ -49,10 +51,10 @@ TokenId = Annotated[int, BeforeValidator(_json_integer),
 StopString = Annotated[str, Field(min_length=1, max_length=256)]
 MAX_N = 16  # choices per prompt
 # Fields other servers implement that would change the output here (refused, not dropped).
-REFUSED = ("suffix", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-           "structured_outputs", "min_tokens", "use_beam_search", "functions",
-           "prompt_logprobs", "include_stop_str_in_output", "bad_words", "allowed_token_ids",
+REFUSED = ("suffix", "min_tokens", "use_beam_search", "functions", "prompt_logprobs",
+           "include_stop_str_in_output", "bad_words", "allowed_token_ids",
            "truncate_prompt_tokens")
+GrammarText = Annotated[str, Field(min_length=1, max_length=65_536)]
 MAX_PROMPTS = 32  # prompts in one batched /v1/completions request
 
 
@@ -63,7 +65,42 @@ class OpenAIBase(BaseModel):
 
 
 class StreamOptions(OpenAIBase):
-    include_usage: bool = False
+    include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(OpenAIBase):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(
+        None, alias="schema", description="the JSON Schema the reply must validate against "
+        "(absent: any JSON object)")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIBase):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(
+        None, description="for type json_schema (absent: any JSON object)")
+
+
+class StructuredOutputs(OpenAIBase):
+    """vLLM's ``structured_outputs``: exactly one of its constraint fields."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON Schema")
+    regex: GrammarText | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]],
+                      Field(min_length=1, max_length=256)] | None = None
+    grammar: GrammarText | None = Field(None, description="a Lark or GBNF grammar")
+    json_object: StrictBool | None = None
+    whitespace_pattern: GrammarText | None = None
 
 
 class SamplingFields(OpenAIBase):
@@ -82,8 +119,8 @@ class SamplingFields(OpenAIBase):
     seed: Annotated[Integer, Field(ge=0, le=2**53 - 1)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=8)] | None = None
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Integer = Field(1, ge=1, le=MAX_N, description="choices to sample; the prompt is "
                    "prefilled once and its state forked n ways")
@@ -94,6 +131,19 @@ class SamplingFields(OpenAIBase):
         "token, 100 all but forces it")
     user: str | None = Field(None, max_length=256)
     session_id: str | None = Field(None, max_length=128)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="vLLM: a JSON Schema the output must validate against")
+    guided_regex: GrammarText | None = Field(None, description="vLLM: a regex the whole "
+                                             "output must match")
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]],
+                             Field(min_length=1, max_length=256)] | None = Field(
+        None, description="vLLM: the output is exactly one of these strings")
+    guided_grammar: GrammarText | None = Field(None, description="vLLM: a Lark or GBNF "
+                                               "grammar the output must follow")
+    guided_whitespace_pattern: GrammarText | None = Field(
+        None, description="vLLM: the whitespace allowed between JSON items (default none)")
 
     @model_validator(mode="after")
     def _refuse_unimplemented(self) -> SamplingFields:
@@ -103,14 +153,24 @@ class SamplingFields(OpenAIBase):
         for name in REFUSED:
             if extra.get(name) not in (None, False, [], {}):
                 raise ValueError(f"{name} is not supported by this server")
-        fmt = extra.get("response_format")
-        if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-            raise ValueError(f"response_format {fmt.get('type')!r} is not supported yet (only "
-                             "'text'): structured outputs are not implemented")
+        if self.structured_outputs is not None and (self.structured_outputs.model_extra or {}
+                                                    ).get("structural_tag") is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported")
         choice = extra.get("tool_choice")
         if extra.get("tools") and (choice == "required" or isinstance(choice, dict)):
             raise ValueError("tools with a required or named tool_choice are not supported")
         return self
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The output constraint asked for, if any (raises ``GrammarError``: a 400)."""
+        fields: dict[str, Any] = {name: getattr(self, name) for name in (
+            "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+            "guided_whitespace_pattern")}
+        if self.structured_outputs is not None:
+            fields["structured_outputs"] = self.structured_outputs.model_dump(
+                by_alias=True, exclude_none=True)
+        fmt = self.response_format.model_dump(by_alias=True) if self.response_format else None
+        return from_request(fmt, fields)
 
     def requested_max_tokens(self) -> int | None:
         """``max_tokens``, or chat's newer ``max_completion_tokens`` when that is given."""
@@ -168,7 +228,7 @@ class CompletionRequest(SamplingFields):
             data = {k: v for k, v in data.items() if k != "prompt"}
         return data
     logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
-    echo: bool = False
+    echo: StrictBool = False
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: one entry per prompt of a batch."""
@@ -176,7 +236,7 @@ class CompletionRequest(SamplingFields):
         if isinstance(p, str) or not p or isinstance(p[0], int):
             return [p]
         return list(p)
-    return_tokens_as_token_ids: bool = False  # vLLM extension: logprob tokens as "token_id:N"
+    return_tokens_as_token_ids: StrictBool = False  # vLLM extension: logprob tokens as "token_id:N"
 
 
 class ChatMessage(OpenAIBase):
@@ -194,7 +254,7 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: Annotated[Integer, Field(ge=1)] | None = Field(
         None, json_schema_extra={"x-max-tokens": True},
         description="what current OpenAI SDKs send; wins over max_tokens")
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -49,6 +50,7 @@ class Sequence:
         self.snapshot: State | None = None  # state right after the prompt (session replays)
         self.solo = False  # prefill alone (a ragged batch holding it failed once)
         self.last_prompt_logp: torch.Tensor | None = None  # scores the next prompt chunk's 1st
+        self.matcher: Any = None  # structured outputs: the llguidance matcher of the output
 
     @property
     def prefill_only(self) -> bool:
@@ -91,11 +93,17 @@ class Sequence:
         self.last_token = token
         if logprob is not None:
             self.pending_logprobs.append(logprob)
+        if self.matcher is not None and not self.matcher.consume_token(token):
+            self.fail(f"the output left its grammar: {self.matcher.get_error()}")
+            return
         if token in self.stop_ids:
             self.finish_reason = "stop"
             return
         self.text += self.detok.add(token)
         if self._check_stop_strings():
+            return
+        if self.matcher is not None and self.matcher.is_stopped():
+            self.finish_reason = "stop"  # the grammar is complete: nothing more may follow
             return
         if len(self.generated) >= self.params.max_tokens:
             self.finish_reason = "length"

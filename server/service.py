@@ -21,8 +21,10 @@ from model.transformer import LanguageModel
 from server.client import EngineBackend, EngineUnavailable, RequestHandle
 from server.engine import Overloaded
 from server.errors import APIError
+from server.grammar.compiler import GrammarCompiler
+from server.grammar.spec import GrammarError, GrammarSpec
 from server.prefix_cache.remote import RemotePrefixes
-from server.protocol import new_id
+from server.protocol import SamplingFields, new_id
 from server.sessions import (
     Session,
     SessionStore,
@@ -53,6 +55,7 @@ class Prepared:
     prompt_logprobs: bool = False
     chat: bool = False
     fault: str | None = None
+    grammar: GrammarSpec | None = None
 
 
 def engine_error(out: Output) -> APIError:
@@ -77,6 +80,7 @@ class GenerationService:
         self._tasks: set[asyncio.Task[None]] = set()
         self.draining: Callable[[], bool] = lambda: False
         self.remote: RemotePrefixes | None = None  # prefix states shared through Redis
+        self._grammars: GrammarCompiler | None = None  # validates grammars before the engine
 
     # ---- validation --------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | list[str], param: str = "prompt"
@@ -112,6 +116,21 @@ class GenerationService:
             raise APIError(400, f"logit_bias token id {bad[0]} is outside the vocabulary "
                            f"[0, {self.cfg.vocab_size})", "logit_bias", "invalid_token")
 
+    async def grammar_of(self, body: SamplingFields) -> GrammarSpec | None:
+        """The request's output constraint, compiled once here (off the event loop; cached
+        by its text) so that an invalid schema or grammar is a 400 saying what is wrong,
+        before the engine sees it."""
+        try:
+            spec = body.grammar_spec()
+            if spec is None:
+                return None
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tok, self.cfg.vocab_size)
+            await asyncio.to_thread(self._grammars.template, spec)
+        except GrammarError as exc:
+            raise APIError(400, str(exc), exc.param, "invalid_grammar") from exc
+        return spec
+
     def _check_context(self, consumed: int, n_input: int, max_tokens: int) -> None:
         """The softmax baseline refuses to go past its maximum context."""
         if self.cfg.is_recurrent:
@@ -131,7 +150,7 @@ class GenerationService:
             self._check_stateless(prep)
             req = GenerationRequest(new_id("cmpl"), prep.prompt_ids, prep.params, prep.stop,
                                     prompt_logprobs=prep.prompt_logprobs, chat=prep.chat,
-                                    fault=prep.fault)
+                                    fault=prep.fault, grammar=prep.grammar)
             if self.remote is not None and not prep.prompt_logprobs:
                 hint = await self.remote.lookup(prep.prompt_ids, len(prep.prompt_ids) - 1)
                 if hint is not None:
@@ -180,7 +199,8 @@ class GenerationService:
                 req = GenerationRequest(
                     new_id("cmpl"), feed, replace(prep.params, seed=seed), prep.stop,
                     start_state=base, start_tokens=len(ids) - len(feed),
-                    prompt_logprobs=prep.prompt_logprobs, chat=prep.chat, fault=prep.fault)
+                    prompt_logprobs=prep.prompt_logprobs, chat=prep.chat, fault=prep.fault,
+                    grammar=prep.grammar)
                 handles.append(self._submit(req))
                 handles[-1].forked_from = cached
         except BaseException:
@@ -202,7 +222,7 @@ class GenerationService:
             req = GenerationRequest(new_id("cmpl"), input_ids, prep.params, prep.stop,
                                     start_state=sess.state, start_tokens=consumed,
                                     prompt_logprobs=prep.prompt_logprobs, want_state=True,
-                                    chat=prep.chat, fault=prep.fault)
+                                    chat=prep.chat, fault=prep.fault, grammar=prep.grammar)
             handle = self._submit(req)
         except BaseException:
             await self.store.release(sid, token)

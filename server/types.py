@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from model.sampling import SamplingParams
 from model.state import State
+from server.grammar.spec import GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False
     want_state: bool = False
     chat: bool = False  # the session keeps the reply as a chat transcript (server.transcript)
+    grammar: GrammarSpec | None = None  # structured outputs: what the output must match
     fault: str | None = None  # test-only fault injection point (settings.fault_injection)
     # A prefix state fetched from another replica (server.prefix_cache.remote): the state
     # after input_ids[:prefix_depth], as bytes across processes, decoded by the engine side.

@@ -7,7 +7,9 @@
 // the inverse-CDF walk. Top-k and top-p need a sort and stay in model/sampling.py.
 //
 // logits [B, V] fp32, temperature [B] fp32 (<= 0: greedy), min_p [B] fp32 (<= 0: off),
-// u [B] fp32 uniforms in [0, 1) from each row's own generator -> tokens [B] int64.
+// u [B] fp32 uniforms in [0, 1) from each row's own generator, and optionally allowed
+// [B, ceil(V/32)] int32 (structured outputs: bit i%32 of word i/32 set where token i may
+// come next; an unconstrained row is all ones) -> tokens [B] int64.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -66,8 +68,24 @@ int64_t draw_row(const float* l, int64_t v, float t, float min_p, float u, float
   return last;  // rounding left the target at the very top: the last kept token
 }
 
+// Whether a row's bitmask allows every token (no copy needed).
+bool all_allowed(const int32_t* bits, int64_t words) {
+  for (int64_t w = 0; w < words; ++w) {
+    if (bits[w] != -1) return false;
+  }
+  return true;
+}
+
+// The row with every token whose bit is clear set to -inf (into out, a scratch row).
+void mask_row(const float* l, int64_t v, const int32_t* bits, float* out) {
+  for (int64_t i = 0; i < v; ++i) {
+    out[i] = (static_cast<uint32_t>(bits[i >> 5]) >> (i & 31)) & 1u ? l[i] : -INFINITY;
+  }
+}
+
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
-                       const at::Tensor& min_p, const at::Tensor& u) {
+                       const at::Tensor& min_p, const at::Tensor& u,
+                       const c10::optional<at::Tensor>& allowed) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "logits: [B, V] fp32");
   const at::Tensor l = logits.contiguous();
   const at::Tensor t = temperature.to(at::kFloat).contiguous();
@@ -82,10 +100,24 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
   const float* mpp = mp.data_ptr<float>();
   const float* up = uu.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
+  at::Tensor bits;
+  const int64_t words = (v + 31) / 32;
+  if (allowed.has_value()) {
+    bits = allowed->contiguous();
+    TORCH_CHECK(bits.scalar_type() == at::kInt && bits.dim() == 2 && bits.size(0) == rows &&
+                    bits.size(1) == words, "allowed: [B, ceil(V/32)] int32");
+  }
+  const int32_t* bp = bits.defined() ? bits.data_ptr<int32_t>() : nullptr;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w(v);
+    std::vector<float> masked;
     for (int64_t b = begin; b < end; ++b) {
       const float* row = lp + b * v;
+      if (bp != nullptr && !all_allowed(bp + b * words, words)) {
+        masked.resize(v);
+        mask_row(row, v, bp + b * words, masked.data());
+        row = masked.data();
+      }
       op[b] = tp[b] > 0.f ? draw_row(row, v, tp[b], mpp[b], up[b], w.data())
                           : argmax_row(row, v);
     }
@@ -96,7 +128,8 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
-  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor min_p, Tensor u) -> Tensor");
+  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor min_p, Tensor u, "
+        "Tensor? allowed=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("sample_rows", &sample_rows); }

@@ -22,6 +22,7 @@ from server.formatting import (
     sse,
     usage_of,
 )
+from server.grammar.spec import GrammarSpec
 from server.protocol import ChatRequest, CompletionRequest, now
 from server.routes.docs import ERRORS, SSE_RESPONSE
 from server.service import GenerationService, Prepared
@@ -41,7 +42,7 @@ def _service(request: Request) -> GenerationService:
 
 def _prepare(svc: GenerationService, body: CompletionRequest | ChatRequest, owner: str,
              prompt_ids: list[int], default_max: int, logprobs: int | None,
-             stop: tuple[str, ...]) -> Prepared:
+             stop: tuple[str, ...], grammar: GrammarSpec | None) -> Prepared:
     default_max = min(default_max, svc.settings.max_tokens_limit)
     max_tokens = svc.check_max_tokens(body.requested_max_tokens() or default_max)
     params = body.to_sampling_params(max_tokens, logprobs)
@@ -51,7 +52,7 @@ def _prepare(svc: GenerationService, body: CompletionRequest | ChatRequest, owne
     if svc.settings.fault_injection and body.model_extra:
         fault = body.model_extra.get("linserve_fault")
     return Prepared(prompt_ids, params, stop, owner, body.session_id, prompt_logprobs=echo_lp,
-                    chat=isinstance(body, ChatRequest), fault=fault)
+                    chat=isinstance(body, ChatRequest), fault=fault, grammar=grammar)
 
 
 @router.post("/v1/completions", responses={**ERRORS, 200: SSE_RESPONSE})
@@ -62,11 +63,12 @@ async def completions(body: CompletionRequest, request: Request, owner: Owner) -
     k = max(body.n, body.best_of or body.n)  # samples per prompt (best_of keeps the top n)
     run_lp = body.logprobs if body.logprobs is not None or k == body.n else 0
     all_ids = [svc.tokenize_prompt(p) for p in body.prompts()]
+    grammar = await svc.grammar_of(body)
     handles: list[RequestHandle] = []
     try:
         for ids in all_ids:
             prep = _prepare(svc, body, owner, ids, DEFAULT_COMPLETION_TOKENS, run_lp,
-                            body.stop_list())
+                            body.stop_list(), grammar)
             handles += await svc.start_choices(prep, k)
     except BaseException:
         for handle in handles:
@@ -189,7 +191,7 @@ async def chat_completions(body: ChatRequest, request: Request, owner: Owner) ->
     prompt_ids = svc.tokenize_prompt(render_chat(body.messages), "messages")
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     prep = _prepare(svc, body, owner, prompt_ids, DEFAULT_CHAT_TOKENS, n_lp,
-                    body.stop_list() + CHAT_STOP)
+                    body.stop_list() + CHAT_STOP, await svc.grammar_of(body))
     handles = await svc.start_choices(prep, body.n)
     base = {"id": handles[0].req.request_id.replace("cmpl", "chatcmpl", 1), "created": now(),
             "model": request.app.state.model_name}

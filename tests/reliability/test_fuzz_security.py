@@ -35,7 +35,8 @@ def test_schemathesis_default_checks(linear_weights: Path) -> None:
         proc = subprocess.run(
             [exe, "run", f"{srv.url}/openapi.json", "--max-time", str(seconds), "--seed", "7",
              "-n", "40", "--no-color"], cwd=ROOT, capture_output=True, text=True,
-            timeout=seconds + 240)
+            timeout=seconds + 240, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                        "SCHEMATHESIS_HOOKS": "tests.reliability.st_hooks"})
         tail = proc.stdout[-3000:]
         assert proc.returncode == 0, tail
         assert "Traceback" not in srv.logs()

@@ -1,0 +1,141 @@
+"""``python -m bench.grammar``: what structured outputs cost.
+
+1. **Compilation**: each grammar compiled cold (first use of its text) and cached (a template
+   hit plus the per-request ``deep_copy``), in the same process.
+2. **The decode step with constrained rows**: the engine (real weights, fused step, the
+   server's default thread count) running a batch of 64 long requests, with 0 or 32 of them
+   constrained to a JSON schema (an open array of character objects, so rows stay inside the
+   grammar and mix keys, enums, integers and strings). The time of one full engine iteration
+   (model step, masks, sampling, matcher updates), alternated over rounds; medians.
+
+Writes ``bench/results/grammar.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import machine, print_table, write_json
+from model.sampling import SamplingParams
+from server.engine import Engine, EngineLimits
+from server.grammar.compiler import GrammarCompiler
+from server.grammar.spec import GrammarSpec
+from server.loading import load_engine_model, warm_up
+from server.settings import Settings
+from server.types import GenerationRequest
+
+CHARACTER = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 30},
+    "age": {"type": "integer", "minimum": 1, "maximum": 120},
+    "role": {"enum": ["king", "queen", "fool", "ghost", "soldier"]},
+    "alive": {"type": "boolean"},
+    "lines": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 2}},
+    "required": ["name", "age", "role", "alive", "lines"], "additionalProperties": False}
+CAST = {"type": "object", "properties": {"cast": {"type": "array", "items": CHARACTER}},
+        "required": ["cast"], "additionalProperties": False}
+
+
+def nested_schema(width: int) -> dict[str, Any]:
+    """A larger schema: ``width`` properties of every kind, two levels deep."""
+    kinds = [{"type": "string", "maxLength": 40}, {"type": "integer"}, {"type": "number"},
+             {"type": "boolean"}, {"enum": ["a", "b", "c"]},
+             {"type": "array", "items": {"type": "string"}}]
+    inner = {f"f{i}": kinds[i % len(kinds)] for i in range(width)}
+    obj = {"type": "object", "properties": inner, "required": list(inner)}
+    return {"type": "object", "properties": {f"g{i}": obj for i in range(width // 4)}}
+
+
+def grammars(tag: str) -> dict[str, GrammarSpec]:
+    """One spec of each kind; ``tag`` makes the texts new (a cold compile each round)."""
+    return {
+        "json_schema (character)": GrammarSpec(
+            "json_schema", json.dumps({**CHARACTER, "title": tag}), "b"),
+        "json_schema (48 fields, nested)": GrammarSpec(
+            "json_schema", json.dumps({**nested_schema(48), "title": tag}), "b"),
+        "json_object": GrammarSpec("json_object", json.dumps({"type": "object", "title": tag}),
+                                   "b"),
+        "regex (date)": GrammarSpec("regex", f"(?:{tag})?[0-9]{{4}}-[0-9]{{2}}-[0-9]{{2}}", "b"),
+        "choice (3)": GrammarSpec("choice", json.dumps(["ay", "nay", tag]), "b"),
+        "lark (arithmetic)": GrammarSpec("grammar", 'start: expr\nexpr: term (("+"|"-") term)*'
+                                         f'\nterm: NUMBER | "(" expr ")" | "{tag}"\n'
+                                         '%import common.NUMBER', "b"),
+    }
+
+
+def compile_times(compiler: GrammarCompiler, rounds: int) -> list[dict[str, Any]]:
+    cold: dict[str, list[float]] = {}
+    cached: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for name, spec in grammars(f"round{r}").items():
+            t0 = time.perf_counter()
+            compiler.matcher(spec)
+            cold.setdefault(name, []).append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            compiler.matcher(spec)
+            cached.setdefault(name, []).append(time.perf_counter() - t0)
+    return [{"grammar": name, "cold_ms": statistics.median(cold[name]) * 1e3,
+             "cached_ms": statistics.median(cached[name]) * 1e3} for name in cold]
+
+
+def start_batch(engine: Engine, batch: int, constrained: int, prompt: list[int]) -> None:
+    spec = GrammarSpec("json_schema", json.dumps(CAST), "b")
+    for i in range(batch):
+        params = SamplingParams(temperature=0.8, max_tokens=100_000, seed=i, ignore_eos=True)
+        req = GenerationRequest(f"r{i}", prompt, params,
+                                grammar=spec if i < constrained else None)
+        engine.submit(req, lambda _: None)
+    while len(engine.running) < batch:
+        engine.iterate()
+
+
+def step_ms(model: Any, tok: Any, batch: int, constrained: int, steps: int) -> list[float]:
+    engine = Engine(model, tok, EngineLimits(max_running=batch), deliver=lambda _: None)
+    start_batch(engine, batch, constrained, tok.encode("The cast of the play, as JSON:\n"))
+    for _ in range(20):  # past the grammar's first tokens
+        engine.iterate()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.iterate()
+        times.append((time.perf_counter() - t0) * 1e3)
+    engine.finish_all()
+    engine.iterate()
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", type=Path, default=Path("weights/linear"))
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--output", default="grammar")
+    args = p.parse_args(argv)
+    model, tok = load_engine_model(Settings.model_validate({"weights": args.weights}))
+    warm_up(model)
+    compiles = compile_times(GrammarCompiler(tok, model.cfg.vocab_size), args.rounds)
+    print_table(compiles, ["grammar", "cold_ms", "cached_ms"])
+    half = args.batch // 2
+    runs: dict[int, list[float]] = {0: [], half: []}
+    for _ in range(args.rounds):
+        for k in runs:
+            runs[k].append(statistics.median(step_ms(model, tok, args.batch, k, args.steps)))
+    rows = [{"batch": args.batch, "constrained_rows": k, "step_ms": statistics.median(v),
+             "ratio": statistics.median(v) / statistics.median(runs[0])}
+            for k, v in runs.items()]
+    print_table(rows, ["batch", "constrained_rows", "step_ms", "ratio"])
+    print(write_json(args.output, {"machine": machine(), "torch_threads":
+                                   torch.get_num_threads(), "compile": compiles,
+                                   "step": rows, "rounds": runs}))
+
+
+if __name__ == "__main__":
+    main()

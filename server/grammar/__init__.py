@@ -1,0 +1,1 @@
+"""Structured outputs: grammars from request fields, their compiled cache, and token masks."""

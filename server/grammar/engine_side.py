@@ -1,0 +1,56 @@
+"""The engine's view of structured outputs: a matcher per constrained request, and the masks
+of a batch's constrained rows. Built on first use, so a server that never sees a grammar
+never loads the grammar engine's tokenizer.
+
+The masks of a decode step depend only on the tokens already accepted, so the engine starts
+computing them (:meth:`EngineGrammars.start`, on a worker thread; llguidance runs outside
+the GIL) before the model step and collects them after it: on a machine with a core to
+spare for it, the masks cost the step almost nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from llguidance import LLMatcher
+
+from model.sampling import TokenMask
+from model.tokenizer import Tokenizer
+from server.grammar.compiler import GrammarCompiler
+from server.grammar.masks import MaskBuilder
+from server.grammar.spec import GrammarSpec
+
+MaskResult = tuple[TokenMask | None, list[int]]  # the batch's mask, and its dead-end rows
+
+
+class EngineGrammars:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._compiler: GrammarCompiler | None = None
+        self._masks: MaskBuilder | None = None
+        self._worker: ThreadPoolExecutor | None = None
+
+    def matcher(self, spec: GrammarSpec) -> LLMatcher:
+        """A fresh matcher for one request's output (raises ``GrammarError``)."""
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size)
+        return self._compiler.matcher(spec)
+
+    def masks(self, matchers: Sequence[LLMatcher | None]) -> MaskResult:
+        """The batch's mask (None when no row is constrained) and its dead-end rows."""
+        if all(m is None for m in matchers):
+            return None, []
+        if self._masks is None:
+            self._masks = MaskBuilder(self._vocab_size)
+        return self._masks.build(matchers)
+
+    def start(self, matchers: Sequence[LLMatcher | None]
+              ) -> Future[MaskResult] | None:
+        """:meth:`masks` on the worker thread (None when no row is constrained). The matchers
+        must not advance until the result is taken."""
+        if all(m is None for m in matchers):
+            return None
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._worker.submit(self.masks, list(matchers))

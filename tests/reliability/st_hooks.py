@@ -1,0 +1,63 @@
+"""Schemathesis hooks (loaded through ``SCHEMATHESIS_HOOKS``) for the one rule an OpenAPI
+document cannot state: a grammar, regex or JSON Schema must also be *valid* (and a request
+carries at most one). The fuzzer's strings are kept when they compile and dropped when they
+do not, so "schema-valid request rejected" stays a strict check on every other field; the
+400s for invalid grammars are tested in ``tests/server/test_structured_outputs.py``."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import schemathesis
+from pydantic import ValidationError
+
+from bench.serverproc import ROOT
+from model.tokenizer import Tokenizer
+from server.grammar.compiler import GrammarCompiler
+from server.grammar.spec import GrammarError
+from server.protocol import CompletionRequest
+
+CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+               "guided_choice", "guided_grammar")
+
+
+@cache
+def compiler() -> GrammarCompiler:
+    tok = Tokenizer.from_file(ROOT / "weights" / "tokenizer.json")
+    return GrammarCompiler(tok, tok.vocab_size)
+
+
+def compiles(field: str, value: Any, whitespace: Any) -> bool | None:
+    """True: a valid constraint; False: schema-valid but it does not compile; None: not a
+    constraint (or schema-invalid, which the request's own validation answers)."""
+    body = {"prompt": "x", field: value, "guided_whitespace_pattern": whitespace}
+    try:
+        spec = CompletionRequest.model_validate(body).grammar_spec()
+        if spec is None:
+            return None
+        compiler().template(spec)
+    except ValidationError:
+        return None
+    except GrammarError:
+        return False
+    return True
+
+
+@schemathesis.hook
+def map_case(context: Any, case: Any) -> Any:
+    """Applied in every phase (the coverage phase skips body-level hooks)."""
+    if isinstance(case.body, dict):
+        keep_valid_constraints(case.body)
+    return case
+
+
+def keep_valid_constraints(body: dict[str, Any]) -> None:
+    kept = False
+    for field in CONSTRAINTS:
+        if body.get(field) is None:
+            continue
+        ok = compiles(field, body[field], body.get("guided_whitespace_pattern"))
+        if ok is False or (ok and kept):
+            del body[field]
+        kept = kept or bool(ok)
