@@ -50,6 +50,7 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(f"invalid {WHAT[spec.kind]}: {matcher.get_error().strip()}",
                                spec.param)
+        matcher.compute_bitmask()  # builds the lexer's first states, which copies share
         with self._lock:
             self.compile_seconds += time.perf_counter() - t0
             self.misses += 1
