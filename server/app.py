@@ -21,6 +21,7 @@ from server.engine_process import ProcessEngineClient
 from server.errors import error_body, install_error_handlers
 from server.loading import load_engine_model, warm_up
 from server.openapi import install_openapi
+from server.playground.routes import install_playground
 from server.prefix_cache.remote import RemotePrefixes
 from server.routes import completions, misc, sessions
 from server.service import GenerationService
@@ -119,12 +120,14 @@ def create_app(settings: Settings) -> FastAPI:
         yield
         await shutdown(app)
 
-    app = FastAPI(title="linserve", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="linserve", version="0.1.0", lifespan=lifespan, docs_url=None,
+                  redoc_url=None,
                   description="OpenAI-compatible server for linear-attention language models "
                               "with constant-size sessions.")
     install_error_handlers(app)
     for router in (completions.router, sessions.router, misc.router):
         app.include_router(router)
+    install_playground(app)
     origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
     if origins:  # closed by default: no CORS headers at all
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
