@@ -164,6 +164,7 @@ def top_p_mask(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     sorted_p, idx = probs.sort(dim=-1, descending=True)
     before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
     drop_sorted = before >= p[:, None]
+    drop_sorted[:, 0] = False  # even when p rounds to 0 in fp32 (a JSON 1e-323)
     return torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
 
 

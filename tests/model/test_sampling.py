@@ -61,6 +61,8 @@ def test_top_p_mask_keeps_smallest_covering_set() -> None:
     assert top_p_mask(probs, torch.tensor([0.8])).tolist() == [[False, False, True, True]]
     assert top_p_mask(probs, torch.tensor([0.81])).tolist() == [[False, False, False, True]]
     assert top_p_mask(probs, torch.tensor([0.01])).tolist() == [[False, True, True, True]]
+    # a top_p that underflows to 0 in fp32 (a JSON 1e-323) still keeps the top token
+    assert top_p_mask(probs, torch.tensor([1e-323])).tolist() == [[False, True, True, True]]
 
 
 def test_min_p_mask() -> None:
