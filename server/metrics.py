@@ -40,6 +40,10 @@ PREFIX_BYTES = Gauge("linserve_prefix_cache_bytes", "Bytes of state held by the 
 PREFIX_ENTRIES = Gauge("linserve_prefix_cache_entries", "States held by the prefix cache")
 PREFIX_REMOTE_HITS = Counter("linserve_prefix_cache_remote_hits", "Prompt tokens served from "
                              "a prefix state another replica published to Redis")
+PREFIX_REMOTE_FETCHES = Counter("linserve_prefix_cache_remote_fetches", "Prefix states read "
+                                "from Redis (published by another replica)")
+PREFIX_REMOTE_FETCH_BYTES = Counter("linserve_prefix_cache_remote_fetch_bytes", "Bytes of the "
+                                    "prefix states read from Redis")
 PREFIX_REMOTE_ERRORS = Counter("linserve_prefix_cache_remote_errors", "Redis calls of the "
                                "prefix cache that failed or timed out (requests went on)")
 PREFIX_EVICTIONS = Counter("linserve_prefix_cache_evictions", "Prefix-cache entries evicted "

@@ -103,6 +103,8 @@ class RemotePrefixes:
                 return None  # ours: the local engine holds it (or something as deep)
             blob: Any = await self.redis.get(f"{self.prefix}pfx:{h}")
             if blob is not None:
+                metrics.PREFIX_REMOTE_FETCHES.inc()
+                metrics.PREFIX_REMOTE_FETCH_BYTES.inc(len(blob))
                 return depth, bytes(blob)
         return None
 
