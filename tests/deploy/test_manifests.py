@@ -163,3 +163,12 @@ def test_dashboard_loads_and_queries_real_metrics() -> None:
         for target in panel["targets"]:
             for name in re.findall(r"\b(linserve_[a-z_]+)", target["expr"]):
                 assert name in known, f"{panel['title']}: {name} is not exported"
+
+
+def test_ingress_controller_uses_the_same_affinity_map() -> None:
+    values = yaml.safe_load((K8S / "ingress-nginx" / "ingress-nginx-values.yaml").read_text())
+    snippet = values["controller"]["config"]["http-snippet"]
+    assert snippet == (ROOT / "deploy" / "nginx" / "affinity-map.conf").read_text()
+    (ingress,) = by_kind("Ingress")
+    key = ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"]
+    assert 'map "$http_x_session_id|' in snippet and key.strip("$") in snippet
