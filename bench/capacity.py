@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import shutil
 import subprocess
@@ -80,15 +81,18 @@ def replica_throughput(weights: Path, turns: int, reply: int) -> dict[str, Any]:
         history = max(r["prompt_tokens"] for r in rows)
         ids = [(i * 7919) % 8000 + 100 for i in range(history)]
         info = httpx.post(srv.url + "/v1/sessions", json={"prompt": ids}, timeout=300).json()
+    cfg = json.loads((weights / "config.json").read_text())
     return {"model": weights.name, "output_tokens_per_s": sum(r["output_tokens"] for r in rows)
-            / wall, "history_tokens": history, "state_bytes": info["state_bytes"]}
+            / wall, "history_tokens": history, "state_bytes": info["state_bytes"],
+            "kv_bytes_per_token": 2 * cfg["n_layers"] * cfg["d_model"] * 4}
 
 
 def state_bytes(model: dict[str, Any], history: int) -> float:
-    """A conversation's state after ``history`` tokens: constant (linear), or the measured
-    KV bytes scaled by length (softmax)."""
+    """A conversation's state after ``history`` tokens: constant (linear), or keys and values
+    of every token (softmax: 2 · layers · d_model fp32 values a token; the live cache holds
+    up to twice that, as it grows by doubling)."""
     if model["model"] == "softmax":
-        return model["state_bytes"] * history / model["history_tokens"]
+        return float(model["kv_bytes_per_token"] * history)
     return float(model["state_bytes"])
 
 
