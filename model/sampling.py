@@ -187,6 +187,19 @@ def sampling_probs(logits: torch.Tensor, bp: BatchParams) -> torch.Tensor:
     return probs.masked_fill(drop, 0.0)
 
 
+def _grammar_over_bias(logits: torch.Tensor, raw: torch.Tensor, mask: TokenMask
+                       ) -> torch.Tensor:
+    """A constrained row whose ``logit_bias`` bans every token its grammar allows draws from
+    the grammar alone (its raw logits): the mask is a hard constraint, a bias is not."""
+    allowed = mask.allowed(logits.shape[-1])
+    masked = logits.index_select(0, mask.rows).masked_fill(~allowed, float("-inf"))
+    dead = ~torch.isfinite(masked).any(-1)
+    if not bool(dead.any()):
+        return logits
+    rows = mask.rows[dead]
+    return logits.index_copy(0, rows, raw.float().index_select(0, rows))
+
+
 def _sample_native(logits: torch.Tensor, bp: BatchParams,
                    generators: Sequence[torch.Generator], mask: TokenMask | None
                    ) -> torch.Tensor:
@@ -209,10 +222,13 @@ def sample(logits: torch.Tensor, bp: BatchParams, generators: Sequence[torch.Gen
     loaded (``native=False`` forces this eager path, the reference); both draw from the same
     distribution with the same per-row uniform.
     """
+    raw = logits
     if bp.bias is not None:
         logits = bp.bias.apply(logits)
     if counts is not None and seen is not None:
         logits = apply_penalties(logits, counts, seen, bp)
+    if mask is not None and bp.bias is not None:
+        logits = _grammar_over_bias(logits, raw, mask)
     if native and not bp.needs_sort and kernels.available():
         return _sample_native(logits, bp, generators, mask)
     if mask is not None:

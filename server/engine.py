@@ -407,7 +407,8 @@ class Engine:
         mask, dead = (masks.result() if masks is not None
                       else self.grammars.masks([s.matcher for s in seqs]))
         for i in dead:
-            seqs[i].fail(f"the grammar allows no next token: {seqs[i].matcher.get_error()}")
+            reason = (seqs[i].matcher.get_error() or "").strip().splitlines()[:1]
+            seqs[i].fail(f"the grammar allows no next token: {' '.join(reason)}")
         tokens = sample(logits, bp, [s.generator for s in seqs],
                         counts if use_pen else None, seen if use_pen else None, mask=mask)
         n_lp = max((p.logprobs or 0) for p in params)

@@ -94,7 +94,8 @@ class Sequence:
         if logprob is not None:
             self.pending_logprobs.append(logprob)
         if self.matcher is not None and not self.matcher.consume_token(token):
-            self.fail(f"the output left its grammar: {self.matcher.get_error()}")
+            reason = (self.matcher.get_error() or "").strip().splitlines()[:1]
+            self.fail(f"the output left its grammar: {' '.join(reason)}")
             return
         if token in self.stop_ids:
             self.finish_reason = "stop"

@@ -108,6 +108,25 @@ def test_mask_lets_only_allowed_tokens_through(native: bool) -> None:
         assert int(out[0]) == 5 or int(out[2]) == 5
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_bias_that_bans_every_allowed_token_yields_to_the_grammar(native: bool) -> None:
+    logits = torch.randn(2, 64)
+    bits = torch.full((2, 2), -1, dtype=torch.int32)
+    bits[0] = torch.tensor([(1 << 4) | (1 << 9), 0], dtype=torch.int32)
+    mask = TokenMask(bits, torch.tensor([0]))
+    params = [SamplingParams(temperature=t, top_p=p, logit_bias=((4, -100.0), (9, -100.0)))
+              for t, p in ((1.0, 1.0), (0.0, 1.0))]
+    for top_p in (1.0, 0.5):
+        params[0] = SamplingParams(temperature=1.0, top_p=top_p,
+                                   logit_bias=((4, -100.0), (9, -100.0)))
+        bp = BatchParams.from_params(params)
+        for seed in range(10):
+            out = sample(logits, bp, [make_generator(seed), make_generator(0)], native=native,
+                         mask=mask)
+            assert int(out[0]) in (4, 9)
+            assert int(out[1]) not in (4, 9)  # the unconstrained row keeps its ban
+
+
 def test_mask_builder_marks_dead_ends(compiler: GrammarCompiler, tok: Tokenizer) -> None:
     done = compiler.matcher(GrammarSpec("choice", '["yes"]', "guided_choice"))
     for t in tok.encode("yes"):
