@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server import metrics
 from server.auth import Owner
@@ -63,17 +63,7 @@ async def completions(body: CompletionRequest, request: Request, owner: Owner) -
     k = max(body.n, body.best_of or body.n)  # samples per prompt (best_of keeps the top n)
     run_lp = body.logprobs if body.logprobs is not None or k == body.n else 0
     all_ids = [svc.tokenize_prompt(p) for p in body.prompts()]
-    grammar = await svc.grammar_of(body)
-    handles: list[RequestHandle] = []
-    try:
-        for ids in all_ids:
-            prep = _prepare(svc, body, owner, ids, DEFAULT_COMPLETION_TOKENS, run_lp,
-                            body.stop_list(), grammar)
-            handles += await svc.start_choices(prep, k)
-    except BaseException:
-        for handle in handles:
-            handle.cancel()
-        raise
+    handles = await _start_all(svc, body, owner, all_ids, k, run_lp)
     prompt_of = [i for i, _ in enumerate(all_ids) for _ in range(k)]
     echoes = [svc.tok.decode(ids) if body.echo else "" for ids in all_ids]
     lps = [CompletionLogprobs(svc.tok, as_ids=body.return_tokens_as_token_ids)
@@ -101,14 +91,7 @@ async def completions(body: CompletionRequest, request: Request, owner: Owner) -
         kept = best_of(outs, k, body.n)
         choices = [choice(j, outs[i], echoes[prompt_of[i]] + outs[i].text, whole=True)
                    for j, i in enumerate(kept)]
-        if not body.stream:
-            return JSONResponse({**base, "choices": choices, "usage": usage(outs)})
-        tail = [{**base, "choices": [], "usage": usage(outs)}] if body.stream_options and \
-            body.stream_options.include_usage else []
-        frames = [sse({**base, "choices": [c], "usage": None}) for c in choices]
-        frames += [sse(t) for t in tail] + [SSE_DONE]
-        return StreamingResponse(iter(frames), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return _whole(body, base, choices, usage(outs))
     if not body.stream:
         outs = await asyncio.gather(*(_collect(svc, h, request) for h in handles))
         return JSONResponse({**base, "choices": [
@@ -130,6 +113,37 @@ async def completions(body: CompletionRequest, request: Request, owner: Owner) -
         def usage_chunk(outs: list[Output]) -> dict[str, Any]:
             return {**base, "choices": [], "usage": usage(outs)}
     return _stream(handles, render, usage_chunk, request)
+
+
+def _whole(body: CompletionRequest, base: dict[str, Any], choices: list[dict[str, Any]],
+           usage: dict[str, Any]) -> Response:
+    """A finished result (``best_of``): one JSON body, or for a stream one chunk per choice,
+    the usage chunk if asked, and ``[DONE]``."""
+    if not body.stream:
+        return JSONResponse({**base, "choices": choices, "usage": usage})
+    frames = [sse({**base, "choices": [c], "usage": None}) for c in choices]
+    if body.stream_options and body.stream_options.include_usage:
+        frames.append(sse({**base, "choices": [], "usage": usage}))
+    frames.append(SSE_DONE)
+    return StreamingResponse(iter(frames), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _start_all(svc: GenerationService, body: CompletionRequest, owner: str,
+                     all_ids: list[list[int]], k: int, logprobs: int | None
+                     ) -> list[RequestHandle]:
+    """``k`` samples of every prompt, in choice order; all cancelled if one cannot start."""
+    grammar = await svc.grammar_of(body)
+    handles: list[RequestHandle] = []
+    try:
+        for ids in all_ids:
+            prep = _prepare(svc, body, owner, ids, DEFAULT_COMPLETION_TOKENS, logprobs,
+                            body.stop_list(), grammar)
+            handles += await svc.start_choices(prep, k)
+    except BaseException:
+        for handle in handles:
+            handle.cancel()
+        raise
+    return handles
 
 
 def cached_of(handles: list[RequestHandle], outs: list[Output]) -> int:
