@@ -142,7 +142,8 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tens
     """OpenAI presence/frequency penalties on generated-token ``counts [B, V]``, and the CTRL
     repetition penalty on every ``seen [B, V]`` token (prompt or output). Returns new logits."""
     logits = logits - bp.frequency[:, None] * counts - bp.presence[:, None] * (counts > 0)
-    rep = bp.repetition[:, None]
+    # A penalty that underflows fp32 (a JSON 1e-300) would divide by zero: +inf, then NaN.
+    rep = bp.repetition.clamp(min=1e-6)[:, None]
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     return torch.where(seen, penalised, logits)
 

@@ -12,6 +12,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from server.protocol import REFUSED
+
 
 def id_pattern(n: int) -> str:
     """A regex of the decimal integers 0 … n-1, no leading zeros (token ids as JSON keys)."""
@@ -33,8 +35,16 @@ _JSON_SCHEMA_NAMES = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum"
                       "lt": "exclusiveMaximum"}
 
 
+# A refused field (server.protocol.REFUSED) is accepted only when empty.
+REFUSED_SCHEMA: dict[str, Any] = {
+    "enum": [None, False, [], {}],
+    "description": "not supported by this server: any other value is a 400 naming the field"}
+
+
 def _patch(node: Any, vocab_size: int, max_tokens: int) -> None:
     if isinstance(node, dict):
+        if node.pop("x-refused", False):
+            node.setdefault("properties", {}).update({n: REFUSED_SCHEMA for n in REFUSED})
         if node.get("type") in ("integer", "number"):
             for ours, theirs in _JSON_SCHEMA_NAMES.items():
                 if ours in node:

@@ -106,6 +106,10 @@ class StructuredOutputs(OpenAIBase):
 class SamplingFields(OpenAIBase):
     """Fields shared by completions and chat completions."""
 
+    # The refused fields are documented too (see server.openapi), so schema-based clients
+    # and fuzzers know that only an empty value of them is accepted.
+    model_config = ConfigDict(extra="allow", json_schema_extra={"x-refused": True})
+
     model: str | None = None
     max_tokens: Annotated[Integer, Field(ge=1)] | None = Field(
         None, json_schema_extra={"x-max-tokens": True})
@@ -144,6 +148,19 @@ class SamplingFields(OpenAIBase):
                                                "grammar the output must follow")
     guided_whitespace_pattern: GrammarText | None = Field(
         None, description="vLLM: the whitespace allowed between JSON items (default none)")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="accepted and ignored: this model has no tool calling")
+    tool_choice: Literal["none", "auto"] | None = Field(
+        None, description="'none' or 'auto' (the model answers in text); 'required' or a "
+        "named tool is a 400")
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        if value is not None and value not in ("none", "auto"):
+            raise ValueError("tool_choice 'required' or a named tool is not supported (this "
+                             "model has no tool calling; use 'auto' or 'none')")
+        return value
 
     @model_validator(mode="after")
     def _refuse_unimplemented(self) -> SamplingFields:
@@ -156,9 +173,6 @@ class SamplingFields(OpenAIBase):
         if self.structured_outputs is not None and (self.structured_outputs.model_extra or {}
                                                     ).get("structural_tag") is not None:
             raise ValueError("structured_outputs.structural_tag is not supported")
-        choice = extra.get("tool_choice")
-        if extra.get("tools") and (choice == "required" or isinstance(choice, dict)):
-            raise ValueError("tools with a required or named tool_choice are not supported")
         return self
 
     def grammar_spec(self) -> GrammarSpec | None:
@@ -206,7 +220,8 @@ class SamplingFields(OpenAIBase):
 
 
 class CompletionRequest(SamplingFields):
-    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["prompt"]})
+    model_config = ConfigDict(extra="allow",
+                              json_schema_extra={"required": ["prompt"], "x-refused": True})
 
     prompt: (Annotated[str, Field(min_length=1)]
              | Annotated[list[TokenId], Field(min_length=1)]

@@ -87,6 +87,9 @@ def test_penalties() -> None:
     # token 0: 2 - 0.5 - 0.5 = 1.0, then /2; token 1: -2 - 0.25 - 0.5 = -2.75, then *2
     # token 2: seen in prompt only: 1.0 / 2; token 3: untouched
     assert torch.allclose(out, torch.tensor([[0.5, -5.5, 0.5, 0.5]]))
+    # a repetition penalty that underflows to 0 in fp32 (a JSON 1e-300) stays finite
+    tiny = apply_penalties(logits, counts, seen, bp(SamplingParams(repetition_penalty=1e-300)))
+    assert torch.isfinite(tiny).all()
 
 
 @pytest.mark.parametrize("native", [False, True])

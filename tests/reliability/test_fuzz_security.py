@@ -50,7 +50,11 @@ def failure_summary(report: str) -> str:
     keep = re.compile(r"^(_+ \S+ \S+ _+|\d+\. Test Case ID|\s*- ST\d+|\s*\[\d{3}\]|\s*`)")
     start = report.find("=== FAILURES")
     lines = report[start:].splitlines() if start >= 0 else []
-    return "\n".join(line[:300] for line in lines if keep.match(line.strip()))
+    summary = [line[:300] for line in lines if keep.match(line.strip())]
+    errors = report.find("=== ERRORS")
+    if errors >= 0:
+        summary += [line[:300] for line in report[errors:].splitlines()[:40]]
+    return "\n".join(summary)
 
 
 def blob_metadata(blob: bytes) -> dict[str, str]:

@@ -127,6 +127,21 @@ def test_a_bias_that_bans_every_allowed_token_yields_to_the_grammar(native: bool
             assert int(out[1]) not in (4, 9)  # the unconstrained row keeps its ban
 
 
+def test_an_underflowing_repetition_penalty_keeps_the_mask() -> None:
+    """repetition_penalty 1e-300 is 0 in fp32: dividing a seen token's logit by it gave +inf,
+    then NaN probabilities in the top-k path, and a token outside the grammar."""
+    logits = torch.full((1, 64), 1.0)
+    bits = torch.tensor([[1 << 4, 0]], dtype=torch.int32)
+    seen = torch.ones(1, 64, dtype=torch.bool)
+    counts = torch.zeros(1, 64)
+    mask = TokenMask(bits, torch.tensor([0]))
+    bp = BatchParams.from_params([SamplingParams(temperature=1.0, top_k=5,
+                                                 repetition_penalty=1e-300)])
+    for seed in range(5):
+        out = sample(logits, bp, [make_generator(seed)], counts, seen, native=False, mask=mask)
+        assert int(out[0]) == 4
+
+
 def test_mask_builder_marks_dead_ends(compiler: GrammarCompiler, tok: Tokenizer) -> None:
     done = compiler.matcher(GrammarSpec("choice", '["yes"]', "guided_choice"))
     for t in tok.encode("yes"):
