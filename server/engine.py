@@ -93,6 +93,8 @@ class Engine:
             if self._inflight >= self.limits.max_running + self.limits.max_waiting:
                 raise Overloaded
             self._inflight += 1
+        if req.grammar is not None:
+            self.grammars.prepare(req.grammar)  # compiled here, not on the engine loop
         self.inbox.put(("submit", (req, sink)))
 
     def cancel(self, request_id: str, sent_tokens: int | None = None) -> None:

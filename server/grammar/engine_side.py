@@ -5,10 +5,16 @@ never loads the grammar engine's tokenizer.
 The masks of a decode step depend only on the tokens already accepted, so the engine starts
 computing them (:meth:`EngineGrammars.start`, on a worker thread; llguidance runs outside
 the GIL) before the model step and collects them after it: on a machine with a core to
-spare for it, the masks cost the step almost nothing."""
+spare for it, the masks cost the step almost nothing.
+
+A grammar new to the engine is compiled by :meth:`EngineGrammars.prepare` in the thread that
+submits the request (the engine process's command pump), so the loop itself only copies
+compiled templates and never stalls the batch for a compile."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -21,6 +27,7 @@ from server.grammar.masks import MaskBuilder
 from server.grammar.spec import GrammarSpec
 
 MaskResult = tuple[TokenMask | None, list[int]]  # the batch's mask, and its dead-end rows
+log = logging.getLogger("linserve.grammar")
 
 
 class EngineGrammars:
@@ -30,12 +37,25 @@ class EngineGrammars:
         self._compiler: GrammarCompiler | None = None
         self._masks: MaskBuilder | None = None
         self._worker: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _compiled(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size)
+            return self._compiler
+
+    def prepare(self, spec: GrammarSpec) -> None:
+        """Compile ``spec`` now, in the calling thread, if it is new. A failure is left for
+        :meth:`matcher` to report against its request."""
+        try:
+            self._compiled().template(spec)
+        except Exception as exc:
+            log.debug("grammar not prepared: %s", exc)
 
     def matcher(self, spec: GrammarSpec) -> LLMatcher:
         """A fresh matcher for one request's output (raises ``GrammarError``)."""
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size)
-        return self._compiler.matcher(spec)
+        return self._compiled().matcher(spec)
 
     def masks(self, matchers: Sequence[LLMatcher | None]) -> MaskResult:
         """The batch's mask (None when no row is constrained) and its dead-end rows."""
