@@ -1,0 +1,78 @@
+"""``python -m bench.token_budget``: the per-iteration token budget's trade-off.
+
+``--step-token-budget`` (vLLM's ``--max-num-batched-tokens``) caps the prompt tokens the
+engine prefills in one iteration, beside that iteration's decode step. A large budget feeds
+prompts fast (short TTFT) but makes every running stream wait for the whole prefill (long
+inter-token gaps); a small one keeps decode steady and queues prompts longer.
+
+For each budget, one linear server (``--prefill-chunk`` = min(budget, 512)) under
+``bench.loadtest`` with 1,000-token prompts and 256 output tokens, at 16 and 64 streaming
+clients (the concurrency sweep's workload, BENCHMARKS.md §4): output tokens/s, ITL p50 and
+p99, TTFT p50. Writes ``bench/results/token_budget.json`` and ``token_budget.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from bench import loadtest
+from bench.common import machine, print_table, save_figure, write_json
+from bench.serverproc import ServerProcess
+
+
+def run(weights: Path, budget: int, clients: int, args: argparse.Namespace) -> dict[str, Any]:
+    server_args = ["--max-running", "64", "--max-waiting", "256", "--step-token-budget",
+                   str(budget), "--prefill-chunk", str(min(budget, 512))]
+    with ServerProcess(weights, args=server_args) as srv:
+        rep = loadtest.main(["--url", srv.url, "--concurrency", str(clients), "--requests",
+                             str(2 * clients), "--prompt-tokens", str(args.prompt_tokens),
+                             "--max-tokens", str(args.max_tokens), "--ignore-eos",
+                             "--temperature", "0.8"])
+    return {"budget": budget, "clients": clients, "tokens_per_s": rep["output_tokens_per_s"],
+            "itl_p50_ms": rep["itl_ms"]["p50"], "itl_p99_ms": rep["itl_ms"]["p99"],
+            "ttft_p50_ms": rep["ttft_ms"]["p50"], "errors": rep["errors"]}
+
+
+def plot(rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = [("itl_p99_ms", "ITL p99 (ms)"), ("tokens_per_s", "output tokens/s"),
+              ("ttft_p50_ms", "TTFT p50 (ms)")]
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for clients in sorted({r["clients"] for r in rows}):
+            pts = [r for r in rows if r["clients"] == clients]
+            ax.plot([r["budget"] for r in pts], [r[key] for r in pts], "o-",
+                    label=f"{clients} clients")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens per iteration (--step-token-budget)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    save_figure(fig, "token_budget.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", type=Path, default=Path("weights/linear"))
+    p.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512, 1024])
+    p.add_argument("--clients", nargs="+", type=int, default=[16, 64])
+    p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--output", default="token_budget")
+    args = p.parse_args(argv)
+    rows = [run(args.weights, b, c, args) for c in args.clients for b in args.budgets]
+    print_table(rows, ["budget", "clients", "tokens_per_s", "itl_p50_ms", "itl_p99_ms",
+                       "ttft_p50_ms"])
+    plot(rows)
+    print(write_json(args.output, {"machine": machine(), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
