@@ -3,7 +3,8 @@
 A matcher (llguidance's ``LLMatcher``) follows one output token by token and says which
 tokens may come next. Building one parses the grammar and sets up its lexer (about 1 ms for
 a typical JSON schema, up to ~100 ms for a large grammar); the cache keeps one built matcher
-per grammar as a template, and every request gets a cheap ``deep_copy`` of it.
+per grammar as a template, and every request gets a cheap ``deep_copy`` of it. An invalid
+grammar is cached too, with its error, so resending it costs a lookup, not a compile.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class GrammarCompiler:
                                      eos_token=tokenizer.eos_id)
         self.vocab_size = vocab_size
         self.capacity = capacity
-        self._templates: OrderedDict[tuple[str, str, str | None], LLMatcher] = OrderedDict()
+        self._templates: OrderedDict[tuple[str, str, str | None],
+                                     LLMatcher | GrammarError] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -44,19 +46,28 @@ class GrammarCompiler:
             if found is not None:
                 self._templates.move_to_end(key)
                 self.hits += 1
-                return found
+        if found is None:
+            found = self._compile(spec)
+            with self._lock:
+                self.misses += 1
+                self._templates[key] = found
+                while len(self._templates) > self.capacity:
+                    self._templates.popitem(last=False)
+        if isinstance(found, GrammarError):
+            raise GrammarError(str(found), spec.param)
+        return found
+
+    def _compile(self, spec: GrammarSpec) -> LLMatcher | GrammarError:
         t0 = time.perf_counter()
-        matcher = LLMatcher(self.tokenizer, spec.grammar(), log_level=0)
+        try:
+            matcher = LLMatcher(self.tokenizer, spec.grammar(), log_level=0)
+        except GrammarError as exc:
+            return exc
         if matcher.is_error():
-            raise GrammarError(f"invalid {WHAT[spec.kind]}: {matcher.get_error().strip()}",
-                               spec.param)
+            return GrammarError(f"invalid {WHAT[spec.kind]}: {matcher.get_error().strip()}",
+                                spec.param)
         matcher.compute_bitmask()  # builds the lexer's first states, which copies share
-        with self._lock:
-            self.compile_seconds += time.perf_counter() - t0
-            self.misses += 1
-            self._templates[key] = matcher
-            while len(self._templates) > self.capacity:
-                self._templates.popitem(last=False)
+        self.compile_seconds += time.perf_counter() - t0
         return matcher
 
     def matcher(self, spec: GrammarSpec) -> LLMatcher:

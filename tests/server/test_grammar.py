@@ -88,6 +88,10 @@ def test_invalid_grammars_say_what_is_wrong(compiler: GrammarCompiler, spec: Gra
     with pytest.raises(GrammarError, match=message) as err:
         compiler.template(spec)
     assert err.value.param == spec.param
+    misses = compiler.misses
+    with pytest.raises(GrammarError, match=message):  # cached: no second compile
+        compiler.template(spec)
+    assert compiler.misses == misses
 
 
 @pytest.mark.parametrize("native", [True, False])
