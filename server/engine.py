@@ -25,7 +25,7 @@ from model.state import KVCache, State
 from model.tokenizer import Tokenizer
 from model.transformer import LanguageModel
 from server import metrics
-from server.grammar.engine_side import EngineGrammars, MaskResult
+from server.grammar.engine_side import EngineGrammars, MaskResult, matcher_error
 from server.pool import SlotPool
 from server.prefix_cache.engine_side import EnginePrefixCache, Publish
 from server.replay import Replay, ReplayQueue
@@ -409,8 +409,7 @@ class Engine:
         mask, dead = (masks.result() if masks is not None
                       else self.grammars.masks([s.matcher for s in seqs]))
         for i in dead:
-            reason = (seqs[i].matcher.get_error() or "").strip().splitlines()[:1]
-            seqs[i].fail(f"the grammar allows no next token: {' '.join(reason)}")
+            seqs[i].fail(f"the grammar allows no next token: {matcher_error(seqs[i].matcher)}")
         tokens = sample(logits, bp, [s.generator for s in seqs],
                         counts if use_pen else None, seen if use_pen else None, mask=mask)
         n_lp = max((p.logprobs or 0) for p in params)

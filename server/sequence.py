@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
+from llguidance import LLMatcher
 
 from model.sampling import make_generator
 from model.state import State
 from model.tokenizer import IncrementalDetokenizer
+from server.grammar.engine_side import matcher_error
 from server.types import GenerationRequest, Output, TokenLogprob
 
 
@@ -50,7 +51,7 @@ class Sequence:
         self.snapshot: State | None = None  # state right after the prompt (session replays)
         self.solo = False  # prefill alone (a ragged batch holding it failed once)
         self.last_prompt_logp: torch.Tensor | None = None  # scores the next prompt chunk's 1st
-        self.matcher: Any = None  # structured outputs: the llguidance matcher of the output
+        self.matcher: LLMatcher | None = None  # structured outputs: the output's matcher
 
     @property
     def prefill_only(self) -> bool:
@@ -94,8 +95,7 @@ class Sequence:
         if logprob is not None:
             self.pending_logprobs.append(logprob)
         if self.matcher is not None and not self.matcher.consume_token(token):
-            reason = (self.matcher.get_error() or "").strip().splitlines()[:1]
-            self.fail(f"the output left its grammar: {' '.join(reason)}")
+            self.fail(f"the output left its grammar: {matcher_error(self.matcher)}")
             return
         if token in self.stop_ids:
             self.finish_reason = "stop"

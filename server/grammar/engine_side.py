@@ -30,6 +30,12 @@ MaskResult = tuple[TokenMask | None, list[int]]  # the batch's mask, and its dea
 log = logging.getLogger("linserve.grammar")
 
 
+def matcher_error(matcher: LLMatcher | None) -> str:
+    """The first line of a matcher's error (llguidance appends a multi-line state dump)."""
+    lines = (matcher.get_error() or "").strip().splitlines() if matcher is not None else []
+    return lines[0] if lines else "unknown grammar error"
+
+
 class EngineGrammars:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self._tokenizer = tokenizer
