@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import machine, print_table, save_figure, write_json
+from bench.common import machine, plot_panels, print_table, write_json
 from bench.multiturn import conversations
 from bench.serverproc import ServerProcess, free_port
 
@@ -121,26 +121,10 @@ def plan(model: dict[str, Any], n: int, redis_bw: float, args: argparse.Namespac
 
 def plot(plans: list[dict[str, Any]]) -> None:
     """Replicas, Redis memory and Redis traffic against conversations, per model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    panels = [("replicas", "replicas (2 cores each)"), ("redis_gib", "Redis memory (GiB)"),
-              ("redis_write_mib_s", "Redis writes (MiB/s)")]
-    for ax, (key, label) in zip(axes, panels, strict=True):
-        for model in ("linear", "softmax"):
-            rows = [r for r in plans if r["model"] == model]
-            ax.plot([r["conversations"] for r in rows], [r[key] for r in rows], marker="o",
-                    label=model)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("concurrent conversations")
-        ax.set_title(label)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    save_figure(fig, "capacity.png")
+    plot_panels("capacity.png", plans, "conversations", "model",
+                [("replicas", "replicas (2 cores each)"), ("redis_gib", "Redis memory (GiB)"),
+                 ("redis_write_mib_s", "Redis writes (MiB/s)")], "concurrent conversations",
+                logy=True)
 
 
 def main(argv: list[str] | None = None) -> None:

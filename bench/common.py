@@ -79,6 +79,31 @@ def style_axes(ax: Any, xlabel: str, ylabel: str, title: str, logy: bool = True,
     ax.legend(fontsize=legend_size)
 
 
+def plot_panels(name: str, rows: list[dict[str, Any]], x: str, series: str,
+                panels: list[tuple[str, str]], xlabel: str, *, logx: int = 10,
+                logy: bool = False, label: Callable[[Any], str] = str) -> None:
+    """One figure of side-by-side panels, one per ``(column, title)``: that column against
+    ``x``, one line per value of ``series`` (named by ``label``). Saved as ``name``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.8))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for value in sorted({r[series] for r in rows}):
+            pts = [r for r in rows if r[series] == value]
+            ax.plot([r[x] for r in pts], [r[key] for r in pts], "o-", label=label(value))
+        ax.set_xscale("log", base=logx)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    save_figure(fig, name)
+
+
 def save_figure(fig: Any, name: str) -> None:
     fig.tight_layout()
     fig.savefig(RESULTS / name, dpi=110)

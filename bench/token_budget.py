@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import loadtest
-from bench.common import machine, print_table, save_figure, write_json
+from bench.common import machine, plot_panels, print_table, write_json
 from bench.serverproc import ServerProcess
 
 
@@ -36,25 +36,11 @@ def run(weights: Path, budget: int, clients: int, args: argparse.Namespace) -> d
 
 
 def plot(rows: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    panels = [("itl_p99_ms", "ITL p99 (ms)"), ("tokens_per_s", "output tokens/s"),
-              ("ttft_p50_ms", "TTFT p50 (ms)")]
-    for ax, (key, title) in zip(axes, panels, strict=True):
-        for clients in sorted({r["clients"] for r in rows}):
-            pts = [r for r in rows if r["clients"] == clients]
-            ax.plot([r["budget"] for r in pts], [r[key] for r in pts], "o-",
-                    label=f"{clients} clients")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt tokens per iteration (--step-token-budget)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    save_figure(fig, "token_budget.png")
+    plot_panels("token_budget.png", rows, "budget", "clients",
+                [("itl_p99_ms", "ITL p99 (ms)"), ("tokens_per_s", "output tokens/s"),
+                 ("ttft_p50_ms", "TTFT p50 (ms)")],
+                "prompt tokens per iteration (--step-token-budget)", logx=2,
+                label=lambda c: f"{c} clients")
 
 
 def main(argv: list[str] | None = None) -> None:
