@@ -10,7 +10,6 @@ grammar is cached too, with its error, so resending it costs a lookup, not a com
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 
 from llguidance import LLMatcher, LLTokenizer
@@ -35,7 +34,6 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
-        self.compile_seconds = 0.0  # total time spent compiling (cache misses)
 
     def template(self, spec: GrammarSpec) -> LLMatcher:
         """The compiled grammar of ``spec`` (compiled on first use); raises
@@ -58,7 +56,6 @@ class GrammarCompiler:
         return found
 
     def _compile(self, spec: GrammarSpec) -> LLMatcher | GrammarError:
-        t0 = time.perf_counter()
         try:
             matcher = LLMatcher(self.tokenizer, spec.grammar(), log_level=0)
         except GrammarError as exc:
@@ -67,7 +64,6 @@ class GrammarCompiler:
             return GrammarError(f"invalid {WHAT[spec.kind]}: {matcher.get_error().strip()}",
                                 spec.param)
         matcher.compute_bitmask()  # builds the lexer's first states, which copies share
-        self.compile_seconds += time.perf_counter() - t0
         return matcher
 
     def matcher(self, spec: GrammarSpec) -> LLMatcher:
