@@ -39,13 +39,16 @@ def length_table(ev: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def length_note(cfg: dict[str, Any]) -> list[str]:
+def length_note(cfg: dict[str, Any], train_ctx: int) -> list[str]:
+    if cfg.get("window"):
+        return [f"Sliding-window attention sees the last {cfg['window']} tokens; its KV cache "
+                "is a ring of that many slots, so the whole 16k stream runs through it in "
+                "constant memory.", ""]
     if cfg["attention"] == "softmax":
         return [f"Softmax attention is evaluated with its full KV cache up to its maximum "
                 f"context ({cfg['max_context']}); past that the server refuses the request "
                 "(400, `context_length_exceeded`), so those buckets are marked refused. Its "
-                "rotary positions were trained on 256-token windows, and it degrades past "
-                "them, as the table shows.", ""]
+                f"rotary positions were trained on {train_ctx}-token windows.", ""]
     return ["The recurrent state has no length limit: the whole 16k stream runs through it "
             "(equivalently, in prefill chunks carrying the state).", ""]
 
@@ -59,14 +62,14 @@ def render(weights: Path) -> str:
     lines = [
         f"# {name}", "",
         f"A {cfg['n_layers']}-layer, {cfg['n_heads']}-head, d_model {cfg['d_model']} decoder "
-        f"with **{cfg['attention']}** attention ({summary['n_params']:,} parameters), trained "
+        f"with **{_kind(cfg)}** attention ({summary['n_params']:,} parameters), trained "
         "on Shakespeare's works. See `../DATA_CARD.md` for the data and split.", "",
         "| | |", "| --- | --- |",
         f"| attention | {_positions(cfg)} |",
         f"| tokens seen | {summary['tokens_seen']:,} ({summary['steps']} steps × "
         f"{tc['batch_size']} × {tc['seq_len']}) |",
-        f"| wall time | {summary['wall_seconds'] / 60:.1f} min on 1 thread (3 runs shared "
-        "2 cores) |",
+        f"| wall time | {summary['wall_seconds'] / 60:.1f} min on 1 thread (the runs of one "
+        "budget shared 2 cores) |",
         f"| schedule | AdamW lr {tc['lr']} → {tc['min_lr']}, warmup {tc['warmup_steps']}, "
         f"cosine, clip {tc['grad_clip']}, wd {tc['weight_decay']}, bf16 autocast "
         f"{tc['bf16']}, seed {tc['seed']} |",
@@ -75,27 +78,63 @@ def render(weights: Path) -> str:
         "bits/byte) |",
         f"| test perplexity | {ev['test']['ppl']} ({ev['test']['bits_per_byte']} bits/byte) |",
         f"| test-slice perplexity | {slice_perplexity(weights):.3f} |",
+        *context_use_row(ev),
         "", "Perplexities use non-overlapping windows of the training context "
         f"({ev['train_context']} tokens), each from an empty state.", "",
         "## Length generalisation", "",
         f"Held-out works fed as {ev['n_streams']} streams of 16,385 tokens through the stateful "
         "form; perplexity by position (T = training context):", "",
-        length_table(ev), "", *length_note(cfg), "## Samples (temperature 0.8)", ""]
+        length_table(ev), "", *length_note(cfg, ev["train_context"]),
+        "## Samples (temperature 0.8)", ""]
     for prompt, seed, text in samples(weights):
         lines += [f"Seed {seed}, prompt {prompt!r}:", "", "```", prompt + text, "```", ""]
     lines += ["## Reproduce", "", "```bash", "python -m model.data",
-              f"python -m model.train --config configs/{name}.json",
+              f"python -m model.train --config {config_path(name)}",
               f"python -m model.evaluate weights/{name} --output weights/{name}/eval.json",
               f"python -m model.card weights/{name}", "```", ""]
     return "\n".join(lines)
 
 
-def _positions(cfg: dict[str, object]) -> str:
-    """How the model knows positions: the softmax baseline uses rotary embeddings and its
+def context_use_row(ev: dict[str, Any]) -> list[str]:
+    """The context-use ratio's table row, when the evaluation has one."""
+    cu = ev.get("context_use")
+    if not cu:
+        return []
+    return [f"| context-use ratio | {cu['ratio']} (perplexity {cu['ppl_carried']} with the "
+            f"state carried through {cu['streams']} test streams of {cu['stream_tokens']:,} "
+            f"tokens, {cu['ppl_reset']} with it reset every {cu['positions_from']}; positions "
+            f"≥ {cu['positions_from']}) |"]
+
+
+def config_path(name: str, root: Path = Path("configs")) -> str:
+    """The training config that exports to ``weights/<name>``."""
+    for path in sorted(root.rglob("*.json")):
+        try:
+            if json.loads(path.read_text()).get("export_dir") == f"weights/{name}":
+                return str(path)
+        except (OSError, ValueError, AttributeError):
+            continue
+    return f"configs/{name}.json"
+
+
+def _positions(cfg: dict[str, Any]) -> str:
+    """How the model knows positions: the softmax baselines use rotary embeddings and their
     config's conv_size is unused; the linear kinds use the short convolution."""
+    if cfg.get("window"):
+        return (f"sliding-window softmax (window {cfg['window']}, a ring-buffer KV cache), "
+                "rotary positions, no max context")
     if cfg["attention"] == "softmax":
         return f"softmax, rotary positions (max_context {cfg['max_context']})"
-    return f"{cfg['attention']}, causal convolution of width {cfg['conv_size']}, no max context"
+    gate = (f", a data-dependent forget gate (GLA, rank {cfg['gate_rank']})"
+            if cfg.get("gate_rank") else "")
+    return (f"{cfg['attention']}{gate}, causal convolution of width {cfg['conv_size']}, "
+            "no max context")
+
+
+def _kind(cfg: dict[str, Any]) -> str:
+    if cfg.get("gate_rank"):
+        return f"gated {cfg['attention']}"
+    return "sliding-window softmax" if cfg.get("window") else str(cfg["attention"])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,13 @@ class ModelConfig:
 
     ``conv_size`` is the width of the short causal depthwise convolution on q, k and v that
     gives ``linear``/``favor`` their position information (0 disables it: no positions at all).
-    ``max_context`` caps only the ``softmax`` baseline (its rotary table and KV cache).
+    ``max_context`` caps only the full ``softmax`` baseline (its rotary table and KV cache).
+
+    ``gate_rank > 0`` makes ``linear``/``favor`` *gated*: a data-dependent forget gate
+    g_t ∈ [e⁻¹, 1] per head and feature (GLA's low-rank form, d → rank → H·F) decays the state,
+    s_t = g_t ⊙ s_{t-1} + φ(k_t)v_tᵀ and z_t = g_t ⊙ z_{t-1} + φ(k_t).
+    ``window > 0`` makes ``softmax`` local: each query sees only the last ``window`` tokens, so
+    its KV cache is a ring buffer of constant size and it has no maximum context.
     """
 
     vocab_size: int = 8192
@@ -36,6 +42,8 @@ class ModelConfig:
     eps: float = 1e-6
     dropout: float = 0.0
     favor_seed: int = 0
+    gate_rank: int = 0
+    window: int = 0
     tokenizer: str = "tokenizer.json"
 
     def __post_init__(self) -> None:
@@ -45,6 +53,10 @@ class ModelConfig:
             raise ValueError("d_model must be divisible by n_heads")
         if self.head_dim % 2 and self.attention == "softmax":
             raise ValueError("rotary embeddings need an even head_dim")
+        if self.gate_rank < 0 or (self.gate_rank and self.attention == "softmax"):
+            raise ValueError("gate_rank must be >= 0 and is for linear or favor attention")
+        if self.window < 0 or (self.window and self.attention != "softmax"):
+            raise ValueError("window must be >= 0 and is for softmax attention")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "chunk_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -62,8 +74,28 @@ class ModelConfig:
     def is_recurrent(self) -> bool:
         return self.attention in ("linear", "favor")
 
+    @property
+    def context_limit(self) -> int | None:
+        """The longest sequence the model can hold: None for recurrent and windowed models."""
+        return None if self.is_recurrent or self.window else self.max_context
+
+    @property
+    def kind(self) -> str:
+        """The model family shown to users: linear, gated-linear, favor, gated-favor, softmax
+        or window."""
+        if self.gate_rank:
+            return f"gated-{self.attention}"
+        return "window" if self.window else self.attention
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def identity(self) -> dict[str, Any]:
+        """The fields a model fingerprint covers: all, except the round-2 fields (gate_rank,
+        window) at their default of 0, so older models keep their fingerprints and sessions
+        exported from them still load."""
+        return {k: v for k, v in self.to_dict().items()
+                if not (k in ("gate_rank", "window") and v == 0)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:

@@ -5,6 +5,10 @@ training context, each from an empty state, so every model is scored the same wa
 length-generalisation table: held-out works fed as long streams through the stateful form,
 perplexity by position bucket. The softmax baseline stops at its maximum context (the server
 refuses longer sessions), so its buckets past that are reported as refused.
+
+The context-use ratio asks whether the state helps: perplexity with the state carried through
+4k-token streams against the state reset every T tokens (T = the training context), on the
+same positions (≥ T). Below 1, what the model read long ago still helps it predict.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def stream_nll(model: LanguageModel, tokens: np.ndarray, chunk: int = 512) -> np
     """Per-position NLL ``[N-1]`` of one long stream through the stateful form (prefill in
     chunks carrying the state, which equals stepping token by token). Softmax stops at
     ``max_context``."""
-    limit = len(tokens) if model.cfg.is_recurrent else min(len(tokens), model.cfg.max_context)
+    limit = min(len(tokens), model.cfg.context_limit or len(tokens))
     x = torch.from_numpy(tokens[:limit].astype(np.int64)).unsqueeze(0)
     state = model.new_state(1)
     out = []
@@ -96,6 +100,43 @@ def length_table(model: LanguageModel, streams: list[np.ndarray], train_ctx: int
     return rows
 
 
+@torch.inference_mode()
+def context_use(model: LanguageModel, streams: list[np.ndarray], train_ctx: int
+                ) -> dict[str, Any]:
+    """Perplexity on positions ≥ T of each stream, carried (one state through the stream)
+    against reset (a fresh state every T tokens); ``ratio`` = carried / reset."""
+    carried, reset = [], []
+    for stream in streams:
+        nll = stream_nll(model, stream)
+        n_win = len(nll) // train_ctx
+        x = torch.from_numpy(stream[: n_win * train_ctx + 1].astype(np.int64))
+        windows = torch.stack([x[i * train_ctx : (i + 1) * train_ctx + 1] for i in range(n_win)])
+        logits = model(windows[:, :-1])
+        fresh = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="none")
+        carried.append(nll[train_ctx : n_win * train_ctx])
+        reset.append(fresh.numpy()[train_ctx:])
+    ppl_carried = math.exp(float(np.concatenate(carried).mean()))
+    ppl_reset = math.exp(float(np.concatenate(reset).mean()))
+    return {"streams": len(streams), "stream_tokens": len(streams[0]) if streams else 0,
+            "positions_from": train_ctx, "ppl_carried": round(ppl_carried, 3),
+            "ppl_reset": round(ppl_reset, 3), "ratio": round(ppl_carried / ppl_reset, 4)}
+
+
+def split_streams(tokens: np.ndarray, length: int, count: int) -> list[np.ndarray]:
+    """Up to ``count`` non-overlapping streams of ``length + 1`` tokens."""
+    n = min(count, len(tokens) // (length + 1))
+    return [tokens[i * (length + 1) : (i + 1) * (length + 1)] for i in range(n)]
+
+
+def training_context(weights: Path, default: int = 256) -> int:
+    """The context a model was trained at, from its ``training_summary.json``."""
+    try:
+        summary = json.loads((weights / "training_summary.json").read_text())
+        return int(summary["train_config"]["seq_len"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return default
+
+
 def evaluate(weights: Path, data_dir: Path = DATA_DIR, train_ctx: int = 256,
              stream_len: int = 16384, n_streams: int = 8,
              dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -110,6 +151,8 @@ def evaluate(weights: Path, data_dir: Path = DATA_DIR, train_ctx: int = 256,
                                  .tolist()[1:]).encode())
         result[split] = {"ppl": round(math.exp(nll / count), 3), "tokens": count,
                          "bits_per_byte": round(nll / math.log(2) / n_bytes, 4)}
+    test = np.asarray(load_tokens("test", data_dir))
+    result["context_use"] = context_use(model, split_streams(test, 4096, 16), train_ctx)
     if n_streams == 0:
         return result
     held = np.concatenate([np.asarray(load_tokens(s, data_dir)) for s in ("valid", "test")])
@@ -125,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("weights", type=Path)
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
-    parser.add_argument("--train-context", type=int, default=256)
+    parser.add_argument("--train-context", type=int, default=0,
+                        help="the training context T (0: read from training_summary.json)")
     parser.add_argument("--stream-len", type=int, default=16384)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
@@ -137,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = evaluate(args.weights, args.data_dir, args.train_context, args.stream_len,
+    train_ctx = args.train_context or training_context(args.weights)
+    result = evaluate(args.weights, args.data_dir, train_ctx, args.stream_len,
                       0 if args.no_length_table else args.streams, getattr(torch, args.dtype))
     text = json.dumps(result, indent=2)
     print(text)

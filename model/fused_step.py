@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 
 def supports(model: LanguageModel) -> bool:
-    """The kernel covers elu+1 linear attention with RMSNorm eps left at its default."""
+    """The kernel covers elu+1 linear attention, gated or not, with RMSNorm eps left at its
+    default and a gate over head_dim features."""
     return model.cfg.attention == "linear" and all(
         n.eps is None for n in (model.norm, *(b.norm1 for b in model.layers),
                                 *(b.norm2 for b in model.layers)))
@@ -44,9 +45,11 @@ class FusedStep:
 
     @staticmethod
     def _pack(model: LanguageModel) -> list[torch.Tensor]:
-        """[embed, head, final norm, then per layer: norm1, qkv, conv [K, 3d], out, norm2, up,
-        down]. Norm and conv weights are fp32; GEMM weights keep the model dtype and are stored
-        transposed, ``[in, out]`` and contiguous (the GEMM runs faster on that layout)."""
+        """[embed, head, final norm, then per layer: norm1, qkv (+ gate_down), conv [K, 3d],
+        out, norm2, up, down, gate_up [r, d], gate_bias [d]]. Norm, conv and gate_up weights
+        are fp32; GEMM weights keep the model dtype and are stored transposed, ``[in, out]``
+        and contiguous (the GEMM runs faster on that layout). A gated model's gate_down
+        [d, r] is appended to the qkv weight as r extra output columns."""
         def f32(t: torch.Tensor) -> torch.Tensor:
             return t.detach().float().contiguous()
 
@@ -58,11 +61,17 @@ class FusedStep:
         for block in model.layers:
             attn = block.attn
             conv = getattr(attn, "conv", None)
+            down, up = getattr(attn, "gate_down", None), getattr(attn, "gate_up", None)
+            qkv = gemm(attn.qkv)
+            gate = [torch.empty(0), torch.empty(0)]
+            if down is not None and up is not None:
+                qkv = torch.cat([qkv, gemm(down)], dim=1).contiguous()
+                gate = [f32(up.weight.t()), f32(up.bias)]
             packed += [
-                f32(block.norm1.weight), gemm(attn.qkv),
+                f32(block.norm1.weight), qkv,
                 f32(conv.T) if conv is not None else torch.empty(0),
                 gemm(attn.out), f32(block.norm2.weight), gemm(block.mlp.up),
-                gemm(block.mlp.down)]
+                gemm(block.mlp.down), *gate]
         return packed
 
     def __call__(self, tokens: torch.Tensor, state: LinearState,

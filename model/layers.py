@@ -6,19 +6,45 @@ form. Attention maths and all recurrent state run in fp32 whatever the weight dt
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model.attention.features import draw_orthogonal_features, elu_feature, favor_features
+from model.attention.gated import (
+    GATE_TEMPERATURE,
+    gated_linear_parallel,
+    gated_linear_step,
+    log_gate,
+)
 from model.attention.linear import causal_linear_parallel, causal_linear_step
-from model.attention.softmax import apply_rope, rope_tables, softmax_parallel, softmax_step
+from model.attention.softmax import (
+    apply_rope,
+    rope_at,
+    rope_tables,
+    softmax_parallel,
+    softmax_step,
+    window_parallel,
+)
 from model.config import ModelConfig
 from model.state import KVCache, LinearState
 
 
+def gate_bias_init(heads: int, features: int, lo: float = 0.9, hi: float = 0.999
+                   ) -> torch.Tensor:
+    """Gate logits ``[H·F]`` whose gates g = sigmoid(x)^(1/16) start spread log-uniformly over
+    [lo, hi] within each head: some features forget within ~10 tokens, others keep ~1000."""
+    log_g = -torch.logspace(math.log10(-math.log(lo)), math.log10(-math.log(hi)), features)
+    y = GATE_TEMPERATURE * log_g  # = logsigmoid(x)
+    x = y - torch.log(-torch.expm1(y))  # the inverse of logsigmoid
+    return x.repeat(heads)
+
+
 class LinearAttention(nn.Module):
-    """Causal linear attention (elu+1 or FAVOR+) with an optional short causal conv on q/k/v."""
+    """Causal linear attention (elu+1 or FAVOR+) with an optional short causal conv on q/k/v
+    and an optional data-dependent forget gate (``gate_rank > 0``)."""
 
     favor_w: torch.Tensor  # [m, D] FAVOR+ projection (buffer; only for attention="favor")
 
@@ -36,6 +62,20 @@ class LinearAttention(nn.Module):
         if cfg.attention == "favor":
             w_feat = draw_orthogonal_features(cfg.n_features, cfg.head_dim, cfg.favor_seed)
             self.register_buffer("favor_w", w_feat)
+        self.gate_down: nn.Linear | None = None
+        self.gate_up: nn.Linear | None = None
+        if cfg.gate_rank > 0:  # GLA's low-rank gate: d -> rank -> H·F logits
+            self.gate_down = nn.Linear(d, cfg.gate_rank, bias=False)
+            self.gate_up = nn.Linear(cfg.gate_rank, cfg.n_heads * cfg.feature_dim)
+            with torch.no_grad():
+                self.gate_up.bias.copy_(gate_bias_init(cfg.n_heads, cfg.feature_dim))
+
+    def _log_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x ``[..., d]`` -> log-gates ``[..., H, F]`` in fp32, or None for an ungated model."""
+        if self.gate_down is None or self.gate_up is None:
+            return None
+        lg = log_gate(self.gate_up(self.gate_down(x)))
+        return lg.view(*x.shape[:-1], self.cfg.n_heads, self.cfg.feature_dim)
 
     def _phi(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         if self.cfg.attention == "favor":
@@ -80,11 +120,18 @@ class LinearAttention(nn.Module):
         else:
             s, z = state.s[layer], state.z[layer]
         fk = self._phi(k, False)
-        if lengths is not None:
+        lg = self._log_gate(x)
+        lg = None if lg is None else lg.transpose(1, 2)  # [B, H, T, F]
+        if lengths is not None:  # padding: no key, no value, and a gate of 1 (log 0)
             real = (torch.arange(t)[None, :] < lengths[:, None]).to(fk.dtype)[:, None, :, None]
             fk, v = fk * real, v * real
-        o, s_new, z_new = causal_linear_parallel(
-            self._phi(q, True), fk, v, s, z, self.cfg.chunk_size, self.cfg.eps)
+            lg = None if lg is None else lg * real
+        if lg is None:
+            o, s_new, z_new = causal_linear_parallel(
+                self._phi(q, True), fk, v, s, z, self.cfg.chunk_size, self.cfg.eps)
+        else:
+            o, s_new, z_new = gated_linear_parallel(
+                self._phi(q, True), fk, v, lg, s, z, self.cfg.chunk_size, self.cfg.eps)
         if state is not None:
             state.s[layer] = s_new
             state.z[layer] = z_new
@@ -103,13 +150,20 @@ class LinearAttention(nn.Module):
             qkv = (window * self.conv.T.float()).sum(1)
             buf.copy_(window[:, 1:])
         q, k, v = qkv.view(b, 3, h, dh).unbind(1)  # [B, H, D]
-        o = causal_linear_step(self._phi(q, True), self._phi(k, False), v,
-                               state.s[layer], state.z[layer], self.cfg.eps)
+        lg = self._log_gate(x)
+        if lg is None:
+            o = causal_linear_step(self._phi(q, True), self._phi(k, False), v,
+                                   state.s[layer], state.z[layer], self.cfg.eps)
+        else:
+            o = gated_linear_step(self._phi(q, True), self._phi(k, False), v, lg,
+                                  state.s[layer], state.z[layer], self.cfg.eps)
         return self.out(o.reshape(b, -1).to(x.dtype))
 
 
 class SoftmaxAttention(nn.Module):
-    """Multi-head softmax attention with rotary positions, for the KV-cache baseline."""
+    """Multi-head softmax attention with rotary positions, for the KV-cache baselines: full
+    causal attention, or with ``window = W`` local attention over the last W tokens whose cache
+    is a ring of W slots (see :mod:`model.attention.softmax`)."""
 
     cos: torch.Tensor  # [max_context, D/2]
     sin: torch.Tensor
@@ -125,27 +179,55 @@ class SoftmaxAttention(nn.Module):
 
     def _qkv(self, x: torch.Tensor, pos: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x ``[B, T, d]``, pos ``[B|1, T]`` -> rotated q, k and v, each ``[B, H, T, D]``."""
+        """x ``[B, T, d]``, pos ``[B|1, T]`` -> rotated q, k and v, each ``[B, H, T, D]``.
+        Positions past the rotary table (window models have no length limit) are computed."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x).float().view(b, t, 3, self.cfg.n_heads, -1).permute(2, 0, 3, 1, 4)
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
+        if int(pos.max()) < self.cos.shape[0]:
+            cos, sin = self.cos[pos], self.sin[pos]
+        else:
+            cos, sin = rope_at(pos, self.cfg.head_dim, self.cfg.rope_base)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
         """Parallel form over T new tokens; all rows start at the same cache length."""
         b, t, _ = x.shape
         start = 0 if cache is None else int(cache.lengths[0])
-        pos = torch.arange(start, start + t, device=x.device).unsqueeze(0)
-        q, k, v = self._qkv(x, pos)
-        k_past = v_past = None
-        if cache is not None:
-            k_past = cache.k[:, layer, :, :start]
-            v_past = cache.v[:, layer, :, :start]
-        o = softmax_parallel(q, k, v, k_past, v_past)
-        if cache is not None:
-            cache.k[:, layer, :, start : start + t] = k
-            cache.v[:, layer, :, start : start + t] = v
+        pos = torch.arange(start, start + t, device=x.device)
+        q, k, v = self._qkv(x, pos.unsqueeze(0))
+        if self.cfg.window:
+            o = self._window_forward(q, k, v, pos, cache, layer)
+        else:
+            k_past = v_past = None
+            if cache is not None:
+                k_past = cache.k[:, layer, :, :start]
+                v_past = cache.v[:, layer, :, :start]
+            o = softmax_parallel(q, k, v, k_past, v_past)
+            if cache is not None:
+                cache.k[:, layer, :, start : start + t] = k
+                cache.v[:, layer, :, start : start + t] = v
         return self.out(o.transpose(1, 2).reshape(b, t, -1).to(x.dtype))
+
+    def _window_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        pos: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
+        """Local attention of new tokens at ``pos [T]`` over the ring's past keys and their own;
+        then the last min(T, W) new keys go into their slots (pos mod W)."""
+        w = self.cfg.window
+        start = int(pos[0])
+        keys, values, k_pos = k, v, pos
+        if cache is not None and start > 0:
+            past = torch.arange(max(0, start - w + 1), start)  # the past keys any query sees
+            slots = past % w
+            keys = torch.cat([cache.k[:, layer, :, slots], k], dim=2)
+            values = torch.cat([cache.v[:, layer, :, slots], v], dim=2)
+            k_pos = torch.cat([past, pos])
+        o = window_parallel(q, keys, values, pos, k_pos, w)
+        if cache is not None:
+            keep = pos[-w:]
+            cache.k[:, layer, :, keep % w] = k[:, :, -w:]
+            cache.v[:, layer, :, keep % w] = v[:, :, -w:]
+        return o
 
     def step(self, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
         """One token per row at its own position ``cache.lengths``. x ``[B, d]``."""
@@ -153,10 +235,11 @@ class SoftmaxAttention(nn.Module):
         pos = cache.lengths.unsqueeze(1)  # [B, 1]
         q, k, v = self._qkv(x.unsqueeze(1), pos)
         rows = torch.arange(b)
+        slot = cache.lengths % self.cfg.window if self.cfg.window else cache.lengths
         k_l, v_l = cache.k[:, layer], cache.v[:, layer]  # [B, H, C, D] views
-        k_l[rows, :, cache.lengths] = k[:, :, 0]
-        v_l[rows, :, cache.lengths] = v[:, :, 0]
-        o = softmax_step(q[:, :, 0], k_l, v_l, cache.lengths)
+        k_l[rows, :, slot] = k[:, :, 0]
+        v_l[rows, :, slot] = v[:, :, 0]
+        o = softmax_step(q[:, :, 0], k_l, v_l, cache.slots_used(cache.lengths + 1))
         return self.out(o.reshape(b, -1).to(x.dtype))
 
 

@@ -20,7 +20,10 @@ from safetensors.torch import save as st_save
 
 from model.config import ModelConfig
 
-STATE_FORMAT_VERSION = 1
+# 2 added "window" (a sliding-window model's ring size) to KV-cache blobs; version 1 blobs,
+# from models without gates or windows, still load.
+STATE_FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = ("1", "2")
 Index = torch.Tensor | Sequence[int] | slice
 
 
@@ -97,22 +100,29 @@ class LinearState:
 
 @dataclass
 class KVCache:
-    """Preallocated keys and values ``[B, L, H, C, D]`` (C = capacity ≤ max_context), written in
-    place at each row's own length ``lengths [B]``. Capacity grows by doubling, never per step."""
+    """Preallocated keys and values ``[B, L, H, C, D]``, written in place at each row's own
+    length ``lengths [B]``. Capacity C grows by doubling, never per step, up to ``max_context``.
+
+    With ``window = W > 0`` (a sliding-window model) the cache is a ring of at most W slots:
+    position p lives in slot p mod W, ``lengths`` still counts every token seen, and the
+    cache never grows past W slots, whatever the length.
+    """
 
     k: torch.Tensor
     v: torch.Tensor
     lengths: torch.Tensor
     max_context: int
+    window: int = 0
     kind: ClassVar[str] = "softmax"
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, capacity: int = 0,
               dtype: torch.dtype = torch.float32) -> KVCache:
-        cap = min(max(capacity, 16), cfg.max_context)
+        limit = cfg.window or cfg.max_context
+        cap = min(max(capacity, 16), limit)
         shape = (batch, cfg.n_layers, cfg.n_heads, cap, cfg.head_dim)
         return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
-                   torch.zeros(batch, dtype=torch.long), cfg.max_context)
+                   torch.zeros(batch, dtype=torch.long), cfg.max_context, cfg.window)
 
     @property
     def batch_size(self) -> int:
@@ -123,23 +133,41 @@ class KVCache:
         return self.k.shape[3]
 
     @property
+    def slot_limit(self) -> int:
+        """The most slots this cache may ever hold: W for a window model, else max_context."""
+        return self.window or self.max_context
+
+    def slots_used(self, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots holding keys per row ``[B]``: the length, capped at W for a window model."""
+        lengths = self.lengths if lengths is None else lengths
+        return lengths.clamp(max=self.window) if self.window else lengths
+
+    @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size() + self.lengths.numel() * 8
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"k": self.k, "v": self.v, "lengths": self.lengths}
 
+    def rows(self, n: int) -> KVCache:
+        """The first ``n`` rows as a view sharing this cache's memory."""
+        return KVCache(self.k[:n], self.v[:n], self.lengths[:n], self.max_context, self.window)
+
     def ensure_capacity(self, needed: int) -> None:
-        """Make room for ``needed`` positions per row (doubling; amortised O(1) per token)."""
-        if needed > self.max_context:
+        """Make room for ``needed`` positions per row (doubling; amortised O(1) per token).
+        A window model needs at most W slots, so it never refuses a length."""
+        if self.window:
+            needed = min(needed, self.window)
+        elif needed > self.max_context:
             raise ValueError(f"context of {needed} tokens exceeds max_context {self.max_context}")
         if needed <= self.capacity:
             return
         pow2 = 1 << (needed - 1).bit_length()
-        self.resize(min(max(2 * self.capacity, pow2), self.max_context))
+        self.resize(min(max(2 * self.capacity, pow2), self.slot_limit))
 
     def resize(self, capacity: int) -> None:
-        """Reallocate to exactly ``capacity`` positions (≥ the longest row), copying."""
+        """Reallocate to exactly ``capacity`` slots (≥ the most any row uses), copying. A ring
+        only wraps once it holds W slots, so growing it never reorders anything."""
         if capacity == self.capacity:
             return
         keep = min(capacity, self.capacity)
@@ -152,12 +180,12 @@ class KVCache:
     def select(self, idx: Index) -> KVCache:
         """A copy of the rows ``idx``, trimmed to the capacity they need."""
         lengths = _rows(self.lengths, idx)
-        used = int(lengths.max()) if lengths.numel() else 0
-        cap = min(max(16, 1 << max(used - 1, 0).bit_length()), self.max_context)
+        used = int(self.slots_used(lengths).max()) if lengths.numel() else 0
+        cap = min(max(16, 1 << max(used - 1, 0).bit_length()), self.slot_limit)
         cap = max(cap, used)
         k = _rows(self.k[:, :, :, :cap], idx)
         v = _rows(self.v[:, :, :, :cap], idx)
-        return KVCache(k, v, lengths, self.max_context)
+        return KVCache(k, v, lengths, self.max_context, self.window)
 
     def copy(self) -> KVCache:
         return self.select(slice(None))
@@ -176,13 +204,16 @@ class KVCache:
         for st in states:
             st.resize(cap)
         return cls(torch.cat([st.k for st in states]), torch.cat([st.v for st in states]),
-                   torch.cat([st.lengths for st in states]), states[0].max_context)
+                   torch.cat([st.lengths for st in states]), states[0].max_context,
+                   states[0].window)
 
     def expected_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         b, c = self.batch_size, self.capacity
-        if c > cfg.max_context:
-            raise StateError(f"KV cache capacity {c} exceeds max_context {cfg.max_context}")
-        if self.lengths.numel() and (int(self.lengths.min()) < 0 or int(self.lengths.max()) > c):
+        limit = cfg.window or cfg.max_context
+        if c > limit:
+            raise StateError(f"KV cache capacity {c} exceeds the model's limit of {limit} slots")
+        if self.lengths.numel() and (int(self.lengths.min()) < 0
+                                     or int(self.slots_used().max()) > c):
             raise StateError("KV cache lengths are out of range")
         kv = (b, cfg.n_layers, cfg.n_heads, c, cfg.head_dim)
         return {"k": kv, "v": kv, "lengths": (b,)}
@@ -214,6 +245,8 @@ def state_to_bytes(state: State, fingerprint: str, extra: dict[str, Any] | None 
     """Serialise to safetensors bytes with format version, kind and model fingerprint."""
     meta = {"format_version": str(STATE_FORMAT_VERSION), "kind": state.kind,
             "fingerprint": fingerprint, "extra": json.dumps(extra or {})}
+    if isinstance(state, KVCache):
+        meta["window"] = str(state.window)
     tensors = {k: v.contiguous() for k, v in state.tensors().items()}
     return st_save(tensors, metadata=meta)
 
@@ -241,13 +274,17 @@ def state_from_bytes(data: bytes, cfg: ModelConfig, fingerprint: str
     anything that is not a well-formed safetensors blob. Nothing is unpickled.
     """
     meta = _read_header(data).get("__metadata__") or {}
-    if meta.get("format_version") != str(STATE_FORMAT_VERSION):
-        raise StateError(f"unsupported state format version {meta.get('format_version')!r}")
+    if meta.get("format_version") not in READABLE_FORMAT_VERSIONS:
+        raise StateError(f"unsupported state format version {meta.get('format_version')!r} "
+                         f"(this server reads {', '.join(READABLE_FORMAT_VERSIONS)})")
     expected_kind = "linear" if cfg.is_recurrent else "softmax"
     if meta.get("kind") != expected_kind:
         raise StateError(f"state kind {meta.get('kind')!r} does not match model ({expected_kind})")
     if meta.get("fingerprint") != fingerprint:
         raise StateError("state was made by a different model (fingerprint mismatch)")
+    if not cfg.is_recurrent and meta.get("window", "0") != str(cfg.window):
+        raise StateError(f"state is a KV cache for window {meta.get('window', '0')!r}; "
+                         f"this model's window is {cfg.window}")
     try:
         tensors = st_load(data)
         extra = json.loads(meta.get("extra", "{}"))
@@ -262,7 +299,8 @@ def _build_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> State:
         if cfg.is_recurrent:
             state = LinearState(tensors["s"], tensors["z"], tensors["conv"])
         else:
-            state = KVCache(tensors["k"], tensors["v"], tensors["lengths"], cfg.max_context)
+            state = KVCache(tensors["k"], tensors["v"], tensors["lengths"], cfg.max_context,
+                            cfg.window)
     except KeyError as exc:
         raise StateError(f"state blob lacks tensor {exc}") from exc
     if set(tensors) != set(state.tensors()):

@@ -34,6 +34,7 @@ class PackedState:
 
     kind: str  # "linear" or "softmax"
     max_context: int  # KV cache only
+    window: int  # KV cache only: the ring's size for a sliding-window model (0: none)
     tensors: tuple[PackedTensor, ...]
 
     @property
@@ -62,8 +63,9 @@ def pack_state(state: State) -> PackedState:
     """Compress ``state`` (any batch size) losslessly."""
     cctx = zstandard.ZstdCompressor(level=_LEVEL)
     tensors = tuple(_pack_tensor(n, t, cctx) for n, t in state.tensors().items())
-    max_context = state.max_context if isinstance(state, KVCache) else 0
-    return PackedState(state.kind, max_context, tensors)
+    if isinstance(state, KVCache):
+        return PackedState(state.kind, state.max_context, state.window, tensors)
+    return PackedState(state.kind, 0, 0, tensors)
 
 
 def unpack_state(packed: PackedState) -> State:
@@ -72,4 +74,4 @@ def unpack_state(packed: PackedState) -> State:
     t = {p.name: _unpack_tensor(p, dctx) for p in packed.tensors}
     if packed.kind == LinearState.kind:
         return LinearState(t["s"], t["z"], t["conv"])
-    return KVCache(t["k"], t["v"], t["lengths"], packed.max_context)
+    return KVCache(t["k"], t["v"], t["lengths"], packed.max_context, packed.window)

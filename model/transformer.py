@@ -157,7 +157,7 @@ class LanguageModel(nn.Module):
     def fingerprint(self) -> str:
         """sha256 over the config and every weight and buffer; states carry it."""
         if self._fingerprint is None:
-            h = hashlib.sha256(repr(sorted(self.cfg.to_dict().items())).encode())
+            h = hashlib.sha256(repr(sorted(self.cfg.identity().items())).encode())
             for name, t in sorted(self.state_dict().items()):
                 h.update(name.encode())
                 h.update(t.detach().float().contiguous().numpy().tobytes())

@@ -23,7 +23,8 @@ def max_state_bytes(settings_weights: object) -> int:
     if cfg.is_recurrent:
         return LinearState.empty(cfg, 1).nbytes + (1 << 16)
     per_pos = 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 4
-    return per_pos * cfg.max_context + KVCache.empty(cfg, 1).lengths.numel() * 8 + (1 << 16)
+    slots = cfg.window or cfg.max_context
+    return per_pos * slots + KVCache.empty(cfg, 1).lengths.numel() * 8 + (1 << 16)
 
 
 class DrainingServer(uvicorn.Server):

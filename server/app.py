@@ -164,7 +164,7 @@ async def startup(app: FastAPI, settings: Settings) -> None:
         bind(model.cfg, model.fingerprint())
     app.state.model = model
     app.state.model_name = settings.served_name
-    app.state.max_model_len = model.cfg.max_context if not model.cfg.is_recurrent else None
+    app.state.max_model_len = model.cfg.context_limit
     app.state.started = int(time.time())
     app.state.client = client
     app.state.service = GenerationService(client, store, model, tok, settings)
@@ -173,10 +173,10 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     install_openapi(app, model.cfg.vocab_size, settings.max_tokens_limit)
     log.info(json.dumps({
         "event": "startup", "model": settings.served_name, "weights": str(settings.weights),
-        "attention": model.cfg.attention, "params": model.n_params(), "dtype": settings.dtype,
+        "attention": model.cfg.kind, "params": model.n_params(), "dtype": settings.dtype,
         "decode_step": "fused" if model.uses_fused_step else "eager",
         "state_bytes_per_session": model.state_nbytes(),
-        "state_note": "constant" if model.cfg.is_recurrent else "grows with context",
+        "state_note": "grows with context" if model.cfg.context_limit else "constant",
         "session_store": settings.session_store.split("@")[-1],
         "engine": settings.engine_mode, "threads": torch.get_num_threads(),
         "load_seconds": round(time.monotonic() - t0, 2)}))

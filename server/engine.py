@@ -365,9 +365,10 @@ class Engine:
     def _end_full_rows(self) -> None:
         """KV cache: a row at the model's maximum context ends with "length" rather than
         failing the batch's capacity check."""
-        if self.model.cfg.is_recurrent:
+        limit = self.model.cfg.context_limit
+        if limit is None:
             return
-        full = [seq for seq in self.running if seq.total_tokens > self.model.cfg.max_context]
+        full = [seq for seq in self.running if seq.total_tokens > limit]
         for seq in full:
             seq.finish_reason = "length"
             self._retire(seq)

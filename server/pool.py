@@ -34,7 +34,7 @@ class SlotPool:
         st = self.state
         if isinstance(st, LinearState):
             return LinearState(st.s[:, : self.n], st.z[:, : self.n], st.conv[:, : self.n])
-        return KVCache(st.k[: self.n], st.v[: self.n], st.lengths[: self.n], st.max_context)
+        return st.rows(self.n)
 
     def reserve_step(self) -> None:
         """Make sure every live row has room for one more token (KV cache only)."""

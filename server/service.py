@@ -132,12 +132,13 @@ class GenerationService:
         return spec
 
     def _check_context(self, consumed: int, n_input: int, max_tokens: int) -> None:
-        """The softmax baseline refuses to go past its maximum context."""
-        if self.cfg.is_recurrent:
+        """The full softmax baseline refuses to go past its maximum context."""
+        limit = self.cfg.context_limit
+        if limit is None:
             return
         total = consumed + n_input + max_tokens
-        if total > self.cfg.max_context:
-            raise APIError(400, f"this model's maximum context is {self.cfg.max_context} tokens; "
+        if total > limit:
+            raise APIError(400, f"this model's maximum context is {limit} tokens; "
                            f"the request needs {total} ({consumed + n_input} in the prompt and "
                            f"session, {max_tokens} to generate)", "max_tokens",
                            "context_length_exceeded")

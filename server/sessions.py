@@ -71,8 +71,9 @@ def session_problem(state: State, tokens: object, pending: object, cfg: ModelCon
         if cached != tokens - len(pending):
             return (f"the KV cache holds {cached} positions but the session says "
                     f"{tokens - len(pending)} tokens were consumed")
-        if tokens > cfg.max_context:
-            return f"the session has {tokens} tokens; the model's context is {cfg.max_context}"
+        limit = cfg.context_limit
+        if limit is not None and tokens > limit:
+            return f"the session has {tokens} tokens; the model's context is {limit}"
     return None
 
 

@@ -1,4 +1,4 @@
-// Fused RNN-mode decode step for the elu+1 linear-attention model.
+// Fused RNN-mode decode step for the elu+1 linear-attention model, gated or not.
 //
 // One call advances every row of a batched state by one token and returns the logits (or,
 // with with_head=false, the final hidden state [B, d] before the norm and LM head).
@@ -12,13 +12,19 @@
 // GEMM inputs at larger batches; small batches use a bf16-weight GEMV on fp32 activations.
 // Recurrent state is always fp32.
 //
+// Gated models (GLA's low-rank forget gate): the gate's down-projection [d, r] rides along as
+// r extra columns of the qkv GEMM; the up-projection [r, H*F] and its bias are a small fp32
+// loop, g = sigmoid(x)^(1/16) clamped to [e^-1, 1], and the update becomes
+// s = g * s + k v^T, z = g * z + k (the gate scales the rows f of s).
+//
 // Shapes (B rows, L layers, H heads, F = M = head_dim, d = H*M, K = conv width):
 //   tokens [B] int64
 //   s [L, B, H, F, M], z [L, B, H, F], conv [L, B, K-1, 3d] fp32; each layer's slice
 //   s[l], z[l], conv[l] must be contiguous (the slot pool's live-row views are).
 //   weights (see model/fused_step.py): embed [V, d], head [d, V] (the embedding transposed),
-//   final norm [d] fp32, then per layer norm1 [d] fp32, qkv [d, 3d], conv [K, 3d] fp32 (empty
-//   when K = 0), out [d, d], norm2 [d] fp32, up [d, f], down [f, d]. GEMM weights are stored
+//   final norm [d] fp32, then per layer norm1 [d] fp32, qkv [d, 3d (+ r)], conv [K, 3d] fp32
+//   (empty when K = 0), out [d, d], norm2 [d] fp32, up [d, f], down [f, d], gate_up [r, d]
+//   fp32 and gate_bias [d] fp32 (both empty when ungated). GEMM weights are stored
 //   [in, out] and contiguous: x @ W runs about 20% faster than x @ W_stored^T here.
 
 #include <ATen/ATen.h>
@@ -34,7 +40,7 @@
 
 namespace {
 
-constexpr int64_t kPerLayer = 7;
+constexpr int64_t kPerLayer = 9;
 
 // out[b, :] = x[b, :] / sqrt(mean(x[b, :]^2) + eps) * w, all fp32 [B, d].
 void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t d,
@@ -89,34 +95,45 @@ void conv_and_features(float* qkv, float* buf, const float* cw, int64_t rows, in
   }
 }
 
-// One (row, head): s += k v^T, z += k, out = q^T s / (q^T z + eps), in one pass over s
-// [F, M]. DIM > 0 fixes F = M at compile time so the accumulator stays in registers.
+// One (row, head): s = g s + k v^T, z = g z + k, out = q^T s / (q^T z + eps), in one pass
+// over s [F, M] (g = nullptr: no gate). DIM > 0 fixes F = M at compile time so the
+// accumulator stays in registers.
 template <int64_t DIM>
-void attend_head(const float* q, const float* kk, const float* v, float* sp, float* zp,
-                 float* o, int64_t dim_rt, float eps) {
+void attend_head(const float* q, const float* kk, const float* v, const float* g, float* sp,
+                 float* zp, float* o, int64_t dim_rt, float eps) {
   const int64_t dim = DIM > 0 ? DIM : dim_rt;
   float num[DIM > 0 ? DIM : 1024];
   float den = 0.f;
   for (int64_t m = 0; m < dim; ++m) num[m] = 0.f;
   for (int64_t f = 0; f < dim; ++f) {
-    zp[f] += kk[f];
-    den += q[f] * zp[f];
     const float kf = kk[f], qf = q[f];
     float* row = sp + f * dim;
-    for (int64_t m = 0; m < dim; ++m) {
-      const float updated = row[m] + kf * v[m];
-      row[m] = updated;
-      num[m] += qf * updated;
+    if (g != nullptr) {
+      const float gf = g[f];
+      zp[f] = gf * zp[f] + kf;
+      for (int64_t m = 0; m < dim; ++m) {
+        const float updated = gf * row[m] + kf * v[m];
+        row[m] = updated;
+        num[m] += qf * updated;
+      }
+    } else {
+      zp[f] += kf;
+      for (int64_t m = 0; m < dim; ++m) {
+        const float updated = row[m] + kf * v[m];
+        row[m] = updated;
+        num[m] += qf * updated;
+      }
     }
+    den += qf * zp[f];
   }
   const float inv = 1.f / (den + eps);
   for (int64_t m = 0; m < dim; ++m) o[m] = num[m] * inv;
 }
 
-// Every (row, head). qkv [B, 3d] holds phi(q), phi(k), v; s [B, H, F, M]; z [B, H, F];
-// out [B, d].
-void attend(const float* qkv, float* s, float* z, float* out, int64_t rows, int64_t heads,
-            int64_t dim, double eps) {
+// Every (row, head). qkv [B, 3d] holds phi(q), phi(k), v; gates [B, d] or nullptr;
+// s [B, H, F, M]; z [B, H, F]; out [B, d].
+void attend(const float* qkv, const float* gates, float* s, float* z, float* out,
+            int64_t rows, int64_t heads, int64_t dim, double eps) {
   TORCH_CHECK(dim <= 1024, "head_dim above 1024 is not supported by the fused step");
   const int64_t d = heads * dim;
   at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
@@ -126,16 +143,41 @@ void attend(const float* qkv, float* s, float* z, float* out, int64_t rows, int6
       float* args_s = s + bh * dim * dim;
       float* args_z = z + bh * dim;
       float* o = out + b * d + h * dim;
+      const float* g = gates != nullptr ? gates + b * d + h * dim : nullptr;
       const auto e = static_cast<float>(eps);
       if (dim == 64) {
-        attend_head<64>(q, q + d, q + 2 * d, args_s, args_z, o, dim, e);
+        attend_head<64>(q, q + d, q + 2 * d, g, args_s, args_z, o, dim, e);
       } else if (dim == 32) {
-        attend_head<32>(q, q + d, q + 2 * d, args_s, args_z, o, dim, e);
+        attend_head<32>(q, q + d, q + 2 * d, g, args_s, args_z, o, dim, e);
       } else {
-        attend_head<0>(q, q + d, q + 2 * d, args_s, args_z, o, dim, e);
+        attend_head<0>(q, q + d, q + 2 * d, g, args_s, args_z, o, dim, e);
       }
     }
   });
+}
+
+// gates [B, d] from the gate's low-rank input low [B, r] (row stride ``ld``):
+// x = bias + low @ up, g = max(sigmoid(x)^(1/16), e^-1), the same as exp(clamp(
+// logsigmoid(x) / 16, -1)) in model/attention/gated.py.
+void gates_from(const float* low, int64_t ld, const float* up, const float* bias, float* g,
+                int64_t rows, int64_t rank, int64_t d) {
+  constexpr float kMinGate = 0.36787944117144233f;  // e^-1
+  for (int64_t b = 0; b < rows; ++b) {
+    float* gb = g + b * d;
+    std::memcpy(gb, bias, d * sizeof(float));
+    for (int64_t r = 0; r < rank; ++r) {
+      const float lr = low[b * ld + r];
+      const float* ur = up + r * d;
+      for (int64_t c = 0; c < d; ++c) gb[c] += lr * ur[c];
+    }
+    for (int64_t c = 0; c < d; ++c) {
+      const float x = gb[c];
+      const float e = linserve::exp_nonpositive(x > 0.f ? -x : x);  // exp(-|x|)
+      float sg = x > 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+      sg = std::sqrt(std::sqrt(std::sqrt(std::sqrt(sg))));  // ^(1/16)
+      gb[c] = sg < kMinGate ? kMinGate : sg;
+    }
+  }
 }
 
 // Rows up to which bf16 weights use bf16_gemv instead of oneDNN, which is compute-bound on
@@ -203,13 +245,23 @@ void layer_step(at::Tensor& x, const std::vector<at::Tensor>& w, int64_t base, a
                 double norm_eps) {
   const int64_t rows = x.size(0), d = x.size(1);
   const at::Tensor& cw = w[base + 2];
+  const at::Tensor& gate_up = w[base + 7];
   at::Tensor qkv = project(normed(x, w[base], norm_eps), w[base + 1]);
+  at::Tensor gates;
+  if (gate_up.numel() > 0) {  // the qkv GEMM also made the gate's low-rank input
+    const int64_t rank = gate_up.size(0);
+    gates = at::empty({rows, d}, x.options());
+    gates_from(qkv.data_ptr<float>() + 3 * d, qkv.size(1), gate_up.data_ptr<float>(),
+               w[base + 8].data_ptr<float>(), gates.data_ptr<float>(), rows, rank, d);
+    qkv = qkv.narrow(1, 0, 3 * d).contiguous();
+  }
   const int64_t k = cw.numel() ? cw.size(0) : 0;
   conv_and_features(qkv.data_ptr<float>(), k > 1 ? conv.data_ptr<float>() : nullptr,
                     k ? cw.data_ptr<float>() : nullptr, rows, 3 * d, k);
   at::Tensor o = at::empty({rows, d}, x.options());
-  attend(qkv.data_ptr<float>(), s.data_ptr<float>(), z.data_ptr<float>(),
-         o.data_ptr<float>(), rows, heads, d / heads, attn_eps);
+  attend(qkv.data_ptr<float>(), gates.defined() ? gates.data_ptr<float>() : nullptr,
+         s.data_ptr<float>(), z.data_ptr<float>(), o.data_ptr<float>(), rows, heads, d / heads,
+         attn_eps);
   project_add(x, o, w[base + 3]);
   at::Tensor hid = project(normed(x, w[base + 4], norm_eps), w[base + 5]);
   at::gelu_(hid, "tanh");

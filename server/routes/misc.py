@@ -21,7 +21,7 @@ async def list_models(request: Request, _: Owner) -> dict[str, Any]:
     st = request.app.state
     return {"object": "list", "data": [{
         "id": st.model_name, "object": "model", "created": st.started, "owned_by": "linserve",
-        "attention": st.model.cfg.attention, "max_model_len": st.max_model_len,
+        "attention": st.model.cfg.kind, "max_model_len": st.max_model_len,
         "state_bytes": st.model.state_nbytes()}]}
 
 

@@ -7,10 +7,20 @@ import torch
 from model.config import ModelConfig
 from model.transformer import LanguageModel
 
+# Test kinds beyond the three attention maps: gated linear attention (elu+1 or FAVOR+) and
+# sliding-window softmax. The window is small so that tests cross it many times.
+VARIANTS: dict[str, dict[str, object]] = {
+    "gated": {"attention": "linear", "gate_rank": 4},
+    "gated-favor": {"attention": "favor", "gate_rank": 4},
+    "window": {"attention": "softmax", "window": 24},
+}
+
 
 def tiny_config(kind: str = "linear", **overrides: object) -> ModelConfig:
+    """A tiny config of ``kind``: an attention map or one of :data:`VARIANTS`."""
     base: dict[str, object] = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=2, d_ff=64,
                                    attention=kind, chunk_size=16, n_features=32, max_context=512)
+    base.update(VARIANTS.get(kind, {}))
     base.update(overrides)
     return ModelConfig(**base)  # type: ignore[arg-type]
 

@@ -1,16 +1,18 @@
-"""The three forms (forward, prefill, step) agree on the same weights."""
+"""The three forms (forward, prefill, step) agree on the same weights, for every kind:
+linear and FAVOR+ (gated or not), full softmax and sliding-window softmax."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from model.attention.gated import gated_linear_naive, gated_linear_parallel
 from model.attention.linear import causal_linear_naive, causal_linear_parallel
 from model.state import KVCache, LinearState, cat_states
 from tests.model.helpers import tiny_model
 
-RECURRENT = ["linear", "favor"]
-ALL = ["linear", "favor", "softmax"]
+RECURRENT = ["linear", "favor", "gated", "gated-favor"]
+ALL = [*RECURRENT, "softmax", "window"]
 
 
 def step_all(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -98,6 +100,55 @@ def test_parallel_and_recurrent_forms_match_a_quadratic_oracle() -> None:
         assert torch.allclose(z_out.double(), z_want, atol=1e-4)
 
 
+def gated_oracle(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, lg: torch.Tensor,
+                 s: torch.Tensor, z: torch.Tensor, eps: float = 1e-6
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gated linear attention the quadratic way, in float64, sharing no code with the model:
+    key j reaches query t ≥ j decayed by Π_{j<i≤t} g_i per feature, the start state by
+    Π_{i≤t} g_i."""
+    fq, fk, v, lg, s, z = (x.double() for x in (fq, fk, v, lg, s, z))
+    t = fq.shape[2]
+    cum = lg.cumsum(2)  # [B, H, T, F]: log Π_{i≤t} g_i
+    decay = (cum[:, :, :, None, :] - cum[:, :, None, :, :]).exp()  # [B, H, Tq, Tk, F]
+    causal = torch.ones(t, t).tril().double()[None, None, :, :, None]
+    scores = torch.einsum("bhif,bhijf,bhjf->bhij", fq, decay * causal, fk)
+    q0 = fq * cum.exp()
+    num = torch.einsum("bhij,bhjm->bhim", scores, v) + torch.einsum("bhif,bhfm->bhim", q0, s)
+    den = scores.sum(-1) + torch.einsum("bhif,bhf->bhi", q0, z)
+    to_end = (cum[:, :, -1:] - cum).exp()  # [B, H, T, F]
+    s_end = cum[:, :, -1].exp().unsqueeze(-1) * s + torch.einsum("bhjf,bhjm->bhfm", fk * to_end, v)
+    z_end = cum[:, :, -1].exp() * z + (fk * to_end).sum(2)
+    return num / (den.unsqueeze(-1) + eps), s_end, z_end
+
+
+def test_gated_forms_match_a_quadratic_oracle() -> None:
+    """Chunked (padding and several chunks) and recurrent gated forms = the float64 oracle,
+    with gates down to the clamp e^-1, where the in-chunk decay spans e^-C."""
+    torch.manual_seed(2)
+    b, h, t, f, m = 2, 3, 45, 8, 5
+    fq, fk = torch.rand(b, h, t, f), torch.rand(b, h, t, f)
+    v = torch.randn(b, h, t, m)
+    lg = -torch.rand(b, h, t, f)  # log-gates in [-1, 0]
+    s, z = torch.rand(b, h, f, m), torch.rand(b, h, f)
+    want, s_want, z_want = gated_oracle(fq, fk, v, lg, s, z)
+    for chunk in (8, 16, 64):
+        for out, s_out, z_out in (gated_linear_parallel(fq, fk, v, lg, s, z, chunk_size=chunk),
+                                  gated_linear_naive(fq, fk, v, lg, s, z)):
+            assert torch.allclose(out.double(), want, atol=1e-5)
+            assert torch.allclose(s_out.double(), s_want, atol=1e-4)
+            assert torch.allclose(z_out.double(), z_want, atol=1e-4)
+
+
+def test_a_gate_of_one_is_ungated_linear_attention() -> None:
+    torch.manual_seed(3)
+    fq, fk, v = torch.rand(1, 2, 33, 4), torch.rand(1, 2, 33, 4), torch.randn(1, 2, 33, 4)
+    s, z = torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4)
+    gated = gated_linear_parallel(fq, fk, v, torch.zeros_like(fq), s, z, chunk_size=8)
+    plain = causal_linear_parallel(fq, fk, v, s, z, chunk_size=8)
+    for a, b in zip(gated, plain, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ALL)
 def test_causality(kind: str) -> None:
     model = tiny_model(kind)
@@ -156,6 +207,22 @@ def test_kv_cache_grows_and_is_written_in_place() -> None:
     ptr = long.k.data_ptr()
     model.step(torch.tensor([1]), long)  # capacity 512 >= 301: no reallocation
     assert long.k.data_ptr() == ptr and int(long.lengths[0]) == 301
+
+
+def test_window_cache_is_a_constant_ring_and_needs_no_context_limit() -> None:
+    """A window model runs past max_context (rotary angles computed, not looked up) with a
+    cache that stops growing at W slots; beyond W tokens back, nothing is seen."""
+    model = tiny_model("window", max_context=64, n_layers=1)
+    tokens = torch.randint(0, 97, (1, 200))
+    _, state = model.prefill(tokens[:, :150])
+    assert isinstance(state, KVCache) and state.capacity == 24
+    ptr = state.k.data_ptr()
+    stepped = [model.step(tokens[:, t], state) for t in range(150, 200)]
+    assert state.capacity == 24 and state.k.data_ptr() == ptr and int(state.lengths[0]) == 200
+    # one layer: the last token's logits depend only on the last W = 24 tokens (relative
+    # rotary positions make the absolute offset irrelevant)
+    alone, _ = model.prefill(tokens[:, 200 - 24 : 200])
+    assert (alone[0] - stepped[-1][0]).abs().max() <= 1e-4
 
 
 def test_softmax_refuses_past_max_context() -> None:

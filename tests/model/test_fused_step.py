@@ -44,11 +44,13 @@ def run_both(model, state: LinearState, tokens: torch.Tensor, rows: int
 @pytest.mark.parametrize(("conv_size", "d_model", "n_heads"),
                          [(4, 32, 2), (0, 32, 2), (1, 32, 2), (2, 32, 2),
                           (4, 128, 2), (4, 256, 4), (3, 48, 2), (4, 64, 2), (2, 128, 4)])
-def test_fused_step_equals_eager(conv_size: int, d_model: int, n_heads: int) -> None:
-    """Head dims 16, 24, and 32 and 64 (the two specialised paths), every conv width, a pool
-    view whose spare row must stay untouched; logits within 1e-5, every state tensor within
-    1e-5 of its own scale (s grows into the thousands here, so absolute fp32 rounding does too)."""
-    model = tiny_model("linear", conv_size=conv_size, d_model=d_model, n_heads=n_heads)
+@pytest.mark.parametrize("kind", ["linear", "gated"])
+def test_fused_step_equals_eager(kind: str, conv_size: int, d_model: int, n_heads: int) -> None:
+    """Ungated and gated; head dims 16, 24, and 32 and 64 (the two specialised paths), every
+    conv width, a pool view whose spare row must stay untouched; logits within 1e-5, every
+    state tensor within 1e-5 of its own scale (s grows into the thousands here, so absolute
+    fp32 rounding does too)."""
+    model = tiny_model(kind, conv_size=conv_size, d_model=d_model, n_heads=n_heads)
     _, state = model.prefill(torch.randint(0, 97, (6, 37)))
     worst, eager_st, fused_st = run_both(model, state, torch.randint(0, 97, (40, 5)), rows=5)
     assert worst <= 1e-5
@@ -61,8 +63,9 @@ def test_fused_step_equals_eager(conv_size: int, d_model: int, n_heads: int) -> 
         assert torch.equal(fused_st.tensors()[name][:, 5], t[:, 5]), name
 
 
-def test_fused_steps_equal_parallel_forward() -> None:
-    model = tiny_model("linear")
+@pytest.mark.parametrize("kind", ["linear", "gated"])
+def test_fused_steps_equal_parallel_forward(kind: str) -> None:
+    model = tiny_model(kind)
     assert model.set_fused_step(True)
     tokens = torch.randint(0, 97, (3, 300))
     with torch.no_grad():
@@ -73,10 +76,11 @@ def test_fused_steps_equal_parallel_forward() -> None:
 
 
 @pytest.mark.parametrize("batch", [2, 6])  # the bf16 GEMV path and the oneDNN path
-def test_fused_bf16_weights_track_fp32(batch: int) -> None:
+@pytest.mark.parametrize("kind", ["linear", "gated"])
+def test_fused_bf16_weights_track_fp32(kind: str, batch: int) -> None:
     """bf16 weights with fp32 state: next-token distributions stay close to fp32's (the eager
     bf16 step lands at KL ~1e-5 on this model; the fused one keeps fp32 activations)."""
-    model = tiny_model("linear", d_model=64, n_heads=1)
+    model = tiny_model(kind, d_model=64, n_heads=1)
     ref = model.new_state(batch)
     tokens = torch.randint(0, 97, (200, batch))
     want = [torch.log_softmax(model.step(t, ref), -1) for t in tokens]
@@ -99,7 +103,7 @@ def test_kernel_matmul_equals_torch(dtype: torch.dtype, rows: int) -> None:
     assert (got - want).abs().max().item() <= tol
 
 
-@pytest.mark.parametrize("kind", ["favor", "softmax"])
+@pytest.mark.parametrize("kind", ["favor", "gated-favor", "softmax", "window"])
 def test_other_kinds_keep_the_eager_step(kind: str) -> None:
     model = tiny_model(kind)
     assert model.set_fused_step(True) is False

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from model.state import StateError, state_from_bytes, state_to_bytes, unbatch
 from tests.model.helpers import tiny_model
 
 
-@pytest.mark.parametrize("kind", ["linear", "favor", "softmax"])
+@pytest.mark.parametrize("kind", ["linear", "favor", "gated", "softmax", "window"])
 def test_export_import_continue_equals_uninterrupted(kind: str) -> None:
     model = tiny_model(kind)
-    tokens = torch.randint(0, 97, (1, 60))
+    tokens = torch.randint(0, 97, (1, 60))  # past the window's 24 slots: the ring has wrapped
     _, state = model.prefill(tokens[:, :40])
     blob = state_to_bytes(state, model.fingerprint(), {"tokens": 40})
     restored, extra = state_from_bytes(blob, model.cfg, model.fingerprint())
@@ -21,6 +25,43 @@ def test_export_import_continue_equals_uninterrupted(kind: str) -> None:
         a = model.step(tokens[:, t], state)
         b = model.step(tokens[:, t], restored)
         assert torch.equal(a, b)
+
+
+def _rewrite_meta(blob: bytes, **meta: str | None) -> bytes:
+    """The same tensors with metadata fields replaced (None: removed)."""
+    header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
+    for key, value in meta.items():
+        if value is None:
+            header.pop(key, None)
+        else:
+            header[key] = value
+    return st_save(st_load(blob), metadata=header)
+
+
+def test_format_version_1_blobs_still_load() -> None:
+    """Version 2 added the window to KV-cache blobs; a version 1 blob (no window field) from
+    a model without a window loads and continues exactly."""
+    for kind in ("linear", "softmax"):
+        model = tiny_model(kind)
+        _, state = model.prefill(torch.randint(0, 97, (1, 30)))
+        old = _rewrite_meta(state_to_bytes(state, model.fingerprint()), format_version="1",
+                            window=None)
+        restored, _ = state_from_bytes(old, model.cfg, model.fingerprint())
+        tok = torch.tensor([5])
+        assert torch.equal(model.step(tok, restored), model.step(tok, state))
+    model = tiny_model("linear")
+    blob = _rewrite_meta(state_to_bytes(model.new_state(1), model.fingerprint()),
+                         format_version="3")
+    with pytest.raises(StateError, match="format version '3'"):
+        state_from_bytes(blob, model.cfg, model.fingerprint())
+
+
+def test_a_ring_cache_of_another_window_is_rejected() -> None:
+    model = tiny_model("window")
+    _, state = model.prefill(torch.randint(0, 97, (1, 30)))
+    blob = _rewrite_meta(state_to_bytes(state, model.fingerprint()), window="0")
+    with pytest.raises(StateError, match="window"):
+        state_from_bytes(blob, model.cfg, model.fingerprint())
 
 
 @pytest.mark.parametrize("kind", ["linear", "softmax"])

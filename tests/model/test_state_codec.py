@@ -13,7 +13,7 @@ from server.sessions import MemorySessionStore, Session
 from tests.model.helpers import tiny_model
 
 
-@pytest.mark.parametrize("kind", ["linear", "favor", "softmax"])
+@pytest.mark.parametrize("kind", ["linear", "favor", "gated", "softmax", "window"])
 def test_pack_unpack_is_bit_identical_and_continues_the_same(kind: str) -> None:
     model = tiny_model(kind)
     tokens = torch.randint(0, 97, (2, 50))
