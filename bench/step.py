@@ -1,4 +1,5 @@
-"""``python -m bench.step``: milliseconds per decode ``step`` for linear and softmax.
+"""``python -m bench.step``: milliseconds per decode ``step`` for linear and softmax, and
+for the round-2 kinds: gated linear attention and sliding-window softmax (``--kinds``).
 
 Sweeps batch (1, 8, 32, 64), context (128 … 32k; softmax rows stop where its KV cache would
 exceed the memory budget) and threads (1, 2), in fp32 and bf16 weights (state always fp32).
@@ -23,12 +24,20 @@ from model.state import KVCache, LinearState, State
 from model.transformer import LanguageModel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The shipped shapes of each kind (see configs/round2/).
+KINDS: dict[str, dict[str, Any]] = {
+    "linear": {"attention": "linear"},
+    "gated": {"attention": "linear", "gate_rank": 16},
+    "favor": {"attention": "favor"},
+    "softmax": {"attention": "softmax"},
+    "window": {"attention": "softmax", "window": 256},
+}
 
 
 def build(kind: str, dtype: torch.dtype, max_context: int, fused: bool) -> LanguageModel:
     """A random model of the shipped shape, with the fused step where it applies."""
     torch.manual_seed(0)
-    cfg = ModelConfig(attention=kind, max_context=max_context)  # type: ignore[arg-type]
+    cfg = ModelConfig(**KINDS[kind], max_context=max_context)
     model = LanguageModel(cfg).eval().to(dtype)
     model.set_fused_step(fused)
     return model
@@ -44,7 +53,7 @@ def state_at(model: LanguageModel, batch: int, context: int) -> State:
     and values at the right length (its cost depends on the length, not the values)."""
     state = model.new_state(batch)
     if isinstance(state, KVCache):
-        state.resize(context + 1)
+        state.resize(kv_slots(model.cfg, context))
         state.k.normal_()
         state.v.normal_()
         state.lengths.fill_(context)
@@ -76,7 +85,7 @@ def attention_products(model: LanguageModel, batch: int, context: int
         s = torch.randn(bh, f, m)
         return [(s, torch.rand(bh, f, 1), torch.randn(bh, 1, m)),
                 (torch.rand(bh, 1, f), s, None)]
-    dh, t = cfg.head_dim, context + 1
+    dh, t = cfg.head_dim, kv_slots(cfg, context)
     return [(torch.randn(bh, 1, dh), torch.randn(bh, dh, t), None),
             (torch.softmax(torch.randn(bh, 1, t), -1), torch.randn(bh, t, dh), None)]
 
@@ -172,8 +181,13 @@ def measure_row(model: LanguageModel, batch: int, ctx: int, with_limit: bool = T
     return t
 
 
+def kv_slots(cfg: ModelConfig, context: int) -> int:
+    """Cached positions one step reads after ``context`` tokens (a window reads at most W)."""
+    return min(context + 1, cfg.window) if cfg.window else context + 1
+
+
 def kv_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
-    return 2 * batch * cfg.n_layers * cfg.d_model * (context + 1) * 4
+    return 2 * batch * cfg.n_layers * cfg.d_model * kv_slots(cfg, context) * 4
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -187,7 +201,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     for ctx in args.contexts:
                         base = {"kind": kind, "dtype": dname, "threads": threads,
                                 "batch": batch, "context": ctx}
-                        if kind == "softmax" and kv_bytes(model.cfg, batch, ctx) > args.kv_budget:
+                        if (not model.cfg.is_recurrent
+                                and kv_bytes(model.cfg, batch, ctx) > args.kv_budget):
                             rows.append({**base, "step_ms": None,
                                          "note": "KV cache over memory budget"})
                             continue
@@ -221,7 +236,8 @@ def plot(rows: list[dict[str, Any]], context: int) -> None:
     combos = sorted({(r["dtype"], r["threads"]) for r in rows})
     fig, axes = plt.subplots(1, len(combos), figsize=(5 * len(combos), 4), squeeze=False)
     for ax, (dtype, threads) in zip(axes[0], combos, strict=True):
-        for kind, color in (("linear", "tab:blue"), ("softmax", "tab:red")):
+        for kind, color in (("linear", "tab:blue"), ("gated", "tab:green"),
+                            ("softmax", "tab:red"), ("window", "tab:orange")):
             pts = [r for r in rows if r["kind"] == kind and r["dtype"] == dtype
                    and r["threads"] == threads and r["context"] == context
                    and r.get("step_ms") is not None]
@@ -239,7 +255,7 @@ def plot(rows: list[dict[str, Any]], context: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kinds", nargs="+", default=["linear", "softmax"])
+    parser.add_argument("--kinds", nargs="+", default=["linear", "softmax"], choices=list(KINDS))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     parser.add_argument("--contexts", nargs="+", type=int,
                         default=[128, 512, 2048, 4096, 8192, 32768])

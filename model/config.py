@@ -80,6 +80,13 @@ class ModelConfig:
         return None if self.is_recurrent or self.window else self.max_context
 
     @property
+    def truncatable(self) -> bool:
+        """Whether a state can be cut back to a prefix by lowering its length: only a full KV
+        cache. A recurrent state or a window's ring (which overwrote old slots) cannot; those
+        are rebuilt from a snapshot instead."""
+        return not self.is_recurrent and not self.window
+
+    @property
     def kind(self) -> str:
         """The model family shown to users: linear, gated-linear, favor, gated-favor, softmax
         or window."""

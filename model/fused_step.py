@@ -1,10 +1,12 @@
-"""The fused decode step: the whole RNN-mode ``step`` of an elu+1 model in one native call.
+"""The fused decode step: a model's whole ``step`` in one native call.
 
-:class:`FusedStep` packs a model's weights once into the flat list the kernel takes
-(``model/kernels/linear_step.cpp``) and calls it. It computes what the eager
-:meth:`model.transformer.LanguageModel.step` computes, with activations in fp32 between the
-GEMMs; the eager step stays the reference (and the fallback for ``favor``, ``softmax`` and
-machines without a C++ compiler). Tests hold the two within 1e-5 in fp32.
+:class:`FusedStep` packs a model's weights once into the flat list the kernel takes and calls
+it: ``model/kernels/linear_step.cpp`` for elu+1 linear attention (gated or not), and
+``model/kernels/softmax_step.cpp`` for the softmax baselines (full or sliding-window KV
+cache). It computes what the eager :meth:`model.transformer.LanguageModel.step` computes,
+with activations in fp32 between the GEMMs; the eager step stays the reference (and the
+fallback for ``favor`` and machines without a C++ compiler). Tests hold the two within 1e-5
+in fp32.
 """
 
 from __future__ import annotations
@@ -14,16 +16,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from model import kernels
-from model.state import LinearState
+from model.state import KVCache, State
 
 if TYPE_CHECKING:
     from model.transformer import LanguageModel
 
 
 def supports(model: LanguageModel) -> bool:
-    """The kernel covers elu+1 linear attention, gated or not, with RMSNorm eps left at its
-    default and a gate over head_dim features."""
-    return model.cfg.attention == "linear" and all(
+    """The kernels cover elu+1 linear attention (gated or not) and softmax attention (full or
+    windowed), with RMSNorm eps left at its default."""
+    return model.cfg.attention in ("linear", "softmax") and all(
         n.eps is None for n in (model.norm, *(b.norm1 for b in model.layers),
                                 *(b.norm2 for b in model.layers)))
 
@@ -34,11 +36,13 @@ class FusedStep:
 
     def __init__(self, model: LanguageModel) -> None:
         if not supports(model):
-            raise ValueError("the fused step supports attention='linear' only")
+            raise ValueError("the fused step supports attention='linear' or 'softmax' only")
         if not kernels.load():
             raise RuntimeError(f"native kernels unavailable: {kernels.load_error()}")
         self.heads = model.cfg.n_heads
         self.attn_eps = model.cfg.eps
+        self.window = model.cfg.window
+        self.rope_base = model.cfg.rope_base
         # nn.RMSNorm(eps=None) uses the epsilon of its compute type, fp32 even for bf16 input.
         self.norm_eps = torch.finfo(torch.float32).eps
         self.weights = self._pack(model)
@@ -58,6 +62,11 @@ class FusedStep:
 
         emb = model.embed.weight.detach()
         packed = [emb, emb.t().contiguous(), f32(model.norm.weight)]
+        if not model.cfg.is_recurrent:  # softmax: norm1, qkv, out, norm2, up, down
+            for block in model.layers:
+                packed += [f32(block.norm1.weight), gemm(block.attn.qkv), gemm(block.attn.out),
+                           f32(block.norm2.weight), gemm(block.mlp.up), gemm(block.mlp.down)]
+            return packed
         for block in model.layers:
             attn = block.attn
             conv = getattr(attn, "conv", None)
@@ -74,11 +83,19 @@ class FusedStep:
                 gemm(block.mlp.down), *gate]
         return packed
 
-    def __call__(self, tokens: torch.Tensor, state: LinearState,
+    def __call__(self, tokens: torch.Tensor, state: State,
                  with_head: bool = True) -> torch.Tensor:
         """tokens ``[B]`` -> logits ``[B, V]`` fp32; advances ``state`` (B rows) in place.
         ``with_head=False`` returns the last layer's output ``[B, d]`` instead (benchmarks
-        time the layers and the LM head apart this way)."""
+        time the layers and the LM head apart this way). A KV cache gets its slot first and
+        its lengths advanced after, as the eager step does."""
+        if isinstance(state, KVCache):
+            state.ensure_capacity(int(state.lengths.max()) + 1)
+            out = torch.ops.linserve.softmax_step(
+                tokens, self.weights, state.k, state.v, state.lengths, self.heads, self.window,
+                self.rope_base, self.norm_eps, with_head)
+            state.lengths += 1
+            return out
         return torch.ops.linserve.linear_step(
             tokens, self.weights, state.s, state.z, state.conv, self.heads, self.attn_eps,
             self.norm_eps, with_head)

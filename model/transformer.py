@@ -17,7 +17,7 @@ from model import fused_step, kernels
 from model.config import ModelConfig
 from model.fused_step import FusedStep
 from model.layers import Block
-from model.state import KVCache, LinearState, State, cat_states, empty_state, unbatch
+from model.state import KVCache, State, cat_states, empty_state, unbatch
 
 
 class LanguageModel(nn.Module):
@@ -93,7 +93,8 @@ class LanguageModel(nn.Module):
         return logits, state
 
     def set_fused_step(self, enabled: bool) -> bool:
-        """Use the native fused decode step (elu+1 models; see :mod:`model.fused_step`).
+        """Use the native fused decode step (elu+1 and softmax models; see
+        :mod:`model.fused_step`).
 
         Packs the current weights, so call it after any ``.to(dtype)``. Returns whether the
         fused step is now in use: False when disabled, unsupported or not compilable here.
@@ -133,14 +134,14 @@ class LanguageModel(nn.Module):
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         """tokens ``[B]`` -> logits ``[B, V]``; advances every row of ``state`` by one token."""
-        if self._fused is not None and isinstance(state, LinearState):
+        if self._fused is not None:
             return self._fused(tokens, state)
         return self.step_eager(tokens, state)
 
     @torch.inference_mode()
     def step_eager(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         """:meth:`step` in eager PyTorch, layer by layer: the reference the fused step is
-        tested against, and the step of FAVOR+ and softmax models."""
+        tested against, and the step of FAVOR+ models."""
         if isinstance(state, KVCache):
             state.ensure_capacity(int(state.lengths.max()) + 1)
         x = self.embed(tokens)

@@ -319,7 +319,7 @@ class Engine:
         # from it at the cost of the generated tokens alone.
         keep = seq.req.want_state or (seq.req.chat and self.prefix is not None
                                       and self.prefix.eligible(seq))
-        seq.snapshot = seq.state if keep and self.model.cfg.is_recurrent else None
+        seq.snapshot = seq.state if keep and not self.model.cfg.truncatable else None
         seq.state = None
         self.running.append(seq)
         self._emit(seq)
@@ -451,7 +451,7 @@ class Engine:
         target: list[int] | None = None
         if seq.req.want_state and seq.finish_reason != "error" and sent != 0:
             target = self._session_target(seq, sent)
-            if target == seq.generated or not self.model.cfg.is_recurrent:
+            if target == seq.generated or self.model.cfg.truncatable:
                 state = self.pool.take(slot)
         moved = self.pool.remove(slot)
         last = self.running.pop()
@@ -518,8 +518,9 @@ class Engine:
                      ) -> tuple[State, int]:
         """Where a replay towards input + ``tokens`` starts, and how many of ``tokens`` that
         state already holds: a KV row truncated to what it shares with them (the batch row
-        holds input + generated[:-1]), else the recurrent state kept right after prefill."""
-        if isinstance(row, KVCache):
+        holds input + generated[:-1]), else the state kept right after prefill (recurrent
+        and window models, whose states cannot be cut back)."""
+        if isinstance(row, KVCache) and seq.snapshot is None:
             keep = common_prefix(tokens, seq.generated[:-1])
             row.lengths.fill_(seq.req.start_tokens + seq.prompt_len + keep)
             return row, keep

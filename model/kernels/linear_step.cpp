@@ -31,6 +31,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "dense.h"
 #include "fastmath.h"
 
 #include <cmath>
@@ -40,28 +41,11 @@
 
 namespace {
 
+using linserve::normed;
+using linserve::project;
+using linserve::project_add;
+
 constexpr int64_t kPerLayer = 9;
-
-// out[b, :] = x[b, :] / sqrt(mean(x[b, :]^2) + eps) * w, all fp32 [B, d].
-void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t d,
-              double eps) {
-  for (int64_t b = 0; b < rows; ++b) {
-    const float* xr = x + b * d;
-    float* o = out + b * d;
-    float ss = 0.f;
-    for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
-    const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
-    for (int64_t i = 0; i < d; ++i) o[i] = xr[i] * r * w[i];
-  }
-}
-
-// RMSNorm of x [B, d] fp32 into a new fp32 tensor.
-at::Tensor normed(const at::Tensor& x, const at::Tensor& w, double eps) {
-  at::Tensor out = at::empty_like(x);
-  rms_norm(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), x.size(0),
-           x.size(1), eps);
-  return out;
-}
 
 // phi(v) = elu(v) + 1: v + 1 for v > 0, exp(v) otherwise.
 inline float elu_plus_one(float v) {
@@ -180,66 +164,6 @@ void gates_from(const float* low, int64_t ld, const float* up, const float* bias
   }
 }
 
-// Rows up to which bf16 weights use bf16_gemv instead of oneDNN, which is compute-bound on
-// these shapes at batch 1 (a 256x1024 product: 50 us in bf16 against 29 us in fp32).
-constexpr int64_t kSmallBatch = 4;
-
-// y [B, out] (+)= x [B, in] @ W [in, out] with fp32 x and y and bf16 W: one pass over W,
-// each bf16 widened to fp32 by a 16-bit shift; memory-bound, as a GEMV should be.
-void bf16_gemv(const float* x, const at::BFloat16* w, float* y, int64_t rows, int64_t in,
-               int64_t out, bool accumulate) {
-  const auto* wb = reinterpret_cast<const uint16_t*>(w);
-  if (!accumulate) std::memset(y, 0, rows * out * sizeof(float));
-  for (int64_t i = 0; i < in; ++i) {
-    const uint16_t* wr = wb + i * out;
-    for (int64_t b = 0; b < rows; ++b) {
-      const float xi = x[b * in + i];
-      float* yr = y + b * out;
-      for (int64_t o = 0; o < out; ++o) {
-        const uint32_t bits = static_cast<uint32_t>(wr[o]) << 16;
-        float wf;
-        std::memcpy(&wf, &bits, sizeof(wf));
-        yr[o] += xi * wf;
-      }
-    }
-  }
-}
-
-// a [B, in] fp32 @ W [in, out] (fp32 or bf16) -> fp32 [B, out]; added into ``into`` if given.
-void project(const at::Tensor& a, const at::Tensor& w, at::Tensor* into, at::Tensor* out) {
-  const int64_t rows = a.size(0);
-  if (w.scalar_type() == at::kFloat) {
-    if (into != nullptr) {
-      into->addmm_(a, w);
-    } else {
-      *out = at::mm(a, w);
-    }
-    return;
-  }
-  if (rows <= kSmallBatch && w.scalar_type() == at::kBFloat16) {
-    at::Tensor& y = into != nullptr ? *into : (*out = at::empty({rows, w.size(1)}, a.options()));
-    bf16_gemv(a.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), rows,
-              w.size(0), w.size(1), into != nullptr);
-    return;
-  }
-  at::Tensor y = at::mm(a.to(w.scalar_type()), w).to(at::kFloat);
-  if (into != nullptr) {
-    into->add_(y);
-  } else {
-    *out = y;
-  }
-}
-
-at::Tensor project(const at::Tensor& a, const at::Tensor& w) {
-  at::Tensor out;
-  project(a, w, nullptr, &out);
-  return out;
-}
-
-void project_add(at::Tensor& x, const at::Tensor& a, const at::Tensor& w) {
-  project(a, w, &x, nullptr);
-}
-
 void layer_step(at::Tensor& x, const std::vector<at::Tensor>& w, int64_t base, at::Tensor s,
                 at::Tensor z, at::Tensor conv, int64_t heads, double attn_eps,
                 double norm_eps) {
@@ -263,9 +187,7 @@ void layer_step(at::Tensor& x, const std::vector<at::Tensor>& w, int64_t base, a
          s.data_ptr<float>(), z.data_ptr<float>(), o.data_ptr<float>(), rows, heads, d / heads,
          attn_eps);
   project_add(x, o, w[base + 3]);
-  at::Tensor hid = project(normed(x, w[base + 4], norm_eps), w[base + 5]);
-  at::gelu_(hid, "tanh");
-  project_add(x, hid, w[base + 6]);
+  linserve::mlp_add(x, w[base + 4], w[base + 5], w[base + 6], norm_eps);
 }
 
 at::Tensor linear_step(const at::Tensor& tokens, at::TensorList weights, const at::Tensor& s,

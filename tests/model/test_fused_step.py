@@ -1,4 +1,5 @@
-"""The native fused decode step computes what the eager step computes."""
+"""The native fused decode steps (linear, gated, softmax and window) compute what the eager
+step computes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from model import kernels
-from model.state import LinearState
+from model.state import KVCache, LinearState, cat_states
 from tests.model.helpers import tiny_model
 
 if not kernels.load():  # CI has a compiler: there, a kernel that does not build is a failure
@@ -103,7 +104,47 @@ def test_kernel_matmul_equals_torch(dtype: torch.dtype, rows: int) -> None:
     assert (got - want).abs().max().item() <= tol
 
 
-@pytest.mark.parametrize("kind", ["favor", "gated-favor", "softmax", "window"])
+@pytest.mark.parametrize("kind", ["softmax", "window"])
+@pytest.mark.parametrize("d_model", [64, 96])  # head dims 32 (the 16-lane dot) and 48
+def test_fused_softmax_step_equals_eager(kind: str, d_model: int) -> None:
+    """Rows at different lengths (3, 30 and 50, past the window's 24 slots, so its ring has
+    wrapped), stepped 40 times, eager and fused, on a pool view with a spare row that must
+    stay untouched; the cache grows (full) or stays W slots (window) the same way."""
+    model = tiny_model(kind, d_model=d_model, n_heads=2)
+    rows = [model.prefill(torch.randint(0, 97, (1, n)))[1] for n in (3, 30, 50, 7)]
+    state = cat_states(rows)
+    assert isinstance(state, KVCache)
+    eager_st, fused_st = state.copy(), state.copy()
+    worst = 0.0
+    for _ in range(40):
+        tok = torch.randint(0, 97, (3,))
+        model.set_fused_step(False)
+        a = model.step(tok, eager_st.rows(3))
+        assert model.set_fused_step(True)
+        b = model.step(tok, fused_st.rows(3))
+        worst = max(worst, (a - b).abs().max().item())
+    assert worst <= 1e-5
+    assert eager_st.capacity == fused_st.capacity
+    assert torch.equal(eager_st.lengths, fused_st.lengths)
+    assert (eager_st.k - fused_st.k).abs().max() <= 1e-5
+    assert (eager_st.v - fused_st.v).abs().max() <= 1e-5
+    for name in ("k", "v"):  # row 3 is outside the view
+        assert torch.equal(fused_st.tensors()[name][3], eager_st.tensors()[name][3])
+
+
+@pytest.mark.parametrize("kind", ["softmax", "window"])
+def test_fused_softmax_steps_equal_parallel_forward(kind: str) -> None:
+    model = tiny_model(kind)
+    assert model.set_fused_step(True)
+    tokens = torch.randint(0, 97, (2, 120))
+    with torch.no_grad():
+        full = model(tokens)
+    state = model.new_state(2)
+    stepped = torch.stack([model.step(tokens[:, t], state) for t in range(120)], 1)
+    assert (full - stepped).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["favor", "gated-favor"])
 def test_other_kinds_keep_the_eager_step(kind: str) -> None:
     model = tiny_model(kind)
     assert model.set_fused_step(True) is False

@@ -1,5 +1,7 @@
-"""The FAVOR+ model and bf16 weights served end to end: streaming through the openai SDK,
-and a session continued in two requests equals one long request (greedy)."""
+"""The other shipped kinds served end to end (FAVOR+, the sliding-window softmax baseline,
+and bf16 weights): streaming through the openai SDK, a session continued in two requests
+equals one long request (greedy), and a session cut by a stop string continues from exactly
+the text it returned. The long prompt runs the window model's ring past its W slots."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ from tests.conftest import _weights
 
 pytestmark = pytest.mark.integration
 PROMPT = "JULIET.\nO Romeo, Romeo, wherefore art thou Romeo?\n"
+LONG = PROMPT + "ROMEO.\nShall I hear more, or shall I speak at this?\n" * 24
 
 
-@pytest.fixture(scope="module", params=["favor", "linear-bf16"])
+@pytest.fixture(scope="module", params=["favor", "window", "linear-bf16"])
 def kind_server(request: pytest.FixtureRequest,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     kind, _, dtype = str(request.param).partition("-")
@@ -45,3 +48,26 @@ def test_session_continuation_equals_one_request(kind_server: ServerProcess) -> 
         **greedy, "prompt": "", "session_id": sid, "max_tokens": 20}).json()["choices"][0]["text"]
         for _ in range(2)]
     assert "".join(parts) == whole["choices"][0]["text"]
+
+
+def test_long_session_cut_by_a_stop_string_continues_from_its_text(
+        kind_server: ServerProcess) -> None:
+    """A stop string makes the server rebuild the session's state to the returned text (a
+    window model's ring cannot be cut back, so it replays from its prompt snapshot)."""
+    url = kind_server.url
+    greedy = {"temperature": 0, "ignore_eos": True}
+    probe = httpx.post(url + "/v1/completions", timeout=120, json={
+        **greedy, "prompt": LONG, "max_tokens": 30}).json()["choices"][0]["text"]
+    stop = probe[len(probe) // 2 : len(probe) // 2 + 3]
+    assert stop.strip(), probe
+    sid = httpx.post(url + "/v1/sessions", json={"prompt": LONG}).json()["id"]
+    first = httpx.post(url + "/v1/completions", timeout=120, json={
+        **greedy, "prompt": "", "session_id": sid, "max_tokens": 30, "stop": [stop]}).json()
+    assert first["choices"][0]["finish_reason"] == "stop"
+    cut = first["choices"][0]["text"]
+    follow = {**greedy, "max_tokens": 20}
+    went_on = httpx.post(url + "/v1/completions", timeout=120, json={
+        **follow, "prompt": "", "session_id": sid}).json()["choices"][0]["text"]
+    fresh = httpx.post(url + "/v1/completions", timeout=120, json={
+        **follow, "prompt": LONG + cut}).json()["choices"][0]["text"]
+    assert went_on == fresh
