@@ -19,7 +19,7 @@ from server.client import EngineBackend, EngineClient
 from server.engine import Engine, EngineLimits
 from server.engine_process import ProcessEngineClient
 from server.errors import error_body, install_error_handlers
-from server.loading import load_engine_model, warm_up
+from server.loading import load_engine_model, pick_dtype, warm_up
 from server.openapi import install_openapi
 from server.playground.routes import install_playground
 from server.prefix_cache.remote import RemotePrefixes
@@ -165,6 +165,7 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     app.state.model = model
     app.state.model_name = settings.served_name
     app.state.max_model_len = model.cfg.context_limit
+    app.state.dtype = pick_dtype(settings.dtype)
     app.state.started = int(time.time())
     app.state.client = client
     app.state.service = GenerationService(client, store, model, tok, settings)
@@ -173,7 +174,8 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     install_openapi(app, model.cfg.vocab_size, settings.max_tokens_limit)
     log.info(json.dumps({
         "event": "startup", "model": settings.served_name, "weights": str(settings.weights),
-        "attention": model.cfg.kind, "params": model.n_params(), "dtype": settings.dtype,
+        "attention": model.cfg.kind, "params": model.n_params(),
+        "dtype": app.state.dtype[0], "dtype_reason": app.state.dtype[1],
         "decode_step": "fused" if model.uses_fused_step else "eager",
         "state_bytes_per_session": model.state_nbytes(),
         "state_note": "grows with context" if model.cfg.context_limit else "constant",

@@ -26,8 +26,10 @@ class Settings(BaseSettings):
     model_name: str = Field("", description="name served in /v1/models (default: folder name)")
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="weight dtype; recurrent state is always float32")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="weight dtype; 'auto' picks bfloat16 where the CPU has native bf16 "
+        "dot products (AVX512-BF16 or AMX), float32 otherwise; recurrent state and KV caches "
+        "are always float32")
     threads: int = Field(0, ge=0, description="torch threads for the engine (0: auto)")
     fused_step: bool = Field(
         True, description="decode with the native fused step (elu+1 models; compiled once, "

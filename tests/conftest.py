@@ -3,6 +3,7 @@ real server processes."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,12 @@ import torch
 from bench.serverproc import ROOT, ServerProcess
 
 WEIGHTS = ROOT / "weights"
+
+# Servers started by the tests load fp32 weights unless a test asks otherwise: the exactness
+# tests compare paths (prefill against steps, cached against cold) to fp32 precision, and
+# the default, --dtype auto, would pick bf16 on CPUs with native bf16. tests/server/
+# test_dtype.py starts servers with the default itself.
+os.environ.setdefault("LINSERVE_DTYPE", "float32")
 
 
 def _tiny_checkpoint(path: Path, kind: str) -> Path:

@@ -63,7 +63,8 @@ async def health(request: Request) -> Response:
             "reason": None if ready else reason, "model": st.model_name,
             "engine": engine, "session_store": "ok" if store_ok else "unavailable",
             "time": now(), "draining": st.draining,
-            "decode_step": "fused" if st.model.uses_fused_step else "eager"}
+            "decode_step": "fused" if st.model.uses_fused_step else "eager",
+            "dtype": st.dtype[0], "dtype_reason": st.dtype[1]}
     return _json(body, 200 if ready else 503)
 
 
