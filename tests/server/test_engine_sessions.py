@@ -45,8 +45,9 @@ def close(a: State, b: State) -> bool:
         return all(torch.allclose(x, y, atol=1e-5) for x, y in
                    zip(a.tensors().values(), b.tensors().values(), strict=True))
     assert isinstance(a, KVCache) and isinstance(b, KVCache)
-    n = int(a.lengths[0])
-    return n == int(b.lengths[0]) and torch.allclose(a.k[..., :n, :], b.k[..., :n, :], atol=1e-5)
+    n = int(a.slots_used()[0])  # a window's ring: its W slots, in the same order in both
+    return (torch.equal(a.lengths, b.lengths)
+            and torch.allclose(a.k[..., :n, :], b.k[..., :n, :], atol=1e-5))
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +55,12 @@ def tok() -> Tokenizer:
     return Tokenizer.from_file(ROOT / "weights" / "tokenizer.json")
 
 
-@pytest.mark.parametrize("kind", ["linear", "favor", "softmax"])
+@pytest.mark.parametrize("kind", ["linear", "favor", "gated", "softmax", "window"])
 @pytest.mark.parametrize("mode", ["chat", "cancel", "complete"])
 def test_session_state_is_input_plus_held_tokens(kind: str, mode: str, tok: Tokenizer) -> None:
-    model = tiny_model(kind, vocab_size=tok.vocab_size, max_context=4096)
+    # window 8: the ring wraps within the prompt and the 12 generated tokens
+    extra = {"window": 8} if kind == "window" else {}
+    model = tiny_model(kind, vocab_size=tok.vocab_size, max_context=4096, **extra)
     engine = Engine(model, tok, EngineLimits(max_running=4), lambda _: None)
     prompt = tok.encode("ROMEO. Good morrow.")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

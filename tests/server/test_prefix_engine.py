@@ -1,5 +1,5 @@
 """The prefix cache inside the engine, on tiny random models: output with the cache equals
-output without it (greedy and seeded, linear, FAVOR+ and softmax), and hits land where they
+output without it (greedy and seeded, linear, FAVOR+, gated, softmax and sliding-window), and hits land where they
 should (resent conversations, a prompt diverging inside a cached span, a shared system
 prompt, concurrent requests, evictions)."""
 
@@ -16,7 +16,7 @@ from server.types import GenerationRequest, Output
 from tests.model.helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ["linear", "favor", "softmax"]
+KINDS = ["linear", "favor", "gated", "softmax", "window"]
 
 
 @pytest.fixture(scope="module")
