@@ -20,7 +20,7 @@ import torch
 from bench.common import machine, print_table, save_figure, style_axes, time_interleaved, write_json
 from model.config import ModelConfig
 from model.fused_step import FusedStep
-from model.state import KVCache, LinearState, State
+from model.state import KVCache, State
 from model.transformer import LanguageModel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -142,8 +142,9 @@ def step_fns(model: LanguageModel, state: State, batch: int, compare_eager: bool
 
     @torch.inference_mode()
     def layers() -> None:
-        if fused is not None and isinstance(state, LinearState):
+        if fused is not None:
             fused(tokens, state, with_head=False)
+            rewind()
             return
         x = model.embed(tokens)
         for i, block in enumerate(model.layers):
