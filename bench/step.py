@@ -227,7 +227,7 @@ def result_row(base: dict[str, Any], model: LanguageModel, t: dict[str, float]
     return row
 
 
-def plot(rows: list[dict[str, Any]], context: int) -> None:
+def plot(rows: list[dict[str, Any]], context: int, name: str = "step") -> None:
     """Step time and matmul limit against batch, at one context, per dtype and thread count."""
     import matplotlib
 
@@ -250,7 +250,7 @@ def plot(rows: list[dict[str, Any]], context: int) -> None:
                 ax.plot(xs, [r["limit_ms"] for r in pts], "k--", label="matmul limit")
         style_axes(ax, "batch", "ms per step", f"{dtype}, {threads} thread(s), context {context}",
                    legend_size=8)
-    save_figure(fig, "step.png")
+    save_figure(fig, f"{name}.png")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
                 ["kind", "dtype", "threads", "batch", "context", "step_ms", "layers_ms",
                  "head_ms", "limit_ms", "frac_of_limit", "eager_step_ms"])
     path = write_json(args.output, {"machine": machine(), "rows": rows})
-    plot(rows, 4096 if 4096 in args.contexts else args.contexts[0])
+    plot(rows, 4096 if 4096 in args.contexts else args.contexts[0], args.output)
     print(f"\nwrote {path}")
 
 

@@ -26,9 +26,12 @@ def _tiny_checkpoint(path: Path, kind: str) -> Path:
     from model.config import ModelConfig
     from model.transformer import LanguageModel
 
+    from tests.model.helpers import VARIANTS
+
     torch.manual_seed(0)
+    shape: dict[str, object] = {"attention": kind, **VARIANTS.get(kind, {})}
     cfg = ModelConfig(vocab_size=8192, d_model=64, n_layers=2, n_heads=2, d_ff=128,
-                      attention=kind, max_context=1024)  # type: ignore[arg-type]
+                      max_context=1024, **shape)  # type: ignore[arg-type]
     LanguageModel(cfg).save(path)
     shutil.copy(WEIGHTS / "tokenizer.json", path / "tokenizer.json")
     return path

@@ -56,15 +56,18 @@ def test_long_session_cut_by_a_stop_string_continues_from_its_text(
     window model's ring cannot be cut back, so it replays from its prompt snapshot)."""
     url = kind_server.url
     greedy = {"temperature": 0, "ignore_eos": True}
+    sampled = {"temperature": 0.8, "seed": 3, "ignore_eos": True, "max_tokens": 30}
     probe = httpx.post(url + "/v1/completions", timeout=120, json={
-        **greedy, "prompt": LONG, "max_tokens": 30}).json()["choices"][0]["text"]
-    stop = probe[len(probe) // 2 : len(probe) // 2 + 3]
-    assert stop.strip(), probe
+        **sampled, "prompt": LONG}).json()["choices"][0]["text"]
+    words = [w for w in probe[len(probe) // 3 :].split() if len(w) >= 2]
+    assert words, probe
+    stop = words[0][:2]
     sid = httpx.post(url + "/v1/sessions", json={"prompt": LONG}).json()["id"]
     first = httpx.post(url + "/v1/completions", timeout=120, json={
-        **greedy, "prompt": "", "session_id": sid, "max_tokens": 30, "stop": [stop]}).json()
+        **sampled, "prompt": "", "session_id": sid, "stop": [stop]}).json()
     assert first["choices"][0]["finish_reason"] == "stop"
     cut = first["choices"][0]["text"]
+    assert probe.startswith(cut) and len(cut) < len(probe)
     follow = {**greedy, "max_tokens": 20}
     went_on = httpx.post(url + "/v1/completions", timeout=120, json={
         **follow, "prompt": "", "session_id": sid}).json()["choices"][0]["text"]
