@@ -48,9 +48,10 @@ def windowed_nll(model: LanguageModel, tokens: np.ndarray, window: int,
 @torch.inference_mode()
 def stream_nll(model: LanguageModel, tokens: np.ndarray, chunk: int = 512) -> np.ndarray:
     """Per-position NLL ``[N-1]`` of one long stream through the stateful form (prefill in
-    chunks carrying the state, which equals stepping token by token). Softmax stops at
-    ``max_context``."""
-    limit = min(len(tokens), model.cfg.context_limit or len(tokens))
+    chunks carrying the state, which equals stepping token by token). The full softmax
+    baseline stops at ``max_context`` positions."""
+    cap = model.cfg.context_limit  # positions held; the last token is only a target
+    limit = len(tokens) if cap is None else min(len(tokens), cap + 1)
     x = torch.from_numpy(tokens[:limit].astype(np.int64)).unsqueeze(0)
     state = model.new_state(1)
     out = []

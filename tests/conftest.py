@@ -25,7 +25,6 @@ os.environ.setdefault("LINSERVE_DTYPE", "float32")
 def _tiny_checkpoint(path: Path, kind: str) -> Path:
     from model.config import ModelConfig
     from model.transformer import LanguageModel
-
     from tests.model.helpers import VARIANTS
 
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """The prefix cache inside the engine, on tiny random models: output with the cache equals
-output without it (greedy and seeded, linear, FAVOR+, gated, softmax and sliding-window), and hits land where they
-should (resent conversations, a prompt diverging inside a cached span, a shared system
-prompt, concurrent requests, evictions)."""
+output without it (greedy and seeded; linear, FAVOR+, gated, softmax and sliding-window),
+and hits land where they should (resent conversations, a prompt diverging inside a cached
+span, a shared system prompt, concurrent requests, evictions)."""
 
 from __future__ import annotations
 
