@@ -38,10 +38,11 @@ def causal_linear_parallel(
     vc = v.reshape(b, h, n, c, m)
     kv = kc.transpose(-1, -2) @ vc  # [B, H, N, F, M]
     ksum = kc.sum(-2)  # [B, H, N, F]
-    # State before each chunk: an exclusive prefix sum (a shifted cumsum, never cumsum - kv,
-    # whose rounding would leak a chunk's own future tokens into its earlier positions).
-    s_prefix = torch.cumsum(torch.cat([s.unsqueeze(2), kv[:, :, :-1]], dim=2), dim=2)
-    z_prefix = torch.cumsum(torch.cat([z.unsqueeze(2), ksum[:, :, :-1]], dim=2), dim=2)
+    # State before each chunk: an exclusive prefix sum (never cumsum - kv, whose rounding
+    # would leak a chunk's own future tokens into its earlier positions), summed chunk by
+    # chunk: torch.cumsum along this middle dimension was 20x slower than N adds.
+    s_prefix = exclusive_prefix(s, kv)
+    z_prefix = exclusive_prefix(z, ksum)
     mask = torch.ones(c, c, dtype=torch.bool, device=fq.device).tril()
     scores = (qc @ kc.transpose(-1, -2)).masked_fill(~mask, 0.0)  # [B, H, N, C, C]
     num = scores @ vc + qc @ s_prefix
@@ -49,6 +50,16 @@ def causal_linear_parallel(
     out = num / (den.unsqueeze(-1) + eps)
     out = out.reshape(b, h, n * c, m)[:, :, :t]
     return out, s_prefix[:, :, -1] + kv[:, :, -1], z_prefix[:, :, -1] + ksum[:, :, -1]
+
+
+def exclusive_prefix(start: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """``[start, start + p0, start + p0 + p1, ...]`` stacked on dim 2: start ``[B, H, *S]``,
+    parts ``[B, H, N, *S]`` -> ``[B, H, N, *S]``, the sum before each of the N parts."""
+    acc, out = start, [start]
+    for i in range(parts.shape[2] - 1):
+        acc = acc + parts[:, :, i]
+        out.append(acc)
+    return torch.stack(out, dim=2)
 
 
 def causal_linear_step(
