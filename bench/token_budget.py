@@ -22,25 +22,27 @@ from bench.common import machine, plot_panels, print_table, write_json
 from bench.serverproc import ServerProcess
 
 
-def run(weights: Path, budget: int, clients: int, args: argparse.Namespace) -> dict[str, Any]:
+def run(weights: Path, budget: int, clients: int, dtype: str, args: argparse.Namespace
+        ) -> dict[str, Any]:
     server_args = ["--max-running", "64", "--max-waiting", "256", "--step-token-budget",
-                   str(budget), "--prefill-chunk", str(min(budget, 512))]
+                   str(budget), "--prefill-chunk", str(min(budget, 512)), "--dtype", dtype]
     with ServerProcess(weights, args=server_args) as srv:
         rep = loadtest.main(["--url", srv.url, "--concurrency", str(clients), "--requests",
                              str(2 * clients), "--prompt-tokens", str(args.prompt_tokens),
                              "--max-tokens", str(args.max_tokens), "--ignore-eos",
                              "--temperature", "0.8"])
-    return {"budget": budget, "clients": clients, "tokens_per_s": rep["output_tokens_per_s"],
+    return {"budget": budget, "clients": clients, "dtype": dtype, "tokens_per_s": rep["output_tokens_per_s"],
             "itl_p50_ms": rep["itl_ms"]["p50"], "itl_p99_ms": rep["itl_ms"]["p99"],
             "ttft_p50_ms": rep["ttft_ms"]["p50"], "errors": rep["errors"]}
 
 
-def plot(rows: list[dict[str, Any]]) -> None:
-    plot_panels("token_budget.png", rows, "budget", "clients",
+def plot(rows: list[dict[str, Any]], name: str) -> None:
+    rows = [{**r, "series": f"{r['clients']} clients, {r['dtype']}"} for r in rows]
+    plot_panels(f"{name}.png", rows, "budget", "series",
                 [("itl_p99_ms", "ITL p99 (ms)"), ("tokens_per_s", "output tokens/s"),
                  ("ttft_p50_ms", "TTFT p50 (ms)")],
                 "prompt tokens per iteration (--step-token-budget)", logx=2,
-                label=lambda c: f"{c} clients")
+                label=str)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,12 +53,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clients", nargs="+", type=int, default=[16, 64])
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--dtypes", nargs="+", default=["auto"],
+                   help="server --dtype values to run (auto: what the server picks here)")
     p.add_argument("--output", default="token_budget")
     args = p.parse_args(argv)
-    rows = [run(args.weights, b, c, args) for c in args.clients for b in args.budgets]
-    print_table(rows, ["budget", "clients", "tokens_per_s", "itl_p50_ms", "itl_p99_ms",
+    rows = [run(args.weights, b, c, d, args) for d in args.dtypes for c in args.clients
+            for b in args.budgets]
+    print_table(rows, ["dtype", "budget", "clients", "tokens_per_s", "itl_p50_ms", "itl_p99_ms",
                        "ttft_p50_ms"])
-    plot(rows)
+    plot(rows, args.output)
     print(write_json(args.output, {"machine": machine(), "rows": rows}))
 
 
