@@ -31,7 +31,8 @@ def run(weights: Path, budget: int, clients: int, dtype: str, args: argparse.Nam
                              str(2 * clients), "--prompt-tokens", str(args.prompt_tokens),
                              "--max-tokens", str(args.max_tokens), "--ignore-eos",
                              "--temperature", "0.8"])
-    return {"budget": budget, "clients": clients, "dtype": dtype, "tokens_per_s": rep["output_tokens_per_s"],
+    return {"budget": budget, "clients": clients, "dtype": dtype,
+            "tokens_per_s": rep["output_tokens_per_s"],
             "itl_p50_ms": rep["itl_ms"]["p50"], "itl_p99_ms": rep["itl_ms"]["p99"],
             "ttft_p50_ms": rep["ttft_ms"]["p50"], "errors": rep["errors"]}
 
