@@ -44,7 +44,7 @@ def test_favor_features_survive_save_and_load() -> None:
     assert model.fingerprint() == loaded.fingerprint()
 
 
-@pytest.mark.parametrize("kind", ["linear", "favor"])
+@pytest.mark.parametrize("kind", ["linear", "favor", "gated"])
 def test_long_recurrence_is_finite_and_matches_float64(kind: str) -> None:
     model = tiny_model(kind)
     ref = tiny_model(kind).double()
