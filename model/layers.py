@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import kernels
 from model.attention.features import draw_orthogonal_features, elu_feature, favor_features
 from model.attention.gated import (
     GATE_TEMPERATURE,
@@ -93,13 +94,18 @@ class LinearAttention(nn.Module):
         if buf is None:
             buf = qkv.new_zeros(qkv.shape[0], k - 1, qkv.shape[2])
         full = torch.cat([buf, qkv], dim=1)
-        out = F.conv1d(full.transpose(1, 2), self.conv.float().unsqueeze(1), groups=qkv.shape[2])
+        if kernels.available() and not torch.is_grad_enabled():  # inference: one native pass
+            w = self.conv.T.float().contiguous()  # [K, 3d]
+            out = torch.ops.linserve.causal_conv(full.contiguous(), w)
+        else:
+            out = F.conv1d(full.transpose(1, 2), self.conv.float().unsqueeze(1),
+                           groups=qkv.shape[2]).transpose(1, 2)
         if lengths is None:
-            return out.transpose(1, 2), full[:, full.shape[1] - (k - 1):]
+            return out, full[:, full.shape[1] - (k - 1):]
         # full index j holds qkv position j - (K-1): row b's last K-1 real inputs start at len_b
         idx = lengths[:, None] + torch.arange(k - 1)[None, :]  # [B, K-1]
         new_buf = full.gather(1, idx[:, :, None].expand(-1, -1, full.shape[2]))
-        return out.transpose(1, 2), new_buf
+        return out, new_buf
 
     def forward(self, x: torch.Tensor, state: LinearState | None, layer: int,
                 lengths: torch.Tensor | None = None) -> torch.Tensor:

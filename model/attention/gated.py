@@ -40,8 +40,9 @@ def gated_linear_parallel(
 
     Within a chunk, b_t = Σ_{i≤t} lg_i (cumulative from the chunk's start), so the decay from
     key j to query t is exp(b_t − b_j) = exp(b_t)/exp(b_j): queries scaled by exp(b_t) and
-    keys divided by exp(b_j) give the intra-chunk scores with one matmul (one exp in all). Chunks then hand the state
-    on in a loop over T/C chunks. Returns out ``[B, H, T, M]`` and the final (s, z).
+    keys divided by exp(b_j) give the intra-chunk scores with one matmul (one exp in all).
+    Chunks then hand the state on in a loop over T/C chunks. Returns out ``[B, H, T, M]`` and
+    the final (s, z).
     """
     with torch.autocast("cpu", enabled=False):
         fq, fk, v, lg = fq.float(), fk.float(), v.float(), lg.float()

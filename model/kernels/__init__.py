@@ -1,6 +1,7 @@
 """Native kernels: the fused decode steps (``linear_step.cpp`` for linear attention,
-``softmax_step.cpp`` for the softmax baselines, sharing ``dense.h``) and the fused
-temperature / min-p sampler (``sampling.cpp``).
+``softmax_step.cpp`` for the softmax baselines, sharing ``dense.h``), the prefill's causal
+convolution (``causal_conv.cpp``) and the fused temperature / min-p sampler
+(``sampling.cpp``).
 
 The C++ sources are compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler
 and ninja are needed then, once; the result is cached) or loaded from a prebuilt library,
@@ -27,8 +28,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(n)
-           for n in ("linear_step.cpp", "softmax_step.cpp", "sampling.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in
+           ("linear_step.cpp", "softmax_step.cpp", "causal_conv.cpp", "sampling.cpp")]
 NAME = "linserve_kernels"
 _state: dict[str, bool | str] = {}
 

@@ -171,3 +171,24 @@ def test_without_the_kernel_the_model_falls_back_to_eager(tmp_path) -> None:
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
     assert "torch.Size([1, 97])" in out.stdout
+
+
+@pytest.mark.parametrize(("k", "c"), [(4, 48), (2, 768), (1, 5)])
+def test_native_causal_conv_equals_conv1d(k: int, c: int) -> None:
+    """The prefill's native causal convolution = ATen's depthwise conv1d, layouts aside."""
+    x = torch.randn(3, 37 + k - 1, c)
+    w = torch.randn(c, k)
+    want = torch.nn.functional.conv1d(x.transpose(1, 2), w.unsqueeze(1), groups=c)
+    got = torch.ops.linserve.causal_conv(x, w.T.contiguous())
+    assert torch.allclose(got, want.transpose(1, 2), atol=1e-5)
+
+
+def test_prefill_is_the_same_with_and_without_the_native_conv() -> None:
+    """Inference uses the native convolution, training ATen's: the same logits and state."""
+    model = tiny_model("gated")
+    tokens = torch.randint(0, 97, (2, 90))
+    native_logits, native_state = model.prefill(tokens, all_logits=True)
+    with torch.enable_grad():
+        aten_logits = model(tokens)  # grad enabled: the F.conv1d path
+    assert torch.allclose(native_logits, aten_logits.detach(), atol=1e-5)
+    assert isinstance(native_state, LinearState)
