@@ -258,7 +258,11 @@ class MLP(nn.Module):
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x), approximate="tanh"))
+        hidden = self.up(x)
+        if (kernels.available() and not torch.is_grad_enabled()
+                and hidden.dtype in (torch.float32, torch.bfloat16)):  # inference: native pass
+            return self.down(torch.ops.linserve.gelu_tanh_(hidden.contiguous()))
+        return self.down(F.gelu(hidden, approximate="tanh"))
 
 
 class Block(nn.Module):

@@ -1,6 +1,6 @@
 """Native kernels: the fused decode steps (``linear_step.cpp`` for linear attention,
 ``softmax_step.cpp`` for the softmax baselines, sharing ``dense.h``), the prefill's causal
-convolution (``causal_conv.cpp``) and the fused temperature / min-p sampler
+convolution and GELU (``prefill_ops.cpp``) and the fused temperature / min-p sampler
 (``sampling.cpp``).
 
 The C++ sources are compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler
@@ -29,7 +29,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in
-           ("linear_step.cpp", "softmax_step.cpp", "causal_conv.cpp", "sampling.cpp")]
+           ("linear_step.cpp", "softmax_step.cpp", "prefill_ops.cpp", "sampling.cpp")]
 NAME = "linserve_kernels"
 _state: dict[str, bool | str] = {}
 

@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include "fastmath.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -93,11 +95,27 @@ inline void project_add(at::Tensor& x, const at::Tensor& a, const at::Tensor& w)
   project(a, w, &x, nullptr);
 }
 
+// GELU, tanh form, in place over n floats: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
+// with tanh(|u|) = (1 - e) / (1 + e), e = exp(-2|u|) from exp_nonpositive, so the loop
+// vectorises (ATen's tanh GELU was ~6% of a bf16 prefill and of the batch-64 step).
+// Within 1e-6 of torch's F.gelu(approximate="tanh").
+inline void gelu_tanh(float* x, int64_t n) {
+  constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float u = kAlpha * (v + 0.044715f * v * v * v);
+    const float au = u < 0.f ? -u : u;
+    const float e = exp_nonpositive(-2.f * au);
+    const float t = (1.f - e) / (1.f + e);
+    x[i] = 0.5f * v * (1.f + (u < 0.f ? -t : t));
+  }
+}
+
 // The MLP half of a pre-norm block: x += down(gelu_tanh(up(norm(x)))).
 inline void mlp_add(at::Tensor& x, const at::Tensor& norm_w, const at::Tensor& up,
                     const at::Tensor& down, double norm_eps) {
   at::Tensor hid = project(normed(x, norm_w, norm_eps), up);
-  at::gelu_(hid, "tanh");
+  gelu_tanh(hid.data_ptr<float>(), hid.numel());
   project_add(x, hid, down);
 }
 

@@ -192,3 +192,14 @@ def test_prefill_is_the_same_with_and_without_the_native_conv() -> None:
         aten_logits = model(tokens)  # grad enabled: the F.conv1d path
     assert torch.allclose(native_logits, aten_logits.detach(), atol=1e-5)
     assert isinstance(native_state, LinearState)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_gelu_equals_torch(dtype: torch.dtype) -> None:
+    """The native tanh GELU (prefill MLPs and both fused steps) = F.gelu(approximate="tanh")."""
+    x = torch.cat([torch.randn(50_000) * 4, torch.tensor([0.0, -0.0, 30.0, -30.0, 1e6, -1e6])])
+    x = x.to(dtype)
+    want = torch.nn.functional.gelu(x.float(), approximate="tanh")
+    got = torch.ops.linserve.gelu_tanh_(x.clone()).float()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got, want.to(dtype).float(), rtol=tol, atol=tol)

@@ -1,4 +1,7 @@
-// Causal depthwise convolution for prefill: out[b, t, c] = sum_i w[i, c] * x[b, t + i, c].
+// Elementwise work of the parallel (prefill) form, in one native pass each; inference only
+// (no autograd): the causal convolution and the MLP's tanh GELU.
+//
+// Causal depthwise convolution: out[b, t, c] = sum_i w[i, c] * x[b, t + i, c].
 //
 // x [B, T + K - 1, C] holds each row's K-1 buffered inputs followed by its T new ones, in the
 // [time, channel] layout the q/k/v projections come out in; w [K, C] (the module's [C, K]
@@ -10,7 +13,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "dense.h"
+
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -40,8 +47,39 @@ at::Tensor causal_conv(const at::Tensor& x, const at::Tensor& w) {
   return out;
 }
 
+// GELU (tanh form) in place on a contiguous fp32 or bf16 tensor (bf16 through fp32 blocks).
+at::Tensor gelu_tanh_(at::Tensor x) {
+  TORCH_CHECK(x.is_contiguous(), "gelu_tanh_ takes a contiguous tensor");
+  const int64_t n = x.numel();
+  constexpr int64_t kBlock = 4096;
+  if (x.scalar_type() == at::kFloat) {
+    float* p = x.data_ptr<float>();
+    at::parallel_for(0, n, kBlock,
+                     [&](int64_t b, int64_t e) { linserve::gelu_tanh(p + b, e - b); });
+    return x;
+  }
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gelu_tanh_ takes fp32 or bf16");
+  at::BFloat16* p = x.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n, kBlock, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(kBlock);
+    for (int64_t s = b; s < e; s += kBlock) {
+      const int64_t len = std::min(kBlock, e - s);
+      for (int64_t i = 0; i < len; ++i) buf[i] = static_cast<float>(p[s + i]);
+      linserve::gelu_tanh(buf.data(), len);
+      for (int64_t i = 0; i < len; ++i) p[s + i] = static_cast<at::BFloat16>(buf[i]);
+    }
+  });
+  return x;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(linserve, m) { m.def("causal_conv(Tensor x, Tensor w) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(linserve, m) {
+  m.def("causal_conv(Tensor x, Tensor w) -> Tensor");
+  m.def("gelu_tanh_(Tensor(a!) x) -> Tensor(a!)");
+}
 
-TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("causal_conv", &causal_conv); }
+TORCH_LIBRARY_IMPL(linserve, CPU, m) {
+  m.impl("causal_conv", &causal_conv);
+  m.impl("gelu_tanh_", &gelu_tanh_);
+}
