@@ -143,7 +143,7 @@ def evaluate(weights: Path, data_dir: Path = DATA_DIR, train_ctx: int = 256,
              dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     model = load_model(weights, dtype)
     tok = Tokenizer.from_file(weights / model.cfg.tokenizer)
-    result: dict[str, Any] = {"weights": str(weights), "attention": model.cfg.attention,
+    result: dict[str, Any] = {"weights": str(weights), "attention": model.cfg.kind,
                               "n_params": model.n_params(), "train_context": train_ctx}
     for split in ("valid", "test"):
         tokens = np.asarray(load_tokens(split, data_dir))

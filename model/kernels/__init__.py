@@ -91,7 +91,8 @@ def build(directory: str | Path | None = None, verbose: bool = False) -> str:
         Path(build_dir).mkdir(parents=True, exist_ok=True)
     path = cpp_extension.load(
         name=NAME, sources=[str(s) for s in SOURCES],
-        extra_cflags=["-O3", f"-march={arch}", "-fopenmp-simd"], build_directory=build_dir,
+        extra_cflags=["-O3", f"-march={arch}", "-fopenmp-simd", "-fno-math-errno"],
+        build_directory=build_dir,
         is_python_module=False, verbose=verbose)
     return str(path)
 
