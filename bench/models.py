@@ -67,14 +67,14 @@ def plot(rows: list[dict[str, Any]]) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in rows:
         table = [b for b in r["eval"]["length_generalisation"] if b["ppl"] is not None]
-        starts = [max(1, int(b["bucket"].strip("[)").split(",")[0])) for b in table]
-        ax1.plot(starts, [b["ppl"] for b in table], "o-", label=r["name"])
-    ax1.set_xscale("log", base=2)
-    style_axes(ax1, "position (bucket start)", "perplexity",
+        ends = [int(b["bucket"].strip("[)").split(",")[1]) for b in table]
+        ax1.plot(ends, [b["ppl"] for b in table], "o-", label=r["name"])
+    style_axes(ax1, "position (bucket end; a point covers the bucket)", "perplexity",
                "perplexity by position, 16k-token streams", logy=False, legend_size=8)
     named = [r for r in rows if "context_use" in r["eval"]]
-    ax2.bar([r["name"] for r in named], [r["eval"]["context_use"]["ratio"] for r in named],
-            color="tab:blue")
+    ratios = [r["eval"]["context_use"]["ratio"] for r in named]
+    bars = ax2.bar([r["name"] for r in named], [min(x, 1.09) for x in ratios], color="tab:blue")
+    ax2.bar_label(bars, labels=[f"{x:.3f}" for x in ratios], fontsize=8)
     ax2.axhline(1.0, color="k", lw=0.8)
     ax2.axhline(0.95, color="tab:green", lw=0.8, ls="--", label="goal 0.95")
     ax2.set_ylim(0.8, 1.1)
