@@ -32,8 +32,9 @@ class Settings(BaseSettings):
         "are always float32")
     threads: int = Field(0, ge=0, description="torch threads for the engine (0: auto)")
     fused_step: bool = Field(
-        True, description="decode with the native fused step (elu+1 models; compiled once, "
-        "or LINSERVE_KERNEL_LIB); the eager step is used where it is unavailable")
+        True, description="decode with the native fused step (elu+1 and softmax models; "
+        "compiled once, or LINSERVE_KERNEL_LIB); the eager step is used where it is "
+        "unavailable")
     engine_mode: Literal["process", "thread"] = Field(
         "process", description="run the engine in its own process (no GIL contention with "
         "HTTP) or as a thread of the server process")
