@@ -24,6 +24,8 @@ class ModelConfig:
     ``gate_rank > 0`` makes ``linear``/``favor`` *gated*: a data-dependent forget gate
     g_t ∈ [e⁻¹, 1] per head and feature (GLA's low-rank form, d → rank → H·F) decays the state,
     s_t = g_t ⊙ s_{t-1} + φ(k_t)v_tᵀ and z_t = g_t ⊙ z_{t-1} + φ(k_t).
+    ``qk_norm`` L2-normalises each head's q and k before φ (an ablation of issue 13; the
+    eager forms carry it, the fused step does not).
     ``window > 0`` makes ``softmax`` local: each query sees only the last ``window`` tokens, so
     its KV cache is a ring buffer of constant size and it has no maximum context.
     """
@@ -44,6 +46,7 @@ class ModelConfig:
     favor_seed: int = 0
     gate_rank: int = 0
     window: int = 0
+    qk_norm: bool = False
     tokenizer: str = "tokenizer.json"
 
     def __post_init__(self) -> None:
@@ -55,6 +58,8 @@ class ModelConfig:
             raise ValueError("rotary embeddings need an even head_dim")
         if self.gate_rank < 0 or (self.gate_rank and self.attention == "softmax"):
             raise ValueError("gate_rank must be >= 0 and is for linear or favor attention")
+        if self.qk_norm and self.attention == "softmax":
+            raise ValueError("qk_norm is for linear or favor attention")
         if self.window < 0 or (self.window and self.attention != "softmax"):
             raise ValueError("window must be >= 0 and is for softmax attention")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "chunk_size"):
@@ -99,10 +104,10 @@ class ModelConfig:
 
     def identity(self) -> dict[str, Any]:
         """The fields a model fingerprint covers: all, except the round-2 fields (gate_rank,
-        window) at their default of 0, so older models keep their fingerprints and sessions
+        window, qk_norm) at their defaults, so older models keep their fingerprints and sessions
         exported from them still load."""
         return {k: v for k, v in self.to_dict().items()
-                if not (k in ("gate_rank", "window") and v == 0)}
+                if not (k in ("gate_rank", "window", "qk_norm") and not v)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def supports(model: LanguageModel) -> bool:
     """The kernels cover elu+1 linear attention (gated or not) and softmax attention (full or
     windowed), with RMSNorm eps left at its default."""
-    return model.cfg.attention in ("linear", "softmax") and all(
+    return model.cfg.attention in ("linear", "softmax") and not model.cfg.qk_norm and all(
         n.eps is None for n in (model.norm, *(b.norm1 for b in model.layers),
                                 *(b.norm2 for b in model.layers)))
 

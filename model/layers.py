@@ -79,6 +79,8 @@ class LinearAttention(nn.Module):
         return lg.view(*x.shape[:-1], self.cfg.n_heads, self.cfg.feature_dim)
 
     def _phi(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        if self.cfg.qk_norm:  # ablation: unit-length q and k per head before the map
+            x = F.normalize(x, dim=-1)
         if self.cfg.attention == "favor":
             return favor_features(x, self.favor_w, is_query)
         return elu_feature(x)

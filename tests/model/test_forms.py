@@ -139,6 +139,15 @@ def test_gated_forms_match_a_quadratic_oracle() -> None:
             assert torch.allclose(z_out.double(), z_want, atol=1e-4)
 
 
+def test_qk_norm_ablation_keeps_the_forms_equal_and_the_eager_step() -> None:
+    model = tiny_model("gated", qk_norm=True)
+    tokens = torch.randint(0, 97, (2, 70))
+    with torch.no_grad():
+        full = model(tokens)
+    assert (full - step_all(model, tokens)).abs().max() <= 1e-4
+    assert model.set_fused_step(True) is False  # the fused step does not carry it
+
+
 def test_a_gate_of_one_is_ungated_linear_attention() -> None:
     torch.manual_seed(3)
     fq, fk, v = torch.rand(1, 2, 33, 4), torch.rand(1, 2, 33, 4), torch.randn(1, 2, 33, 4)
