@@ -20,12 +20,15 @@ from bench import loadtest
 from bench.common import RESULTS, machine, print_table, save_figure, style_axes, time_ms, write_json
 from bench.serverproc import ServerProcess
 from model.transformer import load_model
+from server.loading import pick_dtype
 
 
-def raw_step_tokens_per_s(weights: Path, batch: int, context: int, threads: int) -> float:
-    """Tokens/s of the bare batched step (+ sampling-free), in this process."""
+def raw_step_tokens_per_s(weights: Path, batch: int, context: int, threads: int,
+                          dtype: str = "auto") -> float:
+    """Tokens/s of the bare batched step (sampling-free), in this process, with the weight
+    dtype the server loads for ``--dtype`` (auto: bf16 where the CPU has it)."""
     torch.set_num_threads(threads)
-    model = load_model(weights)
+    model = load_model(weights, getattr(torch, pick_dtype(dtype)[0]))
     _, one = model.prefill(torch.randint(0, 8000, (1, context)))
     from model.state import cat_states
 
@@ -44,7 +47,8 @@ def raw_step_tokens_per_s(weights: Path, batch: int, context: int, threads: int)
 
 def sweep(weights: Path, levels: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    server_args = ["--max-running", str(max(levels)), "--max-waiting", str(4 * max(levels))]
+    server_args = ["--max-running", str(max(levels)), "--max-waiting", str(4 * max(levels)),
+                   "--dtype", args.dtype]
     with ServerProcess(weights, args=server_args) as srv:
         for n in levels:
             rep = loadtest.main(["--url", srv.url, "--concurrency", str(n), "--requests",
@@ -87,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="+", default=["linear", "softmax"])
     p.add_argument("--weights", type=Path, default=Path("weights"))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="auto", help="the server's --dtype (and the raw step's)")
     p.add_argument("--output", default="concurrency", help="name of the JSON and PNG written")
     args = p.parse_args(argv)
     rows: list[dict[str, Any]] = []
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     for model in args.models:
         rows += sweep(args.weights / model, args.levels, args)
         raw[model] = raw_step_tokens_per_s(args.weights / model, 64, args.prompt_tokens,
-                                           args.threads)
+                                           args.threads, args.dtype)
     for r in rows:
         r["frac_of_raw_step_b64"] = r["tokens_per_s"] / raw[r["model"]]
     print_table(rows, ["model", "concurrency", "tokens_per_s", "frac_of_raw_step_b64",
