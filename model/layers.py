@@ -33,6 +33,12 @@ from model.config import ModelConfig
 from model.state import KVCache, LinearState
 
 
+def native_inference() -> bool:
+    """Whether to use the native prefill kernels (``prefill_ops.cpp``): loaded, and no
+    autograd to serve (training keeps ATen's differentiable ops)."""
+    return kernels.available() and not torch.is_grad_enabled()
+
+
 def gate_bias_init(heads: int, features: int, lo: float = 0.9, hi: float = 0.999
                    ) -> torch.Tensor:
     """Gate logits ``[H·F]`` whose gates g = sigmoid(x)^(1/16) start spread log-uniformly over
@@ -96,7 +102,7 @@ class LinearAttention(nn.Module):
         if buf is None:
             buf = qkv.new_zeros(qkv.shape[0], k - 1, qkv.shape[2])
         full = torch.cat([buf, qkv], dim=1)
-        if kernels.available() and not torch.is_grad_enabled():  # inference: one native pass
+        if native_inference():
             w = self.conv.T.float().contiguous()  # [K, 3d]
             out = torch.ops.linserve.causal_conv(full.contiguous(), w)
         else:
@@ -261,8 +267,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.up(x)
-        if (kernels.available() and not torch.is_grad_enabled()
-                and hidden.dtype in (torch.float32, torch.bfloat16)):  # inference: native pass
+        if native_inference() and hidden.dtype in (torch.float32, torch.bfloat16):
             return self.down(torch.ops.linserve.gelu_tanh_(hidden.contiguous()))
         return self.down(F.gelu(hidden, approximate="tanh"))
 
