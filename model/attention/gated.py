@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model.attention.linear import causal_linear_step
+
 # The gate is at least e^-1 per token, so within a chunk of C tokens the cumulative decay is
 # at least e^-C: with C ≤ 64 its inverse, e^64 ≈ 6e27, stays far inside fp32's range.
 LOG_GATE_MIN = -1.0
@@ -93,11 +95,9 @@ def gated_linear_step(
     Returns out ``[B, H, M]``.
     """
     g = lg.exp()
-    s.mul_(g.unsqueeze(-1)).addcmul_(fk.unsqueeze(-1), v.unsqueeze(-2))
-    z.mul_(g).add_(fk)
-    num = (fq.unsqueeze(-2) @ s).squeeze(-2)
-    den = (fq * z).sum(-1, keepdim=True)
-    return num / (den + eps)
+    s.mul_(g.unsqueeze(-1))  # forget first, then the ungated update and readout
+    z.mul_(g)
+    return causal_linear_step(fq, fk, v, s, z, eps)
 
 
 def gated_linear_naive(
