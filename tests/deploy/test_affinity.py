@@ -97,8 +97,8 @@ def test_affinity_keeps_hits_local_and_outputs_exact(linear_weights: Path,
     assert hashed["cached"] >= 0.95 * spread["cached"] > 0
     assert hashed["cached"] > 0.5 * hashed["prompt"]  # later turns resume from the cache
     # With affinity a replica reads a state from Redis only for a prefix that the other
-    # replica published first and every conversation shares (the system prompt, and the
-    # start of the first user message): at most twice per replica.
-    assert hashed["fetches"] <= 4
+    # replica published first and conversations share (the system prompt, the start of the
+    # first user message): a few reads in all, never one a turn as round-robin needs.
+    assert hashed["fetches"] <= CONVERSATIONS
     assert hashed["fetches"] < spread["fetches"]
     assert hashed["redis_gets"] < spread["redis_gets"]

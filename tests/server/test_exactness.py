@@ -88,7 +88,8 @@ def test_busy_session_cannot_be_deleted(server: ServerProcess) -> None:
     """DELETE while a request runs is a 409; the running request still saves, and the
     session can be deleted (for good) afterwards."""
     sid = post(server, "/v1/sessions", {"prompt": PROMPT}).json()["id"]
-    body = {"prompt": "", "session_id": sid, "max_tokens": 40, "stream": True,
+    # long enough that the DELETE surely lands while it runs, however fast the step gets
+    body = {"prompt": "", "session_id": sid, "max_tokens": 400, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
