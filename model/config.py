@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 AttentionKind = Literal["linear", "favor", "softmax"]
 ATTENTION_KINDS: tuple[str, ...] = ("linear", "favor", "softmax")
+ROUND2_FIELDS = ("gate_rank", "window", "qk_norm", "output_norm", "head_decay")
+EAGER_ONLY_FIELDS = ("qk_norm", "output_norm", "head_decay")  # ablations the fused step lacks
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,11 @@ class ModelConfig:
     ``gate_rank > 0`` makes ``linear``/``favor`` *gated*: a data-dependent forget gate
     g_t ∈ [e⁻¹, 1] per head and feature (GLA's low-rank form, d → rank → H·F) decays the state,
     s_t = g_t ⊙ s_{t-1} + φ(k_t)v_tᵀ and z_t = g_t ⊙ z_{t-1} + φ(k_t).
-    ``qk_norm`` L2-normalises each head's q and k before φ (an ablation of issue 13; the
-    eager forms carry it, the fused step does not).
+    Three ablations of issue 13, carried by the eager forms only (the fused step refuses them):
+    ``qk_norm`` L2-normalises each head's q and k before φ; ``output_norm`` replaces the
+    denominator φ(q)ᵀz by GLA's per-head RMSNorm of φ(q)ᵀs (z is still kept, so the state keeps
+    its shape); ``head_decay`` is a learned, data-independent decay per head (RetNet's γ, no
+    gate network) in place of ``gate_rank``'s data-dependent gate.
     ``window > 0`` makes ``softmax`` local: each query sees only the last ``window`` tokens, so
     its KV cache is a ring buffer of constant size and it has no maximum context.
     """
@@ -47,6 +52,8 @@ class ModelConfig:
     gate_rank: int = 0
     window: int = 0
     qk_norm: bool = False
+    output_norm: bool = False
+    head_decay: bool = False
     tokenizer: str = "tokenizer.json"
 
     def __post_init__(self) -> None:
@@ -58,8 +65,13 @@ class ModelConfig:
             raise ValueError("rotary embeddings need an even head_dim")
         if self.gate_rank < 0 or (self.gate_rank and self.attention == "softmax"):
             raise ValueError("gate_rank must be >= 0 and is for linear or favor attention")
-        if self.qk_norm and self.attention == "softmax":
-            raise ValueError("qk_norm is for linear or favor attention")
+        for flag in ("qk_norm", "output_norm", "head_decay"):
+            if getattr(self, flag) and self.attention == "softmax":
+                raise ValueError(f"{flag} is for linear or favor attention")
+        if self.head_decay and self.gate_rank:
+            raise ValueError("head_decay replaces the gate: set gate_rank to 0")
+        if self.output_norm and not (self.gate_rank or self.head_decay):
+            raise ValueError("output_norm needs a decay (gate_rank or head_decay), as in GLA")
         if self.window < 0 or (self.window and self.attention != "softmax"):
             raise ValueError("window must be >= 0 and is for softmax attention")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "chunk_size"):
@@ -97,17 +109,19 @@ class ModelConfig:
         or window."""
         if self.gate_rank:
             return f"gated-{self.attention}"
+        if self.head_decay:
+            return f"decay-{self.attention}"
         return "window" if self.window else self.attention
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def identity(self) -> dict[str, Any]:
-        """The fields a model fingerprint covers: all, except the round-2 fields (gate_rank,
-        window, qk_norm) at their defaults, so older models keep their fingerprints and sessions
-        exported from them still load."""
+        """The fields a model fingerprint covers: all, except the round-2 fields at their
+        defaults, so older models keep their fingerprints and sessions exported from them
+        still load."""
         return {k: v for k, v in self.to_dict().items()
-                if not (k in ("gate_rank", "window", "qk_norm") and not v)}
+                if not (k in ROUND2_FIELDS and not v)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:

@@ -9,6 +9,8 @@ refuses longer sessions), so its buckets past that are reported as refused.
 The context-use ratio asks whether the state helps: perplexity with the state carried through
 4k-token streams against the state reset every T tokens (T = the training context), on the
 same positions (≥ T). Below 1, what the model read long ago still helps it predict.
+``--as-window T`` scores the full softmax model through a sliding window of T tokens: the
+ratio of a model that always sees the last T tokens exactly, a ceiling for the others.
 """
 
 from __future__ import annotations
@@ -140,8 +142,10 @@ def training_context(weights: Path, default: int = 256) -> int:
 
 def evaluate(weights: Path, data_dir: Path = DATA_DIR, train_ctx: int = 256,
              stream_len: int = 16384, n_streams: int = 8,
-             dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    model = load_model(weights, dtype)
+             dtype: torch.dtype = torch.float32, window: int | None = None) -> dict[str, Any]:
+    """Every figure of the module docstring for one model; ``window`` scores a softmax model
+    as a sliding-window one (see :func:`model.transformer.load_model`)."""
+    model = load_model(weights, dtype, window=window)
     tok = Tokenizer.from_file(weights / model.cfg.tokenizer)
     result: dict[str, Any] = {"weights": str(weights), "attention": model.cfg.kind,
                               "n_params": model.n_params(), "train_context": train_ctx}
@@ -179,12 +183,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="weight dtype (recurrent state stays fp32)")
     parser.add_argument("--no-length-table", action="store_true",
                         help="only perplexity and bits per byte")
+    parser.add_argument("--as-window", type=int, metavar="W",
+                        help="score a softmax model as sliding-window attention over W tokens: "
+                             "with W = T, the context-use ratio of a model that always sees the "
+                             "last T tokens (the ceiling a recurrent state is measured against)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     train_ctx = args.train_context or training_context(args.weights)
     result = evaluate(args.weights, args.data_dir, train_ctx, args.stream_len,
-                      0 if args.no_length_table else args.streams, getattr(torch, args.dtype))
+                      0 if args.no_length_table else args.streams, getattr(torch, args.dtype),
+                      args.as_window)
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:

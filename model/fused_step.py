@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from model import kernels
+from model.config import EAGER_ONLY_FIELDS
 from model.state import KVCache, State
 
 if TYPE_CHECKING:
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 def supports(model: LanguageModel) -> bool:
     """The kernels cover elu+1 linear attention (gated or not) and softmax attention (full or
     windowed), with RMSNorm eps left at its default."""
-    return model.cfg.attention in ("linear", "softmax") and not model.cfg.qk_norm and all(
+    eager_only = any(getattr(model.cfg, f) for f in EAGER_ONLY_FIELDS)
+    return model.cfg.attention in ("linear", "softmax") and not eager_only and all(
         n.eps is None for n in (model.norm, *(b.norm1 for b in model.layers),
                                 *(b.norm2 for b in model.layers)))
 

@@ -16,6 +16,7 @@ from model import kernels
 from model.attention.features import draw_orthogonal_features, elu_feature, favor_features
 from model.attention.gated import (
     GATE_TEMPERATURE,
+    LOG_GATE_MIN,
     gated_linear_parallel,
     gated_linear_step,
     log_gate,
@@ -49,6 +50,13 @@ def gate_bias_init(heads: int, features: int, lo: float = 0.9, hi: float = 0.999
     return x.repeat(heads)
 
 
+def head_decay_init(heads: int, lo: float = 0.95, hi: float = 0.999) -> torch.Tensor:
+    """θ ``[H]`` for decays γ_h = exp(-exp(θ_h)) spread log-uniformly over [lo, hi]: memories
+    from ~20 to ~1000 tokens, like the gate's initial spread."""
+    rates = torch.logspace(math.log10(-math.log(lo)), math.log10(-math.log(hi)), heads)
+    return rates.log()
+
+
 class LinearAttention(nn.Module):
     """Causal linear attention (elu+1 or FAVOR+) with an optional short causal conv on q/k/v
     and an optional data-dependent forget gate (``gate_rank > 0``)."""
@@ -76,13 +84,29 @@ class LinearAttention(nn.Module):
             self.gate_up = nn.Linear(cfg.gate_rank, cfg.n_heads * cfg.feature_dim)
             with torch.no_grad():
                 self.gate_up.bias.copy_(gate_bias_init(cfg.n_heads, cfg.feature_dim))
+        self.decay: nn.Parameter | None = None
+        if cfg.head_decay:  # ablation: log g_h = -exp(θ_h), one learned decay per head
+            self.decay = nn.Parameter(head_decay_init(cfg.n_heads))
+        self.o_norm: nn.Parameter | None = None
+        if cfg.output_norm:  # ablation: GLA's per-head RMSNorm in place of the denominator
+            self.o_norm = nn.Parameter(torch.ones(cfg.n_heads, cfg.head_dim))
 
     def _log_gate(self, x: torch.Tensor) -> torch.Tensor | None:
         """x ``[..., d]`` -> log-gates ``[..., H, F]`` in fp32, or None for an ungated model."""
+        if self.decay is not None:
+            lg = (-self.decay.float().exp()).clamp(min=LOG_GATE_MIN)  # [H]
+            return lg[:, None].expand(*x.shape[:-1], self.cfg.n_heads, self.cfg.feature_dim)
         if self.gate_down is None or self.gate_up is None:
             return None
         lg = log_gate(self.gate_up(self.gate_down(x)))
         return lg.view(*x.shape[:-1], self.cfg.n_heads, self.cfg.feature_dim)
+
+    def _norm_out(self, o: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """The output-norm ablation: RMSNorm over each head's ``M`` values of the numerator
+        φ(q)ᵀs, times ``weight`` (``[H, M]``, or ``[H, 1, M]`` for ``[B, H, T, M]``)."""
+        if weight is None:
+            return o
+        return F.rms_norm(o, (o.shape[-1],), eps=self.cfg.eps) * weight.float()
 
     def _phi(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         if self.cfg.qk_norm:  # ablation: unit-length q and k per head before the map
@@ -145,7 +169,9 @@ class LinearAttention(nn.Module):
                 self._phi(q, True), fk, v, s, z, self.cfg.chunk_size, self.cfg.eps)
         else:
             o, s_new, z_new = gated_linear_parallel(
-                self._phi(q, True), fk, v, lg, s, z, self.cfg.chunk_size, self.cfg.eps)
+                self._phi(q, True), fk, v, lg, s, z, self.cfg.chunk_size, self.cfg.eps,
+                normalise=self.o_norm is None)
+            o = self._norm_out(o, self.o_norm[:, None] if self.o_norm is not None else None)
         if state is not None:
             state.s[layer] = s_new
             state.z[layer] = z_new
@@ -170,7 +196,9 @@ class LinearAttention(nn.Module):
                                    state.s[layer], state.z[layer], self.cfg.eps)
         else:
             o = gated_linear_step(self._phi(q, True), self._phi(k, False), v, lg,
-                                  state.s[layer], state.z[layer], self.cfg.eps)
+                                  state.s[layer], state.z[layer], self.cfg.eps,
+                                  normalise=self.o_norm is None)
+            o = self._norm_out(o, self.o_norm)
         return self.out(o.reshape(b, -1).to(x.dtype))
 
 

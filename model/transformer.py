@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import math
 from pathlib import Path
@@ -175,14 +177,18 @@ class LanguageModel(nn.Module):
 
 
 def load_model(directory: str | Path, dtype: torch.dtype = torch.float32,
-               fused: bool = True) -> LanguageModel:
+               fused: bool = True, window: int | None = None) -> LanguageModel:
     """Rebuild a model from ``config.json`` and load ``model.safetensors`` (strict).
 
     ``fused`` loads the native kernels (built on first use): the fused decode step where the
     model supports it (see :meth:`LanguageModel.set_fused_step`) and the native sampler.
+    ``window`` runs a softmax model as a sliding-window one of that many tokens (the same
+    weights under a band mask; for evaluation).
     """
     directory = Path(directory)
     cfg = ModelConfig.load(directory / "config.json")
+    if window is not None:
+        cfg = dataclasses.replace(cfg, window=window)
     model = LanguageModel(cfg)
     model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=True)
     model.fingerprint()  # computed on the fp32 weights, before any cast

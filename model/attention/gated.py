@@ -37,6 +37,7 @@ def gated_linear_parallel(
     z: torch.Tensor,
     chunk_size: int = 64,
     eps: float = 1e-6,
+    normalise: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunked parallel form with the decay inside chunks, in fp32 (autocast off).
 
@@ -44,7 +45,7 @@ def gated_linear_parallel(
     key j to query t is exp(b_t − b_j) = exp(b_t)/exp(b_j): queries scaled by exp(b_t) and
     keys divided by exp(b_j) give the intra-chunk scores with one matmul (one exp in all).
     Chunks then hand the state on in a loop over T/C chunks. Returns out ``[B, H, T, M]`` and
-    the final (s, z).
+    the final (s, z). ``normalise=False`` returns the numerator φ(q)ᵀs alone.
     """
     with torch.autocast("cpu", enabled=False):
         fq, fk, v, lg = fq.float(), fk.float(), v.float(), lg.float()
@@ -75,8 +76,10 @@ def gated_linear_parallel(
         s_prefix = torch.stack(s_starts, dim=2)  # [B, H, N, F, M]: state before each chunk
         z_prefix = torch.stack(z_starts, dim=2)
         num = scores @ vc + q_in @ s_prefix
-        den = scores.sum(-1) + (q_in * z_prefix.unsqueeze(-2)).sum(-1)
-        out = (num / (den.unsqueeze(-1) + eps)).reshape(b, h, n * c, m)[:, :, :t]
+        if normalise:
+            den = scores.sum(-1) + (q_in * z_prefix.unsqueeze(-2)).sum(-1)
+            num = num / (den.unsqueeze(-1) + eps)
+        out = num.reshape(b, h, n * c, m)[:, :, :t]
         return out, s, z
 
 
@@ -88,16 +91,17 @@ def gated_linear_step(
     s: torch.Tensor,
     z: torch.Tensor,
     eps: float = 1e-6,
+    normalise: bool = True,
 ) -> torch.Tensor:
     """One recurrent step, updating ``s`` and ``z`` in place.
 
     fq, fk, lg ``[B, H, F]``, v ``[B, H, M]``, s ``[B, H, F, M]``, z ``[B, H, F]``.
-    Returns out ``[B, H, M]``.
+    Returns out ``[B, H, M]`` (the numerator alone with ``normalise=False``).
     """
     g = lg.exp()
     s.mul_(g.unsqueeze(-1))  # forget first, then the ungated update and readout
     z.mul_(g)
-    return causal_linear_step(fq, fk, v, s, z, eps)
+    return causal_linear_step(fq, fk, v, s, z, eps, normalise)
 
 
 def gated_linear_naive(
@@ -108,9 +112,11 @@ def gated_linear_naive(
     s: torch.Tensor,
     z: torch.Tensor,
     eps: float = 1e-6,
+    normalise: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference: a Python loop over time. Shapes as :func:`gated_linear_parallel`. Tests only."""
     s, z = s.clone(), z.clone()
-    outs = [gated_linear_step(fq[:, :, i], fk[:, :, i], v[:, :, i], lg[:, :, i], s, z, eps)
+    outs = [gated_linear_step(fq[:, :, i], fk[:, :, i], v[:, :, i], lg[:, :, i], s, z, eps,
+                              normalise)
             for i in range(fq.shape[2])]
     return torch.stack(outs, dim=2), s, z

@@ -69,15 +69,19 @@ def causal_linear_step(
     s: torch.Tensor,
     z: torch.Tensor,
     eps: float = 1e-6,
+    normalise: bool = True,
 ) -> torch.Tensor:
     """One recurrent step, updating ``s`` and ``z`` in place.
 
     fq, fk ``[B, H, F]``, v ``[B, H, M]``, s ``[B, H, F, M]`` and z ``[B, H, F]`` (views into a
-    batched state are fine). Returns out ``[B, H, M]``.
+    batched state are fine). Returns out ``[B, H, M]``; ``normalise=False`` returns the
+    numerator φ(q)ᵀs alone (the output-norm ablation normalises it elsewhere).
     """
     s.addcmul_(fk.unsqueeze(-1), v.unsqueeze(-2))
     z.add_(fk)
     num = (fq.unsqueeze(-2) @ s).squeeze(-2)
+    if not normalise:
+        return num
     den = (fq * z).sum(-1, keepdim=True)
     return num / (den + eps)
 

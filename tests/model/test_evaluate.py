@@ -43,3 +43,19 @@ def test_softmax_streams_score_every_position_its_context_holds() -> None:
         logits = model(torch.tensor(tokens[None, :64]))
     want = F.cross_entropy(logits[0], torch.tensor(tokens[1:65]), reduction="none")
     assert np.allclose(nll, want.numpy(), atol=1e-4)
+
+
+def test_a_softmax_model_scored_as_a_window_sees_only_the_band(tmp_path) -> None:
+    """``load_model(window=W)``: the same weights under a band mask, with no context limit;
+    within the first W positions it is the full model, past them it differs."""
+    from model.transformer import load_model
+
+    model = tiny_model("softmax", max_context=64)
+    model.save(tmp_path)
+    banded = load_model(tmp_path, fused=False, window=16)
+    assert banded.cfg.window == 16 and banded.cfg.context_limit is None
+    tokens = np.arange(100) % 97
+    full, band = stream_nll(model, tokens[:60]), stream_nll(banded, tokens[:60])
+    assert np.allclose(full[:16], band[:16], atol=1e-5)
+    assert not np.allclose(full[30:], band[30:], atol=1e-3)
+    assert len(stream_nll(banded, tokens)) == 99  # past the full model's max_context

@@ -9,7 +9,7 @@ import torch
 from model.attention.gated import gated_linear_naive, gated_linear_parallel
 from model.attention.linear import causal_linear_naive, causal_linear_parallel
 from model.state import KVCache, LinearState, cat_states
-from tests.model.helpers import tiny_model
+from tests.model.helpers import tiny_config, tiny_model
 
 RECURRENT = ["linear", "favor", "gated", "gated-favor"]
 ALL = [*RECURRENT, "softmax", "window"]
@@ -139,13 +139,37 @@ def test_gated_forms_match_a_quadratic_oracle() -> None:
             assert torch.allclose(z_out.double(), z_want, atol=1e-4)
 
 
-def test_qk_norm_ablation_keeps_the_forms_equal_and_the_eager_step() -> None:
-    model = tiny_model("gated", qk_norm=True)
+ABLATIONS = [("gated", {"qk_norm": True}), ("gated", {"output_norm": True}),
+             ("linear", {"head_decay": True}), ("linear", {"head_decay": True, "output_norm": True})]
+
+
+@pytest.mark.parametrize(("kind", "flags"), ABLATIONS)
+def test_ablations_keep_the_forms_equal_in_the_eager_step(kind: str, flags: dict) -> None:
+    model = tiny_model(kind, **flags)
     tokens = torch.randint(0, 97, (2, 70))
     with torch.no_grad():
         full = model(tokens)
+        logits, _ = model.prefill(tokens[:, :41])
     assert (full - step_all(model, tokens)).abs().max() <= 1e-4
-    assert model.set_fused_step(True) is False  # the fused step does not carry it
+    assert (logits - full[:, 40]).abs().max() <= 1e-4
+    assert model.set_fused_step(True) is False  # the fused step does not carry them
+
+
+def test_head_decay_is_one_learned_decay_per_head() -> None:
+    model = tiny_model("linear", head_decay=True)
+    attn = model.layers[0].attn
+    lg = attn._log_gate(torch.randn(3, 5, model.cfg.d_model))
+    assert lg.shape == (3, 5, model.cfg.n_heads, model.cfg.feature_dim)
+    assert torch.equal(lg[0, 0], lg[2, 4])  # data-independent
+    assert (lg[0, 0, 0] != lg[0, 0, -1]).all()  # heads start with different memories
+    assert model.cfg.kind == "decay-linear"
+
+
+def test_ablation_flags_are_checked() -> None:
+    with pytest.raises(ValueError, match="output_norm needs a decay"):
+        tiny_config("linear", output_norm=True)
+    with pytest.raises(ValueError, match="head_decay replaces the gate"):
+        tiny_config("gated", head_decay=True)
 
 
 def test_a_gate_of_one_is_ungated_linear_attention() -> None:
