@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import math
 from pathlib import Path

@@ -140,7 +140,8 @@ def test_gated_forms_match_a_quadratic_oracle() -> None:
 
 
 ABLATIONS = [("gated", {"qk_norm": True}), ("gated", {"output_norm": True}),
-             ("linear", {"head_decay": True}), ("linear", {"head_decay": True, "output_norm": True})]
+             ("linear", {"head_decay": True}),
+             ("linear", {"head_decay": True, "output_norm": True})]
 
 
 @pytest.mark.parametrize(("kind", "flags"), ABLATIONS)
