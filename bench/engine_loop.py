@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats(args.sort).print_stats(args.profile)
         print(text.getvalue())
-    return {"dtype": dtype, "malloc_threshold": threshold, "clients": args.clients, "requests": args.requests,
+    return {"dtype": dtype, "malloc_threshold": threshold, "clients": args.clients,
+            "requests": args.requests,
             "tokens": loop.tokens, "steps": engine.steps, "wall_s": round(wall, 3),
             "tokens_per_s": round(loop.tokens / wall, 1),
             "deliveries_per_step": round(loop.deliveries / max(1, engine.steps), 2)}
