@@ -1,8 +1,10 @@
 """Vectorised sampling: every row of a batch has its own parameters and its own generator.
 
 Logits are ``[B, V]``. Penalties, temperature, top-k, top-p and min-p are masks computed for
-the whole batch at once; each sampled row then draws one uniform from its own seeded
-``torch.Generator`` and inverts the CDF. Rows with temperature 0 are greedy (argmax).
+the whole batch at once; each sampled row then draws one uniform and inverts the CDF. A
+seeded row draws from its own ``torch.Generator`` (so its output does not depend on its batch
+mates); unseeded rows share one generator and draw in a single call. Rows with temperature
+0 are greedy (argmax).
 """
 
 from __future__ import annotations
@@ -40,13 +42,42 @@ class SamplingParams:
 
 
 def make_generator(seed: int | None) -> torch.Generator:
-    """A per-request generator: seeded if asked, otherwise from fresh entropy."""
+    """A generator seeded with ``seed``, or from fresh entropy."""
     gen = torch.Generator()
     if seed is None:
         gen.seed()
     else:
         gen.manual_seed(seed)
     return gen
+
+
+def request_generator(seed: int | None) -> torch.Generator | None:
+    """A request's own generator if it asked for a seed (its draws must not depend on its
+    batch mates), else None: unseeded rows share one generator and draw in one call."""
+    return None if seed is None else make_generator(seed)
+
+
+_SHARED: list[torch.Generator] = []
+
+
+def shared_generator() -> torch.Generator:
+    """The generator of unseeded rows, seeded from fresh entropy once per process."""
+    if not _SHARED:
+        _SHARED.append(make_generator(None))
+    return _SHARED[0]
+
+
+def row_uniforms(generators: Sequence[torch.Generator | None], rows: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """One uniform in [0, 1) per row (of ``rows``, default all): the unseeded rows' from one
+    call to the shared generator, each seeded row's from its own generator."""
+    idx = range(len(generators)) if rows is None else rows.tolist()
+    gens = [generators[i] for i in idx]
+    u = torch.rand(len(gens), generator=shared_generator())
+    for j, g in enumerate(gens):
+        if g is not None:
+            u[j] = torch.rand(1, generator=g)
+    return u
 
 
 @dataclass
@@ -202,18 +233,21 @@ def _grammar_over_bias(logits: torch.Tensor, raw: torch.Tensor, mask: TokenMask
 
 
 def _sample_native(logits: torch.Tensor, bp: BatchParams,
-                   generators: Sequence[torch.Generator], mask: TokenMask | None
+                   generators: Sequence[torch.Generator | None], mask: TokenMask | None
                    ) -> torch.Tensor:
     """Temperature / min-p / greedy rows in one native pass per row (``sampling.cpp``), the
-    token mask read in the same pass. Each sampled row draws one uniform from its own
-    generator, as the eager path does."""
-    u = torch.tensor([torch.rand(1, generator=g).item() if h else 0.0
-                      for g, h in zip(generators, bp.hot, strict=True)])
+    token mask read in the same pass. Each sampled row draws one uniform as the eager path
+    does (:func:`row_uniforms`); greedy rows ignore theirs."""
+    hot = [i for i, h in enumerate(bp.hot) if h]
+    u = torch.zeros(len(generators))
+    if hot:
+        u[hot] = row_uniforms(generators, torch.tensor(hot))
     return torch.ops.linserve.sample_rows(logits.float(), bp.temperature, bp.min_p, u,
                                           None if mask is None else mask.bits)
 
 
-def sample(logits: torch.Tensor, bp: BatchParams, generators: Sequence[torch.Generator],
+def sample(logits: torch.Tensor, bp: BatchParams,
+           generators: Sequence[torch.Generator | None],
            counts: torch.Tensor | None = None, seen: torch.Tensor | None = None,
            native: bool = True, mask: TokenMask | None = None) -> torch.Tensor:
     """Next token per row ``[B]`` (long). ``generators[i]`` serves row i only; ``mask``
@@ -239,7 +273,7 @@ def sample(logits: torch.Tensor, bp: BatchParams, generators: Sequence[torch.Gen
     if hot.numel() == 0:
         return tokens
     probs = sampling_probs(logits.index_select(0, hot), bp.select(hot))
-    u = torch.cat([torch.rand(1, generator=generators[int(i)]) for i in hot])
+    u = row_uniforms(generators, hot)
     cdf = probs.cumsum(-1)
     # side="right": the first token whose cumulative mass exceeds u·total, so u = 0 never
     # lands on a leading token of zero probability.

@@ -65,7 +65,7 @@ class SlotPool:
         """Free ``slot``; the last row moves into it. Returns the slot that moved (or None)."""
         last = self.n - 1
         if slot != last:
-            self.state.write_rows(slice(slot, slot + 1), self.view().select([last]))  # type: ignore[arg-type]
+            self.state.move_row(last, slot)
             self.counts[slot] = self.counts[last]
             self.seen[slot] = self.seen[last]
         self.n -= 1

@@ -7,7 +7,7 @@ import time
 import torch
 from llguidance import LLMatcher
 
-from model.sampling import make_generator
+from model.sampling import request_generator
 from model.state import State
 from model.tokenizer import IncrementalDetokenizer
 from server.grammar.engine_side import matcher_error
@@ -26,7 +26,7 @@ class Sequence:
                  stop_ids: set[int]) -> None:
         self.req = req
         self.params = req.params
-        self.generator = make_generator(req.params.seed)
+        self.generator = request_generator(req.params.seed)
         self.detok = detok
         self.stop_ids = stop_ids
         self.state: State | None = req.start_state

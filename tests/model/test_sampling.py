@@ -42,6 +42,25 @@ def test_row_results_do_not_depend_on_batch_neighbours() -> None:
     assert together[1] == logits[1].argmax()
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_seeded_row_ignores_unseeded_mates_drawing_from_the_shared_generator(
+        native: bool) -> None:
+    """Unseeded rows (generator None) draw together from one shared generator; a seeded row
+    draws from its own, so its tokens are the same beside any number of unseeded rows."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    seeded = SamplingParams(temperature=1.0, seed=11)
+    free = SamplingParams(temperature=1.0)
+    alone = [sample(logits[:1], bp(seeded), [g], native=native)[0].item()
+             for g in [make_generator(11)] for _ in range(30)]
+    gen = make_generator(11)
+    mixed = [sample(logits, bp(seeded, *[free] * 5), [gen, *[None] * 5], native=native)
+             for _ in range(30)]
+    assert [int(m[0]) for m in mixed] == alone
+    unseeded = torch.stack(mixed)[:, 1:]
+    assert len(set(unseeded.flatten().tolist())) > 5  # they do sample, and differ
+
+
 def test_greedy_is_argmax() -> None:
     logits = torch.randn(4, 30)
     out = sample(logits, bp(*[SamplingParams(temperature=0.0)] * 4), [make_generator(0)] * 4)
