@@ -66,17 +66,17 @@ def deliver(batch: list[tuple[Any, Output]]) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    settings = Settings()
+    settings = {name: f.default for name, f in Settings.model_fields.items()}  # the defaults
     threshold = args.malloc_threshold
     pin_mmap_threshold(threshold)  # 0: glibc's defaults, as in the engine process
     dtype = pick_dtype(args.dtype)[0]
     model = load_model(args.weights, getattr(torch, dtype))
     warm_up(model)
     tok = Tokenizer.from_file(args.weights / model.cfg.tokenizer)
-    limits = EngineLimits(args.clients, 10**9, settings.prefill_chunk,
-                          settings.step_token_budget,
-                          0 if args.no_prefix_cache else settings.prefix_cache_bytes,
-                          settings.prefix_cache_interval)
+    limits = EngineLimits(args.clients, 10**9, settings["prefill_chunk"],
+                          settings["step_token_budget"],
+                          0 if args.no_prefix_cache else settings["prefix_cache_bytes"],
+                          settings["prefix_cache_interval"])
     engine = Engine(model, tok, limits, deliver)
     loop = ClosedLoop(engine, model.cfg.vocab_size, args)
     for _ in range(args.clients):
