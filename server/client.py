@@ -101,10 +101,14 @@ class RequestHandle:
     async def next(self, timeout: float | None = None) -> Output | None:
         """The next delta, with everything else already queued merged into it (so a slow
         reader gets fewer, larger chunks). None if ``timeout`` passes first."""
-        try:
-            out = await asyncio.wait_for(self.queue.get(), timeout)
-        except TimeoutError:
-            return None
+        if self.queue.empty():
+            try:  # asyncio.timeout, not wait_for: no extra task per streamed token
+                async with asyncio.timeout(timeout):
+                    out = await self.queue.get()
+            except TimeoutError:
+                return None
+        else:
+            out = self.queue.get_nowait()
         while out.finish_reason is None and not self.queue.empty():
             out = out.merge(self.queue.get_nowait())
         return out

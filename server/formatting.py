@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from model.tokenizer import Tokenizer
 from server.types import Output, TokenLogprob
@@ -16,7 +17,9 @@ SSE_KEEPALIVE = ": keep-alive\n\n"
 
 
 def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    """One SSE frame. orjson: compact, UTF-8, ~10x faster than ``json.dumps`` on a chunk (one
+    frame per streamed token and client); non-finite floats become null, as JSON requires."""
+    return f"data: {orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS).decode()}\n\n"
 
 
 def usage_of(outs: list[Output], prompt_tokens: int, cached: int) -> dict[str, Any]:
