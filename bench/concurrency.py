@@ -2,7 +2,8 @@
 number of concurrent streaming clients, for the linear server and the softmax baseline.
 
 For each model it starts the real server, then sweeps 1, 4, 16, 64 and 128 clients with
-``--prompt-tokens`` prompts and ``--max-tokens`` outputs through ``bench.loadtest``. In the
+``--prompt-tokens`` prompts and ``--max-tokens`` outputs through ``bench.loadtest``
+(``--waves`` requests per client). In the
 same run it measures the raw batched ``step`` throughput at batch 64 in-process (with the
 server stopped), so the HTTP figure can be quoted as a fraction of it. Writes
 ``bench/results/concurrency.json`` and ``concurrency.png``.
@@ -52,7 +53,7 @@ def sweep(weights: Path, levels: list[int], args: argparse.Namespace) -> list[di
     with ServerProcess(weights, args=server_args) as srv:
         for n in levels:
             rep = loadtest.main(["--url", srv.url, "--concurrency", str(n), "--requests",
-                                 str(max(2 * n, 8)), "--prompt-tokens", str(args.prompt_tokens),
+                                 str(max(args.waves * n, 8)), "--prompt-tokens", str(args.prompt_tokens),
                                  "--max-tokens", str(args.max_tokens), "--ignore-eos",
                                  "--temperature", "0.8"])
             rows.append({"model": weights.name, "concurrency": n,
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--weights", type=Path, default=Path("weights"))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="auto", help="the server's --dtype (and the raw step's)")
+    p.add_argument("--waves", type=int, default=2,
+                   help="requests per client: more waves weigh the ramp-up and tail less")
     p.add_argument("--output", default="concurrency", help="name of the JSON and PNG written")
     args = p.parse_args(argv)
     rows: list[dict[str, Any]] = []

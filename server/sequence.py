@@ -85,28 +85,31 @@ class Sequence:
         self.finish_reason = "error"
 
     def add_token(self, token: int, logprob: TokenLogprob | None) -> None:
-        """Record a sampled token and decide whether the sequence is finished."""
-        if self.req.fault == "decode" and len(self.generated) >= 2:
+        """Record a sampled token and decide whether the sequence is finished. Runs for every
+        row of every step, so the common case (no fault, grammar or stop string) is short."""
+        if self.req.fault is not None and self.req.fault == "decode" and len(self.generated) >= 2:
             raise RuntimeError("injected fault: decode")
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
-        self.generated.append(token)
+        generated = self.generated
+        generated.append(token)
         self.last_token = token
         if logprob is not None:
             self.pending_logprobs.append(logprob)
-        if self.matcher is not None and not self.matcher.consume_token(token):
-            self.fail(f"the output left its grammar: {matcher_error(self.matcher)}")
+        matcher = self.matcher
+        if matcher is not None and not matcher.consume_token(token):
+            self.fail(f"the output left its grammar: {matcher_error(matcher)}")
             return
         if token in self.stop_ids:
             self.finish_reason = "stop"
             return
         self.text += self.detok.add(token)
-        if self._check_stop_strings():
+        if self.req.stop and self._check_stop_strings():
             return
-        if self.matcher is not None and self.matcher.is_stopped():
+        if matcher is not None and matcher.is_stopped():
             self.finish_reason = "stop"  # the grammar is complete: nothing more may follow
             return
-        if len(self.generated) >= self.params.max_tokens:
+        if len(generated) >= self.params.max_tokens:
             self.finish_reason = "length"
 
     def _check_stop_strings(self) -> bool:

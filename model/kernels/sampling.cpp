@@ -58,14 +58,16 @@ int64_t draw_row(const float* l, int64_t v, float t, float min_p, float u, float
   }
   const float target = u * total;
   float cum = 0.f;
-  int64_t last = argmax_row(l, v);
+  int64_t last = -1;
   for (int64_t i = 0; i < v; ++i) {
     if (w[i] <= 0.f) continue;
     cum += w[i];
     last = i;
     if (cum > target) return i;
   }
-  return last;  // rounding left the target at the very top: the last kept token
+  // Rounding left the target at the very top: the last kept token (the argmax always is one,
+  // so it is only searched for, two more passes, if no token was kept at all).
+  return last >= 0 ? last : argmax_row(l, v);
 }
 
 // Whether a row's bitmask allows every token (no copy needed).
