@@ -53,7 +53,8 @@ def sweep(weights: Path, levels: list[int], args: argparse.Namespace) -> list[di
     with ServerProcess(weights, args=server_args) as srv:
         for n in levels:
             rep = loadtest.main(["--url", srv.url, "--concurrency", str(n), "--requests",
-                                 str(max(args.waves * n, 8)), "--prompt-tokens", str(args.prompt_tokens),
+                                 str(max(args.waves * n, 8)),
+                                 "--prompt-tokens", str(args.prompt_tokens),
                                  "--max-tokens", str(args.max_tokens), "--ignore-eos",
                                  "--temperature", "0.8"])
             rows.append({"model": weights.name, "concurrency": n,

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 from tqdm import tqdm
 
 WORDS = ("the and to of I you my a that in is not with it for be his this your me have "
@@ -76,7 +77,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
                 if line == "data: [DONE]":
                     res.ok = True
                     break
-                chunk = json.loads(line[6:])
+                chunk = orjson.loads(line[6:])
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
