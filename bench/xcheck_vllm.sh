@@ -51,4 +51,4 @@ python -m bench.loadtest "${LOAD[@]}" --output "$OUT/loadtest_before.json" | tai
 grep -E "Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Mean ITL|Median ITL|P99 ITL|Successful|Failed" \
   "$OUT/vllm.log"
 python -m bench.loadtest "${LOAD[@]}" --output "$OUT/loadtest_after.json" | tail -7
-rm -f "$OUT/server.log"
+rm -f "$OUT/server.log" "$OUT/vllm.log"  # vllm.json keeps its figures
