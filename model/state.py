@@ -160,9 +160,10 @@ class KVCache:
         """The first ``n`` rows as a view sharing this cache's memory."""
         return KVCache(self.k[:n], self.v[:n], self.lengths[:n], self.max_context, self.window)
 
-    def ensure_capacity(self, needed: int) -> None:
+    def ensure_capacity(self, needed: int, live: int | None = None) -> None:
         """Make room for ``needed`` positions per row (doubling; amortised O(1) per token).
-        A window model needs at most W slots, so it never refuses a length."""
+        A window model needs at most W slots, so it never refuses a length. ``live``: see
+        :meth:`resize`."""
         if self.window:
             needed = min(needed, self.window)
         elif needed > self.max_context:
@@ -170,18 +171,25 @@ class KVCache:
         if needed <= self.capacity:
             return
         pow2 = 1 << (needed - 1).bit_length()
-        self.resize(min(max(2 * self.capacity, pow2), self.slot_limit))
+        self.resize(min(max(2 * self.capacity, pow2), self.slot_limit), live)
 
-    def resize(self, capacity: int) -> None:
+    def resize(self, capacity: int, live: int | None = None) -> None:
         """Reallocate to exactly ``capacity`` slots (≥ the most any row uses), copying. A ring
-        only wraps once it holds W slots, so growing it never reorders anything."""
+        only wraps once it holds W slots, so growing it never reorders anything.
+
+        ``live = n`` (a slot pool) copies and zero-fills only rows ``[0, n)``; the other rows
+        are left unwritten until :meth:`write_rows` fills one whole. The pool holds a row per
+        possible sequence, so at 64 rows and 2,048 slots a full copy is 1 GiB: it stalled the
+        batch for 2.5 s when one conversation first passed 1,024 tokens."""
         if capacity == self.capacity:
             return
         keep = min(capacity, self.capacity)
+        rows = self.batch_size if live is None else live
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
-            new[:, :, :, :keep] = old[:, :, :, :keep]
+            new = old.new_empty(*old.shape[:3], capacity, old.shape[4])
+            new[:rows, :, :, :keep] = old[:rows, :, :, :keep]
+            new[:rows, :, :, keep:] = 0  # masked-out slots must hold numbers, not garbage
             setattr(self, name, new)
 
     def select(self, idx: Index) -> KVCache:
@@ -198,11 +206,15 @@ class KVCache:
         return self.select(slice(None))
 
     def write_rows(self, dst: Index, src: KVCache) -> None:
-        """Copy ``src``'s rows into rows ``dst`` of this (pool) cache, in place."""
+        """Copy ``src``'s rows into rows ``dst`` of this (pool) cache, in place; the rows'
+        slots past ``src``'s capacity are zeroed (they may hold anything after a live-only
+        :meth:`resize`)."""
         used = src.capacity
         self.ensure_capacity(used)
         self.k[dst, :, :, :used] = src.k
         self.v[dst, :, :, :used] = src.v
+        self.k[dst, :, :, used:] = 0
+        self.v[dst, :, :, used:] = 0
         self.lengths[dst] = src.lengths
 
     def move_row(self, src: int, dst: int) -> None:

@@ -39,13 +39,15 @@ class SlotPool:
     def reserve_step(self) -> None:
         """Make sure every live row has room for one more token (KV cache only)."""
         if isinstance(self.state, KVCache) and self.n:
-            self.state.ensure_capacity(int(self.state.lengths[: self.n].max()) + 1)
+            self.state.ensure_capacity(int(self.state.lengths[: self.n].max()) + 1, self.n)
 
     def add(self, row: State, seen_ids: list[int], generated: list[int]) -> int:
         """Append a single-row state; returns its slot."""
         if self.n >= self.capacity:
             raise RuntimeError("slot pool is full")
         slot = self.n
+        if isinstance(self.state, KVCache) and isinstance(row, KVCache):
+            self.state.ensure_capacity(row.capacity, live=slot)  # copies the live rows only
         self.state.write_rows(slice(slot, slot + 1), row)  # type: ignore[arg-type]
         self.counts[slot].zero_()
         self.seen[slot].zero_()

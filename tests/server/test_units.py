@@ -109,3 +109,32 @@ def test_the_first_sampled_token_counts_for_the_repetition_penalty() -> None:
     pool = SlotPool(tiny_model("linear"), 2)
     pool.add(pool.model.new_state(1), [3, 4], [7])
     assert bool(pool.seen[0, 7]) and float(pool.counts[0, 7]) == 1.0
+
+
+@pytest.mark.parametrize("kind", ["softmax", "window"])
+def test_a_kv_pool_grows_by_copying_its_live_rows_only(kind: str) -> None:
+    """The pool's KV cache grows for every row at once; only the live rows are copied and
+    zero-filled (the others are written whole when a sequence joins), and a joining row's
+    slots past its own capacity read as zeros, so masked slots never hold garbage."""
+    import torch
+
+    from model.state import KVCache
+    from server.pool import SlotPool
+    from tests.model.helpers import tiny_model
+
+    model = tiny_model(kind, max_context=512)
+    pool = SlotPool(model, 4)
+    _, short = model.prefill(torch.randint(0, 97, (1, 10)))
+    pool.add(short, [], [1])
+    state = pool.state
+    assert isinstance(state, KVCache)
+    before = state.k[0, :, :, :10].clone()
+    state.lengths[0] = state.capacity  # the live row needs one slot more than there is
+    pool.reserve_step()
+    assert torch.equal(state.k[0, :, :, :10], before)
+    assert not state.k[0, :, :, state.capacity // 2:].any()  # new slots: zeros
+    state.k[2].fill_(float("nan"))  # what an unwritten row may hold
+    _, other = model.prefill(torch.randint(0, 97, (1, 5)))
+    pool.add(other, [], [1])  # goes to slot 1
+    pool.add(other, [], [1])  # slot 2, over the NaNs
+    assert not torch.isnan(state.k[2]).any() and not state.k[2, :, :, other.capacity:].any()
