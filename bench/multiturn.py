@@ -227,7 +227,7 @@ def take_cost(weights: Path) -> dict[str, Any]:
         _, row = model.prefill(torch.randint(100, 8000, (1, 1000)))
         for _ in range(64):
             pool.add(row, [], [])
-        cache: PrefixCache[Any] = PrefixCache(1 << 40)
+        cache: PrefixCache[Any] = PrefixCache(1 << 30)  # the server default: it evicts
         ids = list(range(100, 1100))
         counter = iter(range(10**9))
 

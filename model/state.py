@@ -33,10 +33,14 @@ class StateError(ValueError):
 
 def _rows(t: torch.Tensor, idx: Index, dim: int = 0) -> torch.Tensor:
     """A copy of the rows ``idx`` along the batch dimension ``dim``."""
+    # Copies are made contiguous explicitly: clone() keeps a strided view's layout where it
+    # can and takes a slow path where it cannot (a KV row trimmed to its used slots: 0.56
+    # against 0.11 ms).
+    dense = torch.contiguous_format
     if isinstance(idx, slice):
-        return t[(slice(None),) * dim + (idx,)].clone()
-    if not isinstance(idx, torch.Tensor) and len(idx) == 1:  # one row: a strided copy, 2x
-        return t.narrow(dim, int(idx[0]), 1).clone()  # faster than index_select's gather
+        return t[(slice(None),) * dim + (idx,)].clone(memory_format=dense)
+    if not isinstance(idx, torch.Tensor) and len(idx) == 1:  # one row: a plain strided copy
+        return t.narrow(dim, int(idx[0]), 1).clone(memory_format=dense)
     # index_select already copies: a second copy would leave a freed buffer of the same
     # size between long-lived ones (heap fragmentation measured in the soak test).
     return t.index_select(dim, torch.as_tensor(idx, dtype=torch.long))
