@@ -115,6 +115,18 @@ class LinearAttention(nn.Module):
             return favor_features(x, self.favor_w, is_query)
         return elu_feature(x)
 
+    def _features(self, qkv: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv ``[B, T, 3d]`` fp32 -> φ(q), φ(k) ``[B, H, T, F]`` and v ``[B, H, T, D]``: one
+        native pass (head split and elu+1) where it applies, else the eager map."""
+        h = self.cfg.n_heads
+        if (native_inference() and self.cfg.attention == "linear" and not self.cfg.qk_norm):
+            fq, fk, v = torch.ops.linserve.qkv_features(qkv.contiguous(), h)
+            return fq, fk, v
+        b, t, _ = qkv.shape
+        q, k, v = qkv.view(b, t, 3, h, self.cfg.head_dim).permute(2, 0, 3, 1, 4)
+        return self._phi(q, True), self._phi(k, False), v
+
     def _conv_parallel(self, qkv: torch.Tensor, buf: torch.Tensor | None,
                        lengths: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -151,13 +163,12 @@ class LinearAttention(nn.Module):
         h, dh = self.cfg.n_heads, self.cfg.head_dim
         qkv, new_buf = self._conv_parallel(self.qkv(x).float(), None if state is None
                                            else state.conv[layer], lengths)
-        q, k, v = qkv.view(b, t, 3, h, dh).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, D]
+        fq, fk, v = self._features(qkv)
         if state is None:
             s = x.new_zeros(b, h, self.cfg.feature_dim, dh, dtype=torch.float32)
             z = x.new_zeros(b, h, self.cfg.feature_dim, dtype=torch.float32)
         else:
             s, z = state.s[layer], state.z[layer]
-        fk = self._phi(k, False)
         lg = self._log_gate(x)
         lg = None if lg is None else lg.transpose(1, 2)  # [B, H, T, F]
         if lengths is not None:  # padding: no key, no value, and a gate of 1 (log 0)
@@ -166,10 +177,10 @@ class LinearAttention(nn.Module):
             lg = None if lg is None else lg * real
         if lg is None:
             o, s_new, z_new = causal_linear_parallel(
-                self._phi(q, True), fk, v, s, z, self.cfg.chunk_size, self.cfg.eps)
+                fq, fk, v, s, z, self.cfg.chunk_size, self.cfg.eps)
         else:
             o, s_new, z_new = gated_linear_parallel(
-                self._phi(q, True), fk, v, lg, s, z, self.cfg.chunk_size, self.cfg.eps,
+                fq, fk, v, lg, s, z, self.cfg.chunk_size, self.cfg.eps,
                 normalise=self.o_norm is None)
             o = self._norm_out(o, self.o_norm[:, None] if self.o_norm is not None else None)
         if state is not None:
@@ -300,6 +311,15 @@ class MLP(nn.Module):
         return self.down(F.gelu(hidden, approximate="tanh"))
 
 
+def rms_norm(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``, in one native pass per row for fp32 inference (prefill), else ATen's."""
+    if native_inference() and x.dtype == torch.float32 and norm.eps is None \
+            and norm.weight.dtype == torch.float32:
+        return torch.ops.linserve.rms_norm_rows(x.contiguous(), norm.weight,
+                                               torch.finfo(torch.float32).eps)
+    return norm(x)
+
+
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -316,12 +336,12 @@ class Block(nn.Module):
                 layer: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """``lengths``: right-padded rows (recurrent attention only; see LinearAttention)."""
         if lengths is None:
-            attn = self.attn(self.norm1(x), state, layer)
+            attn = self.attn(rms_norm(self.norm1, x), state, layer)
         else:
             assert isinstance(self.attn, LinearAttention)
-            attn = self.attn(self.norm1(x), state, layer, lengths)
+            attn = self.attn(rms_norm(self.norm1, x), state, layer, lengths)
         x = x + self.drop(attn)
-        return x + self.drop(self.mlp(self.norm2(x)))
+        return x + self.drop(self.mlp(rms_norm(self.norm2, x)))
 
     def step(self, x: torch.Tensor, state: LinearState | KVCache, layer: int) -> torch.Tensor:
         x = x + self.attn.step(self.norm1(x), state, layer)  # type: ignore[arg-type,unused-ignore]

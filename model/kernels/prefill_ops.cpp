@@ -1,5 +1,6 @@
 // Elementwise work of the parallel (prefill) form, in one native pass each; inference only
-// (no autograd): the causal convolution and the MLP's tanh GELU.
+// (no autograd): the causal convolution, the elu+1 feature map with the head split, the
+// MLP's tanh GELU and RMSNorm.
 //
 // Causal depthwise convolution: out[b, t, c] = sum_i w[i, c] * x[b, t + i, c].
 //
@@ -17,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -72,14 +74,74 @@ at::Tensor gelu_tanh_(at::Tensor x) {
   return x;
 }
 
+// qkv [B, T, 3 * H * D] fp32 (the projections, [q | k | v] per row) -> phi(q), phi(k) and v,
+// each [B, H, T, D] contiguous, with phi(x) = elu(x) + 1 = x + 1 for x > 0, else exp(x).
+// One pass: the split into heads (a permute whose reshape would copy), ATen's elu and its +1
+// were ~5% of a 1,000-token fp32 prefill, mostly in elu's scalar exp.
+std::vector<at::Tensor> qkv_features(const at::Tensor& qkv, int64_t heads) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(),
+              "qkv_features takes contiguous fp32 [B, T, 3 * H * D]");
+  const int64_t rows = qkv.size(0), t = qkv.size(1), width = qkv.size(2);
+  TORCH_CHECK(width % (3 * heads) == 0, "the last dimension must be 3 * heads * head_dim");
+  const int64_t d = width / (3 * heads);
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < 3; ++i) out.push_back(at::empty({rows, heads, t, d}, qkv.options()));
+  const float* src = qkv.data_ptr<float>();
+  float* dst[3] = {out[0].data_ptr<float>(), out[1].data_ptr<float>(),
+                   out[2].data_ptr<float>()};
+  at::parallel_for(0, rows * t, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / t, pos = bt % t;
+      const float* row = src + bt * width;
+      for (int part = 0; part < 3; ++part) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const float* in = row + (part * heads + h) * d;
+          float* o = dst[part] + ((b * heads + h) * t + pos) * d;
+          if (part == 2) {
+            std::memcpy(o, in, d * sizeof(float));
+            continue;
+          }
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) {
+            const float x = in[i];
+            o[i] = x > 0.f ? x + 1.f : linserve::exp_nonpositive(x);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// RMSNorm of fp32 rows: x [..., d] contiguous, w [d] fp32 -> a new tensor of x's shape. One
+// pass per row (dense.h); ATen's composite rms_norm made five passes (~2% of a prefill).
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+                  x.is_contiguous() && w.is_contiguous() && x.size(-1) == w.numel(),
+              "rms_norm_rows takes contiguous fp32 x [..., d] and w [d]");
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    linserve::rms_norm(xp + begin * d, wp, op + begin * d, end - begin, d, eps);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("causal_conv(Tensor x, Tensor w) -> Tensor");
   m.def("gelu_tanh_(Tensor(a!) x) -> Tensor(a!)");
+  m.def("qkv_features(Tensor qkv, int heads) -> Tensor[]");
+  m.def("rms_norm_rows(Tensor x, Tensor w, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("causal_conv", &causal_conv);
   m.impl("gelu_tanh_", &gelu_tanh_);
+  m.impl("qkv_features", &qkv_features);
+  m.impl("rms_norm_rows", &rms_norm_rows);
 }

@@ -183,9 +183,34 @@ def test_native_causal_conv_equals_conv1d(k: int, c: int) -> None:
     assert torch.allclose(got, want.transpose(1, 2), atol=1e-5)
 
 
-def test_prefill_is_the_same_with_and_without_the_native_conv() -> None:
-    """Inference uses the native convolution, training ATen's: the same logits and state."""
-    model = tiny_model("gated")
+@pytest.mark.parametrize(("heads", "d"), [(4, 64), (2, 8), (3, 5)])
+def test_native_qkv_features_split_heads_and_apply_elu_plus_one(heads: int, d: int) -> None:
+    """qkv [B, T, 3·H·D] -> φ(q), φ(k), v as contiguous [B, H, T, D], φ = elu + 1."""
+    qkv = torch.cat([torch.randn(2, 33, 3 * heads * d) * 5,
+                     torch.full((2, 1, 3 * heads * d), -100.0)], dim=1)
+    fq, fk, v = torch.ops.linserve.qkv_features(qkv, heads)
+    q, k, vv = qkv.view(2, 34, 3, heads, d).permute(2, 0, 3, 1, 4)
+    for got, want in ((fq, torch.nn.functional.elu(q) + 1), (fk, torch.nn.functional.elu(k) + 1)):
+        assert got.is_contiguous() and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(v, vv)
+
+
+def test_native_rms_norm_equals_torch() -> None:
+    """The prefill's native RMSNorm = nn.RMSNorm (eps from fp32) on rows of any leading shape."""
+    norm = torch.nn.RMSNorm(48)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48))
+    x = torch.randn(3, 29, 48) * 4
+    got = torch.ops.linserve.rms_norm_rows(x, norm.weight.detach(),
+                                           torch.finfo(torch.float32).eps)
+    assert torch.allclose(got, norm(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["linear", "gated"])
+def test_prefill_is_the_same_with_and_without_the_native_ops(kind: str) -> None:
+    """Inference uses the native convolution and feature map, training ATen's: the same
+    logits and state."""
+    model = tiny_model(kind)
     tokens = torch.randint(0, 97, (2, 90))
     native_logits, native_state = model.prefill(tokens, all_logits=True)
     with torch.enable_grad():
