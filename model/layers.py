@@ -120,7 +120,7 @@ class LinearAttention(nn.Module):
         """qkv ``[B, T, 3d]`` fp32 -> φ(q), φ(k) ``[B, H, T, F]`` and v ``[B, H, T, D]``: one
         native pass (head split and elu+1) where it applies, else the eager map."""
         h = self.cfg.n_heads
-        if (native_inference() and self.cfg.attention == "linear" and not self.cfg.qk_norm):
+        if native_inference() and self.cfg.attention == "linear" and not self.cfg.qk_norm:
             fq, fk, v = torch.ops.linserve.qkv_features(qkv.contiguous(), h)
             return fq, fk, v
         b, t, _ = qkv.shape
