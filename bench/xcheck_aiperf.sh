@@ -12,19 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 AIPERF=${AIPERF:-aiperf}
 PORT=${PORT:-8011}
-OUT=bench/results/xcheck
-TOK=$(mktemp -d)
-mkdir -p "$OUT"
-cp weights/tokenizer.json "$TOK/"
-cat > "$TOK/tokenizer_config.json" <<'JSON'
-{"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
- "bos_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "model_max_length": 1000000}
-JSON
-
-python -m server --port "$PORT" --max-running 64 > "$OUT/server.log" 2>&1 &
-SRV=$!
-trap 'kill $SRV 2>/dev/null; rm -rf "$TOK"' EXIT
-for _ in $(seq 120); do curl -sf "127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
+OUT=${OUT:-bench/results/xcheck}
+source bench/xcheck_common.sh
+start_xcheck_server "$OUT" 64
 
 LOAD=(--concurrency 8 --requests 96 --prompt-tokens 64 --max-tokens 128 --ignore-eos
       --temperature 0.8 --model linear --url "http://127.0.0.1:$PORT")

@@ -23,19 +23,9 @@ VLLM=${VLLM:-vllm}
 PORT=${PORT:-8012}
 CLIENTS=${CLIENTS:-64}
 REQUESTS=${REQUESTS:-320}
-OUT=bench/results/xcheck_vllm
-TOK=$(mktemp -d)
-mkdir -p "$OUT"
-cp weights/tokenizer.json "$TOK/"
-cat > "$TOK/tokenizer_config.json" <<'JSON'
-{"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
- "bos_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "model_max_length": 1000000}
-JSON
-
-python -m server --port "$PORT" --max-running "$CLIENTS" > "$OUT/server.log" 2>&1 &
-SRV=$!
-trap 'kill $SRV 2>/dev/null; rm -rf "$TOK"' EXIT
-for _ in $(seq 120); do curl -sf "127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
+OUT=${OUT:-bench/results/xcheck_vllm}
+source bench/xcheck_common.sh
+start_xcheck_server "$OUT" "$CLIENTS"
 uptime | tee "$OUT/uptime.txt"
 
 LOAD=(--concurrency "$CLIENTS" --requests "$REQUESTS" --prompt-tokens 16 --max-tokens 256
