@@ -124,8 +124,9 @@ class LanguageModel(nn.Module):
             raise ValueError("every prompt needs at least one token")
         lengths = torch.tensor([len(p) for p in prompts])
         tokens = pad_sequence([torch.tensor(p) for p in prompts], batch_first=True)
-        state = cat_states([st.copy() if st is not None else self.new_state(1)
-                            for st in states])
+        # The concatenation is a copy, and concatenating recurrent states never touches the
+        # inputs, so the given states need no copy of their own.
+        state = cat_states([st if st is not None else self.new_state(1) for st in states])
         x = self.embed(tokens)
         for i, block in enumerate(self.layers):
             x = block(x, state, i, lengths)
