@@ -17,10 +17,13 @@ import torch.nn.functional as F
 from model.attention.linear import causal_linear_step
 
 # The gate is at least e^-1 per token, so within a chunk of C tokens the cumulative decay is
-# at least e^-C: with C ≤ 64 its inverse, e^64 ≈ 6e27, stays far inside fp32's range.
+# at least e^-C: with C ≤ 64 its inverse, e^64 ≈ 6e27, stays far inside fp32's range. The
+# backward pass divides by the decay twice (d(k/D)/dD = -k/D²: e^128 overflows fp32 to inf,
+# and inf·0 is NaN), so training uses chunks of at most 16 (e^32 ≈ 8e13).
 LOG_GATE_MIN = -1.0
 GATE_TEMPERATURE = 16.0
 MAX_CHUNK = 64
+MAX_CHUNK_GRAD = 16
 
 
 def log_gate(logits: torch.Tensor) -> torch.Tensor:
@@ -51,7 +54,8 @@ def gated_linear_parallel(
         fq, fk, v, lg = fq.float(), fk.float(), v.float(), lg.float()
         b, h, t, f = fq.shape
         m = v.shape[-1]
-        c = min(chunk_size, MAX_CHUNK, t)
+        limit = MAX_CHUNK_GRAD if torch.is_grad_enabled() and lg.requires_grad else MAX_CHUNK
+        c = min(chunk_size, limit, t)
         pad = (-t) % c
         if pad:  # zero keys add nothing; a zero log-gate keeps the state; padded outputs drop
             fq, fk, v, lg = (F.pad(x, (0, 0, 0, pad)) for x in (fq, fk, v, lg))
