@@ -26,6 +26,7 @@ from bench.concurrency import raw_step_tokens_per_s
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 from model.transformer import load_model
+from server.client import dispatch
 from server.engine import Engine, EngineLimits
 from server.loading import pick_dtype, warm_up
 from server.malloc import pin_mmap_threshold
@@ -59,16 +60,10 @@ class ClosedLoop:
             self.submit()
 
 
-def deliver(batch: list[tuple[Any, Output]]) -> None:
-    for sink, out in batch:
-        sink(out)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     settings = {name: f.default for name, f in Settings.model_fields.items()}  # the defaults
-    threshold = args.malloc_threshold
-    pin_mmap_threshold(threshold)  # 0: glibc's defaults, as in the engine process
+    pin_mmap_threshold(args.malloc_threshold)  # 0: glibc's defaults, as the engine process
     dtype = pick_dtype(args.dtype)[0]
     model = load_model(args.weights, getattr(torch, dtype))
     warm_up(model)
@@ -77,7 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           settings["step_token_budget"],
                           0 if args.no_prefix_cache else settings["prefix_cache_bytes"],
                           settings["prefix_cache_interval"])
-    engine = Engine(model, tok, limits, deliver)
+    engine = Engine(model, tok, limits, dispatch)  # in place: no event loop, no queue
     loop = ClosedLoop(engine, model.cfg.vocab_size, args)
     for _ in range(args.clients):
         loop.submit()
@@ -94,7 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats(args.sort).print_stats(args.profile)
         print(text.getvalue())
-    return {"dtype": dtype, "malloc_threshold": threshold, "clients": args.clients,
+    return {"dtype": dtype, "malloc_threshold": args.malloc_threshold, "clients": args.clients,
             "requests": args.requests,
             "tokens": loop.tokens, "steps": engine.steps, "wall_s": round(wall, 3),
             "tokens_per_s": round(loop.tokens / wall, 1),

@@ -67,12 +67,11 @@ def shared_generator() -> torch.Generator:
     return _SHARED[0]
 
 
-def row_uniforms(generators: Sequence[torch.Generator | None], rows: torch.Tensor | None = None
+def row_uniforms(generators: Sequence[torch.Generator | None], rows: Sequence[int]
                  ) -> torch.Tensor:
-    """One uniform in [0, 1) per row (of ``rows``, default all): the unseeded rows' from one
-    call to the shared generator, each seeded row's from its own generator."""
-    idx = range(len(generators)) if rows is None else rows.tolist()
-    gens = [generators[i] for i in idx]
+    """One uniform in [0, 1) for each of ``rows``: the unseeded rows' from one call to the
+    shared generator, each seeded row's from its own generator."""
+    gens = [generators[i] for i in rows]
     u = torch.rand(len(gens), generator=shared_generator())
     for j, g in enumerate(gens):
         if g is not None:
@@ -241,7 +240,7 @@ def _sample_native(logits: torch.Tensor, bp: BatchParams,
     hot = [i for i, h in enumerate(bp.hot) if h]
     u = torch.zeros(len(generators))
     if hot:
-        u[hot] = row_uniforms(generators, torch.tensor(hot))
+        u[hot] = row_uniforms(generators, hot)
     return torch.ops.linserve.sample_rows(logits.float(), bp.temperature, bp.min_p, u,
                                           None if mask is None else mask.bits)
 
@@ -273,7 +272,7 @@ def sample(logits: torch.Tensor, bp: BatchParams,
     if hot.numel() == 0:
         return tokens
     probs = sampling_probs(logits.index_select(0, hot), bp.select(hot))
-    u = row_uniforms(generators, hot)
+    u = row_uniforms(generators, hot.tolist())
     cdf = probs.cumsum(-1)
     # side="right": the first token whose cumulative mass exceeds u·total, so u = 0 never
     # lands on a leading token of zero probability.

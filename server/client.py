@@ -172,7 +172,7 @@ class EngineClient:
 
     def _deliver(self, batch: list[tuple[Sink, Output]]) -> None:
         """Called on the engine thread once per iteration."""
-        self.loop.call_soon_threadsafe(_dispatch, batch)
+        self.loop.call_soon_threadsafe(dispatch, batch)
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Queue a request; raises ``Overloaded`` when the engine is at capacity."""
@@ -181,6 +181,7 @@ class EngineClient:
         return handle
 
 
-def _dispatch(batch: list[tuple[Sink, Output]]) -> None:
+def dispatch(batch: list[tuple[Sink, Output]]) -> None:
+    """Hand each delta of an engine iteration to its request's sink."""
     for sink, out in batch:
         sink(out)

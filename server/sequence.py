@@ -87,7 +87,7 @@ class Sequence:
     def add_token(self, token: int, logprob: TokenLogprob | None) -> None:
         """Record a sampled token and decide whether the sequence is finished. Runs for every
         row of every step, so the common case (no fault, grammar or stop string) is short."""
-        if self.req.fault is not None and self.req.fault == "decode" and len(self.generated) >= 2:
+        if self.req.fault == "decode" and len(self.generated) >= 2:
             raise RuntimeError("injected fault: decode")
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
