@@ -3,7 +3,8 @@ number of concurrent streaming clients, for the linear server and the softmax ba
 
 For each model it starts the real server, then sweeps 1, 4, 16, 64 and 128 clients with
 ``--prompt-tokens`` prompts and ``--max-tokens`` outputs through ``bench.loadtest``
-(``--waves`` requests per client). In the
+(``--waves`` requests per client), and records the CPU each output token cost the HTTP
+process, the engine process and the load generator (``/proc`` and ``getrusage``). In the
 same run it measures the raw batched ``step`` throughput at batch 64 in-process (with the
 server stopped), so the HTTP figure can be quoted as a fraction of it. Writes
 ``bench/results/concurrency.json`` and ``concurrency.png``.
@@ -12,13 +13,24 @@ server stopped), so the HTTP figure can be quoted as a fraction of it. Writes
 from __future__ import annotations
 
 import argparse
+import resource
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench import loadtest
-from bench.common import RESULTS, machine, print_table, save_figure, style_axes, time_ms, write_json
+from bench.common import (
+    RESULTS,
+    child_pids,
+    cpu_seconds,
+    machine,
+    print_table,
+    save_figure,
+    style_axes,
+    time_ms,
+    write_json,
+)
 from bench.serverproc import ServerProcess
 from model.transformer import load_model
 from server.loading import pick_dtype
@@ -52,16 +64,30 @@ def sweep(weights: Path, levels: list[int], args: argparse.Namespace) -> list[di
                    "--dtype", args.dtype]
     with ServerProcess(weights, args=server_args) as srv:
         for n in levels:
+            before = cpu_split(srv.proc.pid)
             rep = loadtest.main(["--url", srv.url, "--concurrency", str(n), "--requests",
                                  str(max(args.waves * n, 8)),
                                  "--prompt-tokens", str(args.prompt_tokens),
                                  "--max-tokens", str(args.max_tokens), "--ignore-eos",
                                  "--temperature", "0.8"])
+            tokens = max(1, rep["output_tokens"])
+            cpu = {k: (v - before[k]) / tokens * 1e6
+                   for k, v in cpu_split(srv.proc.pid).items()}
             rows.append({"model": weights.name, "concurrency": n,
                          "tokens_per_s": rep["output_tokens_per_s"],
                          "itl_p50_ms": rep["itl_ms"]["p50"], "itl_p99_ms": rep["itl_ms"]["p99"],
-                         "ttft_p50_ms": rep["ttft_ms"]["p50"], "errors": rep["errors"]})
+                         "ttft_p50_ms": rep["ttft_ms"]["p50"], "errors": rep["errors"],
+                         **{f"cpu_us_per_token_{k}": round(v, 1) for k, v in cpu.items()}})
     return rows
+
+
+def cpu_split(server_pid: int) -> dict[str, float]:
+    """CPU seconds so far of the HTTP process, the engine process (its children) and this
+    process, which runs the load generator."""
+    return {"http": cpu_seconds(server_pid),
+            "engine": sum(cpu_seconds(c) for c in child_pids(server_pid)),
+            "loadgen": resource.getrusage(resource.RUSAGE_SELF).ru_utime
+            + resource.getrusage(resource.RUSAGE_SELF).ru_stime}
 
 
 def plot(rows: list[dict[str, Any]], name: str) -> None:
@@ -107,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         r["frac_of_raw_step_b64"] = r["tokens_per_s"] / raw[r["model"]]
     print_table(rows, ["model", "concurrency", "tokens_per_s", "frac_of_raw_step_b64",
-                       "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms"])
+                       "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "cpu_us_per_token_http",
+                       "cpu_us_per_token_engine", "cpu_us_per_token_loadgen"])
     write_json(args.output, {"machine": machine(), "raw_step_tokens_per_s_b64": raw,
                              "rows": rows})
     plot(rows, args.output)
