@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "minor_faults_per_step": round(faults / max(1, engine.steps))}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main_parser() -> argparse.ArgumentParser:
+    """The command line, also used by :mod:`bench.invariance` to build its arms."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", type=Path, default=Path("weights/linear"))
@@ -120,7 +121,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="print the N functions with the most own time (cProfile)")
     p.add_argument("--sort", default="tottime", help="cProfile sort key (tottime, cumulative)")
     p.add_argument("--output", default="engine_loop", help="name of the JSON written")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = main_parser().parse_args(argv)
     row = run(args)
     raw = raw_step_tokens_per_s(args.weights, args.clients, args.prompt_tokens, args.threads,
                                 args.dtype)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model import kernels
+from model import invariant, kernels
 from model.config import EAGER_ONLY_FIELDS
 from model.state import KVCache, State
 
@@ -55,7 +55,8 @@ class FusedStep:
         out, norm2, up, down, gate_up [r, d], gate_bias [d]]. Norm, conv and gate_up weights
         are fp32; GEMM weights keep the model dtype and are stored transposed, ``[in, out]``
         and contiguous (the GEMM runs faster on that layout). A gated model's gate_down
-        [d, r] is appended to the qkv weight as r extra output columns."""
+        [d, r] is appended to the qkv weight as r extra output columns. bf16 GEMM weights then
+        take the layout of the bf16 dot-product path where it runs (:func:`invariant.pack`)."""
         def f32(t: torch.Tensor) -> torch.Tensor:
             return t.detach().float().contiguous()
 
@@ -68,7 +69,7 @@ class FusedStep:
             for block in model.layers:
                 packed += [f32(block.norm1.weight), gemm(block.attn.qkv), gemm(block.attn.out),
                            f32(block.norm2.weight), gemm(block.mlp.up), gemm(block.mlp.down)]
-            return packed
+            return packed[:1] + [invariant.pack(w) for w in packed[1:]]
         for block in model.layers:
             attn = block.attn
             conv = getattr(attn, "conv", None)
@@ -83,7 +84,7 @@ class FusedStep:
                 f32(conv.T) if conv is not None else torch.empty(0),
                 gemm(attn.out), f32(block.norm2.weight), gemm(block.mlp.up),
                 gemm(block.mlp.down), *gate]
-        return packed
+        return packed[:1] + [invariant.pack(w) for w in packed[1:]]
 
     def __call__(self, tokens: torch.Tensor, state: State,
                  with_head: bool = True) -> torch.Tensor:

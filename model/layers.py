@@ -31,6 +31,7 @@ from model.attention.softmax import (
     window_parallel,
 )
 from model.config import ModelConfig
+from model.invariant import Linear
 from model.state import KVCache, LinearState
 
 
@@ -67,8 +68,8 @@ class LinearAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         d = cfg.d_model
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.out = nn.Linear(d, d, bias=False)
+        self.qkv = Linear(d, 3 * d, bias=False)
+        self.out = Linear(d, d, bias=False)
         self.conv: nn.Parameter | None = None
         if cfg.conv_size > 0:  # depthwise causal conv; identity at init
             w = torch.zeros(3 * d, cfg.conv_size)
@@ -80,8 +81,8 @@ class LinearAttention(nn.Module):
         self.gate_down: nn.Linear | None = None
         self.gate_up: nn.Linear | None = None
         if cfg.gate_rank > 0:  # GLA's low-rank gate: d -> rank -> H·F logits
-            self.gate_down = nn.Linear(d, cfg.gate_rank, bias=False)
-            self.gate_up = nn.Linear(cfg.gate_rank, cfg.n_heads * cfg.feature_dim)
+            self.gate_down = Linear(d, cfg.gate_rank, bias=False)
+            self.gate_up = Linear(cfg.gate_rank, cfg.n_heads * cfg.feature_dim)
             with torch.no_grad():
                 self.gate_up.bias.copy_(gate_bias_init(cfg.n_heads, cfg.feature_dim))
         self.decay: nn.Parameter | None = None
@@ -224,8 +225,8 @@ class SoftmaxAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = Linear(cfg.d_model, cfg.d_model, bias=False)
         cos, sin = rope_tables(cfg.max_context, cfg.head_dim, cfg.rope_base)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -301,8 +302,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.up = Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.down = Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.up(x)

@@ -9,12 +9,11 @@ from pathlib import Path
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from model import fused_step, kernels
+from model import fused_step, invariant, kernels
 from model.config import ModelConfig
 from model.fused_step import FusedStep
 from model.layers import Block
@@ -61,7 +60,7 @@ class LanguageModel(nn.Module):
         return empty_state(self.cfg, batch)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(x), self.embed.weight).float()
+        return invariant.linear(self.norm(x), self.embed.weight, self.embed).float()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens ``[B, T]`` -> logits ``[B, T, V]`` (fp32), starting from an empty state."""

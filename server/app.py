@@ -166,6 +166,7 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     app.state.model_name = settings.served_name
     app.state.max_model_len = model.cfg.context_limit
     app.state.dtype = pick_dtype(settings.dtype)
+    app.state.batch_invariant = settings.batch_invariant
     app.state.started = int(time.time())
     app.state.client = client
     app.state.service = GenerationService(client, store, model, tok, settings)
@@ -177,6 +178,7 @@ async def startup(app: FastAPI, settings: Settings) -> None:
         "attention": model.cfg.kind, "params": model.n_params(),
         "dtype": app.state.dtype[0], "dtype_reason": app.state.dtype[1],
         "decode_step": "fused" if model.uses_fused_step else "eager",
+        "batch_invariant": settings.batch_invariant,
         "state_bytes_per_session": model.state_nbytes(),
         "state_note": "grows with context" if model.cfg.context_limit else "constant",
         "session_store": settings.session_store.split("@")[-1],

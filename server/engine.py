@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from model import invariant
 from model.sampling import BatchParams, sample, top_logprobs
 from model.state import KVCache, State
 from model.tokenizer import Tokenizer
@@ -203,7 +204,10 @@ class Engine:
         while self.prefilling and budget > 0:
             seq = self.prefilling[0]
             try:
-                budget -= self._prefill_one(seq, budget)
+                spent = self._prefill_one(seq, budget)
+                if spent == 0 and self.prefilling and self.prefilling[0] is seq:
+                    break  # waits for a fresh budget (an aligned chunk)
+                budget -= spent
             except Exception as exc:
                 log.exception("prefill of %s failed", seq.req.request_id)
                 if self.prefilling and self.prefilling[0] is seq:
@@ -219,7 +223,10 @@ class Engine:
         logits = None
         n = 0
         if todo:
-            n = min(len(todo), self.limits.prefill_chunk, budget)
+            n = invariant.prefill_split(len(todo), self.limits.prefill_chunk, budget,
+                                        self.model.cfg.chunk_size)
+            if n == 0:  # the budget left is less than one aligned chunk
+                return 0
             ids = torch.tensor([todo[:n]])
             logits, seq.state = self.model.prefill(
                 ids, seq.state, all_logits=seq.prompt_logprobs is not None)
@@ -244,7 +251,8 @@ class Engine:
             todo = len(seq.to_prefill)
             if seq.prompt_logprobs is not None or todo == 0 or seq.solo:
                 break
-            n = min(todo, self.limits.prefill_chunk)
+            n = invariant.prefill_split(todo, self.limits.prefill_chunk, todo,
+                                        self.model.cfg.chunk_size)
             longest = max([n] + [m for _, m in group])
             if group and longest * (len(group) + 1) > budget:
                 break

@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from model import invariant
 from model.kernels import cpu_flags
 from model.tokenizer import Tokenizer
 from model.transformer import LanguageModel, load_model
@@ -37,9 +38,11 @@ def pick_dtype(requested: str, flags: frozenset[str] | None = None) -> tuple[str
 def load_engine_model(settings: Settings) -> tuple[LanguageModel, Tokenizer]:
     torch.set_num_threads(settings.threads or max(1, available_cpus() - 1))
     name, reason = pick_dtype(settings.dtype)
+    invariant.set_enabled(settings.batch_invariant)
     model = load_model(settings.weights, getattr(torch, name), fused=settings.fused_step)
-    log.info("decode step: %s; weights %s (%s)",
-             "fused native" if model.uses_fused_step else "eager", name, reason)
+    log.info("decode step: %s; weights %s (%s); batch-invariant %s",
+             "fused native" if model.uses_fused_step else "eager", name, reason,
+             "on" if invariant.active() else "off")
     tok = Tokenizer.from_file(settings.weights / model.cfg.tokenizer)
     if tok.vocab_size != model.cfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} tokens, model {model.cfg.vocab_size}")

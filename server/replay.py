@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model import invariant
 from model.state import State
 from model.transformer import LanguageModel
 
@@ -47,7 +48,10 @@ class ReplayQueue:
         """Advance the queued replays in order under ``budget`` tokens; returns what is left."""
         while self.jobs and budget > 0:
             job = self.jobs[0]
-            n = min(len(job.feed), self.chunk, budget)
+            n = invariant.prefill_split(len(job.feed), self.chunk, budget,
+                                        self.model.cfg.chunk_size)
+            if n == 0:
+                break  # the budget left is less than one aligned chunk
             try:
                 if n:
                     _, job.state = self.model.prefill(torch.tensor([job.feed[:n]]), job.state)

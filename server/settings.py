@@ -35,6 +35,11 @@ class Settings(BaseSettings):
         True, description="decode with the native fused step (elu+1 and softmax models; "
         "compiled once, or LINSERVE_KERNEL_LIB); the eager step is used where it is "
         "unavailable")
+    batch_invariant: bool = Field(
+        True, description="batch-invariant kernels: a request's logits do not depend on the "
+        "requests batched with it, so a seeded request gives the same text alone and under "
+        "load on any CPU (--no-batch-invariant: ATen's GEMMs, faster for bf16 at large "
+        "batches; greedy identical, seeded best-effort)")
     engine_mode: Literal["process", "thread"] = Field(
         "process", description="run the engine in its own process (no GIL contention with "
         "HTTP) or as a thread of the server process")

@@ -7,6 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from model import invariant
+
 
 def elu_feature(x: torch.Tensor) -> torch.Tensor:
     """φ(x) = elu(x) + 1, elementwise; any shape ``[..., D] -> [..., D]``."""
@@ -52,7 +54,7 @@ def favor_features(x: torch.Tensor, w: torch.Tensor, is_query: bool) -> torch.Te
     d = x.shape[-1]
     xs = x * d**-0.25
     half_w2 = 0.5 * (w * w).sum(-1)  # [m]
-    proj = xs @ w.T - 0.5 * (xs * xs).sum(-1, keepdim=True)
+    proj = invariant.matmul(xs, w.T) - 0.5 * (xs * xs).sum(-1, keepdim=True)
     if is_query:
         proj = proj + half_w2
         proj = proj - proj.amax(dim=-1, keepdim=True).detach()

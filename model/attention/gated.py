@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from model.attention.linear import causal_linear_step
+from model.invariant import chunk_len
 
 # The gate is at least e^-1 per token, so within a chunk of C tokens the cumulative decay is
 # at least e^-C: with C ≤ 64 its inverse, e^64 ≈ 6e27, stays far inside fp32's range. The
@@ -55,7 +56,7 @@ def gated_linear_parallel(
         b, h, t, f = fq.shape
         m = v.shape[-1]
         limit = MAX_CHUNK_GRAD if torch.is_grad_enabled() and lg.requires_grad else MAX_CHUNK
-        c = min(chunk_size, limit, t)
+        c = chunk_len(min(chunk_size, limit), t)
         pad = (-t) % c
         if pad:  # zero keys add nothing; a zero log-gate keeps the state; padded outputs drop
             fq, fk, v, lg = (F.pad(x, (0, 0, 0, pad)) for x in (fq, fk, v, lg))

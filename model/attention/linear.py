@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model.invariant import chunk_len
+
 
 def causal_linear_parallel(
     fq: torch.Tensor,
@@ -28,7 +30,7 @@ def causal_linear_parallel(
     """
     b, h, t, f = fq.shape
     m = v.shape[-1]
-    c = min(chunk_size, t)
+    c = chunk_len(chunk_size, t)
     pad = (-t) % c
     if pad:  # zero keys/values add nothing to sums; padded queries are dropped at the end
         fq, fk, v = (F.pad(x, (0, 0, 0, pad)) for x in (fq, fk, v))

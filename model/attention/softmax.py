@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model import invariant
+
 
 def rope_tables(max_len: int, dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables ``[max_len, dim/2]`` for rotary embeddings."""
@@ -83,6 +85,11 @@ def softmax_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     model min(length + 1, W)). Only the first ``max(n_valid)`` slots are read.
     Returns ``[B, H, D]``.
     """
+    if invariant.active():  # each row over its own slots alone: no shared span or batch
+        return torch.cat([
+            F.scaled_dot_product_attention(q[b : b + 1, :, None], k_cache[b : b + 1, :, :n],
+                                           v_cache[b : b + 1, :, :n]).squeeze(2)
+            for b, n in enumerate(n_valid.tolist())])
     span = int(n_valid.max())
     keys, values = k_cache[:, :, :span], v_cache[:, :, :span]
     if bool((n_valid == span).all()):

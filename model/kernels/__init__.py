@@ -11,7 +11,9 @@ which is how the Docker image ships it without a compiler:
 - ``LINSERVE_KERNEL_DIR=/opt/kernels``: prebuilt libraries for several CPU levels, one per
   sub-folder (``x86-64-v3/``, ``x86-64/``); the best one this CPU runs is loaded
   (:func:`pick_arch`), so an image built once never runs AVX2 code on a CPU without it.
-- ``LINSERVE_KERNEL_ARCH`` (default ``native``): the ``-march`` the source is compiled for.
+- ``LINSERVE_KERNEL_ARCH`` (default ``native``): the ``-march`` the source is compiled for
+  (``x86-64-v3`` is AVX2 + FMA, ``x86-64-v4`` AVX-512): the kernels' switch of instruction
+  set, as ``ATEN_CPU_CAPABILITY`` is ATen's.
 - ``python -m model.kernels build DIR``: compile into DIR and print the library's path.
 
 :func:`load` never raises: without a compiler it returns False and the model keeps its eager
@@ -29,7 +31,8 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in
-           ("linear_step.cpp", "softmax_step.cpp", "prefill_ops.cpp", "sampling.cpp")]
+           ("linear_step.cpp", "softmax_step.cpp", "prefill_ops.cpp", "sampling.cpp",
+            "gemm.cpp")]
 NAME = "linserve_kernels"
 _state: dict[str, bool | str] = {}
 
@@ -89,8 +92,11 @@ def build(directory: str | Path | None = None, verbose: bool = False) -> str:
     build_dir = None if directory is None else str(directory)
     if build_dir is not None:
         Path(build_dir).mkdir(parents=True, exist_ok=True)
+    # The default cache keeps one build per -march, so switching LINSERVE_KERNEL_ARCH (the
+    # tests run each instruction set this CPU has) does not rebuild over the other.
+    name = NAME if build_dir is not None or arch == "native" else f"{NAME}_{arch.replace('-', '_')}"
     path = cpp_extension.load(
-        name=NAME, sources=[str(s) for s in SOURCES],
+        name=name, sources=[str(s) for s in SOURCES],
         extra_cflags=["-O3", f"-march={arch}", "-fopenmp-simd", "-fno-math-errno"],
         build_directory=build_dir,
         is_python_module=False, verbose=verbose)

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include "fastmath.h"
+#include "gemm.h"
 
 #include <cmath>
 #include <cstdint>
@@ -34,47 +35,39 @@ inline at::Tensor normed(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
-// Rows up to which bf16 weights use bf16_gemv instead of oneDNN, which is compute-bound on
-// these shapes at batch 1 (a 256x1024 product: 50 us in bf16 against 29 us in fp32).
-constexpr int64_t kSmallBatch = 4;
-
-// y [B, out] (+)= x [B, in] @ W [in, out] with fp32 x and y and bf16 W: one pass over W,
-// each bf16 widened to fp32 by a 16-bit shift; memory-bound, as a GEMV should be.
-inline void bf16_gemv(const float* x, const at::BFloat16* w, float* y, int64_t rows, int64_t in,
-               int64_t out, bool accumulate) {
-  const auto* wb = reinterpret_cast<const uint16_t*>(w);
-  if (!accumulate) std::memset(y, 0, rows * out * sizeof(float));
-  for (int64_t i = 0; i < in; ++i) {
-    const uint16_t* wr = wb + i * out;
-    for (int64_t b = 0; b < rows; ++b) {
-      const float xi = x[b * in + i];
-      float* yr = y + b * out;
-      for (int64_t o = 0; o < out; ++o) {
-        const uint32_t bits = static_cast<uint32_t>(wr[o]) << 16;
-        float wf;
-        std::memcpy(&wf, &bits, sizeof(wf));
-        yr[o] += xi * wf;
-      }
-    }
-  }
+// Whether projections run batch-invariant (gemm.h) or through ATen (oneDNN / MKL, bf16
+// activations at larger batches). Set once per process by ``set_batch_invariant``.
+inline bool& batch_invariant_flag() {
+  static bool on = true;
+  return on;
 }
+
+// Rows up to which bf16 weights use the invariant GEMM even when the mode is off: oneDNN is
+// compute-bound on these shapes at batch 1 (a 256x1024 product: 50 us in bf16 against 29 us
+// in fp32), the one-pass GEMV is memory-bound, as it should be.
+constexpr int64_t kSmallBatch = 4;
 
 // a [B, in] fp32 @ W [in, out] (fp32 or bf16) -> fp32 [B, out]; added into ``into`` if given.
 inline void project(const at::Tensor& a, const at::Tensor& w, at::Tensor* into,
                     at::Tensor* out) {
   const int64_t rows = a.size(0);
+  const bool small_bf16 = rows <= kSmallBatch && w.scalar_type() == at::kBFloat16;
+  if (batch_invariant_flag() || small_bf16 || w.dim() == 3) {  // 3-d: bf16 pairs, gemm.h
+    const at::Tensor x = a.contiguous();
+    if (into != nullptr) {
+      invariant_mm(x, w, *into, true);
+    } else {
+      *out = at::empty({rows, w.size(1)}, a.options());
+      invariant_mm(x, w, *out, false);
+    }
+    return;
+  }
   if (w.scalar_type() == at::kFloat) {
     if (into != nullptr) {
       into->addmm_(a, w);
     } else {
       *out = at::mm(a, w);
     }
-    return;
-  }
-  if (rows <= kSmallBatch && w.scalar_type() == at::kBFloat16) {
-    at::Tensor& y = into != nullptr ? *into : (*out = at::empty({rows, w.size(1)}, a.options()));
-    bf16_gemv(a.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), rows,
-              w.size(0), w.size(1), into != nullptr);
     return;
   }
   at::Tensor y = at::mm(a.to(w.scalar_type()), w).to(at::kFloat);

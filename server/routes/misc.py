@@ -64,7 +64,8 @@ async def health(request: Request) -> Response:
             "engine": engine, "session_store": "ok" if store_ok else "unavailable",
             "time": now(), "draining": st.draining,
             "decode_step": "fused" if st.model.uses_fused_step else "eager",
-            "dtype": st.dtype[0], "dtype_reason": st.dtype[1]}
+            "dtype": st.dtype[0], "dtype_reason": st.dtype[1],
+            "batch_invariant": st.batch_invariant}
     return _json(body, 200 if ready else 503)
 
 

@@ -4,6 +4,7 @@ under load."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from bench.serverproc import ServerProcess
+from model.kernels import cpu_flags
 from model.state import state_from_bytes
 from model.transformer import load_model
 from tests.reliability.helpers import FULL, stream
@@ -66,26 +68,45 @@ def test_long_generation_stays_exact(linear_weights: Path) -> None:
     assert last <= first * (1.10 if FULL else 2.0)  # CI: short, noisy requests
 
 
-def test_greedy_identical_alone_and_under_load(linear_weights: Path) -> None:
-    """A greedy request and a seeded sampled one each give identical text alone and among 64
-    concurrent streams."""
-    with ServerProcess(linear_weights, args=["--max-running", "80"]) as srv:
+LOAD_PROMPTS = ["Alarum.", "ROMEO.\nBut soft, what light", "KING LEAR.\n", "Enter a Messenger.",
+                "To be, or not to be, that is the question:\n", "CLOWN.\nNay,",
+                "HAMLET.\nO, that this too too solid flesh would melt,\nThaw", "Exeunt."]
+
+# (dtype, ATEN_CPU_CAPABILITY, LINSERVE_KERNEL_ARCH): the default build in each weight dtype,
+# and an AVX2-only machine's paths forced on this one (where the CPU can run them).
+DETERMINISM_RUNS = [("float32", None, None), ("bfloat16", None, None)]
+if {"avx2", "fma"} <= cpu_flags():
+    DETERMINISM_RUNS.append(("float32", "avx2", "x86-64-v3"))
+
+
+@pytest.mark.parametrize(("dtype", "aten", "march"), DETERMINISM_RUNS)
+def test_greedy_identical_alone_and_under_load(linear_weights: Path, dtype: str,
+                                               aten: str | None, march: str | None) -> None:
+    """A greedy request and seeded sampled ones each give identical text alone and among 62
+    concurrent streams of other prompts and lengths (batch-invariant kernels, the default)."""
+    env = {k: v for k, v in (("ATEN_CPU_CAPABILITY", aten), ("LINSERVE_KERNEL_ARCH", march))
+           if v is not None}
+    rng = random.Random(0)
+    load = [{"prompt": rng.choice(LOAD_PROMPTS) * rng.randint(1, 12),
+             "max_tokens": rng.randint(8, 96), "stream": True, "ignore_eos": True,
+             "temperature": 0.8} for _ in range(62)]
+    with ServerProcess(linear_weights, env=env,
+                       args=["--max-running", "80", "--dtype", dtype]) as srv:
         greedy = {"prompt": "OTHELLO.\n", "max_tokens": 48, "temperature": 0,
                   "ignore_eos": True, "stream": True}
-        seeded = {**greedy, "temperature": 1.0, "seed": 1234}
+        seeded = [{**greedy, "prompt": p, "temperature": 1.0, "seed": 1234 + i}
+                  for i, p in enumerate(["OTHELLO.\n", "Enter the Ghost.\n" * 30])]
 
-        async def run(n_load: int) -> tuple[str, str]:
+        async def run(n_load: int) -> list[str]:
             async with httpx.AsyncClient(timeout=300,
                                          limits=httpx.Limits(max_connections=100)) as c:
-                load = {"prompt": "Alarum.", "max_tokens": 64, "stream": True,
-                        "ignore_eos": True, "temperature": 0.8}
-                res = await asyncio.gather(stream(c, srv.url, greedy),
-                                           stream(c, srv.url, seeded),
-                                           *(stream(c, srv.url, load) for _ in range(n_load)))
-            return res[0].text, res[1].text
+                res = await asyncio.gather(*(stream(c, srv.url, r) for r in
+                                             [greedy, *seeded, *load[:n_load]]))
+            return [r.text for r in res[:3]]
         alone = asyncio.run(run(0))
-        loaded = asyncio.run(run(64))
-    print(f"determinism: greedy identical={alone[0] == loaded[0]}, "
-          f"seeded identical={alone[1] == loaded[1]}")
-    assert alone[0] == loaded[0]
-    assert alone[1] == loaded[1]
+        loaded = asyncio.run(run(62))
+        invariant = httpx.get(srv.url + "/health").json()["batch_invariant"]
+    print(f"determinism ({dtype}, {march or 'native'}): identical "
+          f"{[a == b for a, b in zip(alone, loaded, strict=True)]}")
+    assert alone == loaded
+    assert invariant is True

@@ -1,0 +1,125 @@
+"""Batch-invariant inference: a row's logits do not depend on the rows beside it.
+
+oneDNN and MKL choose kernels, blockings and reduction orders by the shape of the whole
+product, so one request's logits move in their last bits with the number of requests that
+share its step or its ragged prefill, and a seeded sample flips where a uniform lands on a
+CDF boundary. In this mode every linear layer of the inference forms (eager prefill, eager
+step, the LM head, and the fused steps' projections) runs ``model/kernels/gemm.h``: each
+output element is one fp32 accumulator over the input features in order, whatever the batch.
+Chunked attention runs fixed chunk shapes (:func:`chunk_len`), so a prompt's chunks are the
+same matrices alone or padded into a ragged batch.
+
+The mode is process-wide (the engine sets it once at start, ``--batch-invariant``) and on by
+default. Training and autograd never use it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import kernels
+
+_enabled = [True]
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the mode on or off for this process (eager forms and, once loaded, kernels)."""
+    _enabled[0] = on
+    if kernels.load():
+        torch.ops.linserve.set_batch_invariant(on)
+
+
+def enabled() -> bool:
+    """Whether the mode is on (what was asked, whether or not the kernels could load)."""
+    return _enabled[0]
+
+
+def active() -> bool:
+    """On, the kernels loaded, and no autograd to serve: the invariant GEMM runs."""
+    return _enabled[0] and kernels.available() and not torch.is_grad_enabled()
+
+
+def chunk_len(chunk_size: int, t: int) -> int:
+    """The chunk length of the chunked attention forms for ``t`` tokens: the full
+    ``chunk_size`` in this mode (fixed shapes), else no longer than the sequence."""
+    return chunk_size if active() else min(chunk_size, t)
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """A GEMM weight stored ``[in, out]`` in the layout the projections run on: bf16 pairs
+    ``[in/2, out, 2]`` for the bf16 dot-product path (AVX512-BF16, in this mode), else
+    ``w`` contiguous. ``invariant_mm`` and the fused steps take either. Anything but a 2-d
+    bf16 tensor is returned as it is."""
+    w = w.detach().contiguous()
+    if (_enabled[0] and w.dim() == 2 and w.dtype == torch.bfloat16 and kernels.load()
+            and torch.ops.linserve.has_bf16_dot()):
+        return torch.ops.linserve.pack_bf16_pairs(w)
+    return w
+
+
+def _version(t: torch.Tensor) -> int:
+    """The tensor's in-place version (an optimizer step bumps it); inference tensors have
+    none, and cannot be changed in place outside inference mode anyway."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return -1
+
+
+def _transposed(owner: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` packed ``[in, out]`` (:func:`pack`), kept on ``owner`` until the
+    weight changes (a dtype cast or a load replaces the tensor)."""
+    key = (weight.data_ptr(), weight.dtype, _version(weight))
+    cached = owner.__dict__.get("_invariant_wt")
+    if cached is None or cached[0] != key:
+        cached = (key, pack(weight.t()))
+        owner.__dict__["_invariant_wt"] = cached
+    return cached[1]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, owner: nn.Module,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x ``[..., in]``, batch-invariant when :func:`active`
+    and the weight is fp32 or bf16. The result has x's dtype, as F.linear's would."""
+    if not active() or weight.dtype not in (torch.float32, torch.bfloat16):
+        return F.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1]).float()
+    y = torch.ops.linserve.invariant_mm(flat, _transposed(owner, weight))
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ w [K, N]``, batch-invariant when :func:`active` (for small matrices
+    built per call, such as FAVOR+'s feature projection; layers use :class:`Linear`)."""
+    if not active() or w.dtype not in (torch.float32, torch.bfloat16):
+        return x @ w
+    flat = x.reshape(-1, x.shape[-1]).float()
+    y = torch.ops.linserve.invariant_mm(flat, w.contiguous())
+    return y.to(torch.promote_types(x.dtype, w.dtype)).view(*x.shape[:-1], w.shape[1])
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state dict) whose inference forward is
+    batch-invariant when the mode is on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self, self.bias)
+
+
+def prefill_split(todo: int, cap: int, budget: int, chunk: int) -> int:
+    """How many of ``todo`` prompt tokens to prefill now, under a per-call ``cap`` and the
+    iteration's ``budget``. In this mode a prompt is split only at multiples of ``chunk``
+    from its start, so its chunks are the same whatever else the iteration holds: a budget
+    too small for a whole chunk gives 0 (wait for the next iteration). A ``cap`` below one
+    chunk cannot align and is used as it is."""
+    n = min(todo, cap, budget)
+    if not (_enabled[0] and kernels.available()) or n == todo:
+        return n
+    aligned = n - n % chunk
+    if aligned or cap < chunk:
+        return aligned or n
+    return 0

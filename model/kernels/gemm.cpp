@@ -1,0 +1,50 @@
+// Python-facing ops for the batch-invariant GEMM (gemm.h) and its process-wide switch.
+//
+//   invariant_mm(a [B, K] fp32, w [K, N] fp32|bf16) -> [B, N] fp32: the eager forms' linear
+//   layers in batch-invariant mode (model/invariant.py).
+//   pack_bf16_pairs(w [K, N] bf16) -> [K/2, N, 2]: the layout of the bf16 dot-product path
+//   (AVX512-BF16 builds; elsewhere w unchanged), has_bf16_dot() says which.
+//   set_batch_invariant(on): whether the fused steps' projections use it (dense.h).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "dense.h"
+#include "gemm.h"
+
+namespace {
+
+at::Tensor invariant_mm_op(const at::Tensor& a, const at::Tensor& w) {
+  TORCH_CHECK(a.dim() == 2, "invariant_mm takes 2-d activations");
+  at::Tensor y = at::empty({a.size(0), w.size(1)}, a.options());
+  linserve::invariant_mm(a.contiguous(), w.contiguous(), y, false);
+  return y;
+}
+
+at::Tensor pack_bf16_pairs_op(const at::Tensor& w) { return linserve::pack_bf16_pairs(w); }
+
+bool has_bf16_dot() { return linserve::kHasBf16Dot; }
+
+void set_batch_invariant(bool on) { linserve::batch_invariant_flag() = on; }
+
+bool get_batch_invariant() { return linserve::batch_invariant_flag(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(linserve, m) {
+  m.def("invariant_mm(Tensor a, Tensor w) -> Tensor");
+  m.def("pack_bf16_pairs(Tensor w) -> Tensor");
+  m.def("has_bf16_dot() -> bool");
+  m.def("set_batch_invariant(bool on) -> ()");
+  m.def("get_batch_invariant() -> bool");
+}
+
+TORCH_LIBRARY_IMPL(linserve, CPU, m) {
+  m.impl("invariant_mm", &invariant_mm_op);
+  m.impl("pack_bf16_pairs", &pack_bf16_pairs_op);
+}
+
+TORCH_LIBRARY_IMPL(linserve, CatchAll, m) {
+  m.impl("set_batch_invariant", &set_batch_invariant);
+  m.impl("get_batch_invariant", &get_batch_invariant);
+  m.impl("has_bf16_dot", &has_bf16_dot);
+}

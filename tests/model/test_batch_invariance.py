@@ -1,0 +1,143 @@
+"""Batch invariance (model/invariant.py, model/kernels/gemm.h): a row's logits, bit for bit,
+do not depend on the rows that share its step or its ragged prefill, nor on where a long
+prompt is split at chunk multiples; for every kind of model, dtype and form.
+
+``test_each_instruction_set`` re-runs this module in a subprocess for every instruction set
+this CPU can execute, forcing ATen's paths (``ATEN_CPU_CAPABILITY``) and the kernels' own
+(``LINSERVE_KERNEL_ARCH``, compiled for that ``-march``): AVX2 machines take other kernels
+than AVX-512 ones, and the property must hold on each.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model import invariant, kernels
+from model.kernels import cpu_flags
+from tests.model.helpers import tiny_model
+
+KINDS = ["linear", "gated", "favor", "softmax", "window"]
+DTYPES = [torch.float32, torch.bfloat16]
+BATCHES = (1, 7, 64)
+ISA_RUN = "LINSERVE_TEST_ISA"  # set in the subprocesses of test_each_instruction_set
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason="native kernels unavailable")
+
+
+def _model(kind: str, dtype: torch.dtype, fused: bool) -> torch.nn.Module:
+    model = tiny_model(kind, vocab_size=300, d_model=64, n_heads=2, d_ff=160).to(dtype)
+    model.set_fused_step(fused)
+    return model
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize(("k", "n"), [(64, 256), (255, 100), (300, 1000), (33, 7)])
+def test_invariant_mm_rows_do_not_depend_on_the_batch(dtype: torch.dtype, packed: bool,
+                                                      k: int, n: int) -> None:
+    """Every prefix of a 64-row batch, and every row alone, gives the full batch's rows bit
+    for bit, and the product is right (within fp32 / bf16-activation rounding)."""
+    torch.manual_seed(0)
+    w = torch.randn(k, n).to(dtype)
+    if packed and dtype == torch.float32:
+        pytest.skip("only bf16 weights have a packed layout")
+    wk = invariant.pack(w) if packed else w
+    x = torch.randn(64, k)
+    full = torch.ops.linserve.invariant_mm(x, wk)
+    for b in range(1, 65):
+        assert torch.equal(torch.ops.linserve.invariant_mm(x[:b], wk), full[:b])
+    for i in (0, 5, 63):
+        assert torch.equal(torch.ops.linserve.invariant_mm(x[i : i + 1], wk), full[i : i + 1])
+    pairs = wk.dim() == 3  # the bf16 dot-product path rounds activations to bf16
+    ref = (x.bfloat16() if pairs else x).double() @ w.double()
+    assert (full.double() - ref).abs().max().item() < 1e-4 * k ** 0.5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fused", [True, False])
+def test_step_logits_do_not_depend_on_the_batch(kind: str, dtype: torch.dtype,
+                                                fused: bool) -> None:
+    """Row i's step logits are the same alone, in a batch of 7 and in a batch of 64, with
+    rows of different histories beside it."""
+    model = _model(kind, dtype, fused)
+    if fused and not model.uses_fused_step:
+        pytest.skip("no fused step for this kind")
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 300, (64, 12))
+    _, state = model.prefill(tokens, None)
+    step = model.step(tokens[:, -1], state.copy())
+    for b in BATCHES:
+        rows = torch.arange(b) * (64 // b)  # spread the chosen rows over the batch
+        _, sub = model.prefill(tokens[rows], None)
+        assert torch.equal(model.step(tokens[rows, -1], sub), step[rows]), (kind, b)
+
+
+@pytest.mark.parametrize("kind", ["linear", "gated", "favor"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_does_not_depend_on_the_batch_or_chunk_splits(kind: str,
+                                                              dtype: torch.dtype) -> None:
+    """A prompt prefilled alone, in a ragged batch of other lengths, and split at a multiple
+    of the chunk size gives the same last logits and the same state, bit for bit."""
+    model = _model(kind, dtype, True)
+    torch.manual_seed(2)
+    prompt = torch.randint(0, 300, (150,)).tolist()
+    alone, state = model.prefill(torch.tensor([prompt]))
+    ragged, states = model.prefill_ragged([prompt[:37], prompt, prompt[:5], prompt[:100]],
+                                          [None] * 4)
+    chunk = model.cfg.chunk_size
+    first, head = model.prefill(torch.tensor([prompt[: 4 * chunk]]))
+    split, tail = model.prefill(torch.tensor([prompt[4 * chunk :]]), head)
+    del first
+    for logits, st in ((ragged[1:2], states[1]), (split, tail)):
+        assert torch.equal(logits, alone)
+        mine, ref = st.tensors(), state.tensors()
+        assert mine.keys() == ref.keys()
+        assert all(torch.equal(mine[k], ref[k]) for k in ref)
+
+
+def test_prefill_split_falls_on_chunk_multiples() -> None:
+    """Under the mode, a split point is a multiple of the chunk (0: wait for a fresh budget);
+    a whole remainder, or a cap below one chunk, is taken as it is."""
+    assert invariant.prefill_split(1000, 512, 512, 64) == 512
+    assert invariant.prefill_split(1000, 512, 300, 64) == 256
+    assert invariant.prefill_split(1000, 512, 40, 64) == 0
+    assert invariant.prefill_split(30, 512, 40, 64) == 30
+    assert invariant.prefill_split(100, 16, 512, 64) == 16
+    invariant.set_enabled(False)
+    try:
+        assert invariant.prefill_split(1000, 512, 300, 64) == 300
+    finally:
+        invariant.set_enabled(True)
+
+
+def _instruction_sets() -> list[tuple[str, str]]:
+    """(ATEN_CPU_CAPABILITY, -march) pairs this CPU can execute, from the baseline up."""
+    flags = cpu_flags()
+    runs = [("default", "x86-64")]
+    if {"avx2", "fma"} <= flags:
+        runs.append(("avx2", "x86-64-v3"))
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= flags:
+        runs.append(("avx512", "x86-64-v4"))
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(os.environ.get(ISA_RUN)), reason="already inside one ISA's run")
+@pytest.mark.parametrize(("aten", "march"), _instruction_sets())
+def test_each_instruction_set(aten: str, march: str) -> None:
+    """This module's invariance tests pass with ATen and the kernels forced to each
+    instruction set (the native build, AVX512-BF16 included where present, is the main
+    run)."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": aten, "LINSERVE_KERNEL_ARCH": march,
+           ISA_RUN: march}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "not each_instruction_set"],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
