@@ -33,7 +33,7 @@ from bench.common import (
 )
 from bench.serverproc import ServerProcess
 from model.transformer import load_model
-from server.loading import pick_dtype
+from server.engine.loading import pick_dtype
 
 
 def raw_step_tokens_per_s(weights: Path, batch: int, context: int, threads: int,
@@ -43,17 +43,15 @@ def raw_step_tokens_per_s(weights: Path, batch: int, context: int, threads: int,
     torch.set_num_threads(threads)
     model = load_model(weights, getattr(torch, pick_dtype(dtype)[0]))
     _, one = model.prefill(torch.randint(0, 8000, (1, context)))
-    from model.state import cat_states
+    from model.state import State
 
-    state = cat_states([one.copy() for _ in range(batch)])
-    if not model.cfg.is_recurrent:
-        state.ensure_capacity(context + 64)  # type: ignore[union-attr]
+    state = State.cat([one.copy() for _ in range(batch)])
+    state.reserve(context + 64)
     tokens = torch.randint(0, 8000, (batch,))
 
     def step() -> None:
         model.step(tokens, state)
-        if not model.cfg.is_recurrent:
-            state.lengths -= 1  # type: ignore[union-attr]
+        state.lengths -= 1  # the same position every time
 
     return batch / time_ms(step, min_seconds=1.0) * 1000
 

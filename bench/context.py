@@ -17,7 +17,6 @@ import torch
 
 from bench.common import RESULTS, machine, print_table, save_figure, style_axes, time_ms, write_json
 from bench.step import KINDS, build, kv_bytes, state_at, step_fns
-from model.state import LinearState
 
 CONTEXTS = [128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
 COLORS = {"linear": "tab:blue", "gated": "tab:green", "favor": "tab:purple",
@@ -27,7 +26,7 @@ COLORS = {"linear": "tab:blue", "gated": "tab:green", "favor": "tab:purple",
 def state_bytes(model: Any, context: int) -> int:
     """Bytes of one session's state after ``context`` tokens."""
     if model.cfg.is_recurrent:
-        return LinearState.empty(model.cfg, 1).nbytes
+        return int(model.new_state(1).nbytes)
     return kv_bytes(model.cfg, 1, context)
 
 

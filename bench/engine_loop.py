@@ -1,6 +1,6 @@
 """``python -m bench.engine_loop``: the engine's scheduling loop alone, without HTTP.
 
-Runs the real :class:`server.engine.Engine` in this process on the shipped weights, with
+Runs the real :class:`server.engine.engine.Engine` in this process on the shipped weights, with
 ``--clients`` closed-loop clients: each submits a request of ``--prompt-tokens`` prompt
 tokens and ``--max-tokens`` outputs and, when it finishes, the next one. Deliveries are
 counted in place (no queue, no JSON), so the figure splits the HTTP path's shortfall into
@@ -26,15 +26,14 @@ import torch
 
 from bench.common import machine, print_table, write_json
 from bench.concurrency import raw_step_tokens_per_s
+from model import invariant, loader
 from model.sampling import SamplingParams
-from model.tokenizer import Tokenizer
-from model.transformer import load_model
-from server.client import dispatch
-from server.engine import Engine, EngineLimits
-from server.loading import pick_dtype, warm_up
+from server.engine.client import dispatch
+from server.engine.engine import Engine, EngineLimits
+from server.engine.loading import pick_dtype, warm_up
+from server.engine.types import GenerationRequest, Output
 from server.malloc import pin_mmap_threshold
 from server.settings import Settings
-from server.types import GenerationRequest, Output
 
 
 class ClosedLoop:
@@ -68,15 +67,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = {name: f.default for name, f in Settings.model_fields.items()}  # the defaults
     pin_mmap_threshold(args.malloc_threshold)  # 0: glibc's defaults, as the engine process
     dtype = pick_dtype(args.dtype)[0]
-    model = load_model(args.weights, getattr(torch, dtype))
+    model = loader.load(args.weights, dtype, batch_invariant=invariant.enabled())
     warm_up(model)
-    tok = Tokenizer.from_file(args.weights / model.cfg.tokenizer)
     limits = EngineLimits(args.clients, 10**9, settings["prefill_chunk"],
                           settings["step_token_budget"],
                           0 if args.no_prefix_cache else settings["prefix_cache_bytes"],
                           settings["prefix_cache_interval"])
-    engine = Engine(model, tok, limits, dispatch)  # in place: no event loop, no queue
-    loop = ClosedLoop(engine, model.cfg.vocab_size, args)
+    engine = Engine(model, limits, dispatch)  # in place: no event loop, no queue
+    loop = ClosedLoop(engine, model.info.vocab_size, args)
     for _ in range(args.clients):
         loop.submit()
     prof = cProfile.Profile() if args.profile else None

@@ -26,12 +26,12 @@ import torch
 
 from bench.common import machine, print_table, write_json
 from model.sampling import SamplingParams
-from server.engine import Engine, EngineLimits
+from server.engine.engine import Engine, EngineLimits
+from server.engine.loading import load_engine_model, warm_up
+from server.engine.types import GenerationRequest
 from server.grammar.compiler import GrammarCompiler
 from server.grammar.spec import GrammarSpec
-from server.loading import load_engine_model, warm_up
 from server.settings import Settings
-from server.types import GenerationRequest
 
 CHARACTER = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 30},
@@ -119,7 +119,7 @@ def full_engine(model: Any, tok: Any, batch: int, constrained: int) -> tuple[Eng
         for sink, out in outs:
             sink(out)
 
-    engine = Engine(model, tok, EngineLimits(max_running=batch), deliver=deliver)
+    engine = Engine(model, EngineLimits(max_running=batch), deliver=deliver)
     submit = submitter(engine, constrained, tok.encode("The cast of the play, as JSON:\n"))
     for i in range(batch):
         submit(i)
@@ -169,9 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--output", default="grammar")
     args = p.parse_args(argv)
-    model, tok = load_engine_model(Settings.model_validate({"weights": args.weights}))
+    model = load_engine_model(Settings.model_validate({"weights": args.weights}))
+    tok = model.tokenizer()
     warm_up(model)
-    compiles = compile_times(GrammarCompiler(tok, model.cfg.vocab_size), args.rounds)
+    compiles = compile_times(GrammarCompiler(tok, model.info.vocab_size), args.rounds)
     print_table(compiles, ["grammar", "cold_ms", "cached_ms"])
     half = args.batch // 2
     runs = step_ms(model, tok, args.batch, args.steps)

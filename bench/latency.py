@@ -20,7 +20,6 @@ import torch
 
 from bench.common import machine, time_ms, write_json
 from bench.serverproc import ServerProcess
-from model.state import KVCache
 from model.transformer import load_model
 
 
@@ -34,8 +33,7 @@ def raw(weights: Path, prompt: list[int], threads: int) -> dict[str, float]:
     @torch.inference_mode()
     def one_step() -> None:  # in place, as the server steps (a KV cache is rewound after)
         model.step(tok, state)
-        if isinstance(state, KVCache):
-            state.lengths -= 1
+        state.lengths -= 1
 
     step_ms = time_ms(one_step, min_seconds=1.0)
     prefill_ms = time_ms(lambda: model.prefill(x), min_iters=5)

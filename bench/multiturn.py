@@ -216,12 +216,12 @@ def take_cost(weights: Path) -> dict[str, Any]:
     import torch
 
     from bench.common import time_ms
-    from model.transformer import load_model
-    from server.pool import SlotPool
+    from model import loader
+    from server.engine.pool import SlotPool
     from server.prefix_cache import PrefixCache
 
     torch.set_num_threads(1)
-    model = load_model(weights)
+    model = loader.load(weights, "float32")
     pool = SlotPool(model, 64)
     with torch.inference_mode():
         _, row = model.prefill(torch.randint(100, 8000, (1, 1000)))

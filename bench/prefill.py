@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from bench.common import machine, print_table, time_ms, write_json
-from model.state import cat_states
+from model.state import State
 from model.transformer import LanguageModel, load_model
 
 
@@ -69,7 +69,7 @@ def prefill_ms(model: LanguageModel, tokens: int) -> float:
 def step_ms(model: LanguageModel, batch: int, context: int) -> float:
     with torch.no_grad():
         _, one = model.prefill(torch.randint(100, 8000, (1, context)))
-        state = cat_states([one.copy() for _ in range(batch)])
+        state = State.cat([one.copy() for _ in range(batch)])
         ids = torch.randint(100, 8000, (batch,))
         return time_ms(lambda: model.step(ids, state), min_seconds=1.0)
 

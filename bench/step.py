@@ -20,7 +20,7 @@ import torch
 from bench.common import machine, print_table, save_figure, style_axes, time_interleaved, write_json
 from model.config import ModelConfig
 from model.fused_step import FusedStep
-from model.state import KVCache, State
+from model.state import KVEntry, State
 from model.transformer import LanguageModel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -52,10 +52,12 @@ def state_at(model: LanguageModel, batch: int, context: int) -> State:
     so the step runs on the values a long session has, not on zeros. KV cache: random keys
     and values at the right length (its cost depends on the length, not the values)."""
     state = model.new_state(batch)
-    if isinstance(state, KVCache):
-        state.resize(kv_slots(model.cfg, context))
-        state.k.normal_()
-        state.v.normal_()
+    kvs = [e for e in state.entries() if isinstance(e, KVEntry)]
+    if kvs:
+        for e in kvs:
+            e.resize(kv_slots(model.cfg, context))
+            e.k.normal_()
+            e.v.normal_()
         state.lengths.fill_(context)
         return state
     key = (id(model), context)
@@ -65,7 +67,7 @@ def state_at(model: LanguageModel, batch: int, context: int) -> State:
         with torch.no_grad():
             _PREFILLED[key] = model.prefill(tokens)[1]
     row = _PREFILLED[key]
-    state.write_rows(slice(0, batch), row)  # type: ignore[arg-type]
+    state.write_rows(slice(0, batch), row)
     return state
 
 
@@ -137,8 +139,7 @@ def step_fns(model: LanguageModel, state: State, batch: int, compare_eager: bool
     fused = FusedStep(model) if model.uses_fused_step else None
 
     def rewind() -> None:
-        if isinstance(state, KVCache):
-            state.lengths -= 1
+        state.lengths -= 1
 
     @torch.inference_mode()
     def layers() -> None:

@@ -11,19 +11,29 @@ in fp32.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol, cast
 
 import torch
 
 from model import invariant, kernels
-from model.config import EAGER_ONLY_FIELDS
-from model.state import KVCache, State
-
-if TYPE_CHECKING:
-    from model.transformer import LanguageModel
+from model.config import EAGER_ONLY_FIELDS, ModelConfig
+from model.layers import Block
+from model.state import ConvEntry, KVEntry, RecurrentEntry, State
 
 
-def supports(model: LanguageModel) -> bool:
+class Fusable(Protocol):
+    """What the fused step packs: a model's config, embedding, final norm and blocks
+    (:class:`model.transformer.LanguageModel` is one; naming it here would close an import
+    circle, since the model builds its fused step)."""
+
+    cfg: ModelConfig
+    embed: torch.nn.Embedding
+    norm: torch.nn.RMSNorm
+    layers: list[Block]
+
+
+
+def supports(model: Fusable) -> bool:
     """The kernels cover elu+1 linear attention (gated or not) and softmax attention (full or
     windowed), with RMSNorm eps left at its default."""
     eager_only = any(getattr(model.cfg, f) for f in EAGER_ONLY_FIELDS)
@@ -36,11 +46,12 @@ class FusedStep:
     """Packed weights plus the kernel call. Rebuild it after changing the model's weights or
     dtype (``LanguageModel.set_fused_step`` does)."""
 
-    def __init__(self, model: LanguageModel) -> None:
+    def __init__(self, model: Fusable) -> None:
         if not supports(model):
             raise ValueError("the fused step supports attention='linear' or 'softmax' only")
         if not kernels.load():
             raise RuntimeError(f"native kernels unavailable: {kernels.load_error()}")
+        self.softmax = not model.cfg.is_recurrent
         self.heads = model.cfg.n_heads
         self.attn_eps = model.cfg.eps
         self.window = model.cfg.window
@@ -50,7 +61,7 @@ class FusedStep:
         self.weights = self._pack(model)
 
     @staticmethod
-    def _pack(model: LanguageModel) -> list[torch.Tensor]:
+    def _pack(model: Fusable) -> list[torch.Tensor]:
         """[embed, head, final norm, then per layer: norm1, qkv (+ gate_down), conv [K, 3d],
         out, norm2, up, down, gate_up [r, d], gate_bias [d]]. Norm, conv and gate_up weights
         are fp32; GEMM weights keep the model dtype and are stored transposed, ``[in, out]``
@@ -92,13 +103,17 @@ class FusedStep:
         ``with_head=False`` returns the last layer's output ``[B, d]`` instead (benchmarks
         time the layers and the LM head apart this way). A KV cache gets its slot first and
         its lengths advanced after, as the eager step does."""
-        if isinstance(state, KVCache):
-            state.ensure_capacity(int(state.lengths.max()) + 1)
+        if self.softmax:
+            state.reserve(int(state.lengths.max()) + 1)
+            kv = [cast(KVEntry, layer["kv"]) for layer in state.layers]
             out = torch.ops.linserve.softmax_step(
-                tokens, self.weights, state.k, state.v, state.lengths, self.heads, self.window,
-                self.rope_base, self.norm_eps, with_head)
-            state.lengths += 1
-            return out
-        return torch.ops.linserve.linear_step(
-            tokens, self.weights, state.s, state.z, state.conv, self.heads, self.attn_eps,
-            self.norm_eps, with_head)
+                tokens, self.weights, [e.k for e in kv], [e.v for e in kv], state.lengths,
+                self.heads, self.window, self.rope_base, self.norm_eps, with_head)
+        else:
+            rec = [cast(RecurrentEntry, layer["recurrent"]) for layer in state.layers]
+            conv = [cast(ConvEntry, layer["conv"]).window for layer in state.layers]
+            out = torch.ops.linserve.linear_step(
+                tokens, self.weights, [e.s for e in rec], [e.z for e in rec], conv, self.heads,
+                self.attn_eps, self.norm_eps, with_head)
+        state.lengths += 1
+        return out

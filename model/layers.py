@@ -32,7 +32,7 @@ from model.attention.softmax import (
 )
 from model.config import ModelConfig
 from model.invariant import Linear
-from model.state import KVCache, LinearState
+from model.state import ConvEntry, KVEntry, RecurrentEntry, State
 
 
 def native_inference() -> bool:
@@ -56,6 +56,24 @@ def head_decay_init(heads: int, lo: float = 0.95, hi: float = 0.999) -> torch.Te
     from ~20 to ~1000 tokens, like the gate's initial spread."""
     rates = torch.logspace(math.log10(-math.log(lo)), math.log10(-math.log(hi)), heads)
     return rates.log()
+
+
+def _recurrent(state: State, layer: int) -> tuple[RecurrentEntry, ConvEntry]:
+    """A recurrent layer's two entries: the (s, z) sums and the short-conv window."""
+    rec, conv = state.layers[layer]["recurrent"], state.layers[layer]["conv"]
+    assert isinstance(rec, RecurrentEntry) and isinstance(conv, ConvEntry)
+    return rec, conv
+
+
+def _z(rec: RecurrentEntry) -> torch.Tensor:
+    assert rec.z is not None, "these models normalise by z"
+    return rec.z
+
+
+def _kv(state: State, layer: int) -> KVEntry:
+    kv = state.layers[layer]["kv"]
+    assert isinstance(kv, KVEntry)
+    return kv
 
 
 class LinearAttention(nn.Module):
@@ -152,7 +170,7 @@ class LinearAttention(nn.Module):
         new_buf = full.gather(1, idx[:, :, None].expand(-1, -1, full.shape[2]))
         return out, new_buf
 
-    def forward(self, x: torch.Tensor, state: LinearState | None, layer: int,
+    def forward(self, x: torch.Tensor, state: State | None, layer: int,
                 lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Parallel form. x ``[B, T, d]``; updates ``state`` (if given) in place.
 
@@ -162,14 +180,15 @@ class LinearAttention(nn.Module):
         """
         b, t, _ = x.shape
         h, dh = self.cfg.n_heads, self.cfg.head_dim
-        qkv, new_buf = self._conv_parallel(self.qkv(x).float(), None if state is None
-                                           else state.conv[layer], lengths)
+        rec, conv = (None, None) if state is None else _recurrent(state, layer)
+        qkv, new_buf = self._conv_parallel(self.qkv(x).float(), None if conv is None
+                                           else conv.window, lengths)
         fq, fk, v = self._features(qkv)
-        if state is None:
+        if rec is None:
             s = x.new_zeros(b, h, self.cfg.feature_dim, dh, dtype=torch.float32)
             z = x.new_zeros(b, h, self.cfg.feature_dim, dtype=torch.float32)
         else:
-            s, z = state.s[layer], state.z[layer]
+            s, z = rec.s, _z(rec)
         lg = self._log_gate(x)
         lg = None if lg is None else lg.transpose(1, 2)  # [B, H, T, F]
         if lengths is not None:  # padding: no key, no value, and a gate of 1 (log 0)
@@ -184,20 +203,20 @@ class LinearAttention(nn.Module):
                 fq, fk, v, lg, s, z, self.cfg.chunk_size, self.cfg.eps,
                 normalise=self.o_norm is None)
             o = self._norm_out(o, self.o_norm[:, None] if self.o_norm is not None else None)
-        if state is not None:
-            state.s[layer] = s_new
-            state.z[layer] = z_new
-            if new_buf is not None:
-                state.conv[layer] = new_buf
+        if rec is not None and conv is not None:  # contiguous, as the fused step needs them
+            rec.s, rec.z = s_new.contiguous(), z_new.contiguous()
+            if new_buf is not None:  # a copy: the slice would keep the whole input alive
+                conv.window = new_buf.clone(memory_format=torch.contiguous_format)
         return self.out(o.transpose(1, 2).reshape(b, t, -1).to(x.dtype))
 
-    def step(self, x: torch.Tensor, state: LinearState, layer: int) -> torch.Tensor:
+    def step(self, x: torch.Tensor, state: State, layer: int) -> torch.Tensor:
         """Recurrent form. x ``[B, d]``; updates s, z and the conv buffer in place."""
         b = x.shape[0]
         h, dh = self.cfg.n_heads, self.cfg.head_dim
+        rec, conv = _recurrent(state, layer)
         qkv = self.qkv(x).float()
         if self.conv is not None:
-            buf = state.conv[layer]  # [B, K-1, 3d]
+            buf = conv.window  # [B, K-1, 3d]
             window = torch.cat([buf, qkv.unsqueeze(1)], dim=1)  # [B, K, 3d]
             qkv = (window * self.conv.T.float()).sum(1)
             buf.copy_(window[:, 1:])
@@ -205,10 +224,10 @@ class LinearAttention(nn.Module):
         lg = self._log_gate(x)
         if lg is None:
             o = causal_linear_step(self._phi(q, True), self._phi(k, False), v,
-                                   state.s[layer], state.z[layer], self.cfg.eps)
+                                   rec.s, _z(rec), self.cfg.eps)
         else:
             o = gated_linear_step(self._phi(q, True), self._phi(k, False), v, lg,
-                                  state.s[layer], state.z[layer], self.cfg.eps,
+                                  rec.s, _z(rec), self.cfg.eps,
                                   normalise=self.o_norm is None)
             o = self._norm_out(o, self.o_norm)
         return self.out(o.reshape(b, -1).to(x.dtype))
@@ -244,27 +263,28 @@ class SoftmaxAttention(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: State | None, layer: int) -> torch.Tensor:
         """Parallel form over T new tokens; all rows start at the same cache length."""
         b, t, _ = x.shape
-        start = 0 if cache is None else int(cache.lengths[0])
+        cache = None if state is None else _kv(state, layer)
+        start = 0 if state is None else int(state.lengths[0])
         pos = torch.arange(start, start + t, device=x.device)
         q, k, v = self._qkv(x, pos.unsqueeze(0))
         if self.cfg.window:
-            o = self._window_forward(q, k, v, pos, cache, layer)
+            o = self._window_forward(q, k, v, pos, cache)
         else:
             k_past = v_past = None
             if cache is not None:
-                k_past = cache.k[:, layer, :, :start]
-                v_past = cache.v[:, layer, :, :start]
+                k_past = cache.k[:, :, :start]
+                v_past = cache.v[:, :, :start]
             o = softmax_parallel(q, k, v, k_past, v_past)
             if cache is not None:
-                cache.k[:, layer, :, start : start + t] = k
-                cache.v[:, layer, :, start : start + t] = v
+                cache.k[:, :, start : start + t] = k
+                cache.v[:, :, start : start + t] = v
         return self.out(o.transpose(1, 2).reshape(b, t, -1).to(x.dtype))
 
     def _window_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        pos: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
+                        pos: torch.Tensor, cache: KVEntry | None) -> torch.Tensor:
         """Local attention of new tokens at ``pos [T]`` over the ring's past keys and their own;
         then the last min(T, W) new keys go into their slots (pos mod W)."""
         w = self.cfg.window
@@ -273,27 +293,28 @@ class SoftmaxAttention(nn.Module):
         if cache is not None and start > 0:
             past = torch.arange(max(0, start - w + 1), start)  # the past keys any query sees
             slots = past % w
-            keys = torch.cat([cache.k[:, layer, :, slots], k], dim=2)
-            values = torch.cat([cache.v[:, layer, :, slots], v], dim=2)
+            keys = torch.cat([cache.k[:, :, slots], k], dim=2)
+            values = torch.cat([cache.v[:, :, slots], v], dim=2)
             k_pos = torch.cat([past, pos])
         o = window_parallel(q, keys, values, pos, k_pos, w)
         if cache is not None:
             keep = pos[-w:]
-            cache.k[:, layer, :, keep % w] = k[:, :, -w:]
-            cache.v[:, layer, :, keep % w] = v[:, :, -w:]
+            cache.k[:, :, keep % w] = k[:, :, -w:]
+            cache.v[:, :, keep % w] = v[:, :, -w:]
         return o
 
-    def step(self, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-        """One token per row at its own position ``cache.lengths``. x ``[B, d]``."""
+    def step(self, x: torch.Tensor, state: State, layer: int) -> torch.Tensor:
+        """One token per row at its own position ``state.lengths``. x ``[B, d]``."""
         b = x.shape[0]
-        pos = cache.lengths.unsqueeze(1)  # [B, 1]
+        cache, lengths = _kv(state, layer), state.lengths
+        pos = lengths.unsqueeze(1)  # [B, 1]
         q, k, v = self._qkv(x.unsqueeze(1), pos)
         rows = torch.arange(b)
-        slot = cache.lengths % self.cfg.window if self.cfg.window else cache.lengths
-        k_l, v_l = cache.k[:, layer], cache.v[:, layer]  # [B, H, C, D] views
+        slot = lengths % self.cfg.window if self.cfg.window else lengths
+        k_l, v_l = cache.k, cache.v  # [B, H, C, D]
         k_l[rows, :, slot] = k[:, :, 0]
         v_l[rows, :, slot] = v[:, :, 0]
-        o = softmax_step(q[:, :, 0], k_l, v_l, cache.slots_used(cache.lengths + 1))
+        o = softmax_step(q[:, :, 0], k_l, v_l, cache.slots_used(lengths + 1))
         return self.out(o.reshape(b, -1).to(x.dtype))
 
 
@@ -333,7 +354,7 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, state: LinearState | KVCache | None,
+    def forward(self, x: torch.Tensor, state: State | None,
                 layer: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """``lengths``: right-padded rows (recurrent attention only; see LinearAttention)."""
         if lengths is None:
@@ -344,6 +365,6 @@ class Block(nn.Module):
         x = x + self.drop(attn)
         return x + self.drop(self.mlp(rms_norm(self.norm2, x)))
 
-    def step(self, x: torch.Tensor, state: LinearState | KVCache, layer: int) -> torch.Tensor:
+    def step(self, x: torch.Tensor, state: State, layer: int) -> torch.Tensor:
         x = x + self.attn.step(self.norm1(x), state, layer)  # type: ignore[arg-type,unused-ignore]
         return x + self.mlp(self.norm2(x))

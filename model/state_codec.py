@@ -9,13 +9,14 @@ a millisecond, and zstd releases the GIL while it works.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import zstandard
 
-from model.state import KVCache, LinearState, State
+from model.state import State
 
 _LEVEL = 3  # zstd level: measured the best ratio per millisecond on states (1 and 6 are no better)
 
@@ -32,9 +33,7 @@ class PackedTensor:
 class PackedState:
     """An immutable compressed state: safe to share between sessions (forks)."""
 
-    kind: str  # "linear" or "softmax"
-    max_context: int  # KV cache only
-    window: int  # KV cache only: the ring's size for a sliding-window model (0: none)
+    layout: str  # State.layout() as JSON: per layer, each entry's kind and parameters
     tensors: tuple[PackedTensor, ...]
 
     @property
@@ -63,15 +62,11 @@ def pack_state(state: State) -> PackedState:
     """Compress ``state`` (any batch size) losslessly."""
     cctx = zstandard.ZstdCompressor(level=_LEVEL)
     tensors = tuple(_pack_tensor(n, t, cctx) for n, t in state.tensors().items())
-    if isinstance(state, KVCache):
-        return PackedState(state.kind, state.max_context, state.window, tensors)
-    return PackedState(state.kind, 0, 0, tensors)
+    return PackedState(json.dumps(state.layout()), tensors)
 
 
 def unpack_state(packed: PackedState) -> State:
     """A fresh state, bit-identical to the one that was packed."""
     dctx = zstandard.ZstdDecompressor()
-    t = {p.name: _unpack_tensor(p, dctx) for p in packed.tensors}
-    if packed.kind == LinearState.kind:
-        return LinearState(t["s"], t["z"], t["conv"])
-    return KVCache(t["k"], t["v"], t["lengths"], packed.max_context, packed.window)
+    tensors = {p.name: _unpack_tensor(p, dctx) for p in packed.tensors}
+    return State.from_tensors(json.loads(packed.layout), tensors)

@@ -17,7 +17,20 @@ from model import fused_step, invariant, kernels
 from model.config import ModelConfig
 from model.fused_step import FusedStep
 from model.layers import Block
-from model.state import KVCache, State, cat_states, empty_state, unbatch
+from model.state import ConvEntry, KVEntry, RecurrentEntry, State
+
+
+def empty_state(cfg: ModelConfig, batch: int = 1) -> State:
+    """An empty state: per layer a recurrent entry (s, z) and the short-conv window for
+    linear / FAVOR+ models, a KV cache (a ring for window models) for softmax ones."""
+    lengths = torch.zeros(batch, dtype=torch.long)
+    if cfg.is_recurrent:
+        return State([{"recurrent": RecurrentEntry.empty(batch, cfg.n_heads, cfg.feature_dim,
+                                                         cfg.head_dim),
+                       "conv": ConvEntry.empty(batch, cfg.conv_size, 3 * cfg.d_model)}
+                      for _ in range(cfg.n_layers)], lengths)
+    return State([{"kv": KVEntry.empty(batch, cfg.n_heads, cfg.head_dim, cfg.max_context,
+                                       cfg.window)} for _ in range(cfg.n_layers)], lengths)
 
 
 class LanguageModel(nn.Module):
@@ -80,15 +93,14 @@ class LanguageModel(nn.Module):
         """
         b, t = tokens.shape
         state = self.new_state(b) if state is None else state.copy()
-        if isinstance(state, KVCache):
+        if not self.cfg.is_recurrent:
             if bool((state.lengths != state.lengths[0]).any()):
                 raise ValueError("softmax prefill needs rows of equal length")
-            state.ensure_capacity(int(state.lengths[0]) + t)
+            state.reserve(int(state.lengths[0]) + t)
         x = self.embed(tokens)
         for i, block in enumerate(self.layers):
             x = block(x, state, i)
-        if isinstance(state, KVCache):
-            state.lengths += t
+        state.lengths += t
         logits = self._head(x if all_logits else x[:, -1])
         return logits, state
 
@@ -125,12 +137,13 @@ class LanguageModel(nn.Module):
         tokens = pad_sequence([torch.tensor(p) for p in prompts], batch_first=True)
         # The concatenation is a copy, and concatenating recurrent states never touches the
         # inputs, so the given states need no copy of their own.
-        state = cat_states([st if st is not None else self.new_state(1) for st in states])
+        state = State.cat([st if st is not None else self.new_state(1) for st in states])
         x = self.embed(tokens)
         for i, block in enumerate(self.layers):
             x = block(x, state, i, lengths)
+        state.lengths += lengths
         last = x[torch.arange(len(prompts)), lengths - 1]
-        return self._head(last), unbatch(state)
+        return self._head(last), state.unbatch()
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
@@ -143,13 +156,12 @@ class LanguageModel(nn.Module):
     def step_eager(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         """:meth:`step` in eager PyTorch, layer by layer: the reference the fused step is
         tested against, and the step of FAVOR+ models."""
-        if isinstance(state, KVCache):
-            state.ensure_capacity(int(state.lengths.max()) + 1)
+        if not self.cfg.is_recurrent:
+            state.reserve(int(state.lengths.max()) + 1)
         x = self.embed(tokens)
         for i, block in enumerate(self.layers):
             x = block.step(x, state, i)
-        if isinstance(state, KVCache):
-            state.lengths += 1
+        state.lengths += 1
         return self._head(x)
 
     def state_nbytes(self) -> int:

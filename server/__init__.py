@@ -1,0 +1,1 @@
+"""linserve: an OpenAI-compatible server for models with constant-size recurrent state."""

@@ -3,28 +3,23 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 from pydantic import ValidationError
 
-from server.app import create_app, wrap
+from model import loader
+from server.api.app import create_app, wrap
 from server.malloc import pin_mmap_threshold
 from server.settings import parse_cli
 
 
-def max_state_bytes(settings_weights: object) -> int:
-    """Upper bound on an importable state's size for the configured model."""
-    from model.config import ModelConfig
-    from model.state import KVCache, LinearState
-
-    cfg = ModelConfig.load(f"{settings_weights}/config.json")
-    if cfg.is_recurrent:
-        return LinearState.empty(cfg, 1).nbytes + (1 << 16)
-    per_pos = 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 4
-    slots = cfg.window or cfg.max_context
-    return per_pos * slots + KVCache.empty(cfg, 1).lengths.numel() * 8 + (1 << 16)
+def max_state_bytes(weights: Path) -> int:
+    """Upper bound on an importable state's size for the configured model (its largest
+    state, plus room for the blob's header)."""
+    return loader.max_state_bytes(weights) + (1 << 16)
 
 
 class DrainingServer(uvicorn.Server):
@@ -55,8 +50,12 @@ def main() -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     pin_mmap_threshold(settings.malloc_mmap_threshold)
+    try:
+        state_limit = max_state_bytes(settings.weights)
+    except (loader.CheckpointError, OSError, ValueError) as exc:  # one line, no traceback
+        raise SystemExit(f"linserve: cannot load {settings.weights}: {exc}") from None
     app = create_app(settings)
-    config = uvicorn.Config(wrap(app, settings, max_state_bytes(settings.weights)),
+    config = uvicorn.Config(wrap(app, settings, state_limit),
                             host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,
                             timeout_graceful_shutdown=int(settings.shutdown_grace_seconds) or None)

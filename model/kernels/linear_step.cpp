@@ -19,8 +19,9 @@
 //
 // Shapes (B rows, L layers, H heads, F = M = head_dim, d = H*M, K = conv width):
 //   tokens [B] int64
-//   s [L, B, H, F, M], z [L, B, H, F], conv [L, B, K-1, 3d] fp32; each layer's slice
-//   s[l], z[l], conv[l] must be contiguous (the slot pool's live-row views are).
+//   s, z, conv: one tensor per layer (model/state.py's per-layer entries), s[l] [B, H, F, M],
+//   z[l] [B, H, F], conv[l] [B, K-1, 3d], fp32 and contiguous (the slot pool's live-row
+//   views are).
 //   weights (see model/fused_step.py): embed [V, d], head [d, V] (the embedding transposed),
 //   final norm [d] fp32, then per layer norm1 [d] fp32, qkv [d, 3d (+ r)], conv [K, 3d] fp32
 //   (empty when K = 0), out [d, d], norm2 [d] fp32, up [d, f], down [f, d], gate_up [r, d]
@@ -190,22 +191,24 @@ void layer_step(at::Tensor& x, const std::vector<at::Tensor>& w, int64_t base, a
   linserve::mlp_add(x, w[base + 4], w[base + 5], w[base + 6], norm_eps);
 }
 
-at::Tensor linear_step(const at::Tensor& tokens, at::TensorList weights, const at::Tensor& s,
-                       const at::Tensor& z, const at::Tensor& conv, int64_t heads,
+at::Tensor linear_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList s,
+                       at::TensorList z, at::TensorList conv, int64_t heads,
                        double attn_eps, double norm_eps, bool with_head) {
   const std::vector<at::Tensor> w(weights.begin(), weights.end());
   const int64_t layers = (static_cast<int64_t>(w.size()) - 3) / kPerLayer;
   TORCH_CHECK(static_cast<int64_t>(w.size()) == 3 + kPerLayer * layers, "bad weight list");
-  TORCH_CHECK(s.size(0) == layers && z.size(0) == layers && conv.size(0) == layers,
+  TORCH_CHECK(static_cast<int64_t>(s.size()) == layers &&
+                  static_cast<int64_t>(z.size()) == layers &&
+                  static_cast<int64_t>(conv.size()) == layers,
               "state has the wrong number of layers");
-  TORCH_CHECK(s.scalar_type() == at::kFloat && z.scalar_type() == at::kFloat &&
-                  conv.scalar_type() == at::kFloat, "state must be fp32");
   const at::Tensor& embed = w[0];
   at::Tensor x = embed.index_select(0, tokens).to(at::kFloat).contiguous();
   for (int64_t l = 0; l < layers; ++l) {
     at::Tensor sl = s[l], zl = z[l], cl = conv[l];
+    TORCH_CHECK(sl.scalar_type() == at::kFloat && zl.scalar_type() == at::kFloat &&
+                    cl.scalar_type() == at::kFloat, "state must be fp32");
     TORCH_CHECK(sl.is_contiguous() && zl.is_contiguous() && cl.is_contiguous(),
-                "each layer's state slice must be contiguous");
+                "each layer's state must be contiguous");
     TORCH_CHECK(sl.size(0) == x.size(0), "state and tokens disagree on the batch size");
     layer_step(x, w, 3 + kPerLayer * l, sl, zl, cl, heads, attn_eps, norm_eps);
   }
@@ -216,8 +219,8 @@ at::Tensor linear_step(const at::Tensor& tokens, at::TensorList weights, const a
 
 TORCH_LIBRARY(linserve, m) {
   m.def(
-      "linear_step(Tensor tokens, Tensor[] weights, Tensor(a!) s, Tensor(b!) z, "
-      "Tensor(c!) conv, int heads, float attn_eps, float norm_eps, bool with_head=True) "
+      "linear_step(Tensor tokens, Tensor[] weights, Tensor(a!)[] s, Tensor(b!)[] z, "
+      "Tensor(c!)[] conv, int heads, float attn_eps, float norm_eps, bool with_head=True) "
       "-> Tensor");
   m.def("matmul(Tensor a, Tensor w) -> Tensor");
 }

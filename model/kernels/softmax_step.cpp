@@ -12,7 +12,8 @@
 // dozen dispatches per layer; here they are loops over memory the step must read anyway.
 //
 // Shapes (B rows, L layers, H heads, D head_dim, d = H*D, C cache slots):
-//   tokens [B] int64; k, v [B, L, H, C, D] fp32, contiguous (the pool's live-row view is);
+//   tokens [B] int64; k, v: one [B, H, C, D] per layer, fp32, contiguous, all of one capacity
+//   C (model/state.py's KV entries; the pool's live-row views are contiguous);
 //   lengths [B] int64, the position of each row's new token (not advanced here: the caller
 //   adds 1, as for the eager step); the cache must already have a slot for it.
 //   weights (see model/fused_step.py): embed [V, d], head [d, V], final norm [d] fp32, then
@@ -92,15 +93,12 @@ void attend_head(const float* q, const float* keys, const float* values, int64_t
 }
 
 struct Cache {
-  float* k;
-  float* v;
+  std::vector<float*> k, v;  // per layer [B, H, C, D]
   const int64_t* lengths;
-  int64_t layers, heads, slots, dim, window;
+  int64_t heads, slots, dim, window;
 
-  // Start of layer l, head h, slot 0 of row b's keys (or values).
-  int64_t offset(int64_t b, int64_t l, int64_t h) const {
-    return ((b * layers + l) * heads + h) * slots * dim;
-  }
+  // Start of head h, slot 0 of row b's keys (or values) in one layer.
+  int64_t offset(int64_t b, int64_t h) const { return (b * heads + h) * slots * dim; }
   int64_t slot(int64_t b) const { return window ? lengths[b] % window : lengths[b]; }
   int64_t valid(int64_t b) const {
     return window ? std::min(lengths[b] + 1, window) : lengths[b] + 1;
@@ -114,9 +112,9 @@ void cache_and_attend(const float* qkv, const Cache& c, int64_t layer, int64_t r
   const int64_t d = c.heads * c.dim;
   for (int64_t b = 0; b < rows; ++b) {
     for (int64_t h = 0; h < c.heads; ++h) {
-      const int64_t at = c.offset(b, layer, h) + c.slot(b) * c.dim;
-      std::memcpy(c.k + at, qkv + b * 3 * d + d + h * c.dim, c.dim * sizeof(float));
-      std::memcpy(c.v + at, qkv + b * 3 * d + 2 * d + h * c.dim, c.dim * sizeof(float));
+      const int64_t at = c.offset(b, h) + c.slot(b) * c.dim;
+      std::memcpy(c.k[layer] + at, qkv + b * 3 * d + d + h * c.dim, c.dim * sizeof(float));
+      std::memcpy(c.v[layer] + at, qkv + b * 3 * d + 2 * d + h * c.dim, c.dim * sizeof(float));
     }
   }
   int64_t longest = 0;
@@ -125,29 +123,37 @@ void cache_and_attend(const float* qkv, const Cache& c, int64_t layer, int64_t r
     std::vector<float> scores(longest);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / c.heads, h = bh % c.heads;
-      const int64_t base = c.offset(b, layer, h);
-      attend_head(qkv + b * 3 * d + h * c.dim, c.k + base, c.v + base, c.valid(b), c.dim,
+      const int64_t base = c.offset(b, h);
+      attend_head(qkv + b * 3 * d + h * c.dim, c.k[layer] + base, c.v[layer] + base, c.valid(b),
+                  c.dim,
                   scores.data(), out + b * d + h * c.dim);
     }
   });
 }
 
-at::Tensor softmax_step(const at::Tensor& tokens, at::TensorList weights, const at::Tensor& k,
-                        const at::Tensor& v, const at::Tensor& lengths, int64_t heads,
+at::Tensor softmax_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList k,
+                        at::TensorList v, const at::Tensor& lengths, int64_t heads,
                         int64_t window, double rope_base, double norm_eps, bool with_head) {
   const std::vector<at::Tensor> w(weights.begin(), weights.end());
   const int64_t layers = (static_cast<int64_t>(w.size()) - 3) / kPerLayer;
   TORCH_CHECK(static_cast<int64_t>(w.size()) == 3 + kPerLayer * layers, "bad weight list");
-  TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes() && k.size(1) == layers &&
-                  k.size(2) == heads, "the KV cache has the wrong shape");
-  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                  k.is_contiguous() && v.is_contiguous(), "the KV cache must be contiguous fp32");
+  TORCH_CHECK(static_cast<int64_t>(k.size()) == layers &&
+                  static_cast<int64_t>(v.size()) == layers, "one K and V per layer expected");
   TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
-                  lengths.size(0) == tokens.size(0) && k.size(0) == tokens.size(0),
-              "tokens, lengths and the cache disagree on the batch size");
-  const int64_t dim = k.size(4), slots = k.size(3);
-  Cache c{k.data_ptr<float>(), v.data_ptr<float>(), lengths.data_ptr<int64_t>(), layers, heads,
-          slots, dim, window};
+                  lengths.size(0) == tokens.size(0),
+              "tokens and lengths disagree on the batch size");
+  const int64_t dim = k[0].size(3), slots = k[0].size(2);
+  Cache c{{}, {}, lengths.data_ptr<int64_t>(), heads, slots, dim, window};
+  for (int64_t l = 0; l < layers; ++l) {
+    TORCH_CHECK(k[l].dim() == 4 && k[l].sizes() == v[l].sizes() && k[l].size(1) == heads &&
+                    k[l].size(2) == slots && k[l].size(3) == dim &&
+                    k[l].size(0) == tokens.size(0), "the KV cache has the wrong shape");
+    TORCH_CHECK(k[l].scalar_type() == at::kFloat && v[l].scalar_type() == at::kFloat &&
+                    k[l].is_contiguous() && v[l].is_contiguous(),
+                "the KV cache must be contiguous fp32");
+    c.k.push_back(k[l].data_ptr<float>());
+    c.v.push_back(v[l].data_ptr<float>());
+  }
   for (int64_t b = 0; b < tokens.size(0); ++b) {
     TORCH_CHECK(c.lengths[b] >= 0 && c.slot(b) < slots, "no cache slot for the new token");
   }
@@ -177,7 +183,7 @@ at::Tensor softmax_step(const at::Tensor& tokens, at::TensorList weights, const 
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def(
-      "softmax_step(Tensor tokens, Tensor[] weights, Tensor(a!) k, Tensor(b!) v, "
+      "softmax_step(Tensor tokens, Tensor[] weights, Tensor(a!)[] k, Tensor(b!)[] v, "
       "Tensor lengths, int heads, int window, float rope_base, float norm_eps, "
       "bool with_head=True) -> Tensor");
 }

@@ -13,17 +13,17 @@ and when, and the metrics. Runs on the engine thread only (no locks).
   but the last), so a client that resends the whole conversation resumes after the reply.
   A chat reply's stop string ``\\nUser:`` is exactly how the next turn's rendering goes on,
   so that entry matches the next turn with no replay; only a reply whose sampled tokens do
-  not spell its resent form is re-tokenised and replayed (``server.replay``).
+  not spell its resent form is re-tokenised and replayed (``server.engine.replay``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from model.state import State
+from model.interface import State
 from server import metrics
+from server.engine.sequence import Sequence
 from server.prefix_cache.radix import PrefixCache
-from server.sequence import Sequence
 
 Publish = Callable[[list[int], State], None]
 MIN_BRANCH = 8  # a shared stretch shorter than this is not worth a state of its own

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
 
-from server.transcript import common_prefix
+from server.sessions.transcript import common_prefix
 
 S = TypeVar("S")
 

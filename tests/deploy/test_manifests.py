@@ -95,7 +95,7 @@ def test_kustomizations_resolve(kustomization: Path) -> None:
 
 
 def test_probes_drain_and_security() -> None:
-    from server.app import create_app
+    from server.api.app import create_app
     from server.settings import Settings
 
     app = create_app(Settings.model_validate({}))

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from model.architectures.linserve import OwnModel
 from model.config import ModelConfig
+from model.tokenizer import Tokenizer
 from model.transformer import LanguageModel
+
+TOKENIZER = Path(__file__).resolve().parents[2] / "weights" / "tokenizer.json"
 
 # Test kinds beyond the three attention maps: gated linear attention (elu+1 or FAVOR+) and
 # sliding-window softmax. The window is small so that tests cross it many times.
@@ -33,3 +39,8 @@ def tiny_model(kind: str = "linear", seed: int = 0, **overrides: object) -> Lang
         for p in model.parameters():
             p.mul_(3.0 if p.dim() > 1 else 1.0)
     return model
+
+
+def served(model: LanguageModel, tok: Tokenizer | None = None) -> OwnModel:
+    """``model`` behind the server's model interface (with the shipped tokenizer)."""
+    return OwnModel(model, tok if tok is not None else Tokenizer.from_file(TOKENIZER))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.evaluate import context_use, split_streams, stream_nll, windowed_nll
+from model.training.evaluate import context_use, split_streams, stream_nll, windowed_nll
 from tests.model.helpers import tiny_model
 
 

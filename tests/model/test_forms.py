@@ -8,7 +8,7 @@ import torch
 
 from model.attention.gated import gated_linear_naive, gated_linear_parallel
 from model.attention.linear import causal_linear_naive, causal_linear_parallel
-from model.state import KVCache, LinearState, cat_states
+from model.state import KVEntry, State
 from tests.model.helpers import tiny_config, tiny_model
 
 RECURRENT = ["linear", "favor", "gated", "gated-favor"]
@@ -68,7 +68,7 @@ def test_prefill_does_not_modify_input_state() -> None:
     _, state = model.prefill(torch.randint(0, 97, (1, 10)))
     before = state.copy()
     model.prefill(torch.randint(0, 97, (1, 10)), state)
-    assert torch.equal(before.s, state.s)  # type: ignore[union-attr]
+    assert all(torch.equal(t, state.tensors()[k]) for k, t in before.tensors().items())
 
 
 def quadratic_oracle(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
@@ -224,7 +224,7 @@ def test_batched_step_with_different_positions_equals_alone(kind: str) -> None:
     lengths = [3, 40, 17]
     prompts = [torch.randint(0, 97, (1, n)) for n in lengths]
     states = [model.prefill(p)[1] for p in prompts]
-    batched = cat_states([s.copy() for s in states])
+    batched = State.cat([s.copy() for s in states])
     nxt = torch.randint(0, 97, (3, 6))
     for t in range(6):
         together = model.step(nxt[:, t], batched)
@@ -233,7 +233,7 @@ def test_batched_step_with_different_positions_equals_alone(kind: str) -> None:
             assert (together[i] - alone[0]).abs().max() <= 1e-5
 
 
-def held_bytes(state: LinearState | KVCache) -> int:
+def held_bytes(state: State) -> int:
     """Bytes the state's tensors really hold (their storages), not a size from shapes."""
     return sum(t.untyped_storage().nbytes() for t in state.tensors().values())
 
@@ -245,7 +245,7 @@ def test_state_size_is_constant(kind: str) -> None:
     _, long = model.prefill(torch.randint(0, 97, (1, 10_000)))
     for _ in range(50):
         model.step(torch.randint(0, 97, (1,)), long)
-    assert isinstance(short, LinearState)
+    assert not short.grows
     assert held_bytes(short) == held_bytes(long) == short.nbytes
 
 
@@ -253,11 +253,13 @@ def test_kv_cache_grows_and_is_written_in_place() -> None:
     model = tiny_model("softmax")
     _, short = model.prefill(torch.randint(0, 97, (1, 10)))
     _, long = model.prefill(torch.randint(0, 97, (1, 300)))
-    assert isinstance(long, KVCache)
+    assert long.grows
     assert held_bytes(long) > held_bytes(short)
-    ptr = long.k.data_ptr()
+    kv = long.layers[0]["kv"]
+    assert isinstance(kv, KVEntry)
+    ptr = kv.k.data_ptr()
     model.step(torch.tensor([1]), long)  # capacity 512 >= 301: no reallocation
-    assert long.k.data_ptr() == ptr and int(long.lengths[0]) == 301
+    assert kv.k.data_ptr() == ptr and int(long.lengths[0]) == 301
 
 
 def test_window_cache_is_a_constant_ring_and_needs_no_context_limit() -> None:
@@ -266,10 +268,11 @@ def test_window_cache_is_a_constant_ring_and_needs_no_context_limit() -> None:
     model = tiny_model("window", max_context=64, n_layers=1)
     tokens = torch.randint(0, 97, (1, 200))
     _, state = model.prefill(tokens[:, :150])
-    assert isinstance(state, KVCache) and state.capacity == 24
-    ptr = state.k.data_ptr()
+    kv = state.layers[0]["kv"]
+    assert isinstance(kv, KVEntry) and kv.capacity == 24 and not state.grows
+    ptr = kv.k.data_ptr()
     stepped = [model.step(tokens[:, t], state) for t in range(150, 200)]
-    assert state.capacity == 24 and state.k.data_ptr() == ptr and int(state.lengths[0]) == 200
+    assert kv.capacity == 24 and kv.k.data_ptr() == ptr and int(state.lengths[0]) == 200
     # one layer: the last token's logits depend only on the last W = 24 tokens (relative
     # rotary positions make the absolute offset irrelevant)
     alone, _ = model.prefill(tokens[:, 200 - 24 : 200])

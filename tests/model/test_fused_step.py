@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model import kernels
-from model.state import KVCache, LinearState, cat_states
+from model.state import KVEntry, State
 from tests.model.helpers import tiny_model
 
 if not kernels.load():  # CI has a compiler: there, a kernel that does not build is a failure
@@ -21,13 +21,13 @@ if not kernels.load():  # CI has a compiler: there, a kernel that does not build
     pytest.skip(f"no C++ toolchain: {kernels.load_error()}", allow_module_level=True)
 
 
-def pool_view(state: LinearState, n: int) -> LinearState:
+def pool_view(state: State, n: int) -> State:
     """The first n rows, as the engine's slot pool hands them to ``step``."""
-    return LinearState(state.s[:, :n], state.z[:, :n], state.conv[:, :n])
+    return state.rows(n)
 
 
-def run_both(model, state: LinearState, tokens: torch.Tensor, rows: int
-             ) -> tuple[float, LinearState, LinearState]:
+def run_both(model, state: State, tokens: torch.Tensor, rows: int
+             ) -> tuple[float, State, State]:
     """Step ``tokens [T, rows]`` eagerly and fused from copies of ``state``; returns the
     largest logit difference and both final states."""
     eager_st, fused_st = state.copy(), state.copy()
@@ -61,7 +61,7 @@ def test_fused_step_equals_eager(kind: str, conv_size: int, d_model: int, n_head
             continue
         assert (e - f).abs().max() <= 1e-5 * e.abs().max(), name
     for name, t in state.tensors().items():  # row 5 is outside the view
-        assert torch.equal(fused_st.tensors()[name][:, 5], t[:, 5]), name
+        assert torch.equal(fused_st.tensors()[name][5], t[5]), name
 
 
 @pytest.mark.parametrize("kind", ["linear", "gated"])
@@ -88,7 +88,7 @@ def test_fused_bf16_weights_track_fp32(kind: str, batch: int) -> None:
     model.to(torch.bfloat16)
     assert model.set_fused_step(True)
     state = model.new_state(batch)
-    assert state.s.dtype == torch.float32
+    assert all(t.dtype == torch.float32 for t in state.tensors().values() if t.is_floating_point())
     got = [torch.log_softmax(model.step(t, state), -1) for t in tokens]
     kl = max((w.exp() * (w - g)).sum(-1).max().item() for w, g in zip(want, got, strict=True))
     assert kl < 1e-3
@@ -112,8 +112,7 @@ def test_fused_softmax_step_equals_eager(kind: str, d_model: int) -> None:
     stay untouched; the cache grows (full) or stays W slots (window) the same way."""
     model = tiny_model(kind, d_model=d_model, n_heads=2)
     rows = [model.prefill(torch.randint(0, 97, (1, n)))[1] for n in (3, 30, 50, 7)]
-    state = cat_states(rows)
-    assert isinstance(state, KVCache)
+    state = State.cat(rows)
     eager_st, fused_st = state.copy(), state.copy()
     worst = 0.0
     for _ in range(40):
@@ -124,12 +123,14 @@ def test_fused_softmax_step_equals_eager(kind: str, d_model: int) -> None:
         b = model.step(tok, fused_st.rows(3))
         worst = max(worst, (a - b).abs().max().item())
     assert worst <= 1e-5
-    assert eager_st.capacity == fused_st.capacity
     assert torch.equal(eager_st.lengths, fused_st.lengths)
-    assert (eager_st.k - fused_st.k).abs().max() <= 1e-5
-    assert (eager_st.v - fused_st.v).abs().max() <= 1e-5
-    for name in ("k", "v"):  # row 3 is outside the view
-        assert torch.equal(fused_st.tensors()[name][3], eager_st.tensors()[name][3])
+    for mine, theirs in zip(eager_st.entries(), fused_st.entries(), strict=True):
+        assert isinstance(mine, KVEntry) and isinstance(theirs, KVEntry)
+        assert mine.capacity == theirs.capacity
+        assert (mine.k - theirs.k).abs().max() <= 1e-5
+        assert (mine.v - theirs.v).abs().max() <= 1e-5
+    for name, t in eager_st.tensors().items():  # row 3 is outside the view
+        assert torch.equal(fused_st.tensors()[name][3], t[3]), name
 
 
 @pytest.mark.parametrize("kind", ["softmax", "window"])
@@ -216,7 +217,7 @@ def test_prefill_is_the_same_with_and_without_the_native_ops(kind: str) -> None:
     with torch.enable_grad():
         aten_logits = model(tokens)  # grad enabled: the F.conv1d path
     assert torch.allclose(native_logits, aten_logits.detach(), atol=1e-5)
-    assert isinstance(native_state, LinearState)
+    assert not native_state.grows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

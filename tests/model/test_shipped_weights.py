@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from model.config import ModelConfig
-from model.evaluate import slice_perplexity
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
+from model.training.evaluate import slice_perplexity
 from model.transformer import load_model
 
 WEIGHTS = Path(__file__).resolve().parents[2] / "weights"

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from model.state import LinearState
+from model.state import ConvEntry, RecurrentEntry, State
 from model.state_codec import pack_state, unpack_state
-from server.sessions import MemorySessionStore, Session
+from server.sessions.store import MemorySessionStore, Session
 from tests.model.helpers import tiny_model
 
 
@@ -30,10 +30,12 @@ def test_pack_unpack_is_bit_identical_and_continues_the_same(kind: str) -> None:
 
 def test_special_values_survive() -> None:
     s = torch.tensor([0.0, -0.0, 1e-45, -3.4e38, float("inf"), float("nan")]).repeat(4)
-    state = LinearState(s.reshape(1, 1, 1, 4, 6), torch.ones(1, 1, 1, 4), torch.empty(1, 1, 0, 3))
+    state = State([{"recurrent": RecurrentEntry(s.reshape(1, 1, 4, 6), torch.ones(1, 1, 4)),
+                    "conv": ConvEntry(torch.empty(1, 0, 3))}], torch.zeros(1, dtype=torch.long))
     out = unpack_state(pack_state(state))
-    assert isinstance(out, LinearState)
-    assert torch.equal(out.s.view(torch.int32), state.s.view(torch.int32))  # NaN bits included
+    assert out.layout() == state.layout()
+    got, want = out.tensors()["0.recurrent.s"], state.tensors()["0.recurrent.s"]
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # NaN bits included
 
 
 def test_a_real_length_state_packs_smaller() -> None:
@@ -55,10 +57,11 @@ def test_memory_store_holds_compressed_bytes_and_returns_the_exact_state() -> No
         assert n == 1 and held < state.nbytes
         got = await store.get("sess_a", "")
         assert got is not None and got.pending == [5] and got.tokens == 301
-        assert isinstance(got.state, LinearState)
+        assert got.state.layout() == state.layout()
         assert all(torch.equal(got.state.tensors()[k], v) for k, v in state.tensors().items())
-        got.state.s.add_(1.0)  # a caller's changes never reach the stored copy
+        got.state.tensors()["0.recurrent.s"].add_(1.0)  # a caller's change stays its own
         again = await store.get("sess_a", "")
-        assert again is not None and torch.equal(again.state.tensors()["s"], state.s)
+        assert again is not None
+        assert torch.equal(again.state.tensors()["0.recurrent.s"], state.tensors()["0.recurrent.s"])
 
     asyncio.run(scenario())

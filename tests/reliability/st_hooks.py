@@ -14,9 +14,9 @@ from pydantic import ValidationError
 
 from bench.serverproc import ROOT
 from model.tokenizer import Tokenizer
+from server.api.protocol import CompletionRequest
 from server.grammar.compiler import GrammarCompiler
 from server.grammar.spec import GrammarError
-from server.protocol import CompletionRequest
 
 CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
                "guided_choice", "guided_grammar")

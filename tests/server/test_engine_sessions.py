@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from model.sampling import SamplingParams
-from model.state import KVCache, LinearState, State
+from model.state import KVEntry, State
 from model.tokenizer import Tokenizer
-from server.engine import Engine, EngineLimits
-from server.types import GenerationRequest, Output
-from tests.model.helpers import tiny_model
+from server.engine.engine import Engine, EngineLimits
+from server.engine.types import GenerationRequest, Output
+from tests.model.helpers import served, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,13 +41,17 @@ def run(engine: Engine, req: GenerationRequest, cancel_after: int | None = None)
 
 
 def close(a: State, b: State) -> bool:
-    if isinstance(a, LinearState) and isinstance(b, LinearState):
-        return all(torch.allclose(x, y, atol=1e-5) for x, y in
-                   zip(a.tensors().values(), b.tensors().values(), strict=True))
-    assert isinstance(a, KVCache) and isinstance(b, KVCache)
-    n = int(a.slots_used()[0])  # a window's ring: its W slots, in the same order in both
-    return (torch.equal(a.lengths, b.lengths)
-            and torch.allclose(a.k[..., :n, :], b.k[..., :n, :], atol=1e-5))
+    if not torch.equal(a.lengths, b.lengths):
+        return False
+    for x, y in zip(a.entries(), b.entries(), strict=True):
+        if isinstance(x, KVEntry) and isinstance(y, KVEntry):
+            n = int(x.slots_used(a.lengths)[0])  # a window's ring: its W slots, same order
+            if not torch.allclose(x.k[:, :, :n], y.k[:, :, :n], atol=1e-5):
+                return False
+        elif not all(torch.allclose(s, t, atol=1e-5) for s, t in
+                     zip(x.tensors().values(), y.tensors().values(), strict=True)):
+            return False
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +65,7 @@ def test_session_state_is_input_plus_held_tokens(kind: str, mode: str, tok: Toke
     # window 8: the ring wraps within the prompt and the 12 generated tokens
     extra = {"window": 8} if kind == "window" else {}
     model = tiny_model(kind, vocab_size=tok.vocab_size, max_context=4096, **extra)
-    engine = Engine(model, tok, EngineLimits(max_running=4), lambda _: None)
+    engine = Engine(served(model, tok), EngineLimits(max_running=4), lambda _: None)
     prompt = tok.encode("ROMEO. Good morrow.")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     req = GenerationRequest(f"r-{kind}-{mode}", prompt, params, want_state=True,
@@ -83,7 +87,7 @@ def _held_tokens(engine: Engine, out: Output, prompt: list[int], held: int, tok:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     free = run(engine, GenerationRequest(f"ref-{mode}", prompt, params))
     gen = free.token_ids
-    from server.transcript import chat_turn_text, session_tokens
+    from server.sessions.transcript import chat_turn_text, session_tokens
 
     if mode == "chat":
         target = session_tokens(tok, gen, chat_turn_text(tok.decode(gen)))

@@ -13,13 +13,13 @@ import torch
 
 from model.sampling import BatchParams, SamplingParams, TokenMask, make_generator, sample
 from model.tokenizer import Tokenizer
-from server.engine import Engine, EngineLimits
+from server.api.protocol import ChatRequest, CompletionRequest
+from server.engine.engine import Engine, EngineLimits
+from server.engine.types import GenerationRequest, Output
 from server.grammar.compiler import GrammarCompiler
 from server.grammar.masks import MaskBuilder
 from server.grammar.spec import GrammarError, GrammarSpec, from_request
-from server.protocol import ChatRequest, CompletionRequest
-from server.types import GenerationRequest, Output
-from tests.model.helpers import tiny_model
+from tests.model.helpers import served, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = {"type": "object", "properties": {
@@ -184,7 +184,7 @@ def run_batch(engine: Engine, reqs: list[GenerationRequest]) -> dict[str, Output
 @pytest.mark.parametrize("kind", ["linear", "softmax"])
 def test_engine_constrains_its_rows_in_a_mixed_batch(kind: str, tok: Tokenizer) -> None:
     torch.manual_seed(0)
-    engine = Engine(tiny_model(kind, vocab_size=tok.vocab_size, max_context=4096), tok,
+    engine = Engine(served(tiny_model(kind, vocab_size=tok.vocab_size, max_context=4096), tok),
                     EngineLimits(), deliver=lambda _: None)
     prompt = tok.encode("ROMEO.\n")
     specs = [GrammarSpec("json_schema", json.dumps(SCHEMA), "guided_json"),

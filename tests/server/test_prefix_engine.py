@@ -11,9 +11,9 @@ import pytest
 
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
-from server.engine import Engine, EngineLimits
-from server.types import GenerationRequest, Output
-from tests.model.helpers import tiny_model
+from server.engine.engine import Engine, EngineLimits
+from server.engine.types import GenerationRequest, Output
+from tests.model.helpers import served, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ["linear", "favor", "gated", "softmax", "window"]
@@ -27,11 +27,11 @@ def tok() -> Tokenizer:
 def engines(kind: str, tok: Tokenizer, budget: int = 1 << 30, **limits: int
             ) -> tuple[Engine, Engine]:
     """The same tiny model behind an engine with the cache and one without."""
-    model = tiny_model(kind, vocab_size=tok.vocab_size, max_context=4096)
+    model = served(tiny_model(kind, vocab_size=tok.vocab_size, max_context=4096), tok)
     base = dict(max_running=8, prefill_chunk=64, step_token_budget=256,
                 prefix_cache_interval=64, **limits)
-    on = Engine(model, tok, EngineLimits(prefix_cache_bytes=budget, **base), lambda _: None)
-    off = Engine(model, tok, EngineLimits(prefix_cache_bytes=0, **base), lambda _: None)
+    on = Engine(model, EngineLimits(prefix_cache_bytes=budget, **base), lambda _: None)
+    off = Engine(model, EngineLimits(prefix_cache_bytes=0, **base), lambda _: None)
     return on, off
 
 

@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 from model.tokenizer import Tokenizer
-from server.token_cache import PromptTokens
+from server.sessions.token_cache import PromptTokens
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,9 +11,9 @@ import torch
 from model import kernels
 from model.sampling import BatchParams, SamplingParams, sample
 from model.tokenizer import Tokenizer
+from server.api.formatting import StripStream
 from server.cpus import available_cpus, cgroup_cpu_limit
-from server.formatting import StripStream
-from server.transcript import chat_turn_text, common_prefix, session_tokens
+from server.sessions.transcript import chat_turn_text, common_prefix, session_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,10 +103,10 @@ def test_eager_sampler_never_draws_a_masked_token_at_u_zero() -> None:
 
 
 def test_the_first_sampled_token_counts_for_the_repetition_penalty() -> None:
-    from server.pool import SlotPool
-    from tests.model.helpers import tiny_model
+    from server.engine.pool import SlotPool
+    from tests.model.helpers import served, tiny_model
 
-    pool = SlotPool(tiny_model("linear"), 2)
+    pool = SlotPool(served(tiny_model("linear")), 2)
     pool.add(pool.model.new_state(1), [3, 4], [7])
     assert bool(pool.seen[0, 7]) and float(pool.counts[0, 7]) == 1.0
 
@@ -118,23 +118,26 @@ def test_a_kv_pool_grows_by_copying_its_live_rows_only(kind: str) -> None:
     slots past its own capacity read as zeros, so masked slots never hold garbage."""
     import torch
 
-    from model.state import KVCache
-    from server.pool import SlotPool
-    from tests.model.helpers import tiny_model
+    from model.state import KVEntry
+    from server.engine.pool import SlotPool
+    from tests.model.helpers import served, tiny_model
 
     model = tiny_model(kind, max_context=512)
-    pool = SlotPool(model, 4)
+    pool = SlotPool(served(model), 4)
     _, short = model.prefill(torch.randint(0, 97, (1, 10)))
     pool.add(short, [], [1])
     state = pool.state
-    assert isinstance(state, KVCache)
-    before = state.k[0, :, :, :10].clone()
-    state.lengths[0] = state.capacity  # the live row needs one slot more than there is
+    kv = state.layers[0]["kv"]
+    assert isinstance(kv, KVEntry)
+    before = kv.k[0, :, :10].clone()
+    state.lengths[0] = kv.capacity  # the live row needs one slot more than there is
     pool.reserve_step()
-    assert torch.equal(state.k[0, :, :, :10], before)
-    assert not state.k[0, :, :, state.capacity // 2:].any()  # new slots: zeros
-    state.k[2].fill_(float("nan"))  # what an unwritten row may hold
+    assert torch.equal(kv.k[0, :, :10], before)
+    assert not kv.k[0, :, kv.capacity // 2:].any()  # new slots: zeros
+    kv.k[2].fill_(float("nan"))  # what an unwritten row may hold
     _, other = model.prefill(torch.randint(0, 97, (1, 5)))
     pool.add(other, [], [1])  # goes to slot 1
     pool.add(other, [], [1])  # slot 2, over the NaNs
-    assert not torch.isnan(state.k[2]).any() and not state.k[2, :, :, other.capacity:].any()
+    small = other.layers[0]["kv"]
+    assert isinstance(small, KVEntry)
+    assert not torch.isnan(kv.k[2]).any() and not kv.k[2, :, small.capacity:].any()

@@ -110,8 +110,8 @@
       const body = await (await call("GET", "/v1/models")).json();
       app.model = body.data[0];
       const m = app.model;
-      const growing = m.max_model_len !== null;
-      ui.model.textContent = "Model " + m.id + " · attention: " + m.attention + " · " +
+      const growing = m.state_grows;
+      ui.model.textContent = "Model " + m.id + " · " + m.architecture + " · " +
         (growing ? "KV cache that grows with every token (max " + m.max_model_len + ")"
                  : "constant state of " + formatBytes(m.state_bytes) + " per session");
       ui.auth.hidden = true;

@@ -1,0 +1,318 @@
+"""Request and response models of the OpenAI-compatible API (pydantic).
+
+Requests tolerate unknown fields (real clients send vLLM extensions); known fields are
+validated strictly, and every failure becomes a 400 in OpenAI's error envelope.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
+
+from model.sampling import SamplingParams
+from server.grammar.spec import GrammarSpec, from_request
+
+
+# Token ids: non-negative integers (never bools or strings); the OpenAPI document gets the
+# model's vocabulary size as their maximum (see ``server.api.openapi``).
+def _json_integer(value: Any) -> Any:
+    """JSON-Schema integers: 3 and 3.0 yes; true, "3" and 3.5 no."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("must be an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("must be an integer")
+        return int(value)
+    return value
+
+
+def _json_number(value: Any) -> Any:
+    """JSON-Schema numbers: 3 and 3.5 yes; true and "3" no (pydantic's lax mode takes both)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("must be a number")
+    return value
+
+
+Integer = Annotated[int, BeforeValidator(_json_integer)]
+Number = Annotated[float, BeforeValidator(_json_number)]
+TokenId = Annotated[int, BeforeValidator(_json_integer),
+                    Field(ge=0, json_schema_extra={"x-token-id": True})]
+StopString = Annotated[str, Field(min_length=1, max_length=256)]
+MAX_N = 16  # choices per prompt
+# Fields other servers implement that would change the output here (refused, not dropped).
+REFUSED = ("suffix", "min_tokens", "use_beam_search", "functions", "prompt_logprobs",
+           "include_stop_str_in_output", "bad_words", "allowed_token_ids",
+           "truncate_prompt_tokens")
+GrammarText = Annotated[str, Field(min_length=1, max_length=65_536)]
+MAX_PROMPTS = 32  # prompts in one batched /v1/completions request
+
+
+class OpenAIBase(BaseModel):
+    """Base of every request model: unknown fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIBase):
+    include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(OpenAIBase):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(
+        None, alias="schema", description="the JSON Schema the reply must validate against "
+        "(absent: any JSON object)")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIBase):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(
+        None, description="for type json_schema (absent: any JSON object)")
+
+
+class StructuredOutputs(OpenAIBase):
+    """vLLM's ``structured_outputs``: exactly one of its constraint fields."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON Schema")
+    regex: GrammarText | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]],
+                      Field(min_length=1, max_length=256)] | None = None
+    grammar: GrammarText | None = Field(None, description="a Lark or GBNF grammar")
+    json_object: StrictBool | None = None
+    whitespace_pattern: GrammarText | None = None
+
+
+class SamplingFields(OpenAIBase):
+    """Fields shared by completions and chat completions."""
+
+    # The refused fields are documented too (see server.api.openapi), so schema-based clients
+    # and fuzzers know that only an empty value of them is accepted.
+    model_config = ConfigDict(extra="allow", json_schema_extra={"x-refused": True})
+
+    model: str | None = None
+    max_tokens: Annotated[Integer, Field(ge=1)] | None = Field(
+        None, json_schema_extra={"x-max-tokens": True})
+    temperature: Number = Field(1.0, ge=0.0, le=2.0)
+    top_p: Number = Field(1.0, gt=0.0, le=1.0)
+    top_k: Integer = Field(0, ge=-1, le=2**31 - 1)
+    min_p: Number = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: Number = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Number = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Number = Field(1.0, gt=0.0, le=10.0)
+    seed: Annotated[Integer, Field(ge=0, le=2**53 - 1)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=8)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: Integer = Field(1, ge=1, le=MAX_N, description="choices to sample; the prompt is "
+                   "prefilled once and its state forked n ways")
+    logit_bias: Annotated[dict[str, Annotated[Number, Field(ge=-100, le=100)]],
+                          Field(max_length=300, json_schema_extra={"x-token-id-keys": True})
+                          ] | None = Field(
+        None, description="token id (as a string) → bias added to its logit; -100 bans the "
+        "token, 100 all but forces it")
+    user: str | None = Field(None, max_length=256)
+    session_id: str | None = Field(None, max_length=128)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="vLLM: a JSON Schema the output must validate against")
+    guided_regex: GrammarText | None = Field(None, description="vLLM: a regex the whole "
+                                             "output must match")
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]],
+                             Field(min_length=1, max_length=256)] | None = Field(
+        None, description="vLLM: the output is exactly one of these strings")
+    guided_grammar: GrammarText | None = Field(None, description="vLLM: a Lark or GBNF "
+                                               "grammar the output must follow")
+    guided_whitespace_pattern: GrammarText | None = Field(
+        None, description="vLLM: the whitespace allowed between JSON items (default none)")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="accepted and ignored: this model has no tool calling")
+    tool_choice: Literal["none", "auto"] | None = Field(
+        None, description="'none' or 'auto' (the model answers in text); 'required' or a "
+        "named tool is a 400")
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        if value is not None and value not in ("none", "auto"):
+            raise ValueError("tool_choice 'required' or a named tool is not supported (this "
+                             "model has no tool calling; use 'auto' or 'none')")
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_unimplemented(self) -> SamplingFields:
+        """A field that would change the output but is not implemented is a 400 naming it,
+        never silently dropped (harmless extras such as ``metadata`` stay ignored)."""
+        extra = self.model_extra or {}
+        for name in REFUSED:
+            if extra.get(name) not in (None, False, [], {}):
+                raise ValueError(f"{name} is not supported by this server")
+        if self.structured_outputs is not None and (self.structured_outputs.model_extra or {}
+                                                    ).get("structural_tag") is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported")
+        return self
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The output constraint asked for, if any (raises ``GrammarError``: a 400)."""
+        fields: dict[str, Any] = {name: getattr(self, name) for name in (
+            "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+            "guided_whitespace_pattern")}
+        if self.structured_outputs is not None:
+            fields["structured_outputs"] = self.structured_outputs.model_dump(
+                by_alias=True, exclude_none=True)
+        fmt = self.response_format.model_dump(by_alias=True) if self.response_format else None
+        return from_request(fmt, fields)
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_tokens``, or chat's newer ``max_completion_tokens`` when that is given."""
+        extra = getattr(self, "max_completion_tokens", None)
+        return extra if extra is not None else self.max_tokens
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
+            min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            seed=self.seed, max_tokens=max_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            logprobs=logprobs, logit_bias=self.bias_pairs())
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, value: dict[str, float] | None
+                                 ) -> dict[str, float] | None:
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit() and key == str(int(key))):
+                raise ValueError(f"key {key!r} is not a token id")
+        return value
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as sorted (token id, bias) pairs."""
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
+
+
+class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow",
+                              json_schema_extra={"required": ["prompt"], "x-refused": True})
+
+    prompt: (Annotated[str, Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
+        "", description="Text, token ids, or a batch of either (up to 32 prompts; choice "
+        "i·n + j is sample j of prompt i). May be empty only with a session_id.")
+    best_of: Annotated[Integer, Field(ge=1, le=MAX_N)] | None = Field(
+        None, description="samples per prompt, of which the n with the highest total "
+        "log-probability are returned (at least n; streamed only once all are done)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_prompt_in_session(cls, data: Any) -> Any:
+        """With a session_id an empty prompt just continues the session."""
+        if isinstance(data, dict) and data.get("session_id") and data.get("prompt") in ("", []):
+            data = {k: v for k, v in data.items() if k != "prompt"}
+        return data
+    logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
+    echo: StrictBool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: one entry per prompt of a batch."""
+        p: Any = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]
+        return list(p)
+    return_tokens_as_token_ids: StrictBool = False  # vLLM extension: logprob tokens as "token_id:N"
+
+
+class ChatMessage(OpenAIBase):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Annotated[Integer, Field(ge=1)] | None = Field(
+        None, json_schema_extra={"x-max-tokens": True},
+        description="what current OpenAI SDKs send; wins over max_tokens")
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
+
+
+class SessionCreate(OpenAIBase):
+    prompt: str | list[TokenId] = ""
+
+
+class TokenizeRequest(OpenAIBase):
+    prompt: str
+    model: str | None = None
+
+
+class DetokenizeRequest(OpenAIBase):
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope."""
+
+    error: ErrorBody
+
+
+class SessionInfo(BaseModel):
+    id: str
+    object: Literal["session"] = "session"
+    tokens: int
+    state_bytes: int
+    model: str
+    created: int
+    last_used: int
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

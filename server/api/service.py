@@ -1,0 +1,324 @@
+"""Request lifecycle between the HTTP routes and the engine: tokenising, limits, sessions.
+
+Routes call :class:`GenerationService`; it validates what the pydantic models cannot
+(token ranges, context limits), takes the session's busy-lock, submits to the engine, and
+saves the session when the request ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, replace
+from typing import Any
+
+from model.interface import ServedModel, State
+from model.sampling import SamplingParams
+from server.api.errors import APIError
+from server.api.protocol import SamplingFields, new_id
+from server.engine.client import EngineBackend, EngineUnavailable, RequestHandle
+from server.engine.engine import Overloaded
+from server.engine.types import GenerationRequest, Output
+from server.grammar.compiler import GrammarCompiler
+from server.grammar.spec import GrammarError, GrammarSpec
+from server.prefix_cache.remote import RemotePrefixes
+from server.sessions.store import (
+    Session,
+    SessionStore,
+    SessionUnavailable,
+    StaleWrite,
+    new_session_id,
+)
+from server.sessions.token_cache import PromptTokens
+from server.settings import Settings
+
+log = logging.getLogger("linserve.service")
+OVERLOADED_HEADERS = {"Retry-After": "1"}
+# A write that fails in flight (Redis going down mid-reply) may still have been applied.
+STORE_FAILED = ("the session store failed while saving this reply; the session holds its "
+                "previous state, or this reply if the store applied the write before failing")
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    owner: str
+    session_id: str | None = None
+    prompt_logprobs: bool = False
+    chat: bool = False
+    fault: str | None = None
+    grammar: GrammarSpec | None = None
+
+
+def engine_error(out: Output) -> APIError:
+    """The client-facing error of a request the engine failed (503 when the engine went
+    down and a retry will be served by its replacement, else 500)."""
+    assert out.error is not None
+    if out.error_status == 503:
+        return APIError(503, out.error, None, "engine_unavailable", OVERLOADED_HEADERS)
+    return APIError(500, out.error, None, "internal_error")
+
+
+class GenerationService:
+    def __init__(self, client: EngineBackend, store: SessionStore, model: ServedModel,
+                 settings: Settings) -> None:
+        self.client = client
+        self.store = store
+        self.model = model
+        self.info = model.info
+        self.model_fingerprint = model.fingerprint()
+        self.tok = model.tokenizer()
+        self.prompt_tokens = PromptTokens(self.tok)
+        self.settings = settings
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.draining: Callable[[], bool] = lambda: False
+        self.remote: RemotePrefixes | None = None  # prefix states shared through Redis
+        self._grammars: GrammarCompiler | None = None  # validates grammars before the engine
+
+    # ---- validation --------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int] | list[str], param: str = "prompt"
+                        ) -> list[int]:
+        """Token ids of a prompt given as text or ids; 400 for ids outside the vocabulary."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = str(prompt[0])
+        if isinstance(prompt, str):
+            ids = self.prompt_tokens.encode(prompt) if prompt else []
+        else:
+            ids = [int(i) for i in prompt]
+            bad = [i for i in ids if not 0 <= i < self.info.vocab_size]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary "
+                               f"[0, {self.info.vocab_size})", param, "invalid_token")
+        if len(ids) > self.settings.max_prompt_tokens:
+            raise APIError(400, f"prompt has {len(ids)} tokens; the limit is "
+                           f"{self.settings.max_prompt_tokens}", param, "context_length_exceeded")
+        return ids
+
+    def check_max_tokens(self, max_tokens: int) -> int:
+        if max_tokens > self.settings.max_tokens_limit:
+            raise APIError(400, f"max_tokens must be at most {self.settings.max_tokens_limit}",
+                           "max_tokens", "invalid_value")
+        return max_tokens
+
+    def check_stop_ids(self, params: SamplingParams) -> None:
+        """Token ids in ``stop_token_ids`` and ``logit_bias`` must be in the vocabulary."""
+        if any(not 0 <= t < self.info.vocab_size for t in params.stop_token_ids):
+            raise APIError(400, "stop_token_ids must be in the vocabulary", "stop_token_ids")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise APIError(400, f"logit_bias token id {bad[0]} is outside the vocabulary "
+                           f"[0, {self.info.vocab_size})", "logit_bias", "invalid_token")
+
+    async def grammar_of(self, body: SamplingFields) -> GrammarSpec | None:
+        """The request's output constraint, compiled once here (off the event loop; cached
+        by its text) so that an invalid schema or grammar is a 400 saying what is wrong,
+        before the engine sees it."""
+        try:
+            spec = body.grammar_spec()
+            if spec is None:
+                return None
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tok, self.info.vocab_size)
+            await asyncio.to_thread(self._grammars.template, spec)
+        except GrammarError as exc:
+            raise APIError(400, str(exc), exc.param, "invalid_grammar") from exc
+        return spec
+
+    def _check_context(self, consumed: int, n_input: int, max_tokens: int) -> None:
+        """The full softmax baseline refuses to go past its maximum context."""
+        limit = self.info.context_limit
+        if limit is None:
+            return
+        total = consumed + n_input + max_tokens
+        if total > limit:
+            raise APIError(400, f"this model's maximum context is {limit} tokens; "
+                           f"the request needs {total} ({consumed + n_input} in the prompt and "
+                           f"session, {max_tokens} to generate)", "max_tokens",
+                           "context_length_exceeded")
+
+    # ---- running requests ----------------------------------------------------------------
+    async def start(self, prep: Prepared) -> RequestHandle:
+        """Submit a request (continuing its session, if any); returns its handle."""
+        self._check_open()
+        if prep.session_id is None:
+            self._check_stateless(prep)
+            req = GenerationRequest(new_id("cmpl"), prep.prompt_ids, prep.params, prep.stop,
+                                    prompt_logprobs=prep.prompt_logprobs, chat=prep.chat,
+                                    fault=prep.fault, grammar=prep.grammar)
+            if self.remote is not None and not prep.prompt_logprobs:
+                hint = await self.remote.lookup(prep.prompt_ids, len(prep.prompt_ids) - 1)
+                if hint is not None:
+                    req.prefix_depth, req.prefix_blob = hint
+            return self._submit(req)
+        return await self._start_in_session(prep)
+
+    def _check_open(self) -> None:
+        if self.draining():
+            raise APIError(503, "server is shutting down", None, "shutting_down",
+                           OVERLOADED_HEADERS)
+
+    def _check_stateless(self, prep: Prepared) -> None:
+        """A request without a session needs a prompt, within the model's context."""
+        if not prep.prompt_ids:
+            raise APIError(400, "prompt must not be empty without a session_id", "prompt")
+        self._check_context(0, len(prep.prompt_ids), prep.params.max_tokens)
+
+    async def start_choices(self, prep: Prepared, n: int) -> list[RequestHandle]:
+        """``n`` samples of one prompt, each its own request with seed + j (when a seed is
+        given). For n > 1 the prompt is prefilled once (a prefill-only request, which the
+        prefix cache also serves) and every choice starts from that state with only the
+        last prompt token to feed: the fork is a shared immutable state, O(1) per choice."""
+        if n == 1:
+            return [await self.start(prep)]
+        if prep.session_id is not None:
+            try:
+                known = await self.store.get(prep.session_id, prep.owner) is not None
+            except SessionUnavailable as exc:
+                raise APIError(503, "session store unavailable", "session_id") from exc
+            if not known:
+                raise APIError(404, f"session {prep.session_id!r} not found", "session_id")
+            raise APIError(400, "n > 1 cannot continue a session (which choice would it "
+                           "keep?); use n = 1 or fork the session", "n")
+        self._check_open()
+        self._check_stateless(prep)
+        ids = prep.prompt_ids
+        base: State | None = None
+        feed, cached = ids, 0
+        if len(ids) > 1 and not prep.prompt_logprobs:
+            base, feed, cached = await self._prefill(ids)
+        handles: list[RequestHandle] = []
+        try:
+            for j in range(n):
+                seed = None if prep.params.seed is None else prep.params.seed + j
+                req = GenerationRequest(
+                    new_id("cmpl"), feed, replace(prep.params, seed=seed), prep.stop,
+                    start_state=base, start_tokens=len(ids) - len(feed),
+                    prompt_logprobs=prep.prompt_logprobs, chat=prep.chat, fault=prep.fault,
+                    grammar=prep.grammar)
+                handles.append(self._submit(req))
+                handles[-1].forked_from = cached
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
+
+    async def _start_in_session(self, prep: Prepared) -> RequestHandle:
+        assert prep.session_id is not None
+        sid = prep.session_id
+        sess, token = await self.lock_session(sid, prep.owner)
+        try:
+            input_ids = sess.pending + prep.prompt_ids
+            if not input_ids:
+                raise APIError(400, "the session is empty; give a prompt", "prompt")
+            consumed = sess.tokens - len(sess.pending)
+            self._check_context(consumed, len(input_ids), prep.params.max_tokens)
+            req = GenerationRequest(new_id("cmpl"), input_ids, prep.params, prep.stop,
+                                    start_state=sess.state, start_tokens=consumed,
+                                    prompt_logprobs=prep.prompt_logprobs, want_state=True,
+                                    chat=prep.chat, fault=prep.fault, grammar=prep.grammar)
+            handle = self._submit(req)
+        except BaseException:
+            await self.store.release(sid, token)
+            raise
+        handle.saved = asyncio.get_running_loop().create_future()
+        handle.on_finish(lambda out: self._spawn(self._save(sess, token, out, handle)))
+        return handle
+
+    async def lock_session(self, sid: str, owner: str) -> tuple[Session, str]:
+        """Take a session's busy-lock and read it: 404 unknown/foreign, 409 busy."""
+        try:
+            token = await self.store.acquire(sid)
+            if token is None:
+                if await self.store.get(sid, owner) is None:
+                    raise APIError(404, f"session {sid!r} not found", "session_id")
+                raise APIError(409, f"session {sid!r} is busy with another request",
+                               "session_id", "session_busy")
+            sess = await self.store.get(sid, owner)
+        except SessionUnavailable as exc:
+            raise APIError(503, "session store unavailable", "session_id") from exc
+        if sess is None:
+            await self.store.release(sid, token)
+            raise APIError(404, f"session {sid!r} not found", "session_id")
+        return sess, token
+
+    def _submit(self, req: GenerationRequest) -> RequestHandle:
+        try:
+            return self.client.submit(req)
+        except Overloaded as exc:
+            raise APIError(429, "server is at capacity; retry later", None, "overloaded",
+                           OVERLOADED_HEADERS) from exc
+        except EngineUnavailable as exc:
+            raise APIError(503, f"the engine is unavailable ({exc}); retry shortly", None,
+                           "engine_unavailable", OVERLOADED_HEADERS) from exc
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _save(self, sess: Session, token: str, out: Output,
+                    handle: RequestHandle) -> None:
+        """Store the session's new state (if the request produced one), then unlock."""
+        ok = True
+        try:
+            if out.final_state is not None:
+                new = Session(sess.id, sess.owner, out.final_state, out.final_pending,
+                              out.final_tokens, sess.created, time.time(), sess.version)
+                await self.store.put(new)
+        except (StaleWrite, SessionUnavailable):
+            log.warning("session %s could not be saved", sess.id)
+            ok = False
+        finally:
+            await self.store.release(sess.id, token)
+            if handle.saved is not None and not handle.saved.done():
+                handle.saved.set_result(ok)
+
+    async def collect(self, handle: RequestHandle) -> Output:
+        """Wait for the whole result (non-streaming); a failed request raises its error
+        (never a 200 carrying an error)."""
+        total = Output()
+        while True:
+            out = await handle.next()
+            assert out is not None
+            total = total.merge(out)
+            if out.error is not None:
+                raise engine_error(out)
+            if out.finish_reason is not None:
+                if handle.saved is not None and not await handle.saved:
+                    raise APIError(503, STORE_FAILED, "session_id", "session_store_failed")
+                return total
+
+    # ---- sessions ------------------------------------------------------------------------
+    async def build_state(self, prompt_ids: list[int]) -> tuple[State, list[int]]:
+        """Prefill ``prompt_ids`` in the engine (no sampling): the state and pending tokens."""
+        state, pending, _ = await self._prefill(prompt_ids)
+        return state, pending
+
+    async def _prefill(self, prompt_ids: list[int]) -> tuple[State, list[int], int]:
+        """A prefill-only request: the state, the pending tokens, and how many prompt tokens
+        the prefix cache served."""
+        params = SamplingParams(max_tokens=0)
+        req = GenerationRequest(new_id("prefill"), prompt_ids, params, want_state=True)
+        out = await self.collect(self._submit(req))
+        if out.final_state is None:
+            raise APIError(503, "engine could not build the session state", None)
+        return out.final_state, out.final_pending, out.cached_tokens
+
+    async def create_session(self, owner: str, prompt_ids: list[int]) -> Session:
+        self._check_context(0, len(prompt_ids), 0)
+        state, pending = await self.build_state(prompt_ids)
+        sess = Session(new_session_id(), owner, state, pending, len(prompt_ids))
+        return await self._put_new(sess)
+
+    async def _put_new(self, sess: Session) -> Session:
+        try:
+            return await self.store.put(sess)
+        except SessionUnavailable as exc:
+            raise APIError(503, "session store unavailable", None) from exc

@@ -1,0 +1,36 @@
+"""Loading the model for the engine: weights, dtype, threads, tokenizer, and a warm-up.
+
+Shared by the engine process and the thread mode; kept out of ``server.api.app`` so that the
+engine process does not import the app that starts it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from model.interface import ServedModel
+from model.loader import batch_invariant_active, load, pick_dtype
+from server.cpus import available_cpus
+from server.settings import Settings
+
+log = logging.getLogger("linserve")
+
+def load_engine_model(settings: Settings) -> ServedModel:
+    """The served model, with the engine's thread count set first."""
+    torch.set_num_threads(settings.threads or max(1, available_cpus() - 1))
+    model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant)
+    info = model.info
+    log.info("model: %s, %s parameters, state %s bytes a session (%s); decode step %s; "
+             "weights %s (%s); batch-invariant %s", info.architecture, f"{info.params:,}",
+             f"{info.state_bytes:,}", "grows with context" if info.state_grows else "constant",
+             info.decode_step, info.dtype, pick_dtype(settings.dtype)[1],
+             "on" if batch_invariant_active() else "off")
+    return model
+
+
+def warm_up(model: ServedModel) -> None:
+    """Run each form once so the first request does not pay for lazy initialisation."""
+    _, state = model.prefill(torch.zeros(1, 8, dtype=torch.long))
+    model.step(torch.zeros(1, dtype=torch.long), state)

@@ -1,0 +1,75 @@
+"""A batched state with one row per running sequence, kept contiguous.
+
+Rows ``[0, n)`` are live; a decode step runs on the view of those rows, updating the pool in
+place. Removing row i moves the last row into it (one row copy), so no step ever gathers or
+scatters the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.interface import ServedModel, State
+
+
+class SlotPool:
+    """Fixed-capacity batched state plus per-row penalty bookkeeping.
+
+    ``counts [cap, V]`` counts generated tokens (presence/frequency penalties) and
+    ``seen [cap, V]`` marks prompt or generated tokens (repetition penalty).
+    """
+
+    def __init__(self, model: ServedModel, capacity: int) -> None:
+        self.model = model
+        self.capacity = capacity
+        self.state: State = model.new_state(capacity)
+        vocab = model.info.vocab_size
+        self.counts = torch.zeros(capacity, vocab)
+        self.seen = torch.zeros(capacity, vocab, dtype=torch.bool)
+        self.n = 0
+
+    def view(self) -> State:
+        """The live rows ``[0, n)`` as a state sharing the pool's memory."""
+        return self.state.rows(self.n)
+
+    def reserve_step(self) -> None:
+        """Make sure every live row has room for one more token (KV caches grow)."""
+        self.state.reserve_step(self.n)
+
+    def add(self, row: State, seen_ids: list[int], generated: list[int]) -> int:
+        """Append a single-row state; returns its slot."""
+        if self.n >= self.capacity:
+            raise RuntimeError("slot pool is full")
+        slot = self.n
+        self.state.reserve_like(row, live=slot)  # a KV cache grows copying live rows only
+        self.state.write_rows(slice(slot, slot + 1), row)
+        self.counts[slot].zero_()
+        self.seen[slot].zero_()
+        if seen_ids:
+            self.seen[slot, torch.tensor(seen_ids)] = True
+        for tok in generated:
+            self.counts[slot, tok] += 1
+            self.seen[slot, tok] = True
+        self.n += 1
+        return slot
+
+    def take(self, slot: int) -> State:
+        """A standalone copy of one row (e.g. to save a session)."""
+        return self.view().select([slot])
+
+    def remove(self, slot: int) -> int | None:
+        """Free ``slot``; the last row moves into it. Returns the slot that moved (or None)."""
+        last = self.n - 1
+        if slot != last:
+            self.state.move_row(last, slot)
+            self.counts[slot] = self.counts[last]
+            self.seen[slot] = self.seen[last]
+        self.n -= 1
+        self.state.lengths[self.n] = 0
+        return last if slot != last else None
+
+    def record(self, tokens: torch.Tensor) -> None:
+        """Count the tokens ``[n]`` just sampled for the live rows."""
+        rows = torch.arange(self.n)
+        self.counts[rows, tokens] += 1
+        self.seen[rows, tokens] = True
