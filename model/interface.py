@@ -21,8 +21,12 @@ from model.state_codec import PackedState, pack_state, unpack_state
 from model.tokenizer import Tokenizer
 
 # The state is the server's to hold, copy, compress and ship, never to look inside.
-__all__ = ["STATE_FORMAT_VERSION", "ModelInfo", "PackedState", "ServedModel", "State",
-           "StateError", "pack_state", "unpack_state"]
+__all__ = ["STATE_FORMAT_VERSION", "CheckpointError", "ModelInfo", "PackedState",
+           "ServedModel", "State", "StateError", "pack_state", "unpack_state"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this server cannot load; the message is one line for the startup log."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ default. Training and autograd never use it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,6 +102,58 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1]).float()
     y = torch.ops.linserve.invariant_mm(flat, w.contiguous())
     return y.to(torch.promote_types(x.dtype, w.dtype)).view(*x.shape[:-1], w.shape[1])
+
+
+# ATen's vectorised loops run two vectors per iteration (2 x 16 fp32 lanes on AVX-512, 2 x 8 on
+# AVX2) and leave the rest to a scalar loop: rows padded to 32 never reach that tail.
+LANES = 32
+
+
+def rowwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """``fn(*xs)`` for an elementwise ``fn`` (exp, sigmoid, silu, softplus, cos ...), made
+    batch-invariant: ATen computes most of a tensor with vectorised approximations and its
+    tail with scalar ones, which differ in the last bits, so an element's value depends on
+    where it falls in the whole tensor. When :func:`active` and the last dimension is not a
+    multiple of :data:`LANES`, every row is padded to one, so each element sits in the same
+    lane whatever the batch, and nothing falls in a tail. xs share one shape."""
+    n = xs[0].shape[-1]
+    if not active() or n % LANES == 0:
+        return fn(*xs)
+    pad = (-n) % LANES
+    return fn(*(F.pad(x, (0, pad)) for x in xs))[..., :n]
+
+
+def sum_last(x: torch.Tensor) -> torch.Tensor:
+    """``x.sum(-1, keepdim=True)`` in fp32, batch-invariant when :func:`active` (a product with
+    a column of ones: one accumulator per row, in order). ATen's reductions over a short last
+    dimension vectorise across rows when there are many, so a row's sum would depend on the
+    rows beside it."""
+    xf = x.float()
+    if not active():
+        return xf.sum(-1, keepdim=True)
+    flat = xf.reshape(-1, x.shape[-1]).contiguous()
+    ones = torch.ones(x.shape[-1], 1)
+    return torch.ops.linserve.invariant_mm(flat, ones).view(*x.shape[:-1], 1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+              ) -> torch.Tensor:
+    """softmax(q kᵀ / √D, masked) v with q ``[B, H, T, D]``, k, v ``[B, H, S, D]`` and mask
+    ``[T, S]`` (True: attend), fp32. When :func:`active`, every product is the invariant GEMM,
+    so a query row's output depends on that row and the keys alone, not on how many queries
+    share the call (a prompt prefilled whole or in chunks gives the same bits); else SDPA."""
+    if not active():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    b, h, t, d = q.shape
+    out = torch.empty(b, h, t, v.shape[-1])
+    scale = d ** -0.5
+    for i in range(b):
+        for j in range(h):
+            scores = torch.ops.linserve.invariant_mm(q[i, j].contiguous(),
+                                                     k[i, j].t().contiguous()) * scale
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            out[i, j] = torch.ops.linserve.invariant_mm(probs, v[i, j].contiguous())
+    return out
 
 
 class Linear(nn.Linear):

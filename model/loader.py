@@ -2,7 +2,8 @@
 
 Each architecture family registers how to recognise its checkpoints and load them; the
 server calls :func:`load` and :func:`max_state_bytes` and never imports a family itself.
-Only the project's own format is known so far (:mod:`model.architectures.linserve`).
+Known: the project's own checkpoints (:mod:`model.architectures.linserve`) and Qwen3.5's
+dense Hugging Face checkpoints (:mod:`model.architectures.qwen3_5`).
 """
 
 from __future__ import annotations
@@ -13,19 +14,16 @@ from pathlib import Path
 
 import torch
 
-from model import invariant
+from model import invariant, kernels
+from model.architectures import hf, qwen3_5
 from model.architectures.linserve import OwnModel, is_own_checkpoint
 from model.architectures.linserve import max_state_bytes as own_max_state_bytes
-from model.interface import ServedModel
+from model.interface import CheckpointError, ServedModel
 from model.kernels import cpu_flags
 
 # CPU flags (as /proc/cpuinfo names them) of native bf16 dot products: AVX512-BF16's
 # vdpbf16ps and AMX's tile products. Without them oneDNN emulates bf16 through fp32.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint this server cannot load; the message is one line for the startup log."""
 
 
 @dataclass(frozen=True)
@@ -36,9 +34,15 @@ class Family:
     recognise: Callable[[Path], bool]
     load: Callable[[Path, torch.dtype, bool], ServedModel]
     max_state_bytes: Callable[[Path], int]
+    check: Callable[[Path, torch.dtype], None]
 
 
-FAMILIES = [Family("linserve", is_own_checkpoint, OwnModel.load, own_max_state_bytes)]
+FAMILIES = [
+    Family("linserve", is_own_checkpoint, OwnModel.load, own_max_state_bytes,
+           lambda path, dtype: None),
+    Family("qwen3_5", qwen3_5.recognise, qwen3_5.load, qwen3_5.max_state_bytes,
+           qwen3_5.check),
+]
 
 
 def family(path: Path) -> Family:
@@ -48,7 +52,15 @@ def family(path: Path) -> Family:
     for fam in FAMILIES:
         if fam.recognise(path):
             return fam
-    raise CheckpointError(f"{path}: config.json matches no known architecture")
+    config = hf.read_json(path / "config.json")
+    raise CheckpointError(f"{path}: unknown architecture (model_type "
+                          f"{config.get('model_type')!r}; this server loads its own "
+                          f"checkpoints and {', '.join(qwen3_5.MODEL_TYPES)})")
+
+
+def resolve(path_or_id: str | Path) -> Path:
+    """A checkpoint folder, or a Hugging Face repo id through the local cache / the Hub."""
+    return hf.resolve(path_or_id)
 
 
 def pick_dtype(requested: str, flags: frozenset[str] | None = None) -> tuple[str, str]:
@@ -68,8 +80,18 @@ def load(path: Path, dtype: str = "auto", fused: bool = True,
     the native fused step where the architecture has one, and batch-invariant kernels
     (:mod:`model.invariant`) unless turned off."""
     fam = family(path)
+    kernels.load()  # the invariant GEMM and the native sampler serve every architecture
     invariant.set_enabled(batch_invariant)
-    return fam.load(path, getattr(torch, pick_dtype(dtype)[0]), fused)
+    try:
+        return fam.load(path, getattr(torch, pick_dtype(dtype)[0]), fused)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+
+
+def check(path: Path, dtype: str = "auto") -> None:
+    """Check the checkpoint at ``path`` as far as possible without loading its weights (the
+    server does this before it starts, so a bad checkpoint is one line, not a traceback)."""
+    family(path).check(path, getattr(torch, pick_dtype(dtype)[0]))
 
 
 def max_state_bytes(path: Path) -> int:

@@ -49,22 +49,35 @@ def train_tokenizer(files: Iterable[Path], vocab_size: int = 8192) -> HFTokenize
 class Tokenizer:
     """Encode/decode text; ``token_bytes[i]`` is the exact byte string of token i."""
 
-    def __init__(self, tok: HFTokenizer) -> None:
+    def __init__(self, tok: HFTokenizer, eos_ids: Sequence[int] | None = None,
+                 size: int | None = None) -> None:
+        """``eos_ids``: the ids that end a generation (default: ``<|endoftext|>``'s);
+        ``size``: the model's vocabulary when it is larger than the tokenizer's (ids past the
+        tokenizer decode to nothing)."""
         self._tok = tok
-        self.vocab_size: int = tok.get_vocab_size()
-        eos = tok.token_to_id(EOS_TOKEN)
-        self.eos_id: int | None = eos
-        table = _byte_decoder()
+        self.vocab_size: int = max(tok.get_vocab_size(), size or 0)
+        if eos_ids is None:
+            eos = tok.token_to_id(EOS_TOKEN)
+            eos_ids = [] if eos is None else [eos]
+        self.eos_ids: tuple[int, ...] = tuple(eos_ids)
+        self.eos_id: int | None = self.eos_ids[0] if self.eos_ids else None
         self.token_bytes: list[bytes] = [b""] * self.vocab_size
+        table = _byte_decoder()
+        added = tok.get_added_tokens_decoder()
         for piece, idx in tok.get_vocab().items():
-            if piece == EOS_TOKEN:
-                self.token_bytes[idx] = b""
-            else:
-                self.token_bytes[idx] = bytes(table[ch] for ch in piece)
+            if idx in added:  # special tokens print nothing; other added ones their text
+                self.token_bytes[idx] = b"" if added[idx].special else piece.encode()
+            elif piece != EOS_TOKEN:
+                self.token_bytes[idx] = bytes(table.get(ch, 0) for ch in piece)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> Tokenizer:
-        return cls(HFTokenizer.from_file(str(path)))
+    def from_file(cls, path: str | Path, eos_ids: Sequence[int] | None = None,
+                  size: int | None = None) -> Tokenizer:
+        return cls(HFTokenizer.from_file(str(path)), eos_ids, size)
+
+    def token_id(self, text: str) -> int | None:
+        """The id of a token given as its text (a special token's name), or None."""
+        return self._tok.token_to_id(text)
 
     def save(self, path: str | Path) -> None:
         self._tok.save(str(path))

@@ -51,9 +51,13 @@ def main() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     pin_mmap_threshold(settings.malloc_mmap_threshold)
     try:
+        if settings.model:  # a folder or a repo id: both processes load the resolved folder
+            settings = settings.model_copy(update={"weights": loader.resolve(settings.model)})
+        loader.check(settings.weights, settings.dtype)
         state_limit = max_state_bytes(settings.weights)
     except (loader.CheckpointError, OSError, ValueError) as exc:  # one line, no traceback
-        raise SystemExit(f"linserve: cannot load {settings.weights}: {exc}") from None
+        raise SystemExit(f"linserve: cannot load {settings.model or settings.weights}: "
+                         f"{exc}") from None
     app = create_app(settings)
     config = uvicorn.Config(wrap(app, settings, state_limit),
                             host=settings.host, port=settings.port,

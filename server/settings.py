@@ -23,7 +23,13 @@ class Settings(BaseSettings):
 
     weights: Path = Field(Path("weights/linear"), description="model folder (config.json, "
                           "model.safetensors, tokenizer.json)")
-    model_name: str = Field("", description="name served in /v1/models (default: folder name)")
+    model: str = Field("", description="a Hugging Face checkpoint: a folder (config.json, "
+                       "safetensors, tokenizer.json) or a repo id owner/name, resolved through "
+                       "huggingface_hub's cache (downloaded when online; HF_HUB_OFFLINE=1 reads "
+                       "the cache only); overrides --weights")
+    served_model_name: str = Field("", description="name served in /v1/models (default: "
+                                   "--model as given, else the weights folder's name)")
+    model_name: str = Field("", description="the same as --served-model-name (older name)")
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
@@ -121,7 +127,8 @@ class Settings(BaseSettings):
 
     @property
     def served_name(self) -> str:
-        return self.model_name or self.weights.resolve().name
+        return (self.served_model_name or self.model_name or self.model
+                or self.weights.resolve().name)
 
 
 def parse_cli(argv: list[str] | None = None) -> Settings:

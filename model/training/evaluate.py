@@ -65,7 +65,7 @@ def stream_nll(model: LanguageModel, tokens: np.ndarray, chunk: int = 512) -> np
     return np.concatenate(out)
 
 
-SLICE_TEXT = Path(__file__).resolve().parents[1] / "weights" / "test_slice.txt"
+SLICE_TEXT = Path(__file__).resolve().parents[2] / "weights" / "test_slice.txt"
 
 
 @torch.inference_mode()

@@ -180,8 +180,8 @@ class Engine:
 
     def _stop_ids(self, req: GenerationRequest) -> set[int]:
         ids = set(req.params.stop_token_ids)
-        if self.tok.eos_id is not None and not req.params.ignore_eos:
-            ids.add(self.tok.eos_id)
+        if not req.params.ignore_eos:
+            ids.update(self.tok.eos_ids)
         return ids
 
     def _admit(self) -> None:

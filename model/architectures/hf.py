@@ -1,0 +1,239 @@
+"""Hugging Face checkpoint folders: finding them, reading their config, weights, tokenizer and
+chat template, and serving the text model they hold behind :class:`model.interface.ServedModel`.
+
+A folder holds ``config.json``, ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``), ``tokenizer.json``, and optionally ``tokenizer_config.json``,
+``chat_template.jinja`` and ``generation_config.json``. A repo id is resolved through
+``huggingface_hub``: downloaded when online, read from its cache offline (``HF_HUB_OFFLINE``).
+Every problem is a :class:`CheckpointError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from model import invariant
+from model.interface import CheckpointError, ModelInfo
+from model.state import State
+from model.state_blob import state_from_bytes, state_to_bytes
+from model.tokenizer import Tokenizer
+
+log = logging.getLogger("linserve")
+ALLOW = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
+
+
+def resolve(path_or_id: str | Path) -> Path:
+    """A local folder as it is; otherwise a Hub repo id, through huggingface_hub's cache."""
+    path = Path(path_or_id)
+    if path.is_dir():
+        return path
+    if path.exists() or str(path_or_id).count("/") != 1:
+        raise CheckpointError(f"{path_or_id}: not a checkpoint folder or a repo id (owner/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    try:
+        return Path(snapshot_download(str(path_or_id), allow_patterns=ALLOW,
+                                      local_files_only=offline))
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as exc:
+        where = "the local Hugging Face cache" if offline else "the Hub or the local cache"
+        raise CheckpointError(f"{path_or_id}: not found in {where} "
+                              f"({type(exc).__name__})") from None
+
+
+def read_json(path: Path, required: bool = True) -> dict[str, Any]:
+    """A JSON object from ``path`` ({} when optional and absent)."""
+    if not path.is_file():
+        if required:
+            raise CheckpointError(f"{path}: missing")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return data
+
+
+def tensor_files(path: Path) -> dict[str, Path]:
+    """Every tensor name in the checkpoint and the file that holds it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map")
+        files = {name: path / str(f) for name, f in weight_map.items()}
+        for f in sorted(set(files.values())):
+            if not f.is_file():
+                raise CheckpointError(f"{path}: shard {f.name} is missing")
+        return files
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"{path}: neither model.safetensors nor an index of shards")
+    with safe_open(str(single), "pt") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+
+
+def plan(module: nn.Module, path: Path, rename: Callable[[str], str | None]
+         ) -> tuple[dict[str, tuple[Path, str]], list[str]]:
+    """Which checkpoint tensor fills each of ``module``'s parameters (``rename`` maps a
+    checkpoint name to the module's; None: not ours), read from the safetensors headers
+    alone: every parameter present, with its shape. Returns {parameter: (file, name)} and the
+    checkpoint names left unused."""
+    files = tensor_files(path)
+    ours = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    wanted: dict[str, tuple[Path, str]] = {}
+    unused = []
+    for name, file in files.items():
+        target = rename(name)
+        if target is None or target not in ours:
+            unused.append(name)
+        else:
+            wanted[target] = (file, name)
+    missing = sorted(set(ours) - set(wanted))
+    if missing:
+        raise CheckpointError(f"{path}: tensor {missing[0]} is missing"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for file in sorted({f for f, _ in wanted.values()}):
+        with safe_open(str(file), "pt") as f:
+            for target, (where, name) in wanted.items():
+                shape = tuple(f.get_slice(name).get_shape()) if where == file else ours[target]
+                if shape != ours[target]:
+                    raise CheckpointError(f"{path}: tensor {name} has shape {shape}, the "
+                                          f"config implies {ours[target]}")
+    return wanted, unused
+
+
+def load_weights(module: nn.Module, path: Path, rename: Callable[[str], str | None],
+                 dtype: torch.dtype) -> list[str]:
+    """Fill ``module``'s parameters from the checkpoint (see :func:`plan`), then cast them to
+    ``dtype``. Returns the checkpoint names left unused."""
+    wanted, unused = plan(module, path, rename)
+    ours = module.state_dict()
+    for file in sorted({f for f, _ in wanted.values()}):
+        with safe_open(str(file), "pt") as f:
+            for target, (where, name) in wanted.items():
+                if where == file:
+                    ours[target].copy_(f.get_tensor(name))
+    module.to(dtype)
+    return unused
+
+
+def fingerprint(path: Path) -> str:
+    """blake2b over config.json and every weight file's bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update((path / "config.json").read_bytes())
+    for f in sorted(set(tensor_files(path).values())):
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def load_tokenizer(path: Path, config: dict[str, Any], vocab_size: int) -> Tokenizer:
+    """``tokenizer.json`` with the end-of-sequence ids of ``generation_config.json`` (else
+    the config's)."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        raise CheckpointError(f"{path}: tokenizer.json is missing")
+    gen = read_json(path / "generation_config.json", required=False)
+    eos = gen.get("eos_token_id", config.get("eos_token_id"))
+    eos_ids = [eos] if isinstance(eos, int) else [int(e) for e in eos or []]
+    try:
+        tok = Tokenizer.from_file(file, eos_ids or None, vocab_size)
+    except Exception as exc:  # tokenizers raises its own exception types
+        raise CheckpointError(f"{file}: cannot be read ({exc})") from None
+    if tok.vocab_size > vocab_size:
+        raise CheckpointError(f"{path}: the tokenizer has {tok.vocab_size} tokens, the model "
+                              f"{vocab_size}")
+    return tok
+
+
+def chat_template(path: Path) -> str | None:
+    """``chat_template.jinja``, else the ``chat_template`` of ``tokenizer_config.json``."""
+    file = path / "chat_template.jinja"
+    if file.is_file():
+        return file.read_text()
+    template = read_json(path / "tokenizer_config.json", required=False).get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def available_memory() -> int:
+    """Bytes this process may still use: the cgroup limit, else MemAvailable."""
+    for limit_file in ("/sys/fs/cgroup/memory.max",
+                       "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+            if text.isdigit() and int(text) < 1 << 60:
+                return int(text)
+        except OSError:
+            pass
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+class HFServedModel:
+    """A Hugging Face text model behind the server's interface. ``module`` provides
+    ``prefill``, ``step``, ``new_state`` and ``n_params`` (as :class:`Qwen35ForCausalLM`)."""
+
+    def __init__(self, module: Any, tok: Tokenizer, template: str | None, fp: str,
+                 architecture: str, context_limit: int, chunk: int = 64) -> None:
+        self.module, self._tok, self._template, self._fp = module, tok, template, fp
+        self.chunk = chunk
+        self.context_limit = context_limit
+        empty = module.new_state(1, context_limit)
+        dtype = next(module.parameters()).dtype
+        self.info = ModelInfo(
+            architecture=architecture, vocab_size=module.cfg.vocab_size,
+            context_limit=context_limit, params=module.n_params(),
+            dtype=str(dtype).removeprefix("torch."), decode_step="eager",
+            ragged_prefill=False, state_bytes=empty.nbytes, state_grows=empty.grows,
+            state_layout=empty.layout())
+
+    def fingerprint(self) -> str:
+        return self._fp
+
+    def tokenizer(self) -> Tokenizer:
+        return self._tok
+
+    def chat_template(self) -> str | None:
+        return self._template
+
+    def new_state(self, batch: int = 1) -> State:
+        return self.module.new_state(batch, self.context_limit)
+
+    def prefill(self, tokens: torch.Tensor, state: State | None = None,
+                all_logits: bool = False) -> tuple[torch.Tensor, State]:
+        if state is None:
+            state = self.new_state(tokens.shape[0])
+        return self.module.prefill(tokens, state, all_logits)
+
+    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
+                       ) -> tuple[torch.Tensor, list[State]]:
+        raise NotImplementedError("prompts are prefilled one by one (info.ragged_prefill)")
+
+    def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
+        return self.module.step(tokens, state)
+
+    def prefill_split(self, todo: int, cap: int, budget: int) -> int:
+        return invariant.prefill_split(todo, cap, budget, self.chunk)
+
+    def state_to_bytes(self, state: State, extra: dict[str, Any] | None = None) -> bytes:
+        return state_to_bytes(state, self._fp, extra)
+
+    def state_from_bytes(self, data: bytes) -> tuple[State, dict[str, Any]]:
+        return state_from_bytes(data, self.new_state(1), self._fp)

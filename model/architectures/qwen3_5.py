@@ -1,0 +1,506 @@
+"""Qwen3.5's dense text models: Gated DeltaNet layers interleaved with gated full attention.
+
+Layer types come from the checkpoint's ``layer_types`` (three ``linear_attention`` to one
+``full_attention`` in the published models). Module and parameter names follow Hugging Face's
+``Qwen3_5ForCausalLM``, so its ``model.safetensors`` loads as it is (see
+:mod:`model.architectures.hf_checkpoint`). Shapes: B rows, T tokens, d = hidden_size.
+
+- Gated DeltaNet (:class:`GatedDeltaNet`): q, k, v from one projection through a causal
+  depthwise convolution (width K) and SiLU; L2-normalised q and k; per value head a decay
+  g = −exp(A_log)·softplus(a + dt_bias) and a write strength β = sigmoid(b); the gated delta
+  rule (:mod:`model.attention.delta`); a per-head RMSNorm gated by SiLU(z); the output
+  projection. State per layer: a :class:`RecurrentEntry` S ``[B, Hv, Dk, Dv]`` and a
+  :class:`ConvEntry` of the last K−1 projections.
+- Gated attention (:class:`GatedAttention`): q (with an output gate per head), k, v; RMSNorm
+  on q and k per head; rotary positions on the first ``partial_rotary_factor`` of each head;
+  grouped-query attention; output × sigmoid(gate). State: a :class:`KVEntry`.
+- SwiGLU MLP, and Qwen's RMSNorm with weights stored as w − 1 (it scales by 1 + w).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import invariant
+from model.architectures import hf
+from model.attention.delta import delta_rule_chunked, delta_rule_step, l2norm
+from model.interface import CheckpointError
+from model.invariant import Linear
+from model.state import ConvEntry, KVEntry, RecurrentEntry, State
+
+log = logging.getLogger("linserve")
+
+
+@dataclass(frozen=True)
+class Qwen35Config:
+    """The text model's shape, from a Hugging Face ``config.json`` (see :meth:`from_hf`)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> Qwen35Config:
+        """Read a ``qwen3_5_text`` config, or the ``text_config`` of a ``qwen3_5`` one. Raises
+        ValueError (naming the field) for anything missing or inconsistent."""
+        text = config.get("text_config", config) if config.get("model_type") == "qwen3_5" \
+            else config
+        tie = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        rope = text.get("rope_parameters") or {}
+        n = int(text["num_hidden_layers"])
+        types = text.get("layer_types") or [
+            "full_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) == 0
+            else "linear_attention" for i in range(n)]
+        cfg = cls(
+            vocab_size=int(text["vocab_size"]), hidden_size=int(text["hidden_size"]),
+            intermediate_size=int(text["intermediate_size"]), layer_types=tuple(types),
+            num_attention_heads=int(text["num_attention_heads"]),
+            num_key_value_heads=int(text["num_key_value_heads"]),
+            head_dim=int(text.get("head_dim") or text["hidden_size"] //
+                         text["num_attention_heads"]),
+            linear_num_key_heads=int(text["linear_num_key_heads"]),
+            linear_num_value_heads=int(text["linear_num_value_heads"]),
+            linear_key_head_dim=int(text["linear_key_head_dim"]),
+            linear_value_head_dim=int(text["linear_value_head_dim"]),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                                 text.get("partial_rotary_factor", 0.25))),
+            max_position_embeddings=int(text.get("max_position_embeddings", 262_144)),
+            tie_word_embeddings=tie)
+        cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        """Raise ValueError for an inconsistent shape."""
+        if len(self.layer_types) == 0:
+            raise ValueError("num_hidden_layers must be at least 1")
+        bad = set(self.layer_types) - {"linear_attention", "full_attention"}
+        if bad:
+            raise ValueError(f"unknown layer_types {sorted(bad)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads is not a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads is not a multiple of linear_num_key_heads")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError("partial_rotary_factor gives an odd or oversized rotary dimension")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+
+class QwenRMSNorm(nn.Module):
+    """RMSNorm whose weight is stored as w − 1: x / rms(x) · (1 + w), in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(invariant.sum_last(xf * xf) / x.shape[-1] + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm of the delta rule's output, times SiLU(z): ``[..., Dv]``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(invariant.sum_last(xf * xf) / x.shape[-1] + self.eps)
+        return (self.weight.float() * out) * invariant.rowwise(F.silu, gate.float())
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, cfg: Qwen35Config) -> None:
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(invariant.rowwise(F.silu, self.gate_proj(x)) * self.up_proj(x))
+
+
+class GatedDeltaNet(nn.Module):
+    """A Gated DeltaNet layer (see the module docstring)."""
+
+    def __init__(self, cfg: Qwen35Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = hk * dk, hv * dv
+        self.in_proj_qkv = Linear(cfg.hidden_size, cfg.conv_dim, bias=False)
+        self.in_proj_z = Linear(cfg.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = Linear(cfg.hidden_size, hv, bias=False)
+        self.in_proj_a = Linear(cfg.hidden_size, hv, bias=False)
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.linear_conv_kernel_dim,
+                                groups=cfg.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(hv))
+        self.A_log = nn.Parameter(torch.zeros(hv))
+        self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def _heads(self, mixed: torch.Tensor, x: torch.Tensor
+               ) -> tuple[torch.Tensor, ...]:
+        """Convolved projections ``[B, T, conv_dim]`` and the layer input ``[B, T, d]`` ->
+        q, k ``[B, Hv, T, Dk]`` (normalised, q scaled), v ``[B, Hv, T, Dv]``, g and β
+        ``[B, Hv, T]``, all fp32."""
+        cfg = self.cfg
+        b, t, _ = mixed.shape
+        q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+        q, k = (y.reshape(b, t, cfg.linear_num_key_heads, -1).repeat_interleave(rep, dim=2)
+                for y in (q, k))
+        v = v.reshape(b, t, cfg.linear_num_value_heads, -1)
+        beta = invariant.rowwise(torch.sigmoid, self.in_proj_b(x).float())
+        g = -self.A_log.float().exp() * invariant.rowwise(
+            F.softplus, self.in_proj_a(x).float() + self.dt_bias.float())
+        q, k, v, g, beta = (y.transpose(1, 2) for y in (q, k, v, g, beta))
+        q = l2norm(q) * cfg.linear_key_head_dim ** -0.5
+        return q, l2norm(k), v.contiguous(), g.contiguous(), beta.contiguous()
+
+    def _finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o ``[B, Hv, T, Dv]`` -> gated norm with z, output projection ``[B, T, d]``."""
+        b, _, t, dv = o.shape
+        z = self.in_proj_z(x).reshape(b, t, -1, dv)
+        out = self.norm(o.transpose(1, 2), z).reshape(b, t, -1)
+        return self.out_proj(out.to(x.dtype))
+
+    def forward(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry) -> torch.Tensor:
+        """Parallel form over T new tokens ``[B, T, d]``; replaces the entries' tensors."""
+        mixed = self.in_proj_qkv(x).float()
+        full = torch.cat([conv.window, mixed], dim=1)  # [B, K-1+T, C]
+        conv.window = full[:, full.shape[1] - conv.window.shape[1]:].clone(
+            memory_format=torch.contiguous_format)
+        mixed = invariant.rowwise(F.silu, F.conv1d(full.transpose(1, 2), self.conv1d.weight.float(),
+                                                   groups=full.shape[2]).transpose(1, 2))
+        q, k, v, g, beta = self._heads(mixed, x)
+        o, s = delta_rule_chunked(q, k, v, g, beta, rec.s)
+        rec.s = s.contiguous()
+        return self._finish(o, x)
+
+    def step(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry) -> torch.Tensor:
+        """One token per row ``[B, d]``; updates the entries in place."""
+        mixed = self.in_proj_qkv(x).float()  # [B, C]
+        window = torch.cat([conv.window, mixed.unsqueeze(1)], dim=1)  # [B, K, C]
+        conv.window.copy_(window[:, 1:])
+        w = self.conv1d.weight.float().squeeze(1)  # [C, K]
+        mixed = invariant.rowwise(F.silu, (window * w.T).sum(1))
+        q, k, v, g, beta = self._heads(mixed.unsqueeze(1), x.unsqueeze(1))
+        o = delta_rule_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], rec.s)
+        return self._finish(o.unsqueeze(2), x.unsqueeze(1)).squeeze(1)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, cfg: Qwen35Config) -> torch.Tensor:
+    """Rotary positions on the first ``rotary_dim`` of each head (halves rotated). x
+    ``[B, H, T, D]``, pos ``[B, T]`` (or ``[1, T]``) int64."""
+    rot = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
+    freqs = pos[..., None].float() * inv_freq  # [B, T, rot/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = (invariant.rowwise(f, emb)[:, None] for f in (torch.cos, torch.sin))
+    xr, xp = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Gated full attention with a KV cache (see the module docstring)."""
+
+    def __init__(self, cfg: Qwen35Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, 2 * h * d, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, hkv * d, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, hkv * d, bias=False)
+        self.o_proj = Linear(h * d, cfg.hidden_size, bias=False)
+        self.q_norm = QwenRMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = QwenRMSNorm(d, cfg.rms_norm_eps)
+
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[B, T, d]`` -> q ``[B, H, T, D]``, k, v ``[B, Hkv, T, D]`` (fp32, rotated) and
+        the output gate ``[B, T, H·D]``."""
+        b, t, _ = x.shape
+        d = self.cfg.head_dim
+        q, gate = self.q_proj(x).float().view(b, t, -1, 2 * d).chunk(2, dim=-1)
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).float().view(b, t, -1, d)).transpose(1, 2)
+        v = self.v_proj(x).float().view(b, t, -1, d).transpose(1, 2)
+        return rope(q, pos, self.cfg), rope(k, pos, self.cfg), v, gate.reshape(b, t, -1)
+
+    def _out(self, o: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o ``[B, H, T, D]`` -> gated, projected ``[B, T, d]``."""
+        b, _, t, _ = o.shape
+        o = o.transpose(1, 2).reshape(b, t, -1) * invariant.rowwise(torch.sigmoid, gate)
+        return self.o_proj(o.to(x.dtype))
+
+    def forward(self, x: torch.Tensor, kv: KVEntry, start: int) -> torch.Tensor:
+        """T new tokens ``[B, T, d]`` at positions start … start+T−1 (every row alike)."""
+        t = x.shape[1]
+        pos = torch.arange(start, start + t)[None]
+        q, k, v, gate = self._qkv(x, pos)
+        kv.k[:, :, start : start + t] = k
+        kv.v[:, :, start : start + t] = v
+        keys, values = kv.k[:, :, : start + t], kv.v[:, :, : start + t]
+        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+        mask = torch.ones(t, start + t, dtype=torch.bool).tril(start)
+        o = invariant.attention(q, keys, values, mask)
+        return self._out(o, gate, x)
+
+    def step(self, x: torch.Tensor, kv: KVEntry, lengths: torch.Tensor) -> torch.Tensor:
+        """One token per row ``[B, d]`` at each row's own position ``lengths [B]``."""
+        b = x.shape[0]
+        q, k, v, gate = self._qkv(x.unsqueeze(1), lengths[:, None])
+        rows = torch.arange(b)
+        kv.k[rows, :, lengths] = k[:, :, 0]
+        kv.v[rows, :, lengths] = v[:, :, 0]
+        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        outs = []
+        for i, n in enumerate((lengths + 1).tolist()):  # each row over its own keys alone
+            keys = kv.k[i : i + 1, :, :n].repeat_interleave(rep, 1)
+            values = kv.v[i : i + 1, :, :n].repeat_interleave(rep, 1)
+            outs.append(invariant.attention(q[i : i + 1], keys, values,
+                                            torch.ones(1, n, dtype=torch.bool)))
+        return self._out(torch.cat(outs), gate, x.unsqueeze(1)).squeeze(1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen35Config, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = QwenRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = QwenRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def _mix(self, h: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
+             one_token: bool) -> torch.Tensor:
+        if self.kind == "linear_attention":
+            fn = self.linear_attn.step if one_token else self.linear_attn.forward
+            return fn(h, entries["recurrent"], entries["conv"])
+        if one_token:
+            return self.self_attn.step(h, entries["kv"], lengths)
+        return self.self_attn(h, entries["kv"], int(lengths[0]))
+
+    def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
+                one_token: bool = False) -> torch.Tensor:
+        x = x + self._mix(self.input_layernorm(x), entries, lengths, one_token)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    """``model.*`` of the checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: Qwen35Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kind) for kind in cfg.layer_types)
+        self.norm = QwenRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen35ForCausalLM(nn.Module):
+    """The whole text model: ``prefill`` (chunked GDN, causal attention), ``step`` (one
+    token per row), logits fp32."""
+
+    def __init__(self, cfg: Qwen35Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = TextModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else \
+            Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def new_state(self, batch: int = 1, max_context: int | None = None) -> State:
+        cfg = self.cfg
+        layers: list[dict[str, Any]] = []
+        for kind in cfg.layer_types:
+            if kind == "linear_attention":
+                layers.append({
+                    "recurrent": RecurrentEntry.empty(batch, cfg.linear_num_value_heads,
+                                                      cfg.linear_key_head_dim,
+                                                      cfg.linear_value_head_dim, with_z=False),
+                    "conv": ConvEntry.empty(batch, cfg.linear_conv_kernel_dim, cfg.conv_dim)})
+            else:
+                layers.append({"kv": KVEntry.empty(batch, cfg.num_key_value_heads, cfg.head_dim,
+                                                   max_context or cfg.max_position_embeddings)})
+        return State(layers, torch.zeros(batch, dtype=torch.long))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.model.norm(x)
+        if self.lm_head is not None:
+            return self.lm_head(x).float()
+        return invariant.linear(x, self.model.embed_tokens.weight, self.model.embed_tokens).float()
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, state: State | None = None,
+                all_logits: bool = False) -> tuple[torch.Tensor, State]:
+        """tokens ``[B, T]`` after ``state`` (None: empty; every row at one length; not
+        modified) -> last logits ``[B, V]`` (``[B, T, V]`` with ``all_logits``), new state."""
+        b, t = tokens.shape
+        state = self.new_state(b) if state is None else state.copy()
+        if bool((state.lengths != state.lengths[0]).any()):
+            raise ValueError("prefill needs rows of equal length")
+        state.reserve(int(state.lengths[0]) + t)
+        x = self.model.embed_tokens(tokens)
+        for layer, entries in zip(self.model.layers, state.layers, strict=True):
+            x = layer(x, entries, state.lengths)
+        state.lengths += t
+        return self.head(x if all_logits else x[:, -1]), state
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
+        """tokens ``[B]`` -> logits ``[B, V]``; advances every row of ``state`` in place."""
+        state.reserve(int(state.lengths.max()) + 1)
+        x = self.model.embed_tokens(tokens)
+        for layer, entries in zip(self.model.layers, state.layers, strict=True):
+            x = layer(x, entries, state.lengths, one_token=True)
+        state.lengths += 1
+        return self.head(x)
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def state_bytes_per_token(cfg: Qwen35Config) -> int:
+    """KV bytes one more token of context adds to a session (fp32 keys and values)."""
+    kv_layers = sum(t == "full_attention" for t in cfg.layer_types)
+    return 2 * kv_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+
+
+def param_count(cfg: Qwen35Config) -> int:
+    """Parameters of the text model, from its shape alone (for the memory estimate)."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    attn = d * 2 * cfg.num_attention_heads * cfg.head_dim + \
+        2 * d * cfg.num_key_value_heads * cfg.head_dim + cfg.num_attention_heads * cfg.head_dim * d
+    gdn = d * cfg.conv_dim + cfg.conv_dim * cfg.linear_conv_kernel_dim + \
+        2 * d * cfg.linear_num_value_heads * cfg.linear_value_head_dim + \
+        2 * d * cfg.linear_num_value_heads
+    per = [(gdn if t == "linear_attention" else attn) + 3 * d * f + 2 * d
+           for t in cfg.layer_types]
+    embed = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
+    return sum(per) + embed + d
+
+
+# ---- loading a Hugging Face checkpoint ------------------------------------------------------
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+
+
+def recognise(path: Path) -> bool:
+    """A Qwen3.5 dense checkpoint: its config's model_type."""
+    try:
+        return hf.read_json(path / "config.json").get("model_type") in MODEL_TYPES
+    except CheckpointError:
+        return False
+
+
+def _config(path: Path) -> Qwen35Config:
+    try:
+        return Qwen35Config.from_hf(hf.read_json(path / "config.json"))
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}/config.json: inconsistent or incomplete "
+                              f"({type(exc).__name__}: {exc})") from None
+
+
+def _rename(name: str) -> str | None:
+    """A checkpoint tensor's name in :class:`Qwen35ForCausalLM` (None: not the text model)."""
+    if name.startswith("model.language_model."):  # Qwen3_5ForConditionalGeneration
+        return "model." + name.removeprefix("model.language_model.")
+    if name.startswith(("model.visual.", "mtp.")):
+        return None
+    return name
+
+
+def max_state_bytes(path: Path) -> int:
+    """The largest one-session state: the constant GDN part plus a full-context KV cache."""
+    cfg = _config(path)
+    gdn = sum(t == "linear_attention" for t in cfg.layer_types) * 4 * (
+        cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+        + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim)
+    return gdn + state_bytes_per_token(cfg) * cfg.max_position_embeddings + 8
+
+
+def check(path: Path, dtype: torch.dtype) -> None:
+    """Everything that can be checked before reading weights: the config, that the weights
+    fit in memory, every tensor's presence and shape (from the safetensors headers), and the
+    tokenizer. Raises :class:`CheckpointError`."""
+    cfg = _config(path)
+    need = param_count(cfg) * torch.empty(0, dtype=dtype).element_size()
+    have = hf.available_memory()
+    if need > 0.9 * have:
+        raise CheckpointError(f"{path}: the weights need {need / 2**30:.1f} GiB in "
+                              f"{str(dtype).removeprefix('torch.')}, {have / 2**30:.1f} GiB "
+                              "is available")
+    with torch.device("meta"):
+        hf.plan(Qwen35ForCausalLM(cfg), path, _rename)
+    hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+
+
+def load(path: Path, dtype: torch.dtype, fused: bool) -> hf.HFServedModel:
+    """Build the text model from ``path``'s config and load its weights (the text part only
+    of a ``Qwen3_5ForConditionalGeneration``), tokenizer and chat template."""
+    check(path, dtype)
+    cfg = _config(path)
+    tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+    with torch.device("meta"):
+        module = Qwen35ForCausalLM(cfg)
+    module = module.to_empty(device="cpu").eval()
+    unused = hf.load_weights(module, path, _rename, dtype)
+    vision = sum(n.startswith("model.visual.") for n in unused)
+    if vision:
+        log.info("%s: a vision-language checkpoint; loaded its text model only (%d vision "
+                 "tensors skipped)", path, vision)
+    other = [n for n in unused if not n.startswith(("model.visual.", "mtp.", "lm_head."))]
+    if other:
+        log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other), other[0])
+    arch = "qwen3_5 (Gated DeltaNet + gated attention, "
+    arch += f"{sum(t == 'full_attention' for t in cfg.layer_types)} of {len(cfg.layer_types)} "
+    arch += "layers full attention)"
+    return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path), arch,
+                            cfg.max_position_embeddings)

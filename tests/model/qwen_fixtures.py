@@ -1,0 +1,73 @@
+"""Tiny random Qwen3.5 checkpoints made at test time with ``transformers`` (the reference),
+saved with ``save_pretrained`` in the published format, with the project's tokenizer (its
+8,192-token vocabulary sizes these models)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENIZER = ROOT / "weights" / "tokenizer.json"
+
+# interval: a full-attention layer every `interval` layers; heads: (q heads, kv heads);
+# linear: (key heads, value heads, key dim, value dim)
+SHAPES: dict[str, dict[str, Any]] = {
+    "i4-tied": {"interval": 4, "layers": 4, "heads": (4, 2), "head_dim": 32,
+                "linear": (2, 4, 16, 16), "tie": True},
+    "i2-untied": {"interval": 2, "layers": 4, "heads": (4, 1), "head_dim": 16,
+                  "linear": (2, 2, 32, 16), "tie": False},
+    "i3-gqa": {"interval": 3, "layers": 6, "heads": (6, 3), "head_dim": 24,
+               "linear": (1, 3, 24, 32), "tie": True},
+}
+
+
+def text_config(shape: dict[str, Any], vocab: int = 8192) -> Any:
+    transformers = pytest.importorskip("transformers")
+    kq, kv, dk, dv = shape["linear"]
+    n = shape["layers"]
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=n,
+        num_attention_heads=shape["heads"][0], num_key_value_heads=shape["heads"][1],
+        head_dim=shape["head_dim"], linear_num_key_heads=kq, linear_num_value_heads=kv,
+        linear_key_head_dim=dk, linear_value_head_dim=dv, max_position_embeddings=4096,
+        tie_word_embeddings=shape["tie"],
+        layer_types=["full_attention" if (i + 1) % shape["interval"] == 0
+                     else "linear_attention" for i in range(n)])
+
+
+def make_checkpoint(path: Path, name: str, vision: bool = False, seed: int = 0) -> Path:
+    """Save a random-weight Qwen3.5 of shape ``SHAPES[name]`` (the vision-language wrapper
+    with ``vision``) with a tokenizer and generation config; returns the folder."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = text_config(SHAPES[name])
+    if vision:
+        full = transformers.Qwen3_5Config(
+            text_config=cfg.to_dict(), tie_word_embeddings=SHAPES[name]["tie"],
+            vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64,
+                           "num_heads": 2, "out_hidden_size": 64})
+        model = transformers.Qwen3_5ForConditionalGeneration(full)
+    else:
+        model = transformers.Qwen3_5ForCausalLM(cfg)
+    with torch.no_grad():  # larger than init, so layers matter and decays vary
+        for p in model.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+    model.eval().save_pretrained(path)
+    shutil.copy(TOKENIZER, path / "tokenizer.json")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))
+    return path
+
+
+def reference(path: Path) -> Any:
+    """The checkpoint loaded by transformers, fp32, eval."""
+    transformers = pytest.importorskip("transformers")
+    cls = (transformers.Qwen3_5ForConditionalGeneration
+           if json.loads((path / "config.json").read_text())["model_type"] == "qwen3_5"
+           else transformers.Qwen3_5ForCausalLM)
+    return cls.from_pretrained(path, dtype=torch.float32).eval()

@@ -1,0 +1,131 @@
+"""Qwen3.5 (model/architectures/qwen3_5.py) against transformers' implementation, on tiny
+random checkpoints of several shapes; and the gated delta rule's three forms against each
+other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import loader
+from model.architectures.hf import HFServedModel
+from model.attention.delta import delta_rule_chunked, delta_rule_naive, l2norm
+from model.state import State
+from tests.model.qwen_fixtures import SHAPES, make_checkpoint, reference
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def _served(path: Path) -> HFServedModel:
+    model = loader.load(path, "float32")
+    assert isinstance(model, HFServedModel)
+    return model
+
+
+def test_whole_prompt_logits_match_transformers(checkpoint: Path) -> None:
+    """fp32 logits at every position of a 150-token prompt (past two 64-token chunks)."""
+    ours, ref = _served(checkpoint), reference(checkpoint)
+    tokens = torch.randint(0, 8192, (1, 150), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ref(tokens).logits[0]
+    got, _ = ours.prefill(tokens, all_logits=True)
+    assert (got[0] - want).abs().max().item() <= 1e-4
+
+
+def test_prefill_then_steps_equals_step_by_step_and_transformers(checkpoint: Path) -> None:
+    ours, ref = _served(checkpoint), reference(checkpoint)
+    tokens = torch.randint(0, 8192, (1, 90), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(tokens).logits[0]
+    logits, state = ours.prefill(tokens[:, :70])
+    assert (logits[0] - want[69]).abs().max().item() <= 1e-4
+    for t in range(70, 90):
+        assert (ours.step(tokens[:, t], state)[0] - want[t]).abs().max().item() <= 1e-4
+    stepped = ours.new_state(1)
+    for t in range(90):
+        one = ours.step(tokens[:, t], stepped)
+        assert (one[0] - want[t]).abs().max().item() <= 1e-4
+
+
+def test_chunked_prefill_across_chunk_boundaries(checkpoint: Path) -> None:
+    """A prompt prefilled whole, or in pieces split at a chunk multiple (bit for bit) and
+    anywhere else (within fp32 rounding), gives the same next-token logits."""
+    ours = _served(checkpoint)
+    tokens = torch.randint(0, 8192, (1, 200), generator=torch.Generator().manual_seed(2))
+    whole, _ = ours.prefill(tokens)
+    _, a = ours.prefill(tokens[:, :128])
+    aligned, _ = ours.prefill(tokens[:, 128:], a)
+    assert torch.equal(aligned, whole)
+    _, b = ours.prefill(tokens[:, :77])
+    _, b = ours.prefill(tokens[:, 77:150], b)
+    anywhere, _ = ours.prefill(tokens[:, 150:], b)
+    assert (anywhere - whole).abs().max().item() <= 1e-4
+
+
+def test_a_batch_of_rows_at_different_positions_equals_each_alone(checkpoint: Path) -> None:
+    ours = _served(checkpoint)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 8192, (1, n), generator=gen) for n in (5, 70, 33)]
+    rows = [ours.prefill(p)[1] for p in prompts]
+    batch = State.cat([r.copy() for r in rows])
+    nxt = torch.randint(0, 8192, (3, 5), generator=gen)
+    for t in range(5):
+        together = ours.step(nxt[:, t], batch)
+        for i, row in enumerate(rows):
+            assert torch.equal(together[i], ours.step(nxt[i : i + 1, t], row)[0])
+
+
+def test_state_blobs_round_trip_and_continue(checkpoint: Path) -> None:
+    ours = _served(checkpoint)
+    tokens = torch.randint(0, 8192, (1, 40), generator=torch.Generator().manual_seed(4))
+    _, state = ours.prefill(tokens[:, :30])
+    back, _ = ours.state_from_bytes(ours.state_to_bytes(state))
+    for t in range(30, 40):
+        assert torch.equal(ours.step(tokens[:, t], state), ours.step(tokens[:, t], back))
+    assert not state.truncatable and state.grows  # GDN sums cannot be cut; the KV part grows
+
+
+def test_bf16_weights_track_fp32(checkpoint: Path) -> None:
+    """bf16 weights (activations and state fp32): the next-token distributions stay within
+    a KL of 1e-2 nats of fp32's over 60 positions (bf16 keeps 8 mantissa bits; on these
+    random weights with logits of a few units that is the rounding seen)."""
+    fp32, bf16 = _served(checkpoint), loader.load(checkpoint, "bfloat16")
+    tokens = torch.randint(0, 8192, (1, 60), generator=torch.Generator().manual_seed(5))
+    want = torch.log_softmax(fp32.prefill(tokens, all_logits=True)[0][0], -1)
+    got = torch.log_softmax(bf16.prefill(tokens, all_logits=True)[0][0], -1)
+    kl = (want.exp() * (want - got)).sum(-1).max().item()
+    assert kl < 1e-2
+
+
+def test_the_vision_language_checkpoint_loads_its_text_model(tmp_path: Path) -> None:
+    path = make_checkpoint(tmp_path / "vl", "i4-tied", vision=True)
+    ours, ref = _served(path), reference(path)
+    tokens = torch.randint(0, 8192, (1, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = ref(input_ids=tokens).logits[0]
+    got, _ = ours.prefill(tokens, all_logits=True)
+    assert (got[0] - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 150])
+def test_delta_rule_chunked_equals_naive(t: int) -> None:
+    """The chunked (WY) form against the token-by-token loop, from a nonzero state."""
+    gen = torch.Generator().manual_seed(t)
+    b, h, dk, dv = 2, 3, 16, 8
+    q, k = (l2norm(torch.randn(b, h, t, dk, generator=gen)) for _ in range(2))
+    v = torch.randn(b, h, t, dv, generator=gen)
+    g = -torch.rand(b, h, t, generator=gen) * 2
+    beta = torch.rand(b, h, t, generator=gen)
+    s0 = torch.randn(b, h, dk, dv, generator=gen)
+    out_c, s_c = delta_rule_chunked(q, k, v, g, beta, s0.clone())
+    out_n, s_n = delta_rule_naive(q, k, v, g, beta, s0.clone())
+    assert (out_c - out_n).abs().max().item() <= 1e-4
+    assert (s_c - s_n).abs().max().item() <= 1e-4

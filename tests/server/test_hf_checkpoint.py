@@ -1,0 +1,157 @@
+"""Serving a Hugging Face Qwen3.5 checkpoint (``python -m server --model``) through HTTP:
+greedy output equal to transformers' ``generate``, sessions and export/import; and bad
+checkpoints refused with one line at startup."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from bench.serverproc import ROOT, ServerProcess
+from tests.model.qwen_fixtures import make_checkpoint, reference
+
+pytestmark = pytest.mark.integration
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("qwen"), "i4-tied")
+
+
+@pytest.fixture(scope="module")
+def qwen_server(checkpoint: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(ROOT / "weights" / "linear",
+                       args=["--model", str(checkpoint), "--served-model-name", "qwen-tiny",
+                             "--dtype", "float32"]) as srv:
+        yield srv
+
+
+def test_greedy_continuations_equal_transformers_generate(checkpoint: Path,
+                                                          qwen_server: ServerProcess) -> None:
+    """64 greedy tokens for three prompts, through the openai SDK, token for token."""
+    from openai import OpenAI
+
+    ref = reference(checkpoint)
+    client = OpenAI(base_url=qwen_server.url + "/v1", api_key="none")
+    for prompt in ("ROMEO.\n", "To be, or not to be", "Enter a Messenger."):
+        ids = httpx.post(qwen_server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
+                                eos_token_id=None)[0, len(ids):].tolist()
+        out = client.completions.create(model="qwen-tiny", prompt=ids, max_tokens=64,
+                                        temperature=0, extra_body={
+                                            "ignore_eos": True,
+                                            "return_tokens_as_token_ids": True}, logprobs=0)
+        got = [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens]
+        assert got == want
+
+
+def test_health_names_the_architecture_and_state(qwen_server: ServerProcess) -> None:
+    health = httpx.get(qwen_server.url + "/health").json()
+    models = httpx.get(qwen_server.url + "/v1/models").json()["data"][0]
+    assert models["id"] == "qwen-tiny" and models["architecture"].startswith("qwen3_5")
+    assert models["state_grows"] is True and models["state_bytes"] > 0
+    assert health["status"] == "ok"
+
+
+def test_sessions_and_export_import_continue_like_stateless(qwen_server: ServerProcess) -> None:
+    """A session fed in two turns, exported and imported, continues exactly as one stateless
+    request over the same tokens."""
+    url = qwen_server.url
+    with httpx.Client(base_url=url, timeout=120) as c:
+        sess = c.post("/v1/sessions", json={"prompt": "KING LEAR.\n"}).json()
+        first = c.post("/v1/completions", json={"prompt": "Blow, winds", "session_id": sess["id"],
+                                                 "max_tokens": 10, "temperature": 0}).json()
+        blob = c.get(f"/v1/sessions/{sess['id']}/state").content
+        imported = c.post("/v1/sessions/import", content=blob,
+                          headers={"content-type": "application/octet-stream"}).json()
+        cont = c.post("/v1/completions", json={"prompt": " and crack", "max_tokens": 12,
+                                                "session_id": imported["id"],
+                                                "temperature": 0}).json()
+        whole = "KING LEAR.\nBlow, winds" + first["choices"][0]["text"] + " and crack"
+        stateless = c.post("/v1/completions", json={"prompt": whole, "max_tokens": 12,
+                                                     "temperature": 0}).json()
+    assert cont["choices"][0]["text"] == stateless["choices"][0]["text"]
+
+
+def _start(model: Path | str, env: dict[str, str] | None = None
+           ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "server", "--model", str(model), "--port", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def _broken(base: Path, dest: Path, how: str) -> Path:
+    shutil.copytree(base, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    if how == "model_type":
+        cfg["model_type"] = "llama"
+    elif how == "config":
+        cfg["num_key_value_heads"] = 3  # 4 heads are not a multiple of 3
+    elif how == "tokenizer":
+        (dest / "tokenizer.json").unlink()
+    elif how in ("tensor", "shape"):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(dest / "model.safetensors")
+        name = "model.layers.0.linear_attn.out_proj.weight"
+        if how == "tensor":
+            del tensors[name]
+        else:
+            tensors[name] = tensors[name][:, :-1].contiguous()
+        save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    elif how == "shard":
+        index = {"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}}
+        (dest / "model.safetensors.index.json").write_text(json.dumps(index))
+    elif how == "memory":
+        cfg["intermediate_size"] = 1 << 26  # billions of parameters: refused before loading
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+@pytest.mark.parametrize(("how", "says"), [
+    ("model_type", "unknown architecture"), ("config", "num_key_value_heads"),
+    ("tokenizer", "tokenizer.json is missing"), ("tensor", "is missing"),
+    ("shape", "has shape"), ("shard", "shard model-00002-of-00002.safetensors is missing"),
+    ("memory", "GiB is available")])
+def test_a_bad_checkpoint_gets_one_line_and_a_nonzero_exit(checkpoint: Path, tmp_path: Path,
+                                                           how: str, says: str) -> None:
+    proc = _start(_broken(checkpoint, tmp_path / how, how))
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and says in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_repo_id_resolves_from_the_local_cache_offline(checkpoint: Path, tmp_path: Path
+                                                        ) -> None:
+    """A Hub cache laid out as huggingface_hub writes it (models--owner--name, a snapshot and
+    refs/main) serves ``--model owner/name`` with HF_HUB_OFFLINE=1; an id not in the cache is
+    one clear line."""
+    from model.architectures.hf import resolve
+    from model.interface import CheckpointError
+
+    repo = tmp_path / "hub" / "models--acme--qwen-tiny"
+    shutil.copytree(checkpoint, repo / "snapshots" / "0123abc")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    code = "import sys; from model.architectures.hf import resolve; print(resolve(sys.argv[1]))"
+    out = subprocess.run([sys.executable, "-c", code, "acme/qwen-tiny"], cwd=ROOT, text=True,
+                         capture_output=True, env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()).resolve() == (repo / "snapshots" / "0123abc").resolve()
+    proc = _start("acme/missing", env)
+    assert proc.returncode != 0 and "not found in the local Hugging Face cache" in proc.stderr
+    with pytest.raises(CheckpointError):
+        resolve("not a repo id at all/x/y")
