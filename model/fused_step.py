@@ -105,15 +105,23 @@ class FusedStep:
         its lengths advanced after, as the eager step does."""
         if self.softmax:
             state.reserve(int(state.lengths.max()) + 1)
-            kv = [cast(KVEntry, layer["kv"]) for layer in state.layers]
+            k, v = self._lists(state)
             out = torch.ops.linserve.softmax_step(
-                tokens, self.weights, [e.k for e in kv], [e.v for e in kv], state.lengths,
-                self.heads, self.window, self.rope_base, self.norm_eps, with_head)
+                tokens, self.weights, k, v, state.lengths, self.heads, self.window,
+                self.rope_base, self.norm_eps, with_head)
         else:
-            rec = [cast(RecurrentEntry, layer["recurrent"]) for layer in state.layers]
-            conv = [cast(ConvEntry, layer["conv"]).window for layer in state.layers]
+            s, z, conv = self._lists(state)
             out = torch.ops.linserve.linear_step(
-                tokens, self.weights, [e.s for e in rec], [e.z for e in rec], conv, self.heads,
-                self.attn_eps, self.norm_eps, with_head)
+                tokens, self.weights, s, z, conv, self.heads, self.attn_eps, self.norm_eps,
+                with_head)
         state.lengths += 1
         return out
+
+    def _lists(self, state: State) -> list[list[torch.Tensor]]:
+        """The per-layer tensors the kernel takes: k and v, or s, z and conv."""
+        if self.softmax:
+            kv = [cast(KVEntry, layer["kv"]) for layer in state.layers]
+            return [[e.k for e in kv], [e.v for e in kv]]
+        rec = [cast(RecurrentEntry, layer["recurrent"]) for layer in state.layers]
+        return [[e.s for e in rec], [cast(torch.Tensor, e.z) for e in rec],
+                [cast(ConvEntry, layer["conv"]).window for layer in state.layers]]

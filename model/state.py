@@ -19,6 +19,7 @@ a recurrent sum cannot be un-added). The server sees only :class:`State`'s metho
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -339,10 +340,20 @@ class State:
             for name, e in mine.items():
                 e.reserve_like(theirs[name], live)
 
-    def reserve_step(self, live: int) -> None:
-        """Room for one more token in each of the first ``live`` rows (a slot pool's)."""
-        if live and any(isinstance(e, KVEntry) for e in self.entries()):
-            self.reserve(int(self.lengths[:live].max()) + 1, live)
+    def reserve_step(self, live: int) -> bool:
+        """Room for one more token in each of the first ``live`` rows (a slot pool's);
+        whether any tensor was reallocated (views of this state are then stale)."""
+        kvs = self.kv_entries
+        if not (live and kvs):
+            return False
+        before = [e.capacity for e in kvs]
+        self.reserve(int(self.lengths[:live].max()) + 1, live)
+        return [e.capacity for e in kvs] != before
+
+    @functools.cached_property
+    def kv_entries(self) -> list[KVEntry]:
+        """The KV-cache entries (the only ones that grow)."""
+        return [e for e in self.entries() if isinstance(e, KVEntry)]
 
     @classmethod
     def cat(cls, states: Sequence[State]) -> State:

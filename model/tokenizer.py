@@ -75,6 +75,10 @@ class Tokenizer:
                   size: int | None = None) -> Tokenizer:
         return cls(HFTokenizer.from_file(str(path)), eos_ids, size)
 
+    def token_text(self, token_id: int) -> str:
+        """A token's own text (a special token's name, such as ``<|im_end|>``)."""
+        return str(self._tok.id_to_token(token_id) or "")
+
     def token_id(self, text: str) -> int | None:
         """The id of a token given as its text (a special token's name), or None."""
         return self._tok.token_to_id(text)

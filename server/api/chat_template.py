@@ -1,4 +1,5 @@
-"""The chat template: plain text suited to a base model trained on plays.
+"""Chat templates: a checkpoint's own Jinja template (:class:`TemplateChat`), or for the
+project's base models this plain text suited to a model trained on plays:
 
     {system}\n\n            (if a system message is given)
     User: {content}\n
@@ -14,7 +15,10 @@ client resends (``server.sessions.transcript``), so both ways feed the model the
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
 
 from server.api.protocol import ChatMessage
 
@@ -32,3 +36,46 @@ def render_chat(messages: Sequence[ChatMessage]) -> str:
         else:
             parts.append(f"{ROLE_NAMES[msg.role]}: {msg.text().strip()}\n")
     return "".join(parts) + "Assistant:"
+
+
+class TemplateChat:
+    """A checkpoint's own Jinja chat template, rendered as Hugging Face's
+    ``apply_chat_template`` renders it: a sandboxed environment (no file system, no
+    attribute access to Python internals) with ``trim_blocks`` and ``lstrip_blocks``,
+    the ``tojson`` filter, ``raise_exception`` and ``strftime_now``; variables ``messages``
+    (as the client sent them), ``add_generation_prompt``, ``bos_token``, ``eos_token`` and
+    any extra keyword (``tools``, ``documents``, ``chat_template_kwargs``)."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+                   separators: Any = None, sort_keys: bool = False) -> str:
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.template = env.from_string(source)
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+               **kwargs: Any) -> str:
+        """The prompt text; raises ValueError (the request's fault) when the template refuses
+        the conversation."""
+        from jinja2.exceptions import TemplateError
+
+        dicts = [m.model_dump(exclude_none=True) for m in messages]
+        try:
+            return str(self.template.render(
+                messages=dicts, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token, **kwargs))
+        except TemplateError as exc:
+            raise ValueError(f"the chat template refused these messages: {exc}") from None

@@ -16,6 +16,7 @@ from typing import Any
 
 from model.interface import ServedModel, State
 from model.sampling import SamplingParams
+from server.api.chat_template import TemplateChat
 from server.api.errors import APIError
 from server.api.protocol import SamplingFields, new_id
 from server.engine.client import EngineBackend, EngineUnavailable, RequestHandle
@@ -66,6 +67,11 @@ def engine_error(out: Output) -> APIError:
 
 
 class GenerationService:
+    def _special_texts(self) -> tuple[str, str]:
+        """The bos and eos tokens' texts for a chat template (eos: the first end id)."""
+        eos = self.tok.eos_id
+        return "", "" if eos is None else self.tok.token_text(eos)
+
     def __init__(self, client: EngineBackend, store: SessionStore, model: ServedModel,
                  settings: Settings) -> None:
         self.client = client
@@ -74,6 +80,8 @@ class GenerationService:
         self.info = model.info
         self.model_fingerprint = model.fingerprint()
         self.tok = model.tokenizer()
+        template = model.chat_template()
+        self.chat = TemplateChat(template, *self._special_texts()) if template else None
         self.prompt_tokens = PromptTokens(self.tok)
         self.settings = settings
         self._tasks: set[asyncio.Task[None]] = set()

@@ -27,14 +27,19 @@ class SlotPool:
         self.counts = torch.zeros(capacity, vocab)
         self.seen = torch.zeros(capacity, vocab, dtype=torch.bool)
         self.n = 0
+        self._view: State | None = None
 
     def view(self) -> State:
-        """The live rows ``[0, n)`` as a state sharing the pool's memory."""
-        return self.state.rows(self.n)
+        """The live rows ``[0, n)`` as a state sharing the pool's memory (kept between steps
+        until a row joins or leaves, or a KV cache grows)."""
+        if self._view is None or self._view.batch_size != self.n:
+            self._view = self.state.rows(self.n)
+        return self._view
 
     def reserve_step(self) -> None:
         """Make sure every live row has room for one more token (KV caches grow)."""
-        self.state.reserve_step(self.n)
+        if self.state.reserve_step(self.n):
+            self._view = None
 
     def add(self, row: State, seen_ids: list[int], generated: list[int]) -> int:
         """Append a single-row state; returns its slot."""
@@ -51,6 +56,7 @@ class SlotPool:
             self.counts[slot, tok] += 1
             self.seen[slot, tok] = True
         self.n += 1
+        self._view = None
         return slot
 
     def take(self, slot: int) -> State:
@@ -65,6 +71,7 @@ class SlotPool:
             self.counts[slot] = self.counts[last]
             self.seen[slot] = self.seen[last]
         self.n -= 1
+        self._view = None
         self.state.lengths[self.n] = 0
         return last if slot != last else None
 

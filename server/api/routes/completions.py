@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from server import metrics
 from server.api.auth import Owner
 from server.api.chat_template import CHAT_STOP, render_chat
+from server.api.errors import APIError
 from server.api.formatting import (
     SSE_DONE,
     SSE_HEADERS,
@@ -198,14 +199,30 @@ def _stream(handles: list[RequestHandle], render: Any, usage_chunk: Any,
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
+def _chat_prompt(svc: GenerationService, body: ChatRequest) -> tuple[str, tuple[str, ...]]:
+    """The prompt text and the extra stop strings of a chat request."""
+    if svc.chat is None:
+        return render_chat(body.messages), CHAT_STOP
+    if body.session_id:
+        raise APIError(400, "chat sessions are not supported yet with a checkpoint's own chat "
+                       "template; send the whole conversation (the prefix cache reuses the "
+                       "earlier turns' state)", "session_id", "unsupported_parameter")
+    try:
+        return svc.chat.render(body.messages), ()
+    except ValueError as exc:
+        raise APIError(400, str(exc), "messages", "invalid_messages") from None
+
+
 @router.post("/v1/chat/completions", responses={**ERRORS, 200: SSE_RESPONSE})
 async def chat_completions(body: ChatRequest, request: Request, owner: Owner) -> Any:
-    """OpenAI chat completions over the plain-text chat template (see ``chat_template``)."""
+    """OpenAI chat completions: the checkpoint's own chat template where it has one, else
+    the plain-text one of the project's base models (see ``chat_template``)."""
     svc = _service(request)
-    prompt_ids = svc.tokenize_prompt(render_chat(body.messages), "messages")
+    text, stops = _chat_prompt(svc, body)
+    prompt_ids = svc.tokenize_prompt(text, "messages")
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     prep = _prepare(svc, body, owner, prompt_ids, DEFAULT_CHAT_TOKENS, n_lp,
-                    body.stop_list() + CHAT_STOP, await svc.grammar_of(body))
+                    body.stop_list() + stops, await svc.grammar_of(body))
     handles = await svc.start_choices(prep, body.n)
     base = {"id": handles[0].req.request_id.replace("cmpl", "chatcmpl", 1), "created": now(),
             "model": request.app.state.model_name}
