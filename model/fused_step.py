@@ -112,10 +112,9 @@ class FusedStep:
         else:
             s, z, conv = self._lists(state)
             out = torch.ops.linserve.linear_step(
-                tokens, self.weights, s, z, conv, self.heads, self.attn_eps, self.norm_eps,
-                with_head)
-        state.lengths += 1
-        return out
+                tokens, self.weights, s, z, conv, state.lengths, self.heads, self.attn_eps,
+                self.norm_eps, with_head)
+        return out  # the kernels advanced state.lengths
 
     def _lists(self, state: State) -> list[list[torch.Tensor]]:
         """The per-layer tensors the kernel takes: k and v, or s, z and conv."""

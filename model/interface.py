@@ -36,7 +36,8 @@ class ModelInfo:
     ``context_limit``: the longest sequence it serves (None: no limit). ``ragged_prefill``:
     whether :meth:`ServedModel.prefill_ragged` takes prompts of different lengths in one pass.
     ``state_bytes``: one fresh session's state; ``state_grows``: whether that grows with the
-    context (a KV cache), else it is constant. ``state_layout``: per layer, what it holds."""
+    context (a KV cache), by ``state_bytes_per_token``. ``state_layout``: per layer, what it
+    holds. ``weight_bytes``: the weights as loaded."""
 
     architecture: str
     vocab_size: int
@@ -48,6 +49,8 @@ class ModelInfo:
     state_bytes: int
     state_grows: bool
     state_layout: list[dict[str, dict[str, Any]]] = field(default_factory=list)
+    state_bytes_per_token: int = 0  # what each token adds (its KV entries); 0: constant
+    weight_bytes: int = 0
     notes: tuple[str, ...] = ()
 
 

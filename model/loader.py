@@ -100,6 +100,11 @@ def max_state_bytes(path: Path) -> int:
     return family(path).max_state_bytes(path)
 
 
+def available_memory() -> int:
+    """Bytes this process may still use: the cgroup limit, else MemAvailable."""
+    return hf.available_memory()
+
+
 def batch_invariant_active() -> bool:
     """Whether batch-invariant kernels are running in this process."""
     return invariant.active()

@@ -71,6 +71,11 @@ class Settings(BaseSettings):
         8 * 2**30, gt=0, description="byte budget of the in-memory session store (LRU)")
     max_running: int = Field(64, ge=1, le=1024, description="sequences decoded together")
     max_waiting: int = Field(256, ge=0, description="queued requests before 429")
+    max_memory: int = Field(
+        0, ge=0, description="bytes the engine may use for weights, session states, KV caches "
+        "and the prefix cache; requests whose KV cache would not fit wait in the queue (then "
+        "429), and one that could never fit is refused (400). 0: four fifths of the memory "
+        "available at start (the cgroup limit, else MemAvailable)")
     max_prompt_tokens: int = Field(32768, ge=1, description="longest prompt accepted")
     max_tokens_limit: int = Field(8192, ge=1, description="largest max_tokens accepted")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest JSON request body")

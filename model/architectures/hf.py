@@ -191,7 +191,8 @@ class HFServedModel:
     ``prefill``, ``step``, ``new_state`` and ``n_params`` (as :class:`Qwen35ForCausalLM`)."""
 
     def __init__(self, module: Any, tok: Tokenizer, template: str | None, fp: str,
-                 architecture: str, context_limit: int, chunk: int = 64) -> None:
+                 architecture: str, context_limit: int, per_token: int,
+                 chunk: int = 64) -> None:
         self.module, self._tok, self._template, self._fp = module, tok, template, fp
         self.chunk = chunk
         self.context_limit = context_limit
@@ -202,7 +203,8 @@ class HFServedModel:
             context_limit=context_limit, params=module.n_params(),
             dtype=str(dtype).removeprefix("torch."), decode_step="eager",
             ragged_prefill=False, state_bytes=empty.nbytes, state_grows=empty.grows,
-            state_layout=empty.layout())
+            state_layout=empty.layout(), state_bytes_per_token=per_token,
+            weight_bytes=sum(p.numel() * p.element_size() for p in module.parameters()))
 
     def fingerprint(self) -> str:
         return self._fp

@@ -52,7 +52,10 @@ class OwnModel:
             dtype=str(model.dtype).removeprefix("torch."),
             decode_step="fused" if model.uses_fused_step else "eager",
             ragged_prefill=cfg.is_recurrent, state_bytes=empty.nbytes,
-            state_grows=empty.grows, state_layout=empty.layout())
+            state_grows=empty.grows, state_layout=empty.layout(),
+            state_bytes_per_token=0 if not empty.grows else
+            2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 4,
+            weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
 
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype, fused: bool) -> OwnModel:

@@ -503,4 +503,4 @@ def load(path: Path, dtype: torch.dtype, fused: bool) -> hf.HFServedModel:
     arch += f"{sum(t == 'full_attention' for t in cfg.layer_types)} of {len(cfg.layer_types)} "
     arch += "layers full attention)"
     return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path), arch,
-                            cfg.max_position_embeddings)
+                            cfg.max_position_embeddings, state_bytes_per_token(cfg))

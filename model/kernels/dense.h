@@ -27,6 +27,14 @@ inline void rms_norm(const float* x, const float* w, float* out, int64_t rows, i
   }
 }
 
+// lengths[b] += 1 for the first ``rows`` rows of an int64 [B] tensor (no dispatch).
+inline void advance(const at::Tensor& lengths, int64_t rows) {
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
+                  lengths.size(0) == rows, "lengths must be contiguous int64 [B]");
+  int64_t* p = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < rows; ++b) ++p[b];
+}
+
 // RMSNorm of x [B, d] fp32 into a new fp32 tensor.
 inline at::Tensor normed(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::Tensor out = at::empty_like(x);

@@ -22,6 +22,7 @@
 //   s, z, conv: one tensor per layer (model/state.py's per-layer entries), s[l] [B, H, F, M],
 //   z[l] [B, H, F], conv[l] [B, K-1, 3d], fp32 and contiguous (the slot pool's live-row
 //   views are).
+//   lengths [B] int64: each row's tokens consumed, advanced by one here.
 //   weights (see model/fused_step.py): embed [V, d], head [d, V] (the embedding transposed),
 //   final norm [d] fp32, then per layer norm1 [d] fp32, qkv [d, 3d (+ r)], conv [K, 3d] fp32
 //   (empty when K = 0), out [d, d], norm2 [d] fp32, up [d, f], down [f, d], gate_up [r, d]
@@ -192,8 +193,8 @@ void layer_step(at::Tensor& x, const std::vector<at::Tensor>& w, int64_t base, a
 }
 
 at::Tensor linear_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList s,
-                       at::TensorList z, at::TensorList conv, int64_t heads,
-                       double attn_eps, double norm_eps, bool with_head) {
+                       at::TensorList z, at::TensorList conv, const at::Tensor& lengths,
+                       int64_t heads, double attn_eps, double norm_eps, bool with_head) {
   const std::vector<at::Tensor> w(weights.begin(), weights.end());
   const int64_t layers = (static_cast<int64_t>(w.size()) - 3) / kPerLayer;
   TORCH_CHECK(static_cast<int64_t>(w.size()) == 3 + kPerLayer * layers, "bad weight list");
@@ -212,6 +213,7 @@ at::Tensor linear_step(const at::Tensor& tokens, at::TensorList weights, at::Ten
     TORCH_CHECK(sl.size(0) == x.size(0), "state and tokens disagree on the batch size");
     layer_step(x, w, 3 + kPerLayer * l, sl, zl, cl, heads, attn_eps, norm_eps);
   }
+  linserve::advance(lengths, x.size(0));
   return with_head ? project(normed(x, w[2], norm_eps), w[1]) : x;
 }
 
@@ -220,7 +222,8 @@ at::Tensor linear_step(const at::Tensor& tokens, at::TensorList weights, at::Ten
 TORCH_LIBRARY(linserve, m) {
   m.def(
       "linear_step(Tensor tokens, Tensor[] weights, Tensor(a!)[] s, Tensor(b!)[] z, "
-      "Tensor(c!)[] conv, int heads, float attn_eps, float norm_eps, bool with_head=True) "
+      "Tensor(c!)[] conv, Tensor(d!) lengths, int heads, float attn_eps, float norm_eps, "
+      "bool with_head=True) "
       "-> Tensor");
   m.def("matmul(Tensor a, Tensor w) -> Tensor");
 }

@@ -14,8 +14,8 @@
 // Shapes (B rows, L layers, H heads, D head_dim, d = H*D, C cache slots):
 //   tokens [B] int64; k, v: one [B, H, C, D] per layer, fp32, contiguous, all of one capacity
 //   C (model/state.py's KV entries; the pool's live-row views are contiguous);
-//   lengths [B] int64, the position of each row's new token (not advanced here: the caller
-//   adds 1, as for the eager step); the cache must already have a slot for it.
+//   lengths [B] int64, the position of each row's new token, advanced by one at the end;
+//   the cache must already have a slot for it.
 //   weights (see model/fused_step.py): embed [V, d], head [d, V], final norm [d] fp32, then
 //   per layer norm1 [d] fp32, qkv [d, 3d], out [d, d], norm2 [d] fp32, up [d, f], down [f, d].
 //   window: 0 for full attention (slot = position), else W (slot = position mod W, and a row
@@ -176,6 +176,7 @@ at::Tensor softmax_step(const at::Tensor& tokens, at::TensorList weights, at::Te
     linserve::project_add(x, o, w[base + 2]);
     linserve::mlp_add(x, w[base + 3], w[base + 4], w[base + 5], norm_eps);
   }
+  linserve::advance(lengths, rows);
   return with_head ? linserve::project(linserve::normed(x, w[2], norm_eps), w[1]) : x;
 }
 
@@ -184,7 +185,7 @@ at::Tensor softmax_step(const at::Tensor& tokens, at::TensorList weights, at::Te
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def(
       "softmax_step(Tensor tokens, Tensor[] weights, Tensor(a!)[] k, Tensor(b!)[] v, "
-      "Tensor lengths, int heads, int window, float rope_base, float norm_eps, "
+      "Tensor(c!) lengths, int heads, int window, float rope_base, float norm_eps, "
       "bool with_head=True) -> Tensor");
 }
 

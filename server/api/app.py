@@ -21,7 +21,7 @@ from server.api.routes import completions, misc, sessions
 from server.api.service import GenerationService
 from server.engine.client import EngineBackend, EngineClient
 from server.engine.engine import Engine, EngineLimits
-from server.engine.loading import load_engine_model, pick_dtype, warm_up
+from server.engine.loading import load_engine_model, pick_dtype, state_budget, warm_up
 from server.engine.process import ProcessEngineClient
 from server.playground.routes import install_playground
 from server.prefix_cache.remote import RemotePrefixes
@@ -155,7 +155,8 @@ async def startup(app: FastAPI, settings: Settings) -> None:
         await asyncio.to_thread(warm_up, model)
         limits = EngineLimits(settings.max_running, settings.max_waiting,
                               settings.prefill_chunk, settings.step_token_budget,
-                              settings.prefix_cache_bytes, settings.prefix_cache_interval)
+                              settings.prefix_cache_bytes, settings.prefix_cache_interval,
+                              state_budget(settings, info))
         client = EngineClient(lambda deliver, beat: Engine(model, limits, deliver, beat),
                               settings.engine_stall_seconds)
     await client.start_async()

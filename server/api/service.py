@@ -21,6 +21,7 @@ from server.api.errors import APIError
 from server.api.protocol import SamplingFields, new_id
 from server.engine.client import EngineBackend, EngineUnavailable, RequestHandle
 from server.engine.engine import Overloaded
+from server.engine.loading import state_budget
 from server.engine.types import GenerationRequest, Output
 from server.grammar.compiler import GrammarCompiler
 from server.grammar.spec import GrammarError, GrammarSpec
@@ -80,6 +81,7 @@ class GenerationService:
         self.info = model.info
         self.model_fingerprint = model.fingerprint()
         self.tok = model.tokenizer()
+        self.state_budget = state_budget(settings, model.info)
         template = model.chat_template()
         self.chat = TemplateChat(template, *self._special_texts()) if template else None
         self.prompt_tokens = PromptTokens(self.tok)
@@ -148,6 +150,12 @@ class GenerationService:
             raise APIError(400, f"this model's maximum context is {limit} tokens; "
                            f"the request needs {total} ({consumed + n_input} in the prompt and "
                            f"session, {max_tokens} to generate)", "max_tokens",
+                           "context_length_exceeded")
+        need = total * self.info.state_bytes_per_token
+        if self.state_budget and need > self.state_budget:
+            raise APIError(400, f"this request's KV cache would need {need:,} bytes at "
+                           f"{total} tokens; the server's --max-memory leaves "
+                           f"{self.state_budget:,} for all of them", "max_tokens",
                            "context_length_exceeded")
 
     # ---- running requests ----------------------------------------------------------------

@@ -53,6 +53,7 @@ class EngineLimits:
     step_token_budget: int = 512
     prefix_cache_bytes: int = 0
     prefix_cache_interval: int = 1024
+    state_budget: int = 0  # bytes growing states (KV caches) may take; 0: no limit
 
 
 class Engine:
@@ -70,6 +71,7 @@ class Engine:
         self.inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
+        self.reserved = 0  # state bytes the admitted sequences may grow to
         self.running: list[Sequence] = []  # running[i] lives in pool slot i
         self.replays = ReplayQueue(model, limits.prefill_chunk)
         self.beat = beat  # called once per iteration (the supervisor's heartbeat)
@@ -184,9 +186,28 @@ class Engine:
             ids.update(self.tok.eos_ids)
         return ids
 
+    def state_need(self, seq: Sequence) -> int:
+        """The most bytes ``seq``'s state can grow to (its KV part at the full length)."""
+        per_token = self.model.info.state_bytes_per_token
+        return per_token * (seq.req.start_tokens + seq.prompt_len + seq.req.params.max_tokens)
+
     def _admit(self) -> None:
+        """Move waiting sequences to prefill while there are rows, and bytes for their
+        states' growth (``state_budget``): one that does not fit waits for others to
+        finish; one that could never fit, even alone, fails."""
+        budget = self.limits.state_budget
         while self.waiting and len(self.running) + len(self.prefilling) < self.limits.max_running:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            need = self.state_need(seq)
+            if budget and self.reserved + need > budget:
+                if self.running or self.prefilling:
+                    break  # room comes back as sequences finish
+                self.waiting.popleft()
+                self._fail_unstarted(seq.req, f"this request's state needs {need:,} bytes, "
+                                     f"more than the engine's budget of {budget:,}")
+                continue
+            self.waiting.popleft()
+            seq.reserved, self.reserved = need, self.reserved + need
             metrics.QUEUE_TIME.observe(time.monotonic() - seq.arrival)
             self.prefilling.append(seq)
 
@@ -557,6 +578,8 @@ class Engine:
             self._outbox.append((sink, out))
 
     def _finish(self, seq: Sequence, state: State | None, pending: list[int]) -> None:
+        self.reserved -= seq.reserved
+        seq.reserved = 0
         sink = self.sinks.pop(seq.req.request_id, None)
         with self._lock:
             self._inflight -= 1

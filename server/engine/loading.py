@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from model.interface import ServedModel
+from model.interface import ModelInfo, ServedModel
 from model.loader import batch_invariant_active, load, pick_dtype
 from server.cpus import available_cpus
 from server.settings import Settings
@@ -28,6 +28,16 @@ def load_engine_model(settings: Settings) -> ServedModel:
              info.decode_step, info.dtype, pick_dtype(settings.dtype)[1],
              "on" if batch_invariant_active() else "off")
     return model
+
+
+def state_budget(settings: Settings, info: ModelInfo) -> int:
+    """Bytes the engine's growing states (KV caches) may take: ``--max-memory`` less the
+    weights, the slot pool's fixed part (a fresh state per row) and the prefix cache. 0 when
+    states do not grow (nothing to limit)."""
+    if not info.state_grows:
+        return 0
+    fixed = info.weight_bytes + info.state_bytes * settings.max_running
+    return max(settings.max_memory - fixed - settings.prefix_cache_bytes, 1)
 
 
 def warm_up(model: ServedModel) -> None:

@@ -28,7 +28,7 @@ from model.interface import ServedModel, State
 from server import metrics
 from server.engine.client import EngineHealth, EngineUnavailable, RequestHandle
 from server.engine.engine import Engine, EngineLimits, Overloaded
-from server.engine.loading import load_engine_model, warm_up
+from server.engine.loading import load_engine_model, state_budget, warm_up
 from server.engine.types import GenerationRequest, Output
 from server.settings import Settings
 
@@ -109,7 +109,8 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
 
     limits = EngineLimits(settings.max_running, 10**9, settings.prefill_chunk,
                           settings.step_token_budget, settings.prefix_cache_bytes,
-                          settings.prefix_cache_interval)  # the parent enforces the queue
+                          settings.prefix_cache_interval,  # the parent enforces the queue
+                          state_budget(settings, model.info))
     pump_thread: threading.Thread | None = None
 
     def beat() -> None:

@@ -48,6 +48,7 @@ class Sequence:
         self.cut = False  # a stop string truncated the text: the session is rebuilt from it
         self.error: str | None = None  # why the request failed (finish_reason "error")
         self.held: int | None = None  # generated tokens the session keeps (None: all)
+        self.reserved = 0  # state bytes the engine set aside for this sequence
         self.snapshot: State | None = None  # state right after the prompt (session replays)
         self.solo = False  # prefill alone (a ragged batch holding it failed once)
         self.last_prompt_logp: torch.Tensor | None = None  # scores the next prompt chunk's 1st
