@@ -70,7 +70,7 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _transposed(owner: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+def _transposed(owner: object, weight: torch.Tensor) -> torch.Tensor:
     """``weight [out, in]`` packed ``[in, out]`` (:func:`pack`), kept on ``owner`` until the
     weight changes (a dtype cast or a load replaces the tensor)."""
     key = (weight.data_ptr(), weight.dtype, _version(weight))
@@ -81,7 +81,7 @@ def _transposed(owner: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return cached[1]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, owner: nn.Module,
+def linear(x: torch.Tensor, weight: torch.Tensor, owner: object,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x ``[..., in]``, batch-invariant when :func:`active`
     and the weight is fp32 or bf16. The result has x's dtype, as F.linear's would."""

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from model import invariant
+from model import invariant, kernels
 from model.interface import CheckpointError, ModelInfo
 from model.state import State
 from model.state_blob import state_from_bytes, state_to_bytes
@@ -201,7 +201,8 @@ class HFServedModel:
         self.info = ModelInfo(
             architecture=architecture, vocab_size=module.cfg.vocab_size,
             context_limit=context_limit, params=module.n_params(),
-            dtype=str(dtype).removeprefix("torch."), decode_step="eager",
+            dtype=str(dtype).removeprefix("torch."),
+            decode_step="fused (recurrent layers)" if kernels.available() else "eager",
             ragged_prefill=False, state_bytes=empty.nbytes, state_grows=empty.grows,
             state_layout=empty.layout(), state_bytes_per_token=per_token,
             weight_bytes=sum(p.numel() * p.element_size() for p in module.parameters()))

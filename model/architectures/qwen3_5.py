@@ -20,6 +20,7 @@ Layer types come from the checkpoint's ``layer_types`` (three ``linear_attention
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import invariant
+from model import invariant, kernels
 from model.architectures import hf
 from model.attention.delta import delta_rule_chunked, delta_rule_step, l2norm
 from model.interface import CheckpointError
@@ -177,6 +178,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(hv))
         self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self._stacked: tuple[Any, torch.Tensor, Any] | None = None
+        self._conv: tuple[int, torch.Tensor] | None = None
 
     def _heads(self, mixed: torch.Tensor, x: torch.Tensor
                ) -> tuple[torch.Tensor, ...]:
@@ -217,8 +220,49 @@ class GatedDeltaNet(nn.Module):
         rec.s = s.contiguous()
         return self._finish(o, x)
 
+    def _in_weight(self) -> torch.Tensor:
+        """The four input projections' weights stacked ``[C + Hv·Dv + 2·Hv, d]`` (one GEMM
+        in the fused step), kept until the weights change."""
+        key = (self.in_proj_qkv.weight.data_ptr(), self.in_proj_qkv.weight.dtype)
+        if self._stacked is None or self._stacked[0] != key:
+            w = torch.cat([p.weight.detach() for p in (self.in_proj_qkv, self.in_proj_z,
+                                                       self.in_proj_b, self.in_proj_a)])
+            self._stacked = (key, w, types.SimpleNamespace())
+        return self._stacked[1]
+
+    def step_fused(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry
+                   ) -> torch.Tensor:
+        """:meth:`step` through ``model/kernels/gdn_step.cpp`` (one GEMM for the four input
+        projections, then convolution, delta rule and gated norm in one native pass)."""
+        cfg = self.cfg
+        hv = cfg.linear_num_value_heads
+        w = self._in_weight()
+        assert self._stacked is not None
+        proj = invariant.linear(x, w, self._stacked[2]).float()
+        mixed, z, b, a = proj.split([cfg.conv_dim, self.value_dim, hv, hv], dim=-1)
+        out = torch.ops.linserve.gdn_step(
+            mixed.contiguous(), conv.window, self._conv_w(), a.contiguous(), b.contiguous(),
+            self.A_log.float().contiguous(), self.dt_bias.float().contiguous(), rec.s,
+            z.contiguous(), self.norm.weight.float().contiguous(), cfg.linear_num_key_heads,
+            cfg.rms_norm_eps)
+        return self.out_proj(out.to(x.dtype))
+
+    def _conv_w(self) -> torch.Tensor:
+        """The depthwise kernel ``[C, K]`` fp32 (cached with the stacked weights)."""
+        if self._conv is None or self._conv[0] != self.conv1d.weight.data_ptr():
+            self._conv = (self.conv1d.weight.data_ptr(),
+                          self.conv1d.weight.detach().float().squeeze(1).contiguous())
+        return self._conv[1]
+
     def step(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry) -> torch.Tensor:
         """One token per row ``[B, d]``; updates the entries in place."""
+        if kernels.available() and not torch.is_grad_enabled() and rec.s.is_contiguous():
+            return self.step_fused(x, rec, conv)
+        return self.step_eager(x, rec, conv)
+
+    def step_eager(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry
+                   ) -> torch.Tensor:
+        """:meth:`step` in eager PyTorch (the reference the fused step is tested against)."""
         mixed = self.in_proj_qkv(x).float()  # [B, C]
         window = torch.cat([conv.window, mixed.unsqueeze(1)], dim=1)  # [B, K, C]
         conv.window.copy_(window[:, 1:])

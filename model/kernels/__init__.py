@@ -9,7 +9,8 @@ which is how the Docker image ships it without a compiler:
 
 - ``LINSERVE_KERNEL_LIB=/path/linserve_kernels.so``: load this prebuilt library.
 - ``LINSERVE_KERNEL_DIR=/opt/kernels``: prebuilt libraries for several CPU levels, one per
-  sub-folder (``x86-64-v3/``, ``x86-64/``); the best one this CPU runs is loaded
+  sub-folder (``x86-64-v4-bf16/``, ``x86-64-v3/``, ``x86-64/``); the best one this CPU runs
+  is loaded
   (:func:`pick_arch`), so an image built once never runs AVX2 code on a CPU without it.
 - ``LINSERVE_KERNEL_ARCH`` (default ``native``): the ``-march`` the source is compiled for
   (``x86-64-v3`` is AVX2 + FMA, ``x86-64-v4`` AVX-512): the kernels' switch of instruction
@@ -32,7 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in
            ("linear_step.cpp", "softmax_step.cpp", "prefill_ops.cpp", "sampling.cpp",
-            "gemm.cpp")]
+            "gemm.cpp", "gdn_step.cpp")]
 NAME = "linserve_kernels"
 _state: dict[str, bool | str] = {}
 
@@ -62,11 +63,28 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
+# x86-64-v4 (AVX-512 F/BW/CD/DQ/VL), and the same with AVX512-BF16, which the batch-invariant
+# GEMM uses for bf16 weights (vdpbf16ps: twice the products of fp32 FMAs).
+X86_64_V4_FLAGS = X86_64_V3_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+X86_64_V4_BF16_FLAGS = X86_64_V4_FLAGS | {"avx512_bf16"}
+LEVELS = [("x86-64-v4-bf16", X86_64_V4_BF16_FLAGS), ("x86-64-v4", X86_64_V4_FLAGS),
+          ("x86-64-v3", X86_64_V3_FLAGS), ("x86-64", frozenset())]
+
+
+def march_flags(arch: str) -> list[str]:
+    """Compiler flags of a level: ``-march=ARCH``, and for ``x86-64-v4-bf16`` the v4 level
+    plus AVX512-BF16."""
+    if arch == "x86-64-v4-bf16":
+        return ["-march=x86-64-v4", "-mavx512bf16"]
+    return [f"-march={arch}"]
+
+
 def pick_arch(flags: frozenset[str], offered: list[str]) -> str | None:
     """The best of the ``offered`` prebuilt levels this CPU can run (None: none fits)."""
-    if "x86-64-v3" in offered and flags >= X86_64_V3_FLAGS:
-        return "x86-64-v3"
-    return "x86-64" if "x86-64" in offered else None
+    for level, needs in LEVELS:
+        if level in offered and flags >= needs:
+            return level
+    return None
 
 
 def prebuilt_library() -> str | None:
@@ -97,7 +115,7 @@ def build(directory: str | Path | None = None, verbose: bool = False) -> str:
     name = NAME if build_dir is not None or arch == "native" else f"{NAME}_{arch.replace('-', '_')}"
     path = cpp_extension.load(
         name=name, sources=[str(s) for s in SOURCES],
-        extra_cflags=["-O3", f"-march={arch}", "-fopenmp-simd", "-fno-math-errno"],
+        extra_cflags=["-O3", *march_flags(arch), "-fopenmp-simd", "-fno-math-errno"],
         build_directory=build_dir,
         is_python_module=False, verbose=verbose)
     return str(path)
