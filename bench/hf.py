@@ -55,6 +55,7 @@ def make(path: Path) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
+    model.tie_weights()  # to_empty() untied the head from the embedding
     model.save_pretrained(path)
     shutil.copy(Path(__file__).resolve().parents[1] / "weights" / "tokenizer.json",
                 path / "tokenizer.json")

@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 #if defined(__AVX512BF16__)
@@ -122,6 +123,46 @@ inline void row_block(const float* x, const W* w, float* y, int64_t k_len, int64
 // Blocks of kRows rows (parallel over blocks), then the remaining rows one at a time with
 // kWide vectors per tile: a single row needs that many independent accumulator chains to
 // hide the FMA latency.
+// Fewer than kRows rows (a GEMV, or the rows left after the blocks): columns in blocks of
+// kColBlock whose accumulators live in L1, the input features in order, each weight vector
+// loaded once for all the rows. A register tile would walk the weights column tile by column
+// tile with a stride of a whole weight row per step (a TLB miss per step on a 250k-column LM
+// head); this reads every weight row's block contiguously. Per element the arithmetic is the
+// tile's exactly (acc = 0, then acc + x·w for k in order), so results stay batch-invariant.
+constexpr int64_t kColBlock = 2048;
+
+template <typename W>
+void few_rows(const float* x, const W* w, float* y, int64_t rows, int64_t k_len, int64_t n,
+              bool accumulate) {
+  const int64_t vec_end = n / kLanes * kLanes;
+  at::parallel_for(0, (vec_end + kColBlock - 1) / kColBlock, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float acc[kRows][kColBlock];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t c0 = blk * kColBlock;
+      const int64_t width = std::min(kColBlock, vec_end - c0);
+      for (int64_t r = 0; r < rows; ++r) std::memset(acc[r], 0, width * sizeof(float));
+      for (int64_t k = 0; k < k_len; ++k) {
+        const W* wk = w + k * n + c0;
+        for (int64_t c = 0; c < width; c += kLanes) {
+          __builtin_prefetch(wk + 4 * n + c);  // four weight rows ahead: DRAM latency
+          const vfloat wv = load_w(wk + c);
+          for (int64_t r = 0; r < rows; ++r) {
+            auto* a = reinterpret_cast<vfloat_u*>(acc[r] + c);
+            *a = *a + x[r * k_len + k] * wv;
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* out = y + r * n + c0;
+        for (int64_t c = 0; c < width; ++c) out[c] = accumulate ? out[c] + acc[r][c] : acc[r][c];
+      }
+    }
+  });
+  if (vec_end < n)
+    scalar_columns(x, k_len, w + vec_end, n, y + vec_end, n, rows, n - vec_end, k_len,
+                   accumulate);
+}
+
 template <typename W>
 void gemm_rows(const float* x, const W* w, float* y, int64_t rows, int64_t k_len, int64_t n,
                bool accumulate) {
@@ -132,8 +173,9 @@ void gemm_rows(const float* x, const W* w, float* y, int64_t rows, int64_t k_len
       row_block<kRows, kVecs>(x + b * kRows * k_len, w, y + b * kRows * n, k_len, n,
                               accumulate);
   });
-  for (int64_t r = blocks * kRows; r < rows; ++r)
-    row_block<1, kWide>(x + r * k_len, w, y + r * n, k_len, n, accumulate);
+  if (blocks * kRows < rows)
+    few_rows(x + blocks * kRows * k_len, w, y + blocks * kRows * n, rows - blocks * kRows, k_len,
+             n, accumulate);
 }
 
 #if defined(__AVX512BF16__)
@@ -188,6 +230,40 @@ inline void row_block_dp(const uint32_t* xp, int64_t k2_len, const uint16_t* wp,
   }
 }
 
+// Fewer than kDpRows rows, blocked over columns as few_rows (the same arithmetic per element
+// as tile_dp: acc = 0, then one vdpbf16ps per input pair in order).
+inline void few_rows_dp(const uint32_t* xp, int64_t k2_len, const uint16_t* wp, float* y,
+                        int64_t rows, int64_t n, bool accumulate) {
+  constexpr int64_t kBlock = 2048;
+  at::parallel_for(0, (n + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float acc[kDpRows][kBlock];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t c0 = blk * kBlock;
+      const int64_t width = std::min(kBlock, n - c0);
+      for (int64_t r = 0; r < rows; ++r) std::memset(acc[r], 0, width * sizeof(float));
+      for (int64_t k2 = 0; k2 < k2_len; ++k2) {
+        const uint16_t* wk = wp + (k2 * n + c0) * 2;
+        for (int64_t c = 0; c < width; c += 16) {
+          const int64_t left = width - c < 16 ? width - c : 16;
+          const __mmask16 m = static_cast<__mmask16>((1u << left) - 1u);
+          __builtin_prefetch(wk + (4 * n + c) * 2);  // four weight rows ahead: DRAM latency
+          const __m512i wv = _mm512_maskz_loadu_epi32(m, wk + c * 2);
+          for (int64_t r = 0; r < rows; ++r) {
+            const __m512i xb = _mm512_set1_epi32(static_cast<int>(xp[r * k2_len + k2]));
+            const __m512 a = _mm512_dpbf16_ps(_mm512_maskz_loadu_ps(m, acc[r] + c),
+                                              (__m512bh)xb, (__m512bh)wv);
+            _mm512_mask_storeu_ps(acc[r] + c, m, a);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* out = y + r * n + c0;
+        for (int64_t c = 0; c < width; ++c) out[c] = accumulate ? out[c] + acc[r][c] : acc[r][c];
+      }
+    }
+  });
+}
+
 // y [B, N] (+)= bf16(x [B, K]) @ P, P packed as above.
 inline void gemm_rows_dp(const float* x, const uint16_t* wp, float* y, int64_t rows,
                          int64_t k_len, int64_t n, bool accumulate) {
@@ -202,8 +278,9 @@ inline void gemm_rows_dp(const float* x, const uint16_t* wp, float* y, int64_t r
       row_block_dp<kDpRows>(xp.data() + b * kDpRows * k2_len, k2_len, wp,
                             n, y + b * kDpRows * n, accumulate);
   });
-  for (int64_t r = blocks * kDpRows; r < rows; ++r)
-    row_block_dp<1>(xp.data() + r * k2_len, k2_len, wp, n, y + r * n, accumulate);
+  const int64_t done = blocks * kDpRows;
+  if (done < rows)
+    few_rows_dp(xp.data() + done * k2_len, k2_len, wp, y + done * n, rows - done, n, accumulate);
 }
 #else
 constexpr bool kHasBf16Dot = false;
