@@ -138,21 +138,28 @@ def sum_last(x: torch.Tensor) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
               ) -> torch.Tensor:
-    """softmax(q kᵀ / √D, masked) v with q ``[B, H, T, D]``, k, v ``[B, H, S, D]`` and mask
-    ``[T, S]`` (True: attend), fp32. When :func:`active`, every product is the invariant GEMM,
-    so a query row's output depends on that row and the keys alone, not on how many queries
-    share the call (a prompt prefilled whole or in chunks gives the same bits); else SDPA."""
+    """softmax(q kᵀ / √D, masked) v with q ``[B, H, T, D]``, k, v ``[B, Hkv, S, D]`` (H a
+    multiple of Hkv: grouped-query attention, no key copies) and mask ``[T, S]`` (True:
+    attend), fp32. When :func:`active`, every product is the invariant GEMM, so a query
+    row's output depends on that row and the keys alone, not on how many queries share the
+    call (a prompt prefilled whole or in chunks gives the same bits); else SDPA."""
     if not active():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              enable_gqa=q.shape[1] != k.shape[1])
     b, h, t, d = q.shape
+    groups = k.shape[1]
+    rep = h // groups
     out = torch.empty(b, h, t, v.shape[-1])
-    scale = d ** -0.5
+    masks = mask.repeat(rep, 1)  # [rep·T, S]: the group's query rows, head after head
     for i in range(b):
-        for j in range(h):
-            scores = torch.ops.linserve.invariant_mm(q[i, j].contiguous(),
-                                                     k[i, j].t().contiguous()) * scale
-            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-            out[i, j] = torch.ops.linserve.invariant_mm(probs, v[i, j].contiguous())
+        for g in range(groups):
+            rows = q[i, g * rep : (g + 1) * rep].reshape(rep * t, d)
+            # keys @ queriesᵀ: the cache is read in place, only the few queries are copied
+            scores = torch.ops.linserve.invariant_mm(k[i, g].contiguous(),
+                                                     rows.t().contiguous()).t() * d ** -0.5
+            probs = torch.softmax(scores.masked_fill(~masks, float("-inf")), dim=-1)
+            o = torch.ops.linserve.invariant_mm(probs.contiguous(), v[i, g].contiguous())
+            out[i, g * rep : (g + 1) * rep] = o.view(rep, t, -1)
     return out
 
 

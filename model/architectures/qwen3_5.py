@@ -327,8 +327,6 @@ class GatedAttention(nn.Module):
         kv.k[:, :, start : start + t] = k
         kv.v[:, :, start : start + t] = v
         keys, values = kv.k[:, :, : start + t], kv.v[:, :, : start + t]
-        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
         mask = torch.ones(t, start + t, dtype=torch.bool).tril(start)
         o = invariant.attention(q, keys, values, mask)
         return self._out(o, gate, x)
@@ -340,12 +338,10 @@ class GatedAttention(nn.Module):
         rows = torch.arange(b)
         kv.k[rows, :, lengths] = k[:, :, 0]
         kv.v[rows, :, lengths] = v[:, :, 0]
-        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
         outs = []
         for i, n in enumerate((lengths + 1).tolist()):  # each row over its own keys alone
-            keys = kv.k[i : i + 1, :, :n].repeat_interleave(rep, 1)
-            values = kv.v[i : i + 1, :, :n].repeat_interleave(rep, 1)
-            outs.append(invariant.attention(q[i : i + 1], keys, values,
+            outs.append(invariant.attention(q[i : i + 1], kv.k[i : i + 1, :, :n],
+                                            kv.v[i : i + 1, :, :n],
                                             torch.ones(1, n, dtype=torch.bool)))
         return self._out(torch.cat(outs), gate, x.unsqueeze(1)).squeeze(1)
 
