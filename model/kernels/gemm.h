@@ -131,6 +131,16 @@ inline void row_block(const float* x, const W* w, float* y, int64_t k_len, int64
 // tile's exactly (acc = 0, then acc + x·w for k in order), so results stay batch-invariant.
 constexpr int64_t kColBlock = 2048;
 
+// y[r, 0:width] (+)= acc[r][0:width] for ``rows`` rows (acc rows ``ld`` floats apart).
+inline void store_block(const float* acc, int64_t ld, int64_t rows, int64_t width, float* y,
+                        int64_t n, bool accumulate) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = y + r * n;
+    const float* a = acc + r * ld;
+    for (int64_t c = 0; c < width; ++c) out[c] = accumulate ? out[c] + a[c] : a[c];
+  }
+}
+
 template <typename W>
 void few_rows(const float* x, const W* w, float* y, int64_t rows, int64_t k_len, int64_t n,
               bool accumulate) {
@@ -152,10 +162,7 @@ void few_rows(const float* x, const W* w, float* y, int64_t rows, int64_t k_len,
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* out = y + r * n + c0;
-        for (int64_t c = 0; c < width; ++c) out[c] = accumulate ? out[c] + acc[r][c] : acc[r][c];
-      }
+      store_block(acc[0], sizeof(acc[0]) / sizeof(float), rows, width, y + c0, n, accumulate);
     }
   });
   if (vec_end < n)
@@ -256,10 +263,7 @@ inline void few_rows_dp(const uint32_t* xp, int64_t k2_len, const uint16_t* wp, 
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* out = y + r * n + c0;
-        for (int64_t c = 0; c < width; ++c) out[c] = accumulate ? out[c] + acc[r][c] : acc[r][c];
-      }
+      store_block(acc[0], sizeof(acc[0]) / sizeof(float), rows, width, y + c0, n, accumulate);
     }
   });
 }
