@@ -106,14 +106,23 @@ def plan(module: nn.Module, path: Path, rename: Callable[[str], str | None]
     if missing:
         raise CheckpointError(f"{path}: tensor {missing[0]} is missing"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    for file in sorted({f for f, _ in wanted.values()}):
+    for file, pairs in _by_file(wanted).items():
         with safe_open(str(file), "pt") as f:
-            for target, (where, name) in wanted.items():
-                shape = tuple(f.get_slice(name).get_shape()) if where == file else ours[target]
+            for target, name in pairs:
+                shape = tuple(f.get_slice(name).get_shape())
                 if shape != ours[target]:
                     raise CheckpointError(f"{path}: tensor {name} has shape {shape}, the "
                                           f"config implies {ours[target]}")
     return wanted, unused
+
+
+def _by_file(wanted: dict[str, tuple[Path, str]]) -> dict[Path, list[tuple[str, str]]]:
+    """{parameter: (file, name)} regrouped as {file: [(parameter, name)]}, so each shard is
+    opened once."""
+    groups: dict[Path, list[tuple[str, str]]] = {}
+    for target, (file, name) in wanted.items():
+        groups.setdefault(file, []).append((target, name))
+    return groups
 
 
 def load_weights(module: nn.Module, path: Path, rename: Callable[[str], str | None],
@@ -122,11 +131,10 @@ def load_weights(module: nn.Module, path: Path, rename: Callable[[str], str | No
     ``dtype``. Returns the checkpoint names left unused."""
     wanted, unused = plan(module, path, rename)
     ours = module.state_dict()
-    for file in sorted({f for f, _ in wanted.values()}):
+    for file, pairs in _by_file(wanted).items():
         with safe_open(str(file), "pt") as f:
-            for target, (where, name) in wanted.items():
-                if where == file:
-                    ours[target].copy_(f.get_tensor(name))
+            for target, name in pairs:
+                ours[target].copy_(f.get_tensor(name))
     module.to(dtype)
     return unused
 

@@ -4,6 +4,7 @@ linear, gated linear, FAVOR+, softmax and sliding-window models, one family."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,6 @@ from model.transformer import LanguageModel, empty_state, load_model
 def is_own_checkpoint(path: Path) -> bool:
     """An own checkpoint's config names its attention."""
     try:
-        import json
-
         return "attention" in json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
@@ -33,7 +32,7 @@ def max_state_bytes(path: Path) -> int:
     weights: the bound of an importable blob."""
     cfg = ModelConfig.load(path / "config.json")
     state = empty_state(cfg, 1)
-    per_slot = sum(e.nbytes // e.capacity for e in state.entries() if hasattr(e, "capacity"))
+    per_slot = sum(e.nbytes // e.capacity for e in state.kv_entries)
     slots = cfg.window or cfg.max_context
     return state.nbytes + per_slot * slots
 
