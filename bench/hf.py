@@ -44,7 +44,7 @@ PUBLISHED_0_8B = dict(vocab_size=248_320, hidden_size=1024, intermediate_size=35
 
 def make(path: Path) -> None:
     """Save a random-weight checkpoint of the published shapes (bf16) with a tokenizer."""
-    import shutil
+    from bench.llamacpp_assets import write_qwen_tokenizer_files
 
     transformers: Any = importlib.import_module("transformers")  # a dev dependency
     cfg = transformers.Qwen3_5TextConfig(**PUBLISHED_0_8B)
@@ -57,8 +57,7 @@ def make(path: Path) -> None:
             p.normal_(0.0, 0.02)
     model.tie_weights()  # to_empty() untied the head from the embedding
     model.save_pretrained(path)
-    shutil.copy(Path(__file__).resolve().parents[1] / "weights" / "tokenizer.json",
-                path / "tokenizer.json")
+    write_qwen_tokenizer_files(path)  # a real Qwen-family tokenizer and Qwen3.5's template
 
 
 def state_at(model: HFServedModel, batch: int, context: int) -> State:

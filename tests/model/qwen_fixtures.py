@@ -1,6 +1,10 @@
 """Tiny random Qwen3.5 checkpoints made at test time with ``transformers`` (the reference),
-saved with ``save_pretrained`` in the published format, with the project's tokenizer (its
-8,192-token vocabulary sizes these models)."""
+saved with ``save_pretrained`` in the published format.
+
+By default they carry a real Qwen-family tokenizer (151,936 ids, built from llama.cpp's
+``ggml-vocab-qwen35.gguf``, :mod:`tests.model.llamacpp_assets`) and Qwen3.5's own chat
+template, as a published instruct checkpoint does. ``tokenizer="project"`` gives the
+project's 8,192-token Shakespeare tokenizer instead (smaller, for model-level tests)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from bench.llamacpp_assets import QWEN_VOCAB, write_qwen_tokenizer_files
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "weights" / "tokenizer.json"
@@ -41,12 +47,14 @@ def text_config(shape: dict[str, Any], vocab: int = 8192) -> Any:
                      else "linear_attention" for i in range(n)])
 
 
-def make_checkpoint(path: Path, name: str, vision: bool = False, seed: int = 0) -> Path:
+def make_checkpoint(path: Path, name: str, vision: bool = False, seed: int = 0,
+                    tokenizer: str = "qwen") -> Path:
     """Save a random-weight Qwen3.5 of shape ``SHAPES[name]`` (the vision-language wrapper
-    with ``vision``) with a tokenizer and generation config; returns the folder."""
+    with ``vision``) with a tokenizer (``"qwen"`` or ``"project"``), chat template and
+    generation config; returns the folder."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    cfg = text_config(SHAPES[name])
+    cfg = text_config(SHAPES[name], QWEN_VOCAB if tokenizer == "qwen" else 8192)
     if vision:
         full = transformers.Qwen3_5Config(
             text_config=cfg.to_dict(), tie_word_embeddings=SHAPES[name]["tie"],
@@ -59,8 +67,11 @@ def make_checkpoint(path: Path, name: str, vision: bool = False, seed: int = 0) 
         for p in model.parameters():
             p.mul_(4.0 if p.dim() > 1 else 1.0)
     model.eval().save_pretrained(path)
-    shutil.copy(TOKENIZER, path / "tokenizer.json")
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))
+    if tokenizer == "qwen":
+        write_qwen_tokenizer_files(path)
+    else:
+        shutil.copy(TOKENIZER, path / "tokenizer.json")
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))
     return path
 
 

@@ -21,7 +21,8 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                ) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param,
+                           tokenizer="project")
 
 
 def _served(path: Path) -> HFServedModel:
@@ -106,7 +107,7 @@ def test_bf16_weights_track_fp32(checkpoint: Path) -> None:
 
 
 def test_the_vision_language_checkpoint_loads_its_text_model(tmp_path: Path) -> None:
-    path = make_checkpoint(tmp_path / "vl", "i4-tied", vision=True)
+    path = make_checkpoint(tmp_path / "vl", "i4-tied", vision=True, tokenizer="project")
     ours, ref = _served(path), reference(path)
     tokens = torch.randint(0, 8192, (1, 20), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():

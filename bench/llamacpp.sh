@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# llama.cpp beside this server, for comparisons only (never run by CI).
+#
+# The source is the llama.cpp vendored whole in the llama-cpp-python==0.3.36 sdist from PyPI.
+# Everything goes under $LLAMACPP_DIR (default ~/.cache/linserve-llamacpp), outside the project:
+#   bash bench/llamacpp.sh build                     # llama-bench, llama-server, llama-quantize
+#   bash bench/llamacpp.sh convert HF_DIR OUT.gguf TYPE   # TYPE: f32 | bf16 | f16 | q8_0
+#   bash bench/llamacpp.sh quantize IN.gguf OUT.gguf TYPE # TYPE: Q4_0, Q8_0, ...
+#   bash bench/llamacpp.sh bin NAME                  # prints the path of a built program
+# `convert` uses llama.cpp's own convert_hf_to_gguf.py in a venv of its own (torch 2.13.0 CPU,
+# transformers, and the vendored gguf-py), so nothing is installed into the project's venv.
+set -euo pipefail
+DIR=${LLAMACPP_DIR:-$HOME/.cache/linserve-llamacpp}
+VERSION=0.3.36
+SRC=$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp
+BUILD=$DIR/build
+
+fetch_source() {
+  mkdir -p "$DIR"
+  if [ ! -d "$SRC" ]; then
+    pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DIR" -q
+    tar xzf "$DIR/llama_cpp_python-$VERSION.tar.gz" -C "$DIR"
+  fi
+}
+
+build() {
+  fetch_source
+  cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+  cmake --build "$BUILD" -j "$(nproc)" --target llama-bench llama-server llama-quantize
+}
+
+convert_venv() {
+  local venv=$DIR/venv
+  if [ ! -x "$venv/bin/python" ]; then
+    python -m venv "$venv"
+    "$venv/bin/pip" install -q torch==2.13.0 numpy sentencepiece protobuf transformers==5.23.0
+    "$venv/bin/pip" install -q "$SRC/gguf-py"
+  fi
+  echo "$venv/bin/python"
+}
+
+case "${1:-}" in
+  build) build ;;
+  convert)
+    fetch_source
+    py=$(convert_venv)
+    "$py" "$SRC/convert_hf_to_gguf.py" "$2" --outfile "$3" --outtype "$4" ;;
+  quantize) "$BUILD/bin/llama-quantize" "$2" "$3" "$4" ;;
+  bin) echo "$BUILD/bin/$2" ;;
+  *) sed -n '2,12p' "$0"; exit 2 ;;
+esac
