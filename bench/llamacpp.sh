@@ -45,7 +45,8 @@ case "${1:-}" in
   convert)
     fetch_source
     py=$(convert_venv)
-    "$py" "$SRC/convert_hf_to_gguf.py" "$2" --outfile "$3" --outtype "$4" ;;
+    # --no-mtp: the benchmark checkpoints carry no multi-token-prediction head
+    "$py" "$SRC/convert_hf_to_gguf.py" "$2" --outfile "$3" --outtype "$4" --no-mtp ;;
   quantize) "$BUILD/bin/llama-quantize" "$2" "$3" "$4" ;;
   bin) echo "$BUILD/bin/$2" ;;
   *) sed -n '2,12p' "$0"; exit 2 ;;

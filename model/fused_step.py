@@ -66,36 +66,36 @@ class FusedStep:
         out, norm2, up, down, gate_up [r, d], gate_bias [d]]. Norm, conv and gate_up weights
         are fp32; GEMM weights keep the model dtype and are stored transposed, ``[in, out]``
         and contiguous (the GEMM runs faster on that layout). A gated model's gate_down
-        [d, r] is appended to the qkv weight as r extra output columns. bf16 GEMM weights then
-        take the layout of the bf16 dot-product path where it runs (:func:`invariant.pack`)."""
+        [d, r] is appended to the qkv weight as r extra output columns. GEMM weights then take
+        the layout the batch-invariant GEMM streams, in that mode (:func:`invariant.pack`)."""
         def f32(t: torch.Tensor) -> torch.Tensor:
             return t.detach().float().contiguous()
 
         def gemm(linear: torch.nn.Linear) -> torch.Tensor:
-            return linear.weight.detach().t().contiguous()
+            return invariant.pack(linear.weight.detach().t())
 
         emb = model.embed.weight.detach()
-        packed = [emb, emb.t().contiguous(), f32(model.norm.weight)]
+        packed = [emb, invariant.pack(emb.t()), f32(model.norm.weight)]
         if not model.cfg.is_recurrent:  # softmax: norm1, qkv, out, norm2, up, down
             for block in model.layers:
                 packed += [f32(block.norm1.weight), gemm(block.attn.qkv), gemm(block.attn.out),
                            f32(block.norm2.weight), gemm(block.mlp.up), gemm(block.mlp.down)]
-            return packed[:1] + [invariant.pack(w) for w in packed[1:]]
+            return packed
         for block in model.layers:
             attn = block.attn
             conv = getattr(attn, "conv", None)
             down, up = getattr(attn, "gate_down", None), getattr(attn, "gate_up", None)
-            qkv = gemm(attn.qkv)
+            qkv = attn.qkv.weight.detach().t()
             gate = [torch.empty(0), torch.empty(0)]
             if down is not None and up is not None:
-                qkv = torch.cat([qkv, gemm(down)], dim=1).contiguous()
+                qkv = torch.cat([qkv, down.weight.detach().t()], dim=1)
                 gate = [f32(up.weight.t()), f32(up.bias)]
             packed += [
-                f32(block.norm1.weight), qkv,
+                f32(block.norm1.weight), invariant.pack(qkv),
                 f32(conv.T) if conv is not None else torch.empty(0),
                 gemm(attn.out), f32(block.norm2.weight), gemm(block.mlp.up),
                 gemm(block.mlp.down), *gate]
-        return packed[:1] + [invariant.pack(w) for w in packed[1:]]
+        return packed
 
     def __call__(self, tokens: torch.Tensor, state: State,
                  with_head: bool = True) -> torch.Tensor:

@@ -50,14 +50,15 @@ def chunk_len(chunk_size: int, t: int) -> int:
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
-    """A GEMM weight stored ``[in, out]`` in the layout the projections run on: bf16 pairs
-    ``[in/2, out, 2]`` for the bf16 dot-product path (AVX512-BF16, in this mode), else
-    ``w`` contiguous. ``invariant_mm`` and the fused steps take either. Anything but a 2-d
-    bf16 tensor is returned as it is."""
+    """A GEMM weight stored ``[in, out]`` in the layout the projections run on in this mode:
+    column panels that a GEMV reads front to back (``model/kernels/gemm.h``), shaped
+    ``[in, out, 1]``, or ``[in/2, out, 2]`` bf16 pairs for the bf16 dot-product path
+    (AVX512-BF16). Only ``invariant_mm`` and the fused steps read it. Outside the mode, or
+    for anything but a 2-d fp32 / bf16 tensor, ``w`` is returned contiguous."""
     w = w.detach().contiguous()
-    if (_enabled[0] and w.dim() == 2 and w.dtype == torch.bfloat16 and kernels.load()
-            and torch.ops.linserve.has_bf16_dot()):
-        return torch.ops.linserve.pack_bf16_pairs(w)
+    if (_enabled[0] and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float32)
+            and kernels.load()):
+        return torch.ops.linserve.pack_weight(w)
     return w
 
 

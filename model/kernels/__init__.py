@@ -115,7 +115,10 @@ def build(directory: str | Path | None = None, verbose: bool = False) -> str:
     name = NAME if build_dir is not None or arch == "native" else f"{NAME}_{arch.replace('-', '_')}"
     path = cpp_extension.load(
         name=name, sources=[str(s) for s in SOURCES],
-        extra_cflags=["-O3", *march_flags(arch), "-fopenmp-simd", "-fno-math-errno"],
+        # -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it; the library
+        # then shares torch's own libgomp.so.1 (already loaded, same soname) and its threads.
+        extra_cflags=["-O3", *march_flags(arch), "-fopenmp", "-fno-math-errno"],
+        extra_ldflags=["-fopenmp"],
         build_directory=build_dir,
         is_python_module=False, verbose=verbose)
     return str(path)

@@ -2,8 +2,9 @@
 //
 //   invariant_mm(a [B, K] fp32, w [K, N] fp32|bf16) -> [B, N] fp32: the eager forms' linear
 //   layers in batch-invariant mode (model/invariant.py).
-//   pack_bf16_pairs(w [K, N] bf16) -> [K/2, N, 2]: the layout of the bf16 dot-product path
-//   (AVX512-BF16 builds; elsewhere w unchanged), has_bf16_dot() says which.
+//   pack_weight(w [K, N] fp32|bf16) -> the panel layout the GEMM streams: [K, N, 1], or
+//   [K/2, N, 2] bf16 pairs for the bf16 dot-product path (AVX512-BF16 builds; has_bf16_dot()
+//   says which).
 //   set_batch_invariant(on): whether the fused steps' projections use it (dense.h).
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -20,7 +21,7 @@ at::Tensor invariant_mm_op(const at::Tensor& a, const at::Tensor& w) {
   return y;
 }
 
-at::Tensor pack_bf16_pairs_op(const at::Tensor& w) { return linserve::pack_bf16_pairs(w); }
+at::Tensor pack_weight_op(const at::Tensor& w) { return linserve::pack_weight(w); }
 
 bool has_bf16_dot() { return linserve::kHasBf16Dot; }
 
@@ -32,7 +33,7 @@ bool get_batch_invariant() { return linserve::batch_invariant_flag(); }
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("invariant_mm(Tensor a, Tensor w) -> Tensor");
-  m.def("pack_bf16_pairs(Tensor w) -> Tensor");
+  m.def("pack_weight(Tensor w) -> Tensor");
   m.def("has_bf16_dot() -> bool");
   m.def("set_batch_invariant(bool on) -> ()");
   m.def("get_batch_invariant() -> bool");
@@ -40,7 +41,7 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
 
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("invariant_mm", &invariant_mm_op);
-  m.impl("pack_bf16_pairs", &pack_bf16_pairs_op);
+  m.impl("pack_weight", &pack_weight_op);
 }
 
 TORCH_LIBRARY_IMPL(linserve, CatchAll, m) {

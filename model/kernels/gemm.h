@@ -11,10 +11,11 @@
 // many threads run: the row's bits depend on the row alone. The tile shapes below only
 // decide which elements are computed together.
 //
-// Layout of the loops: rows in blocks of kRows (parallel over blocks), columns in tiles of
-// kVecs vectors; per tile the accumulators stay in registers over the whole K loop, and each
-// weight vector loaded is used by kRows rows. Rows left over run one at a time in wider tiles. Written with GCC vector
-// extensions so the same source compiles to AVX-512, AVX2 or SSE for the -march it gets.
+// Layout of the loops: rows in groups of up to kRows, columns in tiles of kVecs vectors (one
+// panel of a packed weight); per tile the accumulators stay in registers over the whole K
+// loop, and each weight vector loaded serves every row of the group. The work is split over
+// threads by (row group, column chunk). Written with GCC vector extensions so the same source
+// compiles to AVX-512, AVX2 or SSE for the -march it gets.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -64,6 +65,39 @@ inline float load_w1(const uint16_t* w) {
   return f;
 }
 
+// ---- Where a weight's columns live -------------------------------------------------------
+// A weight is [K', N, J]: K' stored rows, N output columns, J values per (row, column) (J = 1
+// for fp32 or bf16 values, J = 2 for the bf16 pairs below, K' = K / 2 then).
+// - Row-major (a weight built per call, e.g. attention's keys): column c of row k at
+//   base + (k N + c) J.
+// - Packed by pack_weight (a model's weights): columns in panels of kPanel, one register
+//   tile wide (the last panel narrower), each panel [K', width, J] contiguous. A tile then
+//   reads its weights front to back in one stream: on the row-major layout a GEMV jumped a
+//   whole weight row (~1 MB on a 250k-vocabulary head) between two tiles' steps, one page and
+//   one prefetch stream per step, and read DRAM at ~10 GB/s instead of ~20.
+// The layout only changes where values are read from, never the arithmetic.
+constexpr int64_t kPanel = kVecs * kLanes;  // columns: 64 on AVX-512, 16 on AVX2
+
+template <typename W>
+struct Weights {
+  const W* base;
+  int64_t rows;  // K'
+  int64_t n;
+  int64_t j;
+  bool panels;
+  // Column c's value in stored row 0, and the distance between stored rows, valid for the
+  // columns from c to the end of c's panel.
+  const W* at(int64_t c, int64_t* ld) const {
+    if (!panels) {
+      *ld = n * j;
+      return base + c * j;
+    }
+    const int64_t p0 = c / kPanel * kPanel;
+    *ld = std::min(kPanel, n - p0) * j;
+    return base + p0 * rows * j + (c - p0) * j;
+  }
+};
+
 // ROWS rows x NV vectors of columns starting at (x, w, y); K sequential steps.
 template <int64_t ROWS, int64_t NV, typename W>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y, int64_t ldy,
@@ -102,107 +136,94 @@ inline void scalar_columns(const float* x, int64_t ldx, const W* w, int64_t ldw,
   }
 }
 
-// Columns [c, n) of ROWS rows in tiles of NV vectors; returns where the tiles stopped.
+// One unit of work: ROWS rows from row r0 (x, y at that row) and the output columns [c0, c1).
+struct Span {
+  int64_t r0;
+  const float* x;
+  float* y;
+  int64_t k_len, n, c0, c1;
+  bool accumulate;
+};
+
+// Columns [c, s.c1) of ROWS rows in tiles of NV vectors; returns where the tiles stopped.
 template <int64_t ROWS, int64_t NV, typename W>
-inline int64_t columns(const float* x, const W* w, float* y, int64_t k_len, int64_t n,
-                       int64_t c, bool accumulate) {
-  for (; c + NV * kLanes <= n; c += NV * kLanes)
-    tile<ROWS, NV>(x, k_len, w + c, n, y + c, n, k_len, accumulate);
+inline int64_t columns(const Span& s, const Weights<W>& w, int64_t c) {
+  for (; c + NV * kLanes <= s.c1; c += NV * kLanes) {
+    int64_t ld;
+    const W* wc = w.at(c, &ld);
+    tile<ROWS, NV>(s.x, s.k_len, wc, ld, s.y + c, s.n, s.k_len, s.accumulate);
+  }
   return c;
 }
 
-// Every column of ROWS rows: wide tiles, then single vectors, then single elements.
-template <int64_t ROWS, int64_t NV, typename W>
-inline void row_block(const float* x, const W* w, float* y, int64_t k_len, int64_t n,
-                      bool accumulate) {
-  int64_t c = columns<ROWS, NV>(x, w, y, k_len, n, 0, accumulate);
-  c = columns<ROWS, 1>(x, w, y, k_len, n, c, accumulate);
-  if (c < n) scalar_columns(x, k_len, w + c, n, y + c, n, ROWS, n - c, k_len, accumulate);
-}
-
-// Blocks of kRows rows (parallel over blocks), then the remaining rows one at a time with
-// kWide vectors per tile: a single row needs that many independent accumulator chains to
-// hide the FMA latency.
-// Fewer than kRows rows (a GEMV, or the rows left after the blocks): columns in blocks of
-// kColBlock whose accumulators live in L1, the input features in order, each weight vector
-// loaded once for all the rows. A register tile would walk the weights column tile by column
-// tile with a stride of a whole weight row per step (a TLB miss per step on a 250k-column LM
-// head); this reads every weight row's block contiguously. Per element the arithmetic is the
-// tile's exactly (acc = 0, then acc + x·w for k in order), so results stay batch-invariant.
-constexpr int64_t kColBlock = 2048;
-
-// y[r, 0:width] (+)= acc[r][0:width] for ``rows`` rows (acc rows ``ld`` floats apart).
-inline void store_block(const float* acc, int64_t ld, int64_t rows, int64_t width, float* y,
-                        int64_t n, bool accumulate) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* out = y + r * n;
-    const float* a = acc + r * ld;
-    for (int64_t c = 0; c < width; ++c) out[c] = accumulate ? out[c] + a[c] : a[c];
+// The span's columns: wide tiles, then single vectors, then single elements.
+template <int64_t ROWS, typename W>
+inline void span_rows(const Span& s, const Weights<W>& w) {
+  int64_t c = columns<ROWS, kVecs>(s, w, s.c0);
+  c = columns<ROWS, 1>(s, w, c);
+  if (c < s.c1) {
+    int64_t ld;
+    const W* wc = w.at(c, &ld);
+    scalar_columns(s.x, s.k_len, wc, ld, s.y + c, s.n, ROWS, s.c1 - c, s.k_len, s.accumulate);
   }
 }
 
-template <typename W>
-void few_rows(const float* x, const W* w, float* y, int64_t rows, int64_t k_len, int64_t n,
-              bool accumulate) {
-  const int64_t vec_end = n / kLanes * kLanes;
-  at::parallel_for(0, (vec_end + kColBlock - 1) / kColBlock, 1, [&](int64_t b0, int64_t b1) {
-    alignas(64) float acc[kRows][kColBlock];
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t c0 = blk * kColBlock;
-      const int64_t width = std::min(kColBlock, vec_end - c0);
-      for (int64_t r = 0; r < rows; ++r) std::memset(acc[r], 0, width * sizeof(float));
-      for (int64_t k = 0; k < k_len; ++k) {
-        const W* wk = w + k * n + c0;
-        for (int64_t c = 0; c < width; c += kLanes) {
-          __builtin_prefetch(wk + 4 * n + c);  // four weight rows ahead: DRAM latency
-          const vfloat wv = load_w(wk + c);
-          for (int64_t r = 0; r < rows; ++r) {
-            auto* a = reinterpret_cast<vfloat_u*>(acc[r] + c);
-            *a = *a + x[r * k_len + k] * wv;
-          }
-        }
-      }
-      store_block(acc[0], sizeof(acc[0]) / sizeof(float), rows, width, y + c0, n, accumulate);
+// Work split: rows in groups of up to kRows, columns in chunks of kChunk (a multiple of every
+// tile width); threads take (group, chunk) pairs. The split decides who computes an element,
+// never how, so results do not depend on it.
+constexpr int64_t kChunk = 512;
+
+// f(rows_in_group, span) for every (row group, column chunk), in parallel.
+template <typename F>
+inline void for_spans(const float* x, float* y, int64_t rows, int64_t k_len, int64_t n,
+                      bool accumulate, int64_t group_rows, const F& f) {
+  const int64_t groups = (rows + group_rows - 1) / group_rows;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  at::parallel_for(0, groups * chunks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t / chunks, c0 = t % chunks * kChunk;
+      const int64_t r0 = g * group_rows;
+      const Span s{r0, x + r0 * k_len, y + r0 * n, k_len, n, c0, std::min(c0 + kChunk, n),
+                   accumulate};
+      f(std::min(group_rows, rows - r0), s);
     }
   });
-  if (vec_end < n)
-    scalar_columns(x, k_len, w + vec_end, n, y + vec_end, n, rows, n - vec_end, k_len,
-                   accumulate);
 }
 
 template <typename W>
-void gemm_rows(const float* x, const W* w, float* y, int64_t rows, int64_t k_len, int64_t n,
-               bool accumulate) {
-  constexpr int64_t kWide = 8;
-  const int64_t blocks = rows / kRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      row_block<kRows, kVecs>(x + b * kRows * k_len, w, y + b * kRows * n, k_len, n,
-                              accumulate);
+void gemm_rows(const float* x, const Weights<W>& w, float* y, int64_t rows, int64_t k_len,
+               int64_t n, bool accumulate) {
+  static_assert(kRows == 6, "the switch below covers 1..kRows rows");
+  for_spans(x, y, rows, k_len, n, accumulate, kRows, [&](int64_t r, const Span& s) {
+    switch (r) {
+      case 1: return span_rows<1>(s, w);
+      case 2: return span_rows<2>(s, w);
+      case 3: return span_rows<3>(s, w);
+      case 4: return span_rows<4>(s, w);
+      case 5: return span_rows<5>(s, w);
+      default: return span_rows<6>(s, w);
+    }
   });
-  if (blocks * kRows < rows)
-    few_rows(x + blocks * kRows * k_len, w, y + blocks * kRows * n, rows - blocks * kRows, k_len,
-             n, accumulate);
 }
 
 #if defined(__AVX512BF16__)
 // ---- bf16 dot products (AVX512-BF16): weights packed in pairs of input features ----------
-// Packed layout P [ceil(K/2), N, 2] bf16: P[k2, n, j] = W[2 k2 + j, n] (a zero pads odd K).
-// Activations are rounded to bf16 (nearest even) and paired the same way; each output element
-// then takes vdpbf16ps over k2 = 0, 1, ... in order: twice the products per instruction of
-// fp32 FMAs, still one accumulator per element in a fixed order, so still batch-invariant.
+// Pairs layout [ceil(K/2), N, 2] bf16: P[k2, n, j] = W[2 k2 + j, n] (a zero pads odd K),
+// stored in panels as above. Activations are rounded to bf16 (nearest even) and paired the
+// same way; each output element then takes vdpbf16ps over k2 = 0, 1, ... in order: twice the
+// products per instruction of fp32 FMAs, still one accumulator per element in a fixed order,
+// so still batch-invariant.
 constexpr bool kHasBf16Dot = true;
-constexpr int64_t kDpRows = 6;  // 6 rows x 4 vectors: 24 of 32 zmm registers accumulate
 
 template <int64_t ROWS, int64_t NV>
-inline void tile_dp(const uint32_t* xp, int64_t k2_len, const uint16_t* wp, int64_t n, float* y,
+inline void tile_dp(const uint32_t* xp, int64_t k2_len, const uint16_t* wp, int64_t ld, float* y,
                     int64_t ldy, bool accumulate, __mmask16 tail) {
   __m512 acc[ROWS][NV];
   for (int64_t r = 0; r < ROWS; ++r)
     for (int64_t j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t k2 = 0; k2 < k2_len; ++k2) {
     __m512i wv[NV];
-    const uint16_t* wk = wp + k2 * n * 2;
+    const uint16_t* wk = wp + k2 * ld;
     for (int64_t j = 0; j < NV; ++j)
       wv[j] = NV == 1 ? _mm512_maskz_loadu_epi32(tail, wk + j * 32)
                       : _mm512_loadu_si512(wk + j * 32);
@@ -223,113 +244,101 @@ inline void tile_dp(const uint32_t* xp, int64_t k2_len, const uint16_t* wp, int6
   }
 }
 
-// All columns of ROWS rows: tiles of 4 vectors, then single (possibly masked) vectors.
+// The span's columns for ROWS paired rows: tiles of 4 vectors, then single (masked) vectors.
 template <int64_t ROWS>
-inline void row_block_dp(const uint32_t* xp, int64_t k2_len, const uint16_t* wp, int64_t n,
-                         float* y, bool accumulate) {
-  int64_t c = 0;
-  for (; c + 64 <= n; c += 64)
-    tile_dp<ROWS, 4>(xp, k2_len, wp + c * 2, n, y + c, n, accumulate, 0xFFFF);
-  for (; c < n; c += 16) {
-    const int64_t left = n - c < 16 ? n - c : 16;
-    tile_dp<ROWS, 1>(xp, k2_len, wp + c * 2, n, y + c, n, accumulate,
+inline void span_rows_dp(const uint32_t* xp, int64_t k2_len, const Weights<uint16_t>& wp,
+                         const Span& s) {
+  int64_t c = s.c0, ld;
+  for (; c + 64 <= s.c1; c += 64) {
+    const uint16_t* wc = wp.at(c, &ld);
+    tile_dp<ROWS, 4>(xp, k2_len, wc, ld, s.y + c, s.n, s.accumulate, 0xFFFF);
+  }
+  for (; c < s.c1; c += 16) {
+    const int64_t left = s.c1 - c < 16 ? s.c1 - c : 16;
+    const uint16_t* wc = wp.at(c, &ld);
+    tile_dp<ROWS, 1>(xp, k2_len, wc, ld, s.y + c, s.n, s.accumulate,
                      static_cast<__mmask16>((1u << left) - 1u));
   }
 }
 
-// Fewer than kDpRows rows, blocked over columns as few_rows (the same arithmetic per element
-// as tile_dp: acc = 0, then one vdpbf16ps per input pair in order).
-inline void few_rows_dp(const uint32_t* xp, int64_t k2_len, const uint16_t* wp, float* y,
-                        int64_t rows, int64_t n, bool accumulate) {
-  constexpr int64_t kBlock = 2048;
-  at::parallel_for(0, (n + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
-    alignas(64) float acc[kDpRows][kBlock];
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t c0 = blk * kBlock;
-      const int64_t width = std::min(kBlock, n - c0);
-      for (int64_t r = 0; r < rows; ++r) std::memset(acc[r], 0, width * sizeof(float));
-      for (int64_t k2 = 0; k2 < k2_len; ++k2) {
-        const uint16_t* wk = wp + (k2 * n + c0) * 2;
-        for (int64_t c = 0; c < width; c += 16) {
-          const int64_t left = width - c < 16 ? width - c : 16;
-          const __mmask16 m = static_cast<__mmask16>((1u << left) - 1u);
-          __builtin_prefetch(wk + (4 * n + c) * 2);  // four weight rows ahead: DRAM latency
-          const __m512i wv = _mm512_maskz_loadu_epi32(m, wk + c * 2);
-          for (int64_t r = 0; r < rows; ++r) {
-            const __m512i xb = _mm512_set1_epi32(static_cast<int>(xp[r * k2_len + k2]));
-            const __m512 a = _mm512_dpbf16_ps(_mm512_maskz_loadu_ps(m, acc[r] + c),
-                                              (__m512bh)xb, (__m512bh)wv);
-            _mm512_mask_storeu_ps(acc[r] + c, m, a);
-          }
-        }
-      }
-      store_block(acc[0], sizeof(acc[0]) / sizeof(float), rows, width, y + c0, n, accumulate);
-    }
-  });
-}
-
-// y [B, N] (+)= bf16(x [B, K]) @ P, P packed as above.
-inline void gemm_rows_dp(const float* x, const uint16_t* wp, float* y, int64_t rows,
+// y [B, N] (+)= bf16(x [B, K]) @ P, P in pairs as above.
+inline void gemm_rows_dp(const float* x, const Weights<uint16_t>& wp, float* y, int64_t rows,
                          int64_t k_len, int64_t n, bool accumulate) {
   const int64_t k2_len = (k_len + 1) / 2;
   std::vector<uint32_t> xp(rows * k2_len, 0u);
   auto* xh = reinterpret_cast<at::BFloat16*>(xp.data());
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < k_len; ++k) xh[r * k2_len * 2 + k] = at::BFloat16(x[r * k_len + k]);
-  const int64_t blocks = rows / kDpRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      row_block_dp<kDpRows>(xp.data() + b * kDpRows * k2_len, k2_len, wp,
-                            n, y + b * kDpRows * n, accumulate);
+  const uint32_t* xs = xp.data();
+  for_spans(x, y, rows, k_len, n, accumulate, kRows, [&](int64_t r, const Span& s) {
+    const uint32_t* xr = xs + s.r0 * k2_len;  // the paired copy of the span's rows
+    switch (r) {
+      case 1: return span_rows_dp<1>(xr, k2_len, wp, s);
+      case 2: return span_rows_dp<2>(xr, k2_len, wp, s);
+      case 3: return span_rows_dp<3>(xr, k2_len, wp, s);
+      case 4: return span_rows_dp<4>(xr, k2_len, wp, s);
+      case 5: return span_rows_dp<5>(xr, k2_len, wp, s);
+      default: return span_rows_dp<6>(xr, k2_len, wp, s);
+    }
   });
-  const int64_t done = blocks * kDpRows;
-  if (done < rows)
-    few_rows_dp(xp.data() + done * k2_len, k2_len, wp, y + done * n, rows - done, n, accumulate);
 }
 #else
 constexpr bool kHasBf16Dot = false;
 #endif
 
-// W [K, N] bf16 -> [ceil(K/2), N, 2] for the bf16 dot-product path (a copy of W unchanged
-// where the CPU has none).
-inline at::Tensor pack_bf16_pairs(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack takes [K, N] bf16");
-  if (!kHasBf16Dot) return w.contiguous();
+// W [K, N] fp32 or bf16 -> the packed layout the GEMM streams (see Weights): [K, N, 1], or
+// [ceil(K/2), N, 2] bf16 pairs where the CPU has the bf16 dot product; panel by panel.
+inline at::Tensor pack_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
+              "pack_weight takes [K, N] fp32 or bf16");
   const int64_t k_len = w.size(0), n = w.size(1);
-  at::Tensor padded = at::zeros({(k_len + 1) / 2 * 2, n}, w.options());
-  padded.narrow(0, 0, k_len).copy_(w);
-  return padded.view({-1, 2, n}).permute({0, 2, 1}).contiguous();
+  at::Tensor src = w.unsqueeze(2);  // [K', N, J]
+  if (kHasBf16Dot && w.scalar_type() == at::kBFloat16) {
+    at::Tensor padded = at::zeros({(k_len + 1) / 2 * 2, n}, w.options());
+    padded.narrow(0, 0, k_len).copy_(w);
+    src = padded.view({-1, 2, n}).permute({0, 2, 1});
+  }
+  const int64_t rows = src.size(0), j = src.size(2);
+  at::Tensor out = at::empty({rows, n, j}, w.options());
+  at::Tensor flat = out.view({-1});
+  for (int64_t p0 = 0; p0 < n; p0 += kPanel) {
+    const int64_t width = std::min(kPanel, n - p0);
+    flat.narrow(0, p0 * rows * j, rows * width * j)
+        .view({rows, width, j})
+        .copy_(src.narrow(1, p0, width));
+  }
+  return out;
 }
 
-// y = a @ w (or y += a @ w with ``accumulate``): a [B, K] fp32 contiguous, w [K, N] fp32 or
-// bf16 contiguous, y [B, N] fp32 contiguous.
+// y = a @ w (or y += a @ w with ``accumulate``): a [B, K] fp32 contiguous, y [B, N] fp32
+// contiguous, w [K, N] fp32 or bf16 row-major, or [K', N, J] from pack_weight.
 inline void invariant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y,
                          bool accumulate) {
   TORCH_CHECK(a.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat,
               "invariant_mm takes fp32 activations");
   TORCH_CHECK(a.is_contiguous() && w.is_contiguous() && y.is_contiguous(),
               "invariant_mm takes contiguous tensors");
-  TORCH_CHECK(w.dim() == 2 || (w.dim() == 3 && kHasBf16Dot && w.size(2) == 2),
-              "invariant_mm: weights are [K, N], or [K/2, N, 2] bf16 pairs");
-  const int64_t w_in = w.dim() == 2 ? w.size(0) : 2 * w.size(0);
-  TORCH_CHECK((a.size(1) == w_in || (w.dim() == 3 && a.size(1) + 1 == w_in)) &&
+  const bool packed = w.dim() == 3;
+  const int64_t j = packed ? w.size(2) : 1;
+  TORCH_CHECK(w.dim() == 2 || (packed && (j == 1 || (j == 2 && kHasBf16Dot))),
+              "invariant_mm: weights are [K, N], or packed by pack_weight");
+  const int64_t w_in = w.size(0) * j;
+  TORCH_CHECK((a.size(1) == w_in || (j == 2 && a.size(1) + 1 == w_in)) &&
               y.size(0) == a.size(0) && y.size(1) == w.size(1),
               "invariant_mm: shapes disagree");
   const int64_t rows = a.size(0), k_len = a.size(1), n = w.size(1);
-#if defined(__AVX512BF16__)
-  if (w.dim() == 3) {
-    gemm_rows_dp(a.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr()),
-                 y.data_ptr<float>(), rows, k_len, n, accumulate);
-    return;
-  }
-#endif
+  float* out = y.data_ptr<float>();
   if (w.scalar_type() == at::kBFloat16) {
-    gemm_rows(a.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr()),
-              y.data_ptr<float>(), rows, k_len, n, accumulate);
+    const Weights<uint16_t> wv{reinterpret_cast<const uint16_t*>(w.data_ptr()), w.size(0), n, j,
+                               packed};
+#if defined(__AVX512BF16__)
+    if (j == 2) return gemm_rows_dp(a.data_ptr<float>(), wv, out, rows, k_len, n, accumulate);
+#endif
+    gemm_rows(a.data_ptr<float>(), wv, out, rows, k_len, n, accumulate);
   } else {
     TORCH_CHECK(w.scalar_type() == at::kFloat, "invariant_mm takes fp32 or bf16 weights");
-    gemm_rows(a.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), rows, k_len, n,
-              accumulate);
+    const Weights<float> wv{w.data_ptr<float>(), w.size(0), n, 1, packed};
+    gemm_rows(a.data_ptr<float>(), wv, out, rows, k_len, n, accumulate);
   }
 }
 
