@@ -71,15 +71,29 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _transposed(owner: object, weight: torch.Tensor) -> torch.Tensor:
-    """``weight [out, in]`` packed ``[in, out]`` (:func:`pack`), kept on ``owner`` until the
-    weight changes (a dtype cast or a load replaces the tensor)."""
-    key = (weight.data_ptr(), weight.dtype, _version(weight))
+def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
+    """The GEMM weight ``[in, Σ out]`` of one or more ``[out, in]`` weights side by side (one
+    product for several projections of the same input), packed (:func:`pack`) and kept on
+    ``owner`` until a weight changes (a dtype cast or a load replaces the tensor) or the mode
+    flips. Each output column is computed alone, so a stacked product gives every part's
+    columns exactly as its own product would."""
+    key = (_enabled[0], *((p.data_ptr(), p.dtype, _version(p)) for p in parts))
     cached = owner.__dict__.get("_invariant_wt")
     if cached is None or cached[0] != key:
-        cached = (key, pack(weight.t()))
+        w = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
+        cached = (key, pack(w.t()))
         owner.__dict__["_invariant_wt"] = cached
     return cached[1]
+
+
+def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., in] @ w`` for ``w`` from :func:`gemm_weight`: the invariant GEMM (fp32 out)
+    for a packed weight or when :func:`active`, else ATen in x's dtype, as ``F.linear``
+    would."""
+    if w.dim() == 2 and not active():
+        return x @ w.to(x.dtype)
+    flat = x.reshape(-1, x.shape[-1]).float()
+    return torch.ops.linserve.invariant_mm(flat, w).view(*x.shape[:-1], w.shape[1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, owner: object,
@@ -88,11 +102,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, owner: object,
     and the weight is fp32 or bf16. The result has x's dtype, as F.linear's would."""
     if not active() or weight.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
-    flat = x.reshape(-1, x.shape[-1]).float()
-    y = torch.ops.linserve.invariant_mm(flat, _transposed(owner, weight))
+    y = project(x, gemm_weight(owner, weight))
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    return y.to(x.dtype)
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ Layer types come from the checkpoint's ``layer_types`` (three ``linear_attention
 from __future__ import annotations
 
 import logging
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,8 +154,13 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def gate_up(self) -> torch.Tensor:
+        """gate and up as one GEMM weight ``[d, 2f]`` (:func:`invariant.gemm_weight`)."""
+        return invariant.gemm_weight(self, self.gate_proj.weight, self.up_proj.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(invariant.rowwise(F.silu, self.gate_proj(x)) * self.up_proj(x))
+        gate, up = invariant.project(x, self.gate_up()).to(x.dtype).chunk(2, dim=-1)
+        return self.down_proj(invariant.rowwise(F.silu, gate) * up)
 
 
 class GatedDeltaNet(nn.Module):
@@ -178,14 +182,26 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(hv))
         self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
-        self._stacked: tuple[Any, torch.Tensor, Any] | None = None
         self._conv: tuple[int, torch.Tensor] | None = None
 
-    def _heads(self, mixed: torch.Tensor, x: torch.Tensor
+    def in_weight(self) -> torch.Tensor:
+        """The four input projections (qkv, z, b, a) as one GEMM weight
+        ``[d, C + Hv·Dv + 2·Hv]`` (:func:`invariant.gemm_weight`)."""
+        return invariant.gemm_weight(self, self.in_proj_qkv.weight, self.in_proj_z.weight,
+                                     self.in_proj_b.weight, self.in_proj_a.weight)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x ``[..., d]`` -> the projections mixed ``[..., C]``, z ``[..., Hv·Dv]``, b and a
+        ``[..., Hv]`` (one GEMM; each in x's dtype, as separate layers would give them)."""
+        hv = self.cfg.linear_num_value_heads
+        proj = invariant.project(x, self.in_weight()).to(x.dtype)
+        return proj.split([self.cfg.conv_dim, self.value_dim, hv, hv], dim=-1)
+
+    def _heads(self, mixed: torch.Tensor, b_in: torch.Tensor, a_in: torch.Tensor
                ) -> tuple[torch.Tensor, ...]:
-        """Convolved projections ``[B, T, conv_dim]`` and the layer input ``[B, T, d]`` ->
-        q, k ``[B, Hv, T, Dk]`` (normalised, q scaled), v ``[B, Hv, T, Dv]``, g and β
-        ``[B, Hv, T]``, all fp32."""
+        """Convolved projections ``[B, T, conv_dim]`` and the gate inputs b, a
+        ``[B, T, Hv]`` -> q, k ``[B, Hv, T, Dk]`` (normalised, q scaled), v
+        ``[B, Hv, T, Dv]``, g and β ``[B, Hv, T]``, all fp32."""
         cfg = self.cfg
         b, t, _ = mixed.shape
         q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -193,61 +209,48 @@ class GatedDeltaNet(nn.Module):
         q, k = (y.reshape(b, t, cfg.linear_num_key_heads, -1).repeat_interleave(rep, dim=2)
                 for y in (q, k))
         v = v.reshape(b, t, cfg.linear_num_value_heads, -1)
-        beta = invariant.rowwise(torch.sigmoid, self.in_proj_b(x).float())
+        beta = invariant.rowwise(torch.sigmoid, b_in.float())
         g = -self.A_log.float().exp() * invariant.rowwise(
-            F.softplus, self.in_proj_a(x).float() + self.dt_bias.float())
+            F.softplus, a_in.float() + self.dt_bias.float())
         q, k, v, g, beta = (y.transpose(1, 2) for y in (q, k, v, g, beta))
         q = l2norm(q) * cfg.linear_key_head_dim ** -0.5
         return q, l2norm(k), v.contiguous(), g.contiguous(), beta.contiguous()
 
-    def _finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o ``[B, Hv, T, Dv]`` -> gated norm with z, output projection ``[B, T, d]``."""
+    def _finish(self, o: torch.Tensor, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o ``[B, Hv, T, Dv]`` -> gated norm with z ``[B, T, Hv·Dv]``, output projection
+        ``[B, T, d]``."""
         b, _, t, dv = o.shape
-        z = self.in_proj_z(x).reshape(b, t, -1, dv)
-        out = self.norm(o.transpose(1, 2), z).reshape(b, t, -1)
+        out = self.norm(o.transpose(1, 2), z.reshape(b, t, -1, dv)).reshape(b, t, -1)
         return self.out_proj(out.to(x.dtype))
 
     def forward(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry) -> torch.Tensor:
         """Parallel form over T new tokens ``[B, T, d]``; replaces the entries' tensors."""
-        mixed = self.in_proj_qkv(x).float()
+        mixed, z, b_in, a_in = self._project(x)
+        mixed = mixed.float()
         full = torch.cat([conv.window, mixed], dim=1)  # [B, K-1+T, C]
         conv.window = full[:, full.shape[1] - conv.window.shape[1]:].clone(
             memory_format=torch.contiguous_format)
         mixed = invariant.rowwise(F.silu, F.conv1d(full.transpose(1, 2), self.conv1d.weight.float(),
                                                    groups=full.shape[2]).transpose(1, 2))
-        q, k, v, g, beta = self._heads(mixed, x)
+        q, k, v, g, beta = self._heads(mixed, b_in, a_in)
         o, s = delta_rule_chunked(q, k, v, g, beta, rec.s)
         rec.s = s.contiguous()
-        return self._finish(o, x)
-
-    def _in_weight(self) -> torch.Tensor:
-        """The four input projections' weights stacked ``[C + Hv·Dv + 2·Hv, d]`` (one GEMM
-        in the fused step), kept until the weights change."""
-        key = (self.in_proj_qkv.weight.data_ptr(), self.in_proj_qkv.weight.dtype)
-        if self._stacked is None or self._stacked[0] != key:
-            w = torch.cat([p.weight.detach() for p in (self.in_proj_qkv, self.in_proj_z,
-                                                       self.in_proj_b, self.in_proj_a)])
-            self._stacked = (key, w, types.SimpleNamespace())
-        return self._stacked[1]
+        return self._finish(o, z, x)
 
     def step_fused(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry
                    ) -> torch.Tensor:
         """:meth:`step` through ``model/kernels/gdn_step.cpp`` (one GEMM for the four input
         projections, then convolution, delta rule and gated norm in one native pass)."""
         cfg = self.cfg
-        hv = cfg.linear_num_value_heads
-        w = self._in_weight()
-        assert self._stacked is not None
-        proj = invariant.linear(x, w, self._stacked[2]).float()
-        mixed, z, b, a = proj.split([cfg.conv_dim, self.value_dim, hv, hv], dim=-1)
+        mixed, z, b, a = (y.float() for y in self._project(x))
         out = torch.ops.linserve.gdn_step(
-            mixed.contiguous(), conv.window, self._conv_w(), a.contiguous(), b.contiguous(),
+            mixed.contiguous(), conv.window, self.conv_weight(), a.contiguous(), b.contiguous(),
             self.A_log.float().contiguous(), self.dt_bias.float().contiguous(), rec.s,
             z.contiguous(), self.norm.weight.float().contiguous(), cfg.linear_num_key_heads,
             cfg.rms_norm_eps)
         return self.out_proj(out.to(x.dtype))
 
-    def _conv_w(self) -> torch.Tensor:
+    def conv_weight(self) -> torch.Tensor:
         """The depthwise kernel ``[C, K]`` fp32 (cached with the stacked weights)."""
         if self._conv is None or self._conv[0] != self.conv1d.weight.data_ptr():
             self._conv = (self.conv1d.weight.data_ptr(),
@@ -263,22 +266,28 @@ class GatedDeltaNet(nn.Module):
     def step_eager(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry
                    ) -> torch.Tensor:
         """:meth:`step` in eager PyTorch (the reference the fused step is tested against)."""
-        mixed = self.in_proj_qkv(x).float()  # [B, C]
+        mixed, z, b_in, a_in = self._project(x)
+        mixed = mixed.float()  # [B, C]
         window = torch.cat([conv.window, mixed.unsqueeze(1)], dim=1)  # [B, K, C]
         conv.window.copy_(window[:, 1:])
         w = self.conv1d.weight.float().squeeze(1)  # [C, K]
         mixed = invariant.rowwise(F.silu, (window * w.T).sum(1))
-        q, k, v, g, beta = self._heads(mixed.unsqueeze(1), x.unsqueeze(1))
+        q, k, v, g, beta = self._heads(mixed.unsqueeze(1), b_in.unsqueeze(1), a_in.unsqueeze(1))
         o = delta_rule_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], rec.s)
-        return self._finish(o.unsqueeze(2), x.unsqueeze(1)).squeeze(1)
+        return self._finish(o.unsqueeze(2), z.unsqueeze(1), x.unsqueeze(1)).squeeze(1)
+
+
+def inv_freq(cfg: Qwen35Config) -> torch.Tensor:
+    """The rotary frequencies ``[rotary_dim / 2]`` fp32."""
+    rot = cfg.rotary_dim
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, cfg: Qwen35Config) -> torch.Tensor:
     """Rotary positions on the first ``rotary_dim`` of each head (halves rotated). x
     ``[B, H, T, D]``, pos ``[B, T]`` (or ``[1, T]``) int64."""
     rot = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
-    freqs = pos[..., None].float() * inv_freq  # [B, T, rot/2]
+    freqs = pos[..., None].float() * inv_freq(cfg)  # [B, T, rot/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = (invariant.rowwise(f, emb)[:, None] for f in (torch.cos, torch.sin))
     xr, xp = x[..., :rot], x[..., rot:]
@@ -301,16 +310,24 @@ class GatedAttention(nn.Module):
         self.q_norm = QwenRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = QwenRMSNorm(d, cfg.rms_norm_eps)
 
+    def qkv_weight(self) -> torch.Tensor:
+        """q (with its gate), k and v as one GEMM weight ``[d, 2·H·D + 2·Hkv·D]``."""
+        return invariant.gemm_weight(self, self.q_proj.weight, self.k_proj.weight,
+                                     self.v_proj.weight)
+
     def _qkv(self, x: torch.Tensor, pos: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x ``[B, T, d]`` -> q ``[B, H, T, D]``, k, v ``[B, Hkv, T, D]`` (fp32, rotated) and
         the output gate ``[B, T, H·D]``."""
         b, t, _ = x.shape
-        d = self.cfg.head_dim
-        q, gate = self.q_proj(x).float().view(b, t, -1, 2 * d).chunk(2, dim=-1)
+        cfg = self.cfg
+        d, kv_width = cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        qg, k, v = invariant.project(x, self.qkv_weight()).to(x.dtype).float().split(
+            [2 * cfg.num_attention_heads * d, kv_width, kv_width], dim=-1)
+        q, gate = qg.reshape(b, t, -1, 2 * d).chunk(2, dim=-1)
         q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).float().view(b, t, -1, d)).transpose(1, 2)
-        v = self.v_proj(x).float().view(b, t, -1, d).transpose(1, 2)
+        k = self.k_norm(k.reshape(b, t, -1, d)).transpose(1, 2)
+        v = v.reshape(b, t, -1, d).transpose(1, 2)
         return rope(q, pos, self.cfg), rope(k, pos, self.cfg), v, gate.reshape(b, t, -1)
 
     def _out(self, o: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -344,6 +361,13 @@ class GatedAttention(nn.Module):
                                             kv.v[i : i + 1, :, :n],
                                             torch.ones(1, n, dtype=torch.bool)))
         return self._out(torch.cat(outs), gate, x.unsqueeze(1)).squeeze(1)
+
+
+def _step_tensors(entries: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's state as the native step takes it: (S, conv window) or (keys, values)."""
+    if "kv" in entries:
+        return entries["kv"].k, entries["kv"].v
+    return entries["recurrent"].s, entries["conv"].window
 
 
 class DecoderLayer(nn.Module):
@@ -393,6 +417,7 @@ class Qwen35ForCausalLM(nn.Module):
         self.model = TextModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else \
             Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._fused: tuple[Any, list[torch.Tensor]] | None = None
 
     def new_state(self, batch: int = 1, max_context: int | None = None) -> State:
         cfg = self.cfg
@@ -433,13 +458,76 @@ class Qwen35ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
-        """tokens ``[B]`` -> logits ``[B, V]``; advances every row of ``state`` in place."""
+        """tokens ``[B]`` -> logits ``[B, V]``; advances every row of ``state`` in place.
+        One native call for the whole model (``model/kernels/qwen35_step.cpp``) where the
+        kernels are built, else :meth:`step_eager`."""
+        state.reserve(int(state.lengths.max()) + 1)
+        tensors = [t for entries in state.layers for t in _step_tensors(entries)]
+        if kernels.available() and all(t.is_contiguous() for t in tensors):
+            cfg = self.cfg
+            logits = torch.ops.linserve.qwen35_step(
+                tokens.contiguous(), self.fused_weights(), tensors, state.lengths,
+                [int(k == "full_attention") for k in cfg.layer_types], self._dims(),
+                cfg.rms_norm_eps)
+            state.lengths += 1
+            return logits
+        return self.step_eager(tokens, state)
+
+    @torch.inference_mode()
+    def step_eager(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
+        """:meth:`step` layer by layer in PyTorch (the reference for the native step)."""
         state.reserve(int(state.lengths.max()) + 1)
         x = self.model.embed_tokens(tokens)
         for layer, entries in zip(self.model.layers, state.layers, strict=True):
             x = layer(x, entries, state.lengths, one_token=True)
         state.lengths += 1
         return self.head(x)
+
+    def _dims(self) -> list[int]:
+        cfg = self.cfg
+        return [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim,
+                cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim]
+
+    def fused_weights(self) -> list[torch.Tensor]:
+        """The native step's weight list (its order: ``qwen35_step.cpp``'s header). GEMM
+        weights are the very tensors the eager forms use (:func:`invariant.gemm_weight`), so
+        nothing is stored twice; rebuilt when the mode flips or the weights are replaced."""
+        emb = self.model.embed_tokens.weight
+        key = (invariant.enabled(), emb.data_ptr(), emb.dtype)
+        if self._fused is None or self._fused[0] != key:
+            self._fused = (key, self._pack_fused())
+        return self._fused[1]
+
+    def _pack_fused(self) -> list[torch.Tensor]:
+        def f32(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().float().contiguous()
+
+        def norm(n: QwenRMSNorm) -> torch.Tensor:  # Qwen's norms scale by 1 + w
+            return (1.0 + n.weight.detach().float()).contiguous()
+
+        def gemm(linear: nn.Linear) -> torch.Tensor:
+            return invariant.gemm_weight(linear, linear.weight)
+
+        emb = self.model.embed_tokens
+        head = invariant.gemm_weight(emb, emb.weight) if self.lm_head is None \
+            else gemm(self.lm_head)
+        out = [emb.weight.detach(), head, norm(self.model.norm)]
+        for layer in self.model.layers:
+            mlp = [norm(layer.post_attention_layernorm), layer.mlp.gate_up(),
+                   gemm(layer.mlp.down_proj)]
+            if layer.kind == "linear_attention":
+                a = layer.linear_attn
+                out += [norm(layer.input_layernorm), a.in_weight(), a.conv_weight(),
+                        f32(a.A_log), f32(a.dt_bias), f32(a.norm.weight), gemm(a.out_proj),
+                        *mlp]
+            else:
+                at = layer.self_attn
+                out += [norm(layer.input_layernorm), at.qkv_weight(), norm(at.q_norm),
+                        norm(at.k_norm), gemm(at.o_proj), *mlp, inv_freq(self.cfg),
+                        torch.empty(0)]
+        return out
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

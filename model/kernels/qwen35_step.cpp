@@ -1,0 +1,240 @@
+// The whole decode step of a Qwen3.5 hybrid (model/architectures/qwen3_5.py) in one native
+// call: one token per row through every layer, then the final norm and the LM head. The
+// eager step costs ~250 Python-dispatched operators per token; at batch 1 of the 0.8B shapes
+// that was a fifth of the step on top of the weight reads.
+//
+// Activations stay fp32 between layers; weights are fp32 or bf16, packed by
+// model/invariant.py (pack) when the batch-invariant mode is on. Every row is computed by its
+// own loops in a fixed order and the projections are dense.h's, so a row's logits do not
+// depend on the rows beside it (batch invariance) when the mode is on.
+//
+// Arguments (B rows; d hidden; f MLP width; H query / Hkv key-value heads of D, rot rotary
+// dims; GDN shapes as gdn.h; V vocabulary):
+//   tokens [B] int64, lengths [B] int64 (each row's position before this token);
+//   weights: embed [V, d], head [d, V] (packed), final norm [d] (as 1 + w), then per layer
+//     Gated DeltaNet (10): norm_in [d], in [d, C + Hv Dv + 2 Hv], conv_w [C, K], a_log [Hv],
+//       dt_bias [Hv], gated-norm w [Dv], out [Hv Dv, d], norm_post [d], gate_up [d, 2f],
+//       down [f, d];
+//     attention (10): norm_in [d], qkv [d, 2 H D + 2 Hkv D], q_norm [D], k_norm [D],
+//       o [H D, d], norm_post [d], gate_up [d, 2f], down [f, d], inv_freq [rot / 2], unused;
+//   state: per layer two tensors, (s [B, Hv, Dk, Dv], window [B, K-1, C]) or
+//     (k, v [B, Hkv, capacity, D]); updated in place (lengths are not: the caller advances
+//     them);
+//   kinds [layers]: 0 Gated DeltaNet, 1 attention;
+//   dims: d, f, H, Hkv, D, rot, Hk, Hv, Dk, Dv, K.
+// Returns logits [B, V] fp32.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "dense.h"
+#include "fastmath.h"
+#include "gdn.h"
+#include "gemm.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using linserve::kLanes;
+using linserve::vfloat;
+using linserve::vfloat_u;
+
+constexpr int64_t kLayerWeights = 10;
+
+struct Dims {
+  int64_t d, f, h, hkv, head, rot, hk, hv, dk, dv, k;
+  float eps;
+};
+
+// x [B, d] += down(silu(gate) * up) of the RMSNorm of x.
+void mlp_add(at::Tensor& x, const at::Tensor* w, const Dims& m) {
+  at::Tensor gu = linserve::project(linserve::normed(x, w[0], m.eps), w[1]);  // [B, 2f]
+  at::Tensor act = at::empty({x.size(0), m.f}, x.options());
+  const float* g = gu.data_ptr<float>();
+  float* a = act.data_ptr<float>();
+  for (int64_t r = 0; r < x.size(0); ++r)
+    for (int64_t i = 0; i < m.f; ++i)
+      a[r * m.f + i] = linserve::gdn::silu(g[r * 2 * m.f + i]) * g[r * 2 * m.f + m.f + i];
+  linserve::project_add(x, act, w[2]);
+}
+
+// x += out(gdn(in(norm(x)))), then the MLP.
+void gdn_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& s, at::Tensor& window,
+               const Dims& m) {
+  const int64_t rows = x.size(0), c_len = 2 * m.hk * m.dk + m.hv * m.dv;
+  at::Tensor proj = linserve::project(linserve::normed(x, w[0], m.eps), w[1]);
+  const float* p = proj.data_ptr<float>();
+  at::Tensor out = at::empty({rows, m.hv * m.dv}, x.options());
+  const linserve::gdn::Shape sh{m.hk, m.hv, m.dk, m.dv, c_len, m.k, m.eps};
+  const int64_t vd = m.hv * m.dv;
+  linserve::gdn::step({p, p + c_len, p + c_len + vd + m.hv, p + c_len + vd, proj.size(1)},
+                      window.data_ptr<float>(), w[2].data_ptr<float>(), w[3].data_ptr<float>(),
+                      w[4].data_ptr<float>(), s.data_ptr<float>(), w[5].data_ptr<float>(),
+                      out.data_ptr<float>(), rows, sh);
+  linserve::project_add(x, out, w[6]);
+  mlp_add(x, w + 7, m);
+}
+
+// x [n] = rmsnorm(x) * w (w already 1 + the stored weight).
+void head_norm(float* x, const float* w, int64_t n, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * r * w[i];
+}
+
+// Rotary position ``pos`` on the first ``rot`` dims of x (halves rotated).
+void rotate(float* x, const float* inv_freq, int64_t rot, int64_t pos) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float angle = static_cast<float>(pos) * inv_freq[i];
+    const float c = std::cos(angle), sn = std::sin(angle);
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * c - x2 * sn;
+    x[i + half] = x2 * c + x1 * sn;
+  }
+}
+
+// Sum of a[i] b[i] over n (a multiple of kLanes, else a scalar tail): lane-wise partial sums,
+// then the lanes in order. A fixed order for a given n.
+float dot(const float* a, const float* b, int64_t n) {
+  vfloat acc{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    acc += *reinterpret_cast<const vfloat_u*>(a + i) * *reinterpret_cast<const vfloat_u*>(b + i);
+  float sum = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// The query heads of one key-value group of one row over the row's len cached positions:
+// o [rep, D] = softmax(q kᵀ / √D) v; q [rep, D]; kc, vc [len, D]; scores scratch [len].
+void attend_group(const float* q, const float* kc, const float* vc, int64_t rep, int64_t len,
+                  int64_t dh, float* o, float* scores) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(dh));
+  for (int64_t h = 0; h < rep; ++h) {
+    const float* qh = q + h * dh;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < len; ++j) {
+      scores[j] = dot(qh, kc + j * dh, dh) * scale;
+      top = scores[j] > top ? scores[j] : top;
+    }
+    float total = 0.f;
+    for (int64_t j = 0; j < len; ++j) {
+      scores[j] = linserve::exp_nonpositive(scores[j] - top);
+      total += scores[j];
+    }
+    float* oh = o + h * dh;
+    for (int64_t i = 0; i < dh; ++i) oh[i] = 0.f;
+    for (int64_t j = 0; j < len; ++j) {
+      const float pj = scores[j];
+      const float* vj = vc + j * dh;
+      for (int64_t i = 0; i < dh; ++i) oh[i] += pj * vj[i];
+    }
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < dh; ++i) oh[i] *= inv;
+  }
+}
+
+// q / k norms and rotary positions, the new key and value into the cache; qkv [B, ...] as
+// the stacked projection gives it: per query head [q D | gate D], then k [Hkv D], v [Hkv D].
+void write_kv(const at::Tensor& qkv, const at::Tensor* w, at::Tensor& kc, at::Tensor& vc,
+              const int64_t* lengths, const Dims& m, std::vector<float>& q) {
+  const int64_t rows = qkv.size(0), width = qkv.size(1), dh = m.head, cap = kc.size(2);
+  float* p = qkv.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t pos = lengths[r];
+    TORCH_CHECK(pos < cap, "qwen35_step: the KV cache is full (reserve first)");
+    for (int64_t h = 0; h < m.h; ++h) {
+      float* qh = q.data() + (r * m.h + h) * dh;
+      std::memcpy(qh, p + r * width + h * 2 * dh, dh * sizeof(float));
+      head_norm(qh, w[2].data_ptr<float>(), dh, m.eps);
+      rotate(qh, w[8].data_ptr<float>(), m.rot, pos);
+    }
+    for (int64_t g = 0; g < m.hkv; ++g) {
+      float* kd = kc.data_ptr<float>() + ((r * m.hkv + g) * cap + pos) * dh;
+      float* vd = vc.data_ptr<float>() + ((r * m.hkv + g) * cap + pos) * dh;
+      std::memcpy(kd, p + r * width + 2 * m.h * dh + g * dh, dh * sizeof(float));
+      std::memcpy(vd, p + r * width + 2 * m.h * dh + m.hkv * dh + g * dh, dh * sizeof(float));
+      head_norm(kd, w[3].data_ptr<float>(), dh, m.eps);
+      rotate(kd, w[8].data_ptr<float>(), m.rot, pos);
+    }
+  }
+}
+
+// x += o(attention(norm(x)) * sigmoid(gate)), then the MLP.
+void attention_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& kc, at::Tensor& vc,
+                     const int64_t* lengths, const Dims& m) {
+  const int64_t rows = x.size(0), dh = m.head, rep = m.h / m.hkv, cap = kc.size(2);
+  at::Tensor qkv = linserve::project(linserve::normed(x, w[0], m.eps), w[1]);
+  std::vector<float> q(rows * m.h * dh);
+  write_kv(qkv, w, kc, vc, lengths, m, q);
+  at::Tensor o = at::empty({rows, m.h * dh}, x.options());
+  const float* gates = qkv.data_ptr<float>();
+  at::parallel_for(0, rows * m.hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r = t / m.hkv, g = t % m.hkv, len = lengths[r] + 1;
+      std::vector<float> scores(len);
+      float* og = o.data_ptr<float>() + (r * m.h + g * rep) * dh;
+      const int64_t at_group = (r * m.hkv + g) * cap * dh;
+      attend_group(q.data() + (r * m.h + g * rep) * dh, kc.data_ptr<float>() + at_group,
+                   vc.data_ptr<float>() + at_group, rep, len, dh, og, scores.data());
+      for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {  // the sigmoid output gate
+        const float* gate = gates + r * qkv.size(1) + h * 2 * dh + dh;
+        float* oh = o.data_ptr<float>() + (r * m.h + h) * dh;
+        for (int64_t i = 0; i < dh; ++i) oh[i] *= 1.f / (1.f + std::exp(-gate[i]));
+      }
+    }
+  });
+  linserve::project_add(x, o, w[4]);
+  mlp_add(x, w + 5, m);
+}
+
+// The embeddings of the tokens as fp32 rows [B, d].
+at::Tensor embed(const at::Tensor& table, const at::Tensor& tokens) {
+  return table.index_select(0, tokens).to(at::kFloat).contiguous();
+}
+
+at::Tensor qwen35_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList state,
+                       const at::Tensor& lengths, at::IntArrayRef kinds, at::IntArrayRef dims,
+                       double eps) {
+  TORCH_CHECK(dims.size() == 11, "qwen35_step: 11 dims");
+  const Dims m{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8],
+               dims[9], dims[10], static_cast<float>(eps)};
+  const int64_t layers = static_cast<int64_t>(kinds.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 3 + kLayerWeights * layers &&
+                  static_cast<int64_t>(state.size()) == 2 * layers,
+              "qwen35_step: weights or state do not match the layer kinds");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
+                  lengths.size(0) == tokens.size(0), "qwen35_step: lengths [B] int64");
+  for (const at::Tensor& t : state)
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                    t.size(0) == tokens.size(0), "qwen35_step: state is fp32 contiguous [B, ...]");
+  at::Tensor x = embed(weights[0], tokens);
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + 3 + l * kLayerWeights;
+    at::Tensor a = state[2 * l], b = state[2 * l + 1];
+    if (kinds[l] == 0) {
+      gdn_layer(x, w, a, b, m);
+    } else {
+      attention_layer(x, w, a, b, len, m);
+    }
+  }
+  return linserve::project(linserve::normed(x, weights[2], m.eps), weights[1]);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(linserve, m) {
+  m.def(
+      "qwen35_step(Tensor tokens, Tensor[] weights, Tensor(a!)[] state, Tensor lengths, "
+      "int[] kinds, int[] dims, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("qwen35_step", &qwen35_step); }
