@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -363,6 +363,31 @@ class GatedAttention(nn.Module):
         return self._out(torch.cat(outs), gate, x.unsqueeze(1)).squeeze(1)
 
 
+def _norm(n: nn.Module) -> torch.Tensor:
+    """A Qwen RMSNorm's weight as the native step takes it: 1 + w, fp32."""
+    return (1.0 + cast(QwenRMSNorm, n).weight.detach().float()).contiguous()
+
+
+def _gemm(linear: nn.Module) -> torch.Tensor:
+    return invariant.gemm_weight(linear, cast(nn.Linear, linear).weight)
+
+
+def _layer_weights(layer: DecoderLayer, cfg: Qwen35Config) -> list[torch.Tensor]:
+    """One layer's part of the native step's weight list (``qwen35_step.cpp``'s order)."""
+    def f32(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().float().contiguous()
+
+    mlp = [_norm(layer.post_attention_layernorm), layer.mlp.gate_up(),
+           _gemm(layer.mlp.down_proj)]
+    if layer.kind == "linear_attention":
+        a = layer.linear_attn
+        return [_norm(layer.input_layernorm), a.in_weight(), a.conv_weight(), f32(a.A_log),
+                f32(a.dt_bias), f32(a.norm.weight), _gemm(a.out_proj), *mlp]
+    at = layer.self_attn
+    return [_norm(layer.input_layernorm), at.qkv_weight(), _norm(at.q_norm), _norm(at.k_norm),
+            _gemm(at.o_proj), *mlp, inv_freq(cfg), torch.empty(0)]
+
+
 def _step_tensors(entries: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's state as the native step takes it: (S, conv window) or (keys, values)."""
     if "kv" in entries:
@@ -501,32 +526,12 @@ class Qwen35ForCausalLM(nn.Module):
         return self._fused[1]
 
     def _pack_fused(self) -> list[torch.Tensor]:
-        def f32(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().float().contiguous()
-
-        def norm(n: QwenRMSNorm) -> torch.Tensor:  # Qwen's norms scale by 1 + w
-            return (1.0 + n.weight.detach().float()).contiguous()
-
-        def gemm(linear: nn.Linear) -> torch.Tensor:
-            return invariant.gemm_weight(linear, linear.weight)
-
         emb = self.model.embed_tokens
         head = invariant.gemm_weight(emb, emb.weight) if self.lm_head is None \
-            else gemm(self.lm_head)
-        out = [emb.weight.detach(), head, norm(self.model.norm)]
+            else _gemm(self.lm_head)
+        out = [emb.weight.detach(), head, _norm(self.model.norm)]
         for layer in self.model.layers:
-            mlp = [norm(layer.post_attention_layernorm), layer.mlp.gate_up(),
-                   gemm(layer.mlp.down_proj)]
-            if layer.kind == "linear_attention":
-                a = layer.linear_attn
-                out += [norm(layer.input_layernorm), a.in_weight(), a.conv_weight(),
-                        f32(a.A_log), f32(a.dt_bias), f32(a.norm.weight), gemm(a.out_proj),
-                        *mlp]
-            else:
-                at = layer.self_attn
-                out += [norm(layer.input_layernorm), at.qkv_weight(), norm(at.q_norm),
-                        norm(at.k_norm), gemm(at.o_proj), *mlp, inv_freq(self.cfg),
-                        torch.empty(0)]
+            out += _layer_weights(cast(DecoderLayer, layer), self.cfg)
         return out
 
     def n_params(self) -> int:
