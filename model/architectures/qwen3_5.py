@@ -184,6 +184,15 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
         self._conv: tuple[int, torch.Tensor] | None = None
 
+    def _causal_conv(self, full: torch.Tensor) -> torch.Tensor:
+        """The depthwise causal convolution of ``full [B, K-1+T, C]`` -> ``[B, T, C]`` fp32
+        (the native pass of ``prefill_ops.cpp`` where built: no transposes)."""
+        if kernels.available() and not torch.is_grad_enabled():
+            return torch.ops.linserve.causal_conv(full.contiguous(),
+                                                  self.conv_weight().t().contiguous())
+        return F.conv1d(full.transpose(1, 2), self.conv1d.weight.float(),
+                        groups=full.shape[2]).transpose(1, 2)
+
     def in_weight(self) -> torch.Tensor:
         """The four input projections (qkv, z, b, a) as one GEMM weight
         ``[d, C + Hv·Dv + 2·Hv]`` (:func:`invariant.gemm_weight`)."""
@@ -230,8 +239,7 @@ class GatedDeltaNet(nn.Module):
         full = torch.cat([conv.window, mixed], dim=1)  # [B, K-1+T, C]
         conv.window = full[:, full.shape[1] - conv.window.shape[1]:].clone(
             memory_format=torch.contiguous_format)
-        mixed = invariant.rowwise(F.silu, F.conv1d(full.transpose(1, 2), self.conv1d.weight.float(),
-                                                   groups=full.shape[2]).transpose(1, 2))
+        mixed = invariant.rowwise(F.silu, self._causal_conv(full))
         q, k, v, g, beta = self._heads(mixed, b_in, a_in)
         o, s = delta_rule_chunked(q, k, v, g, beta, rec.s)
         rec.s = s.contiguous()
