@@ -54,6 +54,30 @@ def bandwidth_gbs(mib: int = 512) -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
+def read_bandwidth_gbs(mib: int = 512) -> float:
+    """Best-of GB/s of one thread reading a large buffer once: the ceiling of a batch-1
+    decode step, which reads its weights and writes almost nothing. The best of four
+    read-only reductions (fp32 sum, amax and dot, bf16 sum), each best of 5: ATen's single
+    reduction chains leave some bandwidth unused, so one kernel alone understates it."""
+    src = torch.ones(mib * 2**20 // 4)
+    half = torch.ones(mib * 2**20 // 2, dtype=torch.bfloat16)
+    kernels = [(lambda: src.sum(), src), (lambda: src.amax(), src),
+               (lambda: torch.dot(src, src), src), (lambda: half.sum(), half)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = 0.0
+        for fn, t in kernels:
+            fn()
+            for _ in range(5):
+                t0 = time.perf_counter()
+                fn()
+                best = max(best, t.numel() * t.element_size() / (time.perf_counter() - t0))
+    finally:
+        torch.set_num_threads(threads)
+    return best / 1e9
+
+
 def llc_bytes() -> int:
     """Size of the last-level cache (index3, else 32 MiB)."""
     from pathlib import Path

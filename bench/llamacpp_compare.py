@@ -1,0 +1,104 @@
+"""llama.cpp on the same weights, for ``bench.hf --llamacpp`` (never run by CI).
+
+``bench/llamacpp.sh`` builds llama.cpp from the source vendored in the
+``llama-cpp-python==0.3.36`` sdist and converts the checkpoint with llama.cpp's own
+``convert_hf_to_gguf.py``. This module runs what the comparison needs:
+
+- :func:`gguf`: the checkpoint as a GGUF of one weight type (converted once, kept beside the
+  checkpoint);
+- :func:`llama_bench`: ``llama-bench`` batch-1 decode (``tg``) and prompt processing (``pp``)
+  tokens/s at given thread counts;
+- :func:`serve_and_load`: ``llama-server --parallel N`` (or this project's server) driven by
+  ``bench.loadtest`` with N concurrent streams: aggregate output tokens/s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import loadtest
+from bench.serverproc import free_port
+
+SCRIPT = Path(__file__).with_name("llamacpp.sh")
+
+
+def binary(name: str) -> Path:
+    """A built llama.cpp program (``bash bench/llamacpp.sh build`` first)."""
+    out = subprocess.run(["bash", str(SCRIPT), "bin", name], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    path = Path(out)
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: run `bash bench/llamacpp.sh build` first")
+    return path
+
+
+def gguf(checkpoint: Path, kind: str) -> Path:
+    """The checkpoint converted to GGUF ``kind`` (f32, bf16, f16, q8_0), made once."""
+    out = checkpoint / f"llamacpp-{kind}.gguf"
+    if not out.exists():
+        subprocess.run(["bash", str(SCRIPT), "convert", str(checkpoint), str(out), kind],
+                       check=True)
+    return out
+
+
+def llama_bench(model: Path, threads: list[int], prompt: int, gen: int, reps: int = 2
+                ) -> list[dict[str, Any]]:
+    """``llama-bench`` rows: {threads, test ("pp<n>" / "tg<n>"), tokens_per_s}."""
+    cmd = [str(binary("llama-bench")), "-m", str(model), "-p", str(prompt), "-n", str(gen),
+           "-t", ",".join(map(str, threads)), "-r", str(reps), "-o", "json"]
+    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    return [{"threads": r["n_threads"],
+             "test": f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}",
+             "tokens_per_s": round(r["avg_ts"], 2)} for r in rows]
+
+
+def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode})")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("the server did not become healthy")
+
+
+def serve_and_load(cmd: list[str], port: int, streams: int, requests: int, prompt: int,
+                   gen: int, log: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Start ``cmd`` (listening on ``port``), run ``bench.loadtest`` with ``streams``
+    concurrent streaming completions (a discarded warm-up round first), stop it; returns the
+    loadtest report."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(url, proc)
+        common = ["--url", url, "--concurrency", str(streams), "--prompt-tokens", str(prompt),
+                  "--max-tokens", str(gen), "--ignore-eos", "--temperature", "0.8"]
+        loadtest.main([*common, "--requests", str(streams)])
+        return loadtest.main([*common, "--requests", str(requests)])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def llama_server_cmd(model: Path, streams: int, context: int) -> tuple[list[str], int]:
+    """``llama-server`` with ``streams`` slots of ``context`` tokens each, on a free port."""
+    port = free_port()
+    return [str(binary("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port",
+            str(port), "--parallel", str(streams), "-c", str(streams * context),
+            "--no-webui"], port
