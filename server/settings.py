@@ -37,6 +37,13 @@ class Settings(BaseSettings):
         "dot products (AVX512-BF16 or AMX), float32 otherwise; recurrent state and KV caches "
         "are always float32")
     threads: int = Field(0, ge=0, description="torch threads for the engine (0: auto)")
+    chat_template: str = Field("", description="a Jinja chat template file that replaces the "
+                               "checkpoint's own")
+    tool_call_parser: Literal["", "qwen3_xml", "qwen3_coder", "hermes"] = Field(
+        "", description="how tool calls are read from the output (vLLM's names; default: "
+        "qwen3_xml for a template that writes <function=…> calls, else hermes)")
+    reasoning_parser: Literal["", "qwen3", "deepseek_r1"] = Field(
+        "", description="put <think>…</think> text in reasoning_content (vLLM's names)")
     fused_step: bool = Field(
         True, description="decode with the native fused step (elu+1 and softmax models; "
         "compiled once, or LINSERVE_KERNEL_LIB); the eager step is used where it is "

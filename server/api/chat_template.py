@@ -67,15 +67,27 @@ class TemplateChat:
         self.bos_token, self.eos_token = bos_token, eos_token
 
     def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
-               **kwargs: Any) -> str:
+               continue_final_message: bool = False, **kwargs: Any) -> str:
         """The prompt text; raises ValueError (the request's fault) when the template refuses
-        the conversation."""
+        the conversation. ``kwargs`` become template variables (``tools``, ``documents``,
+        ``chat_template_kwargs``' entries such as ``enable_thinking``). With
+        ``continue_final_message`` the text ends where the last message's content ends, so
+        the model continues it (transformers' rule)."""
         from jinja2.exceptions import TemplateError
 
-        dicts = [m.model_dump(exclude_none=True) for m in messages]
+        dicts = [m.for_template() for m in messages]
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
         try:
-            return str(self.template.render(
+            text = str(self.template.render(
                 messages=dicts, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token, **kwargs))
         except TemplateError as exc:
             raise ValueError(f"the chat template refused these messages: {exc}") from None
+        if continue_final_message:
+            final = messages[-1].text().strip()
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise ValueError("continue_final_message: the template does not render the "
+                                 "last message's content as it is")
+            text = text[: at + len(final)]
+        return text

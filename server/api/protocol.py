@@ -6,6 +6,7 @@ validated strictly, and every failure becomes a 400 in OpenAI's error envelope.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -21,7 +22,7 @@ from pydantic import (
 )
 
 from model.sampling import SamplingParams
-from server.grammar.spec import GrammarSpec, from_request
+from server.grammar.spec import GrammarError, GrammarSpec, from_request
 
 
 # Token ids: non-negative integers (never bools or strings); the OpenAPI document gets the
@@ -148,20 +149,6 @@ class SamplingFields(OpenAIBase):
                                                "grammar the output must follow")
     guided_whitespace_pattern: GrammarText | None = Field(
         None, description="vLLM: the whitespace allowed between JSON items (default none)")
-    tools: list[dict[str, Any]] | None = Field(
-        None, description="accepted and ignored: this model has no tool calling")
-    tool_choice: Literal["none", "auto"] | None = Field(
-        None, description="'none' or 'auto' (the model answers in text); 'required' or a "
-        "named tool is a 400")
-
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _tool_choice(cls, value: Any) -> Any:
-        if value is not None and value not in ("none", "auto"):
-            raise ValueError("tool_choice 'required' or a named tool is not supported (this "
-                             "model has no tool calling; use 'auto' or 'none')")
-        return value
-
     @model_validator(mode="after")
     def _refuse_unimplemented(self) -> SamplingFields:
         """A field that would change the output but is not implemented is a 400 naming it,
@@ -254,18 +241,130 @@ class CompletionRequest(SamplingFields):
     return_tokens_as_token_ids: StrictBool = False  # vLLM extension: logprob tokens as "token_id:N"
 
 
+class FunctionCall(OpenAIBase):
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(OpenAIBase):
+    """A tool call an earlier assistant turn made (sent back in the conversation)."""
+
+    id: str | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBase):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = Field(None, max_length=256)
+    name: str | None = Field(None, max_length=256)
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls "
+                             "may omit it)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
 
+    def for_template(self) -> dict[str, Any]:
+        """As chat templates expect it (vLLM's convention): content-part arrays kept, tool
+        call arguments as objects, not JSON text."""
+        out = self.model_dump(exclude_none=True)
+        for call in out.get("tool_calls") or []:
+            args = call["function"].get("arguments")
+            if isinstance(args, str):
+                try:
+                    call["function"]["arguments"] = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    raise ValueError("a tool call's arguments are not JSON") from None
+        return out
+
+
+class FunctionTool(OpenAIBase):
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIBase):
+    type: Literal["function"] = "function"
+    function: FunctionTool
+
+
+class NamedToolChoice(OpenAIBase):
+    class Name(OpenAIBase):
+        name: str
+
+    type: Literal["function"] = "function"
+    function: Name
+
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="'auto' (the default with tools), 'none', 'required' or a named "
+        "function; the last two are enforced by a grammar")
+    parallel_tool_calls: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extra template variables, e.g. {\"enable_thinking\": false}")
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    documents: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatRequest:
+        choice = self.tool_choice
+        names = {t.function.name for t in self.tools or []}
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not "
+                             "among the tools")
+        if self.continue_final_message and (self.add_generation_prompt or
+                                            self.messages[-1].role != "assistant"):
+            raise ValueError("continue_final_message needs add_generation_prompt false and "
+                             "an assistant message last")
+        return self
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """A forced tool call (``tool_choice`` required or named) is a JSON-schema constraint
+        on the output (server.api.tool_calls.forced_schema), as vLLM enforces it."""
+        forced, name = self.forced_tool()
+        if not forced:
+            return super().grammar_spec()
+        if super().grammar_spec() is not None:
+            raise GrammarError("tool_choice 'required' or a named function cannot be combined "
+                               "with another output constraint", "tool_choice")
+        from server.api.tool_calls import forced_schema
+
+        schema = forced_schema(self.tool_dicts(), name, self.parallel_tool_calls)
+        return from_request({"type": "json_schema", "json_schema": {
+            "name": "tool_calls", "schema": schema}}, {})
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(whether a call is forced, the function it must call or None for any)."""
+        if self.tool_choice == "required":
+            return True, None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return True, self.tool_choice.function.name
+        return False, None
     max_completion_tokens: Annotated[Integer, Field(ge=1)] | None = Field(
         None, json_schema_extra={"x-max-tokens": True},
         description="what current OpenAI SDKs send; wins over max_tokens")
@@ -278,8 +377,21 @@ class SessionCreate(OpenAIBase):
 
 
 class TokenizeRequest(OpenAIBase):
-    prompt: str
+    """Text (``prompt``), or a conversation rendered by the chat template (``messages``, as
+    vLLM's /tokenize takes it)."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        return self
 
 
 class DetokenizeRequest(OpenAIBase):

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from model.interface import ServedModel, State
@@ -19,6 +20,7 @@ from model.sampling import SamplingParams
 from server.api.chat_template import TemplateChat
 from server.api.errors import APIError
 from server.api.protocol import SamplingFields, new_id
+from server.api.tool_calls import default_parser
 from server.engine.client import EngineBackend, EngineUnavailable, RequestHandle
 from server.engine.engine import Overloaded
 from server.engine.loading import state_budget
@@ -67,6 +69,13 @@ def engine_error(out: Output) -> APIError:
     return APIError(500, out.error, None, "internal_error")
 
 
+def chat_template_source(settings: Settings, model: ServedModel) -> str | None:
+    """``--chat-template FILE``, else the checkpoint's own template (None: the plain one)."""
+    if settings.chat_template:
+        return Path(settings.chat_template).read_text()
+    return model.chat_template()
+
+
 class GenerationService:
     def _special_texts(self) -> tuple[str, str]:
         """The bos and eos tokens' texts for a chat template (eos: the first end id)."""
@@ -82,8 +91,9 @@ class GenerationService:
         self.model_fingerprint = model.fingerprint()
         self.tok = model.tokenizer()
         self.state_budget = state_budget(settings, model.info)
-        template = model.chat_template()
+        template = chat_template_source(settings, model)
         self.chat = TemplateChat(template, *self._special_texts()) if template else None
+        self.tool_parser = settings.tool_call_parser or default_parser(template)
         self.prompt_tokens = PromptTokens(self.tok)
         self.settings = settings
         self._tasks: set[asyncio.Task[None]] = set()

@@ -47,7 +47,7 @@ def log_request(handle: RequestHandle, final: Output | None, status: str) -> Non
     log.info(json.dumps(record))
 
 
-Render = Callable[[int, Output], dict[str, Any] | None]
+Render = Callable[[int, Output], dict[str, Any] | list[dict[str, Any]] | None]
 UsageRender = Callable[[list[Output]], dict[str, Any] | None]
 
 
@@ -102,9 +102,10 @@ async def event_stream(handles: list[RequestHandle], render: Render,
                 finals[k], failed = out, True
                 break
             observe_tokens(handle, out)
-            chunk = render(k, out)
-            if chunk is not None:
-                yield sse(chunk)
+            chunks = render(k, out)
+            for chunk in chunks if isinstance(chunks, list) else [chunks]:
+                if chunk is not None:
+                    yield sse(chunk)
             handle.sent_tokens += len(out.token_ids)
             if out.finish_reason is not None:
                 finals[k] = out

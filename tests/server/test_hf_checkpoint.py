@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -61,7 +62,32 @@ def test_health_names_the_architecture_and_state(qwen_server: ServerProcess) -> 
     models = httpx.get(qwen_server.url + "/v1/models").json()["data"][0]
     assert models["id"] == "qwen-tiny" and models["architecture"].startswith("qwen3_5")
     assert models["state_grows"] is True and models["state_bytes"] > 0
+    assert models["state_bytes_per_token"] > 0  # the playground charts both parts
     assert health["status"] == "ok"
+
+
+def test_structured_outputs_with_a_150k_vocabulary(qwen_server: ServerProcess) -> None:
+    """JSON-schema output through the llguidance bitmask over the Qwen tokenizer's 151,936
+    ids (the model's vocabulary): every sampled reply validates, chat and completions."""
+    from openai import OpenAI
+
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "mood": {"enum": ["calm", "wild"]}},
+        "required": ["name", "count", "mood"], "additionalProperties": False}
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                       "strict": True}}
+    client = OpenAI(base_url=qwen_server.url + "/v1", api_key="none", max_retries=0)
+    for seed in range(6):
+        chat = client.chat.completions.create(
+            model="qwen-tiny", messages=[{"role": "user", "content": "Describe a cat."}],
+            response_format=fmt, seed=seed, temperature=1.0, max_tokens=80)
+        jsonschema.validate(json.loads(chat.choices[0].message.content or ""), schema)
+        text = client.completions.create(model="qwen-tiny", prompt="A cat:", seed=seed,
+                                         max_tokens=80, extra_body={"guided_json": schema})
+        jsonschema.validate(json.loads(text.choices[0].text), schema)
 
 
 def test_sessions_and_export_import_continue_like_stateless(qwen_server: ServerProcess) -> None:

@@ -9,14 +9,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server import metrics
+from server.api import reasoning
 from server.api.auth import Owner
+from server.api.chat_reply import ChatDeltas, ChatShape
 from server.api.chat_template import CHAT_STOP, render_chat
 from server.api.errors import APIError
 from server.api.formatting import (
     SSE_DONE,
     SSE_HEADERS,
     CompletionLogprobs,
-    StripStream,
     chat_logprobs,
     finish_reason,
     sse,
@@ -199,26 +200,48 @@ def _stream(handles: list[RequestHandle], render: Any, usage_chunk: Any,
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def _chat_prompt(svc: GenerationService, body: ChatRequest) -> tuple[str, tuple[str, ...]]:
-    """The prompt text and the extra stop strings of a chat request."""
+# template variables a request may not override through chat_template_kwargs
+RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                      "bos_token", "eos_token", "continue_final_message"})
+
+
+def _chat_prompt(svc: GenerationService, body: ChatRequest
+                 ) -> tuple[str, tuple[str, ...], ChatShape]:
+    """The prompt text, the extra stop strings and the reply's shape of a chat request."""
     if svc.chat is None:
-        return render_chat(body.messages), CHAT_STOP
+        if body.tools and body.tool_choice != "none":
+            raise APIError(400, "this model has no chat template to present tools with",
+                           "tools", "unsupported_parameter")
+        return render_chat(body.messages), CHAT_STOP, ChatShape()
     if body.session_id:
         raise APIError(400, "chat sessions are not supported yet with a checkpoint's own chat "
                        "template; send the whole conversation (the prefix cache reuses the "
                        "earlier turns' state)", "session_id", "unsupported_parameter")
+    tools = body.tool_dicts() if body.tool_choice != "none" else []
+    extra = dict(body.chat_template_kwargs or {})
+    bad = RESERVED & set(extra)
+    if bad:
+        raise APIError(400, f"chat_template_kwargs may not set {sorted(bad)}",
+                       "chat_template_kwargs", "invalid_parameter")
     try:
-        return svc.chat.render(body.messages), ()
+        text = svc.chat.render(body.messages, body.add_generation_prompt,
+                               body.continue_final_message, tools=tools or None,
+                               documents=body.documents, **extra)
     except ValueError as exc:
         raise APIError(400, str(exc), "messages", "invalid_messages") from None
+    thinking = reasoning.starts_thinking(text) if svc.settings.reasoning_parser else None
+    shape = ChatShape(tools, svc.tool_parser, body.forced_tool()[0], thinking)
+    return text, (), shape
 
 
 @router.post("/v1/chat/completions", responses={**ERRORS, 200: SSE_RESPONSE})
 async def chat_completions(body: ChatRequest, request: Request, owner: Owner) -> Any:
     """OpenAI chat completions: the checkpoint's own chat template where it has one, else
-    the plain-text one of the project's base models (see ``chat_template``)."""
+    the plain-text one of the project's base models (see ``chat_template``); tool calls and
+    reasoning as the request and ``--tool-call-parser`` / ``--reasoning-parser`` ask
+    (``chat_reply``)."""
     svc = _service(request)
-    text, stops = _chat_prompt(svc, body)
+    text, stops, shape = _chat_prompt(svc, body)
     prompt_ids = svc.tokenize_prompt(text, "messages")
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     prep = _prepare(svc, body, owner, prompt_ids, DEFAULT_CHAT_TOKENS, n_lp,
@@ -235,28 +258,42 @@ async def chat_completions(body: ChatRequest, request: Request, owner: Owner) ->
     def logprobs(out: Output) -> dict[str, Any] | None:
         return chat_logprobs(svc.tok, out.logprobs) if n_lp is not None else None
 
+    def finish(out: Output, called: bool) -> str | None:
+        reason = finish_reason(out)
+        return "tool_calls" if called and reason == "stop" else reason
+
     if not body.stream:
         outs = await asyncio.gather(*(_collect(svc, h, request) for h in handles))
-        return JSONResponse({**base, "object": "chat.completion", "choices": [{
-            "index": k, "message": {"role": "assistant", "content": out.text.strip()},
-            "finish_reason": finish_reason(out), "logprobs": logprobs(out)}
-            for k, out in enumerate(outs)], "usage": usage(outs)})
+        choices = []
+        for k, out in enumerate(outs):
+            message, called = shape.message(out.text)
+            choices.append({"index": k, "message": message, "logprobs": logprobs(out),
+                            "finish_reason": finish(out, called)})
+        return JSONResponse({**base, "object": "chat.completion", "choices": choices,
+                             "usage": usage(outs)})
     started: set[int] = set()
-    trims = [StripStream() for _ in handles]
+    streams = [ChatDeltas(shape) for _ in handles]
 
-    def render(k: int, out: Output) -> dict[str, Any] | None:
-        delta: dict[str, Any] = {}
-        if k not in started:
-            delta["role"] = "assistant"
-            started.add(k)
-        text = trims[k].feed(out.text)
-        if text:
-            delta["content"] = text
-        if not delta and out.finish_reason is None:
-            return None
+    def chunk(k: int, delta: dict[str, Any], out: Output | None, reason: str | None
+              ) -> dict[str, Any]:
         return {**base, "object": "chat.completion.chunk", "choices": [{
-            "index": k, "delta": delta, "logprobs": logprobs(out),
-            "finish_reason": finish_reason(out)}], "usage": None}
+            "index": k, "delta": delta, "logprobs": logprobs(out) if out else None,
+            "finish_reason": reason}], "usage": None}
+
+    def render(k: int, out: Output) -> list[dict[str, Any]]:
+        deltas = streams[k].feed(out.text)
+        if out.finish_reason is not None:
+            deltas += streams[k].finish()
+        if k not in started:
+            deltas = [{"role": "assistant", **(deltas[0] if deltas else {})}, *deltas[1:]]
+            started.add(k)
+        if not deltas and out.finish_reason is None:
+            return []
+        last = finish(out, streams[k].calls > 0) if out.finish_reason is not None else None
+        if not deltas:
+            deltas = [{}]
+        return [chunk(k, d, out if i == 0 else None, last if i == len(deltas) - 1 else None)
+                for i, d in enumerate(deltas)]
 
     usage_chunk = None
     if body.stream_options and body.stream_options.include_usage:

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.api.auth import Owner
+from server.api.chat_template import render_chat
 from server.api.errors import APIError
 from server.api.protocol import DetokenizeRequest, TokenizeRequest, now
 from server.api.routes.docs import ERRORS
@@ -23,13 +24,30 @@ async def list_models(request: Request, _: Owner) -> dict[str, Any]:
         "id": st.model_name, "object": "model", "created": st.started, "owned_by": "linserve",
         "architecture": st.model.info.architecture, "max_model_len": st.max_model_len,
         "state_bytes": st.model.info.state_bytes,
-        "state_grows": st.model.info.state_grows}]}
+        "state_grows": st.model.info.state_grows,
+        "state_bytes_per_token": st.model.info.state_bytes_per_token}]}
 
 
 @router.post("/tokenize", tags=["tokenizer"], responses=ERRORS)
 async def tokenize(body: TokenizeRequest, request: Request, _: Owner) -> dict[str, Any]:
-    ids = request.app.state.service.tok.encode(body.prompt)
-    return {"tokens": ids, "count": len(ids), "max_model_len": request.app.state.max_model_len}
+    """Token ids of ``prompt``, or of ``messages`` rendered by the chat template (then the
+    rendered text is returned as ``prompt`` too, so a client sees what the model gets)."""
+    svc = request.app.state.service
+    text = body.prompt
+    if body.messages is not None:
+        if svc.chat is None:
+            text = render_chat(body.messages)
+        else:
+            try:
+                text = svc.chat.render(
+                    body.messages, body.add_generation_prompt,
+                    tools=[t.model_dump(exclude_none=True) for t in body.tools or []] or None,
+                    **(body.chat_template_kwargs or {}))
+            except (ValueError, TypeError) as exc:
+                raise APIError(400, str(exc), "messages", "invalid_messages") from None
+    ids = svc.tok.encode(text or "")
+    out = {"tokens": ids, "count": len(ids), "max_model_len": request.app.state.max_model_len}
+    return {**out, "prompt": text} if body.messages is not None else out
 
 
 @router.post("/detokenize", tags=["tokenizer"], responses=ERRORS)

@@ -111,8 +111,10 @@
       app.model = body.data[0];
       const m = app.model;
       const growing = m.state_grows;
+      const fixed = m.state_bytes > 0 ? formatBytes(m.state_bytes) + " constant state + " : "";
       ui.model.textContent = "Model " + m.id + " · " + m.architecture + " · " +
-        (growing ? "KV cache that grows with every token (max " + m.max_model_len + ")"
+        (growing ? fixed + "a KV cache of " + formatBytes(m.state_bytes_per_token || 0) +
+                   " per token (max " + m.max_model_len + ")"
                  : "constant state of " + formatBytes(m.state_bytes) + " per session");
       ui.auth.hidden = true;
       clearError();
@@ -192,6 +194,17 @@
     label(60, 160, "0", "end");
     label(64, 176, "0");
     label(352, 176, maxX + " tokens", "end");
+    const m = app.model;
+    if (m && m.state_grows && m.state_bytes > 0) {  // a hybrid: the constant part, then KV
+      const y = py(Math.min(m.state_bytes, top));
+      const base = document.createElementNS(ns, "line");
+      base.setAttribute("x1", 64); base.setAttribute("x2", 352);
+      base.setAttribute("y1", y); base.setAttribute("y2", y);
+      base.setAttribute("class", "constant-part");
+      svg.append(base);
+      label(348, y - 4, "constant part " + formatBytes(m.state_bytes) + "; above: KV cache",
+            "end");
+    }
     series.forEach((points, i) => {
       if (!points.length) return;
       const line = document.createElementNS(ns, "polyline");

@@ -1,0 +1,216 @@
+"""Tool calls in model output: parsers chosen by vLLM's names, whole texts and streams.
+
+Both formats wrap a call in ``<tool_call>`` … ``</tool_call>``:
+
+- ``qwen3_xml`` (Qwen3.5, Qwen3-Coder; vLLM's ``qwen3_coder`` / ``qwen3_xml``)::
+
+      <tool_call>
+      <function=get_weather>
+      <parameter=city>
+      Paris
+      </parameter>
+      </function>
+      </tool_call>
+
+  Parameter values are text; each is converted to the type its tool's JSON schema gives it
+  (integer, number, boolean, object, array; strings stay as they are).
+- ``hermes`` (Hermes, Qwen2.5): ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``.
+
+Text outside the markers stays ``content``. A block that does not parse (malformed, an unknown
+function, an unterminated call at the end of the output) stays ``content`` too, verbatim:
+nothing the model wrote is dropped.
+
+``tool_choice`` ``required`` or a named function is enforced the way vLLM does it: the output
+is constrained (llguidance, :func:`forced_schema`) to a JSON array of calls of the allowed
+tools with schema-valid arguments, and :func:`parse_forced` reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+START, END = "<tool_call>", "</tool_call>"
+PARSERS = ("qwen3_xml", "qwen3_coder", "hermes")
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or "call_" + secrets.token_hex(12)
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def default_parser(template: str | None) -> str:
+    """The parser a chat template implies: Qwen3.5's XML calls, else Hermes JSON."""
+    return "qwen3_xml" if template and "<function=" in template else "hermes"
+
+
+def _schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Function name -> its parameters schema."""
+    out = {}
+    for tool in tools:
+        fn = tool.get("function", {})
+        out[str(fn.get("name"))] = fn.get("parameters") or {}
+    return out
+
+
+def _convert(value: str, schema: dict[str, Any]) -> Any:
+    """An XML parameter's text as the type its schema names (text when it does not fit)."""
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "string" in kinds or (kind is None and "enum" not in schema):
+        return value
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        if "boolean" in kinds and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        return value
+    return parsed
+
+
+XML_FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*)</function>\s*$", re.S)
+XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _parse_xml(block: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
+    match = XML_FUNCTION.match(block)
+    if match is None or match.group(1).strip() not in schemas:
+        return None
+    name, body = match.group(1).strip(), match.group(2)
+    props = schemas[name].get("properties", {})
+    args = {p.strip(): _convert(v, props.get(p.strip(), {}))
+            for p, v in XML_PARAMETER.findall(body)}
+    if XML_PARAMETER.sub("", body).strip():
+        return None  # text between parameters: not a well-formed call
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _parse_hermes(block: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in schemas:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(str(obj["name"]), json.dumps(args, ensure_ascii=False))
+
+
+def parse_block(parser: str, block: str, tools: list[dict[str, Any]]) -> ToolCall | None:
+    """One call from the text between the markers, or None when it is not a valid call."""
+    schemas = _schemas(tools)
+    return _parse_hermes(block, schemas) if parser == "hermes" else _parse_xml(block, schemas)
+
+
+def extract(parser: str, text: str, tools: list[dict[str, Any]]
+            ) -> tuple[str, list[ToolCall]]:
+    """The content (text outside valid calls) and the calls of a whole output."""
+    stream = ToolStream(parser, tools)
+    events = stream.feed(text) + stream.finish()
+    content = "".join(e for e in events if isinstance(e, str))
+    return content, [e for e in events if isinstance(e, ToolCall)]
+
+
+class ToolStream:
+    """Incremental :func:`extract`: :meth:`feed` output text as it comes, get back content
+    strings and :class:`ToolCall` objects in order. Text that may be the start of a marker is
+    held back until it is decided."""
+
+    def __init__(self, parser: str, tools: list[dict[str, Any]]) -> None:
+        self.parser, self.tools = parser, tools
+        self.pending = ""  # undecided text outside a call
+        self.block: str | None = None  # inside a call: its text so far
+        self.after_call = False
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        events: list[str | ToolCall] = []
+        self.pending += text
+        while self.pending:
+            if self.after_call:  # the newlines that follow a call belong to it
+                self.pending = self.pending.lstrip("\n")
+                if not self.pending:
+                    break
+                self.after_call = False
+            if self.block is None:
+                at = self.pending.find(START)
+                if at < 0:
+                    keep = _partial_suffix(self.pending, START)
+                    if len(self.pending) > keep:
+                        events.append(self.pending[: len(self.pending) - keep])
+                        self.pending = self.pending[len(self.pending) - keep:]
+                    break
+                if at:
+                    events.append(self.pending[:at])
+                self.block, self.pending = "", self.pending[at + len(START):]
+            else:
+                buf = self.block + self.pending
+                at = buf.find(END)
+                if at < 0:
+                    self.block, self.pending = buf, ""
+                    break
+                call = parse_block(self.parser, buf[:at], self.tools)
+                events.append(call if call is not None else START + buf[: at + len(END)])
+                self.block, self.pending = None, buf[at + len(END):]
+                self.after_call = call is not None
+        return events
+
+    def finish(self) -> list[str | ToolCall]:
+        """What is left at the end: held-back text, or an unterminated call, as content."""
+        rest = (START + self.block if self.block is not None else "") + self.pending
+        self.block, self.pending = None, ""
+        return [rest] if rest else []
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+def forced_schema(tools: list[dict[str, Any]], choice: str | None, parallel: bool
+                  ) -> dict[str, Any]:
+    """The JSON schema ``tool_choice`` ``required`` (``choice`` None) or a named function
+    imposes: an array of one (or, with parallel calls, more) ``{"name", "parameters"}``
+    objects, each a call of an allowed tool with arguments valid against its schema."""
+    allowed = [t["function"] for t in tools
+               if choice is None or t["function"].get("name") == choice]
+    items = [{"type": "object", "properties": {
+        "name": {"const": fn["name"]},
+        "parameters": fn.get("parameters") or {"type": "object"}},
+        "required": ["name", "parameters"], "additionalProperties": False} for fn in allowed]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def parse_forced(text: str) -> list[ToolCall] | None:
+    """The calls of an output constrained by :func:`forced_schema`; None when it was cut
+    off before the array closed (``max_tokens``): the text then stays content."""
+    try:
+        return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                for c in json.loads(text)]
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,186 @@
+"""Tool-call and reasoning parsing (server/api/tool_calls.py, reasoning.py, chat_reply.py) on
+known model texts, whole and streamed in every split; and Qwen3.5's template rendering tool
+conversations exactly as transformers' ``apply_chat_template`` does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.llamacpp_assets import write_qwen_tokenizer_files
+from server.api import reasoning, tool_calls
+from server.api.chat_reply import ChatDeltas, ChatShape
+from server.api.chat_template import TemplateChat
+from server.api.protocol import ChatMessage
+
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer"},
+            "metric": {"type": "boolean"}, "hours": {"type": "array"}},
+            "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {
+            "a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}},
+]
+
+XML = ("Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n"
+       "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n"
+       "</parameter>\n<parameter=hours>\n[1, 2]\n</parameter>\n</function>\n</tool_call>\n"
+       "<tool_call>\n<function=add>\n<parameter=a>\n1.5\n</parameter>\n<parameter=b>\n2\n"
+       "</parameter>\n</function>\n</tool_call>")
+HERMES = ('Sure <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+          ' and <tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}'
+          '</tool_call>')
+MALFORMED = [
+    "<tool_call>\n<function=nope>\n</function>\n</tool_call>",  # an unknown function
+    "<tool_call>\n<function=add>\nstray<parameter=a>\n1\n</parameter>\n</function>\n"
+    "</tool_call>",  # text between parameters
+    "<tool_call>\n<function=add>\n<parameter=a>\n1\n",  # cut off
+    "<tool_call>{not json}</tool_call>",
+    "</tool_call> <tool_ca",
+]
+
+
+def _whole(parser: str, text: str) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+    content, calls = tool_calls.extract(parser, text, TOOLS)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_qwen3_xml_calls_with_typed_parameters() -> None:
+    content, calls = _whole("qwen3_xml", XML)
+    assert content == "Let me check.\n"
+    assert calls == [("get_weather", {"city": "New York", "days": 3, "metric": True,
+                                      "hours": [1, 2]}), ("add", {"a": 1.5, "b": 2})]
+
+
+def test_hermes_calls_with_object_or_string_arguments() -> None:
+    content, calls = _whole("hermes", HERMES)
+    assert content == "Sure  and "
+    assert calls == [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo"})]
+
+
+@pytest.mark.parametrize("text", MALFORMED)
+@pytest.mark.parametrize("parser", ["qwen3_xml", "hermes"])
+def test_malformed_calls_stay_content(parser: str, text: str) -> None:
+    content, calls = _whole(parser, text)
+    assert calls == [] and content == text
+
+
+@pytest.mark.parametrize(("parser", "text"), [("qwen3_xml", XML), ("hermes", HERMES),
+                                              ("qwen3_xml", MALFORMED[2])])
+def test_streaming_in_any_split_equals_the_whole(parser: str, text: str) -> None:
+    want = _whole(parser, text)
+    for cut in range(1, len(text)):
+        stream = tool_calls.ToolStream(parser, TOOLS)
+        events = stream.feed(text[:cut]) + stream.feed(text[cut:]) + stream.finish()
+        content = "".join(e for e in events if isinstance(e, str))
+        calls = [(e.name, json.loads(e.arguments)) for e in events
+                 if isinstance(e, tool_calls.ToolCall)]
+        assert (content, calls) == want, cut
+
+
+@pytest.mark.parametrize(("prompt", "text", "want"), [
+    ("…<|im_start|>assistant\n<think>\n", "I should add.\n</think>\n\nIt is 3.",
+     ("I should add.", "It is 3.")),
+    ("…<think>\n\n</think>\n\n", "It is 3.", (None, "It is 3.")),
+    ("…assistant\n", "<think>hm</think>It is 3.", ("hm", "It is 3.")),
+    ("…<think>\n", "still thinking when cut off", ("still thinking when cut off", "")),
+])
+def test_reasoning_split_whole_and_streamed(prompt: str, text: str,
+                                            want: tuple[str | None, str]) -> None:
+    thinking = reasoning.starts_thinking(prompt)
+    assert reasoning.split(text, thinking) == want
+    for cut in range(1, len(text)):
+        stream = reasoning.ReasoningStream(thinking)
+        parts = stream.feed(text[:cut]) + stream.feed(text[cut:]) + stream.finish()
+        think = "".join(t for k, t in parts if k == "reasoning").strip() or None
+        assert (think, "".join(t for k, t in parts if k == "content")) == want
+
+
+def test_chat_deltas_reassemble_to_the_whole_message() -> None:
+    """Reasoning, content and two calls, streamed a few characters at a time: the deltas
+    put together as an OpenAI client does give the non-streamed message."""
+    text = "weighing it\n</think>\n\n" + XML
+    shape = ChatShape(TOOLS, "qwen3_xml", thinking=True)
+    want, called = shape.message(text)
+    stream = ChatDeltas(shape)
+    deltas = [d for i in range(0, len(text), 7) for d in stream.feed(text[i : i + 7])]
+    deltas += stream.finish()
+    got: dict[str, Any] = {"reasoning_content": "", "content": "", "tool_calls": []}
+    for d in deltas:
+        got["reasoning_content"] += d.get("reasoning_content", "")
+        got["content"] += d.get("content", "")
+        for call in d.get("tool_calls", []):
+            if "id" in call:
+                got["tool_calls"].append({"id": call["id"], "type": "function", "function": {
+                    "name": call["function"]["name"], "arguments": ""}})
+            got["tool_calls"][call["index"]]["function"]["arguments"] += \
+                call["function"]["arguments"]
+    assert called
+    assert got["reasoning_content"].strip() == want["reasoning_content"]
+    assert got["content"] == want["content"]
+    assert [c["function"] for c in got["tool_calls"]] == \
+        [c["function"] for c in want["tool_calls"]]
+
+
+def test_forced_calls_parse_from_the_grammar_shape() -> None:
+    schema = tool_calls.forced_schema(TOOLS, "add", parallel=False)
+    assert schema["maxItems"] == 1 and schema["items"]["properties"]["name"] == {"const": "add"}
+    calls = tool_calls.parse_forced('[{"name": "add", "parameters": {"a": 1, "b": 2}}]')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
+
+
+CONVERSATIONS: list[dict[str, Any]] = [
+    {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS},
+    {"messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+        {"role": "user", "content": "And 1+2?"}], "tools": TOOLS},
+    {"messages": [
+        {"role": "user", "content": "Add 1 and 2."},
+        {"role": "assistant", "content": "Adding.", "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "add",
+                                                         "arguments": '{"a": 1, "b": 2}'}},
+            {"id": "b", "type": "function", "function": {"name": "add",
+                                                         "arguments": '{"a": 3, "b": 4}'}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "3"},
+        {"role": "tool", "tool_call_id": "b", "content": "7"}], "tools": TOOLS,
+     "enable_thinking": False},
+    {"messages": [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                               {"type": "text", "text": "there"}]}]},
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("qwen-template")
+    write_qwen_tokenizer_files(path)
+    return path
+
+
+@pytest.mark.parametrize("case", CONVERSATIONS)
+def test_tool_conversations_render_as_transformers_does(qwen_folder: Path,
+                                                        case: dict[str, Any]) -> None:
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(qwen_folder)
+    extra = {k: v for k, v in case.items() if k not in ("messages", "tools")}
+    hf_messages = json.loads(json.dumps(case["messages"]))
+    for m in hf_messages:  # transformers renders what it is given: arguments as objects
+        for call in m.get("tool_calls", []):
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    want = ref.apply_chat_template(hf_messages, tools=case.get("tools"), tokenize=False,
+                                   add_generation_prompt=True, **extra)
+    source = (qwen_folder / "chat_template.jinja").read_text()
+    got = TemplateChat(source).render([ChatMessage.model_validate(m) for m in case["messages"]],
+                                      tools=case.get("tools"), **extra)
+    assert got == want
