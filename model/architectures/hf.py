@@ -210,7 +210,8 @@ class HFServedModel:
             architecture=architecture, vocab_size=module.cfg.vocab_size,
             context_limit=context_limit, params=module.n_params(),
             dtype=str(dtype).removeprefix("torch."),
-            decode_step="fused (recurrent layers)" if kernels.available() else "eager",
+            decode_step="fused (whole model, one native call)" if kernels.available()
+            else "eager",
             ragged_prefill=False, state_bytes=empty.nbytes, state_grows=empty.grows,
             state_layout=empty.layout(), state_bytes_per_token=per_token,
             weight_bytes=sum(p.numel() * p.element_size() for p in module.parameters()))

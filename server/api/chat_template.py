@@ -64,6 +64,8 @@ class TemplateChat:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.template = env.from_string(source)
+        # OpenAI's newer name for the system role; templates that predate it get "system"
+        self.developer_as_system = "developer" not in source
         self.bos_token, self.eos_token = bos_token, eos_token
 
     def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
@@ -76,6 +78,10 @@ class TemplateChat:
         from jinja2.exceptions import TemplateError
 
         dicts = [m.for_template() for m in messages]
+        if self.developer_as_system:
+            for d in dicts:
+                if d["role"] == "developer":
+                    d["role"] = "system"
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         try:
             text = str(self.template.render(

@@ -90,6 +90,35 @@ def test_structured_outputs_with_a_150k_vocabulary(qwen_server: ServerProcess) -
         jsonschema.validate(json.loads(text.choices[0].text), schema)
 
 
+def test_prefix_cache_streaming_n_best_of_and_logprobs(qwen_server: ServerProcess) -> None:
+    """On the hybrid: a prompt that extends an earlier one resumes from the prefix cache
+    (the GDN state plus the KV prefix stored after the earlier prefill) and continues exactly
+    as without it (an echo request with log-probs never uses the cache); streaming equals
+    the whole reply; n, best_of and logprobs answer as on the project's own models."""
+    from openai import OpenAI
+
+    c = OpenAI(base_url=qwen_server.url + "/v1", api_key="none", max_retries=0)
+    prompt = " ".join(["Now is the winter of our discontent made glorious summer."] * 12)
+    c.completions.create(model="qwen-tiny", prompt=prompt, max_tokens=4, temperature=0)
+    longer = prompt + " Thus conscience does make cowards of us all."
+    cached = c.completions.create(model="qwen-tiny", prompt=longer, max_tokens=16,
+                                  temperature=0)
+    details = cached.usage.prompt_tokens_details
+    assert details is not None and (details.cached_tokens or 0) >= 100
+    uncached = c.completions.create(model="qwen-tiny", prompt=longer, max_tokens=16,
+                                    temperature=0, echo=True, logprobs=0)
+    assert uncached.choices[0].text == longer + cached.choices[0].text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="qwen-tiny", prompt=longer, max_tokens=16, temperature=0, stream=True)
+        if ch.choices)
+    assert streamed == cached.choices[0].text
+    many = c.completions.create(model="qwen-tiny", prompt="To be", max_tokens=8, n=3, seed=4,
+                                best_of=4, logprobs=2)
+    assert len(many.choices) == 3
+    for choice in many.choices:
+        assert choice.logprobs is not None and len(choice.logprobs.top_logprobs) >= 1
+
+
 def test_sessions_and_export_import_continue_like_stateless(qwen_server: ServerProcess) -> None:
     """A session fed in two turns, exported and imported, continues exactly as one stateless
     request over the same tokens."""

@@ -205,6 +205,14 @@ RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
                       "bos_token", "eos_token", "continue_final_message"})
 
 
+def _constrained(body: ChatRequest) -> bool:
+    """Whether the output is held to a grammar (a forced call or structured output)."""
+    try:
+        return body.forced_tool()[0] or body.grammar_spec() is not None
+    except ValueError:
+        return True  # an invalid one: grammar_of answers the 400
+
+
 def _chat_prompt(svc: GenerationService, body: ChatRequest
                  ) -> tuple[str, tuple[str, ...], ChatShape]:
     """The prompt text, the extra stop strings and the reply's shape of a chat request."""
@@ -219,6 +227,10 @@ def _chat_prompt(svc: GenerationService, body: ChatRequest
                        "earlier turns' state)", "session_id", "unsupported_parameter")
     tools = body.tool_dicts() if body.tool_choice != "none" else []
     extra = dict(body.chat_template_kwargs or {})
+    if svc.settings.reasoning_parser and _constrained(body):
+        # the grammar holds from the first token, so the model does not think first
+        # (vLLM defers it until </think>; here thinking is switched off for such requests)
+        extra.setdefault("enable_thinking", False)
     bad = RESERVED & set(extra)
     if bad:
         raise APIError(400, f"chat_template_kwargs may not set {sorted(bad)}",
