@@ -130,19 +130,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def compare_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
     """llama-bench on each GGUF type, then 16 streams: llama-server against this server."""
-    bench = {kind: lc.llama_bench(lc.gguf(args.checkpoint, kind), args.threads, args.prompt,
-                                  64) for kind in args.gguf}
+    bench = {} if args.servers_only else {
+        kind: lc.llama_bench(lc.gguf(args.checkpoint, kind), args.threads, args.prompt, 64)
+        for kind in args.gguf}
     streams, prompt, gen = args.streams, 128, 128
     cmd, port = lc.llama_server_cmd(lc.gguf(args.checkpoint, "bf16"), streams, prompt + gen)
     theirs = lc.serve_and_load(cmd, port, streams, 3 * streams, prompt, gen,
                                RESULTS / "hf-llama-server.log")
     port = lc.free_port()
     ours_cmd = [sys.executable, "-m", "server", "--model", str(args.checkpoint), "--dtype",
-                args.dtype, "--port", str(port), "--max-running", str(streams)]
+                args.dtype, "--port", str(port), "--max-running", str(streams),
+                "--threads", str(args.server_threads)]
     ours = lc.serve_and_load(ours_cmd, port, streams, 3 * streams, prompt, gen,
                              RESULTS / "hf-server.log")
     keep = ("output_tokens_per_s", "ttft_ms", "tpot_ms", "errors")
-    return {"llama_bench": bench, "streams": streams,
+    return {"llama_bench": bench, "streams": streams, "server_threads": args.server_threads,
             "llama_server": {k: theirs.get(k) for k in keep},
             "ours_server": {k: ours.get(k) for k in keep}}
 
@@ -202,7 +204,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--llamacpp", action="store_true", help="compare with llama.cpp")
     p.add_argument("--gguf", nargs="+", default=["bf16", "f16", "q8_0", "f32"])
     p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--server-threads", type=int, default=0,
+                   help="this server's --threads (0: its default, all CPUs but one)")
+    p.add_argument("--servers-only", action="store_true",
+                   help="only the 16-stream comparison (bench/results/hf-servers.json)")
     args = p.parse_args(argv)
+    if args.servers_only:
+        result: dict[str, Any] = {"llamacpp": compare_llamacpp(args)}
+        write_json("hf-servers", {"machine": machine(), "args": {
+            **vars(args), "checkpoint": str(args.checkpoint)}, "result": result})
+        print(result)
+        return
     if args.make or not (args.checkpoint / "config.json").exists():
         make(args.checkpoint)
     result = measure(args)
