@@ -212,7 +212,7 @@ class HFServedModel:
             dtype=str(dtype).removeprefix("torch."),
             decode_step="fused (whole model, one native call)" if kernels.available()
             else "eager",
-            ragged_prefill=False, state_bytes=empty.nbytes, state_grows=empty.grows,
+            ragged_prefill=True, state_bytes=empty.nbytes, state_grows=empty.grows,
             state_layout=empty.layout(), state_bytes_per_token=per_token,
             weight_bytes=sum(p.numel() * p.element_size() for p in module.parameters()))
 
@@ -236,7 +236,7 @@ class HFServedModel:
 
     def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
                        ) -> tuple[torch.Tensor, list[State]]:
-        raise NotImplementedError("prompts are prefilled one by one (info.ragged_prefill)")
+        return self.module.prefill_ragged(prompts, states)
 
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         return self.module.step(tokens, state)

@@ -232,15 +232,25 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(o.transpose(1, 2), z.reshape(b, t, -1, dv)).reshape(b, t, -1)
         return self.out_proj(out.to(x.dtype))
 
-    def forward(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry) -> torch.Tensor:
-        """Parallel form over T new tokens ``[B, T, d]``; replaces the entries' tensors."""
+    def forward(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry,
+                new: torch.Tensor | None = None) -> torch.Tensor:
+        """Parallel form over T new tokens ``[B, T, d]``; replaces the entries' tensors.
+        ``new [B]``: how many of the T are real per row (a right-padded ragged batch); the
+        padding then writes nothing (β = 0, no decay, zero q, k, v, as the chunked form's
+        own padding) and the conv window keeps each row's last real inputs."""
         mixed, z, b_in, a_in = self._project(x)
         mixed = mixed.float()
         full = torch.cat([conv.window, mixed], dim=1)  # [B, K-1+T, C]
-        conv.window = full[:, full.shape[1] - conv.window.shape[1]:].clone(
-            memory_format=torch.contiguous_format)
+        k1 = conv.window.shape[1]
+        ends = [full.shape[1] - k1] * full.shape[0] if new is None else new.tolist()
+        conv.window = torch.stack([full[i, n : n + k1] for i, n in enumerate(ends)]
+                                  ).contiguous()
         mixed = invariant.rowwise(F.silu, self._causal_conv(full))
         q, k, v, g, beta = self._heads(mixed, b_in, a_in)
+        if new is not None:
+            valid = torch.arange(x.shape[1])[None] < new[:, None]  # [B, T]
+            q, k, v = (torch.where(valid[:, None, :, None], y, 0.0) for y in (q, k, v))
+            g, beta = (torch.where(valid[:, None], y, 0.0) for y in (g, beta))
         o, s = delta_rule_chunked(q, k, v, g, beta, rec.s)
         rec.s = s.contiguous()
         return self._finish(o, z, x)
@@ -346,15 +356,29 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv: KVEntry, start: int) -> torch.Tensor:
         """T new tokens ``[B, T, d]`` at positions start … start+T−1 (every row alike)."""
+        return self._attend(x, kv.k, kv.v, start)
+
+    def _attend(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                start: int) -> torch.Tensor:
         t = x.shape[1]
         pos = torch.arange(start, start + t)[None]
         q, k, v, gate = self._qkv(x, pos)
-        kv.k[:, :, start : start + t] = k
-        kv.v[:, :, start : start + t] = v
-        keys, values = kv.k[:, :, : start + t], kv.v[:, :, : start + t]
+        k_cache[:, :, start : start + t] = k
+        v_cache[:, :, start : start + t] = v
+        keys, values = k_cache[:, :, : start + t], v_cache[:, :, : start + t]
         mask = torch.ones(t, start + t, dtype=torch.bool).tril(start)
         o = invariant.attention(q, keys, values, mask)
         return self._out(o, gate, x)
+
+    def forward_ragged(self, x: torch.Tensor, kv: KVEntry, starts: torch.Tensor,
+                       new: torch.Tensor) -> torch.Tensor:
+        """A right-padded ragged batch ``[B, T, d]``: row i's ``new[i]`` real tokens at
+        positions ``starts[i]`` on (each row attends alone; padding gives zeros)."""
+        out = torch.zeros_like(x)
+        for i, (start, n) in enumerate(zip(starts.tolist(), new.tolist(), strict=True)):
+            out[i : i + 1, :n] = self._attend(x[i : i + 1, :n], kv.k[i : i + 1],
+                                              kv.v[i : i + 1], start)
+        return out
 
     def step(self, x: torch.Tensor, kv: KVEntry, lengths: torch.Tensor) -> torch.Tensor:
         """One token per row ``[B, d]`` at each row's own position ``lengths [B]``."""
@@ -416,17 +440,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = QwenRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def _mix(self, h: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
-             one_token: bool) -> torch.Tensor:
+             one_token: bool, new: torch.Tensor | None) -> torch.Tensor:
         if self.kind == "linear_attention":
-            fn = self.linear_attn.step if one_token else self.linear_attn.forward
-            return fn(h, entries["recurrent"], entries["conv"])
+            if one_token:
+                return self.linear_attn.step(h, entries["recurrent"], entries["conv"])
+            return self.linear_attn(h, entries["recurrent"], entries["conv"], new)
         if one_token:
             return self.self_attn.step(h, entries["kv"], lengths)
+        if new is not None:
+            return self.self_attn.forward_ragged(h, entries["kv"], lengths, new)
         return self.self_attn(h, entries["kv"], int(lengths[0]))
 
     def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
-                one_token: bool = False) -> torch.Tensor:
-        x = x + self._mix(self.input_layernorm(x), entries, lengths, one_token)
+                one_token: bool = False, new: torch.Tensor | None = None) -> torch.Tensor:
+        """``lengths [B]``: each row's tokens so far; ``new [B]``: a ragged prefill's real
+        token counts (None: all of x's T, or one token with ``one_token``)."""
+        x = x + self._mix(self.input_layernorm(x), entries, lengths, one_token, new)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -488,6 +517,27 @@ class Qwen35ForCausalLM(nn.Module):
             x = layer(x, entries, state.lengths)
         state.lengths += t
         return self.head(x if all_logits else x[:, -1]), state
+
+    @torch.inference_mode()
+    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
+                       ) -> tuple[torch.Tensor, list[State]]:
+        """Several prompts of different lengths, after states at different lengths, in one
+        right-padded pass (GEMMs, norms, MLPs and the chunked delta rule batched; attention
+        row by row). Returns each prompt's last logits ``[B, V]`` and its new one-row state;
+        the given states are not modified. Equal to :meth:`prefill` of each alone."""
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        new = torch.tensor([len(p) for p in prompts])
+        tokens = torch.nn.utils.rnn.pad_sequence([torch.tensor(p) for p in prompts],
+                                                 batch_first=True)
+        state = State.cat([st if st is not None else self.new_state(1) for st in states])
+        starts = state.lengths.clone()
+        state.reserve(int((starts + new).max()))
+        x = self.model.embed_tokens(tokens)
+        for layer, entries in zip(self.model.layers, state.layers, strict=True):
+            x = layer(x, entries, starts, new=new)
+        state.lengths += new
+        return self.head(x[torch.arange(len(prompts)), new - 1]), state.unbatch()
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:

@@ -4,6 +4,7 @@ project's base models this plain text suited to a model trained on plays:
     {system}\n\n            (if a system message is given)
     User: {content}\n
     Assistant: {content}\n
+    Tool: {content}\n          (a tool message's result, if any)
     ...
     Assistant:
 
@@ -22,7 +23,7 @@ from typing import Any
 
 from server.api.protocol import ChatMessage
 
-ROLE_NAMES = {"user": "User", "assistant": "Assistant"}
+ROLE_NAMES = {"user": "User", "assistant": "Assistant", "tool": "Tool"}
 USER_CUE = f"{ROLE_NAMES['user']}:"
 CHAT_STOP = (f"\n{USER_CUE}",)
 

@@ -20,6 +20,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
 from model.sampling import SamplingParams
 from server.grammar.spec import GrammarError, GrammarSpec, from_request
@@ -262,15 +263,6 @@ class ChatMessage(OpenAIBase):
     name: str | None = Field(None, max_length=256)
     reasoning_content: str | None = None
 
-    @model_validator(mode="after")
-    def _content_or_calls(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (only an assistant message with tool_calls "
-                             "may omit it)")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        return self
-
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -296,7 +288,7 @@ class FunctionTool(OpenAIBase):
     name: str = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(OpenAIBase):
@@ -378,20 +370,27 @@ class SessionCreate(OpenAIBase):
 
 class TokenizeRequest(OpenAIBase):
     """Text (``prompt``), or a conversation rendered by the chat template (``messages``, as
-    vLLM's /tokenize takes it)."""
+    vLLM's /tokenize takes it): exactly one of the two."""
 
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
+    prompt: str | SkipJsonSchema[None] = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | SkipJsonSchema[None] = None
     tools: list[Tool] | None = None
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
 
-    @model_validator(mode="after")
-    def _one_of(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("send either prompt or messages")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _one_of(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            if ("prompt" in data) == ("messages" in data):
+                raise ValueError("send either prompt or messages")
+            if data.get("prompt", "") is None or data.get("messages", [0]) is None:
+                raise ValueError("prompt and messages may not be null")
+        return data
 
 
 class DetokenizeRequest(OpenAIBase):

@@ -215,3 +215,27 @@ def test_a_rows_native_step_does_not_depend_on_the_batch(checkpoint: Path, dtype
     for i, row in enumerate(rows):
         alone = model.step(tokens[i : i + 1], row)
         assert torch.equal(alone[0], together[i])
+
+
+def test_a_ragged_prefill_equals_each_prompt_alone(checkpoint: Path) -> None:
+    """Prompts of 1, 63, 65 and 150 tokens after states of 0, 3 and 70 tokens, prefilled in
+    one right-padded batch: each row's logits are the same bits as its prompt alone, and its
+    state steps on to the same bits."""
+    model = _served(checkpoint)
+    gen = torch.Generator().manual_seed(10)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, 8192, (n,), generator=gen).tolist()
+
+    before = [None, model.prefill(torch.tensor([ids(3)]))[1],
+              model.prefill(torch.tensor([ids(70)]))[1], None]
+    prompts = [ids(1), ids(63), ids(65), ids(150)]
+    logits, states = model.prefill_ragged(prompts, before)
+    for i, prompt in enumerate(prompts):
+        alone, state = model.prefill(torch.tensor([prompt]), before[i])
+        assert torch.equal(logits[i], alone[0]), i
+        assert torch.equal(states[i].lengths, state.lengths)
+        for token in ids(3):
+            a = model.step(torch.tensor([token]), states[i])
+            b = model.step(torch.tensor([token]), state)
+            assert torch.equal(a, b), i

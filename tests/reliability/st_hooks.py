@@ -2,7 +2,13 @@
 document cannot state: a grammar, regex or JSON Schema must also be *valid* (and a request
 carries at most one). The fuzzer's strings are kept when they compile and dropped when they
 do not, so "schema-valid request rejected" stays a strict check on every other field; the
-400s for invalid grammars are tested in ``tests/server/test_structured_outputs.py``."""
+400s for invalid grammars are tested in ``tests/server/test_structured_outputs.py``.
+
+Chat bodies get the same treatment for the cross-field rules of tool calls and templates:
+a forced ``tool_choice`` (its tools' schemas become a grammar, and it must name one of the
+tools) and ``continue_final_message`` (which needs an assistant message last and no
+generation prompt) are dropped from the cases that break them; their 400s are tested in
+``tests/server/test_tool_calls.py``."""
 
 from __future__ import annotations
 
@@ -49,7 +55,19 @@ def map_case(context: Any, case: Any) -> Any:
     """Applied in every phase (the coverage phase skips body-level hooks)."""
     if isinstance(case.body, dict):
         keep_valid_constraints(case.body)
+        keep_valid_chat_rules(case.body)
     return case
+
+
+def keep_valid_chat_rules(body: dict[str, Any]) -> None:
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        del body["tool_choice"]
+    messages = body.get("messages")
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    if body.get("continue_final_message") and not (
+            body.get("add_generation_prompt") is False and isinstance(last, dict)
+            and last.get("role") == "assistant"):
+        body["continue_final_message"] = False
 
 
 def keep_valid_constraints(body: dict[str, Any]) -> None:

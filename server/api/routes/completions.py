@@ -216,11 +216,8 @@ def _constrained(body: ChatRequest) -> bool:
 def _chat_prompt(svc: GenerationService, body: ChatRequest
                  ) -> tuple[str, tuple[str, ...], ChatShape]:
     """The prompt text, the extra stop strings and the reply's shape of a chat request."""
-    if svc.chat is None:
-        if body.tools and body.tool_choice != "none":
-            raise APIError(400, "this model has no chat template to present tools with",
-                           "tools", "unsupported_parameter")
-        return render_chat(body.messages), CHAT_STOP, ChatShape()
+    if svc.chat is None:  # a base model: tools are not shown to it, a forced call still holds
+        return render_chat(body.messages), CHAT_STOP, ChatShape(forced=body.forced_tool()[0])
     if body.session_id:
         raise APIError(400, "chat sessions are not supported yet with a checkpoint's own chat "
                        "template; send the whole conversation (the prefix cache reuses the "
