@@ -14,6 +14,10 @@ Every client here is what chat UIs and agent frameworks are: the openai SDK's
    cache entry holds after that history, linear against softmax.
 5. **No reuse at all**: random prompts through ``bench.loadtest``, tokens/s on against off.
 6. **What taking an entry costs** the engine thread, against a batch-64 decode step.
+7. **An agent with tools** (``--checkpoint``, a Hugging Face Qwen3.5 folder, e.g. the one
+   ``bench.hf --make`` builds): 10 turns of user question, a forced tool call
+   (``tool_choice: required``), the tool's result, resent whole each turn; TTFT by turn and
+   the ratio of turn 10 to turn 1, cache on against off.
 
 Writes ``bench/results/multiturn.json`` and ``multiturn.png``.
 """
@@ -90,6 +94,67 @@ async def conversations(url: str, n: int, turns: int, max_tokens: int
         convs = await asyncio.gather(*(conversation(client, c, turns, max_tokens)
                                        for c in range(n)))
     return list(convs), time.perf_counter() - t0
+
+
+WEATHER_TOOL: Any = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city on a day",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16}, "day": {"type": "integer", "minimum": 1,
+                                                            "maximum": 7}},
+        "required": ["city", "day"], "additionalProperties": False}}}
+
+
+async def agent(client: AsyncOpenAI, turns: int) -> list[dict[str, Any]]:
+    """One stateless tool-using conversation: per turn a question, a forced call, its result."""
+    history: list[Any] = [{"role": "system", "content": "You answer with tools."}]
+    rows = []
+    for turn in range(turns):
+        history.append({"role": "user", "content": user_turn(0, turn)})
+        t0 = time.perf_counter()
+        ttft, usage = None, None
+        calls: dict[int, dict[str, Any]] = {}
+        stream = await client.chat.completions.create(
+            model="m", messages=history, tools=[WEATHER_TOOL], tool_choice="required",
+            parallel_tool_calls=False, max_tokens=60, seed=turn, stream=True,
+            stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.choices and ttft is None:
+                ttft = time.perf_counter() - t0
+            for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                entry = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+                entry["name"] += (d.function.name or "") if d.function else ""
+                entry["arguments"] += (d.function.arguments or "") if d.function else ""
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert usage is not None and calls
+        details = usage.prompt_tokens_details
+        rows.append({"turn": turn + 1, "ttft_ms": (ttft or 0) * 1000,
+                     "prompt_tokens": usage.prompt_tokens,
+                     "cached_tokens": (details.cached_tokens or 0) if details else 0})
+        call = calls[0]
+        history.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": call["id"], "type": "function",
+             "function": {"name": call["name"], "arguments": call["arguments"]}}]})
+        history.append({"role": "tool", "tool_call_id": call["id"],
+                        "content": f"Sunny, {18 + turn} degrees."})
+    return rows
+
+
+def tools(checkpoint: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    out = []
+    for on in (True, False):
+        with ServerProcess(args.weights / "linear",
+                           args=["--model", str(checkpoint), *cache_args(on)]) as srv:
+            async def run(url: str = srv.url) -> list[dict[str, Any]]:
+                async with AsyncOpenAI(base_url=url + "/v1", api_key="none",
+                                       max_retries=0, timeout=900) as client:
+                    return await agent(client, 10)
+            rows = asyncio.run(run())
+        ratio = rows[-1]["ttft_ms"] / rows[0]["ttft_ms"]
+        out.append({"cache": on, "turns": rows, "ttft_turn10_over_turn1": ratio})
+        print("tools", "cache" if on else "no cache", [round(r["ttft_ms"]) for r in rows],
+              f"turn 10 / turn 1 = {ratio:.2f}", flush=True)
+    return out
 
 
 def cache_args(on: bool) -> list[str]:
@@ -243,7 +308,8 @@ def take_cost(weights: Path) -> dict[str, Any]:
             "share_of_step": take / step}
 
 
-PARTS = ("by_turn", "concurrent", "shared_system_prompt", "per_gb", "no_reuse", "take_cost")
+PARTS = ("by_turn", "concurrent", "shared_system_prompt", "per_gb", "no_reuse", "take_cost",
+         "tools")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -253,9 +319,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turns", type=int, default=30)
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--conversations", type=int, default=16)
-    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+    p.add_argument("--parts", nargs="+", choices=PARTS,
+                   default=[part for part in PARTS if part != "tools"],
                    help="what to run; the others are kept from the JSON already there")
     p.add_argument("--output", default="multiturn")
+    p.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3.5-0.8b-shapes"),
+                   help="a Qwen3.5 checkpoint for the tools part")
     args = p.parse_args(argv)
     linear, softmax = args.weights / "linear", args.weights / "softmax"
     path = RESULTS / f"{args.output}.json"
@@ -265,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
             "shared_system_prompt": lambda: shared_system_prompt(linear),
             "per_gb": lambda: [per_gb(linear, 4000), per_gb(softmax, 4000)],
             "no_reuse": lambda: no_reuse(linear, args),
-            "take_cost": lambda: [take_cost(linear), take_cost(softmax)]}
+            "take_cost": lambda: [take_cost(linear), take_cost(softmax)],
+            "tools": lambda: tools(args.checkpoint, args)}
     for part in args.parts:
         result[part] = runs[part]()
         result.setdefault("machine_by_part", {})[part] = machine()
