@@ -8,6 +8,7 @@
 #include "fastmath.h"
 #include "gemm.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -118,6 +119,43 @@ inline void mlp_add(at::Tensor& x, const at::Tensor& norm_w, const at::Tensor& u
   at::Tensor hid = project(normed(x, norm_w, norm_eps), up);
   gelu_tanh(hid.data_ptr<float>(), hid.numel());
   project_add(x, hid, down);
+}
+
+// a . b over n floats, with 16 partial sums the compiler keeps in vector registers.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int64_t l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
+  }
+  float total = 0.f;
+  for (; i < n; ++i) total += a[i] * b[i];
+  for (float v : acc) total += v;
+  return total;
+}
+
+// One (row, head): out = softmax(K q / sqrt(D)) V over the first n slots of K, V [C, D].
+inline void attend_head(const float* q, const float* keys, const float* values, int64_t n,
+                        int64_t dim, float* scores, float* out) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  float top = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    scores[j] = dot(q, keys + j * dim, dim) * scale;
+    top = std::max(top, scores[j]);
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    scores[j] = linserve::exp_nonpositive(scores[j] - top);
+    sum += scores[j];
+  }
+  for (int64_t m = 0; m < dim; ++m) out[m] = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = scores[j];
+    const float* vj = values + j * dim;
+    for (int64_t m = 0; m < dim; ++m) out[m] += p * vj[m];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t m = 0; m < dim; ++m) out[m] *= inv;
 }
 
 }  // namespace linserve

@@ -34,14 +34,9 @@
 
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 namespace {
-
-using linserve::kLanes;
-using linserve::vfloat;
-using linserve::vfloat_u;
 
 constexpr int64_t kLayerWeights = 10;
 
@@ -99,46 +94,12 @@ void rotate(float* x, const float* inv_freq, int64_t rot, int64_t pos) {
   }
 }
 
-// Sum of a[i] b[i] over n (a multiple of kLanes, else a scalar tail): lane-wise partial sums,
-// then the lanes in order. A fixed order for a given n.
-float dot(const float* a, const float* b, int64_t n) {
-  vfloat acc{};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    acc += *reinterpret_cast<const vfloat_u*>(a + i) * *reinterpret_cast<const vfloat_u*>(b + i);
-  float sum = 0.f;
-  for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
 // The query heads of one key-value group of one row over the row's len cached positions:
 // o [rep, D] = softmax(q kᵀ / √D) v; q [rep, D]; kc, vc [len, D]; scores scratch [len].
 void attend_group(const float* q, const float* kc, const float* vc, int64_t rep, int64_t len,
                   int64_t dh, float* o, float* scores) {
-  const float scale = 1.f / std::sqrt(static_cast<float>(dh));
-  for (int64_t h = 0; h < rep; ++h) {
-    const float* qh = q + h * dh;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < len; ++j) {
-      scores[j] = dot(qh, kc + j * dh, dh) * scale;
-      top = scores[j] > top ? scores[j] : top;
-    }
-    float total = 0.f;
-    for (int64_t j = 0; j < len; ++j) {
-      scores[j] = linserve::exp_nonpositive(scores[j] - top);
-      total += scores[j];
-    }
-    float* oh = o + h * dh;
-    for (int64_t i = 0; i < dh; ++i) oh[i] = 0.f;
-    for (int64_t j = 0; j < len; ++j) {
-      const float pj = scores[j];
-      const float* vj = vc + j * dh;
-      for (int64_t i = 0; i < dh; ++i) oh[i] += pj * vj[i];
-    }
-    const float inv = 1.f / total;
-    for (int64_t i = 0; i < dh; ++i) oh[i] *= inv;
-  }
+  for (int64_t h = 0; h < rep; ++h)
+    linserve::attend_head(q + h * dh, kc, vc, len, dh, scores, o + h * dh);
 }
 
 // q / k norms and rotary positions, the new key and value into the cache; qkv [B, ...] as
