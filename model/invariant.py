@@ -15,15 +15,17 @@ default. Training and autograd never use it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import kernels
+from model import kernels, quantize
 
 _enabled = [True]
+_quantization = ["none"]
 
 
 def set_enabled(on: bool) -> None:
@@ -38,9 +40,28 @@ def enabled() -> bool:
     return _enabled[0]
 
 
+def set_quantization(mode: str) -> None:
+    """Quantize every GEMM weight packed from now on (``int8``, ``int4``; ``none``: keep the
+    loaded dtype), see :mod:`model.quantize`. Process-wide, set by the loader before a model
+    is built; quantized weights always run the invariant GEMM, whatever the mode."""
+    quantize.check_mode(mode)
+    _quantization[0] = mode
+
+
+def quantization() -> str:
+    """The quantization :func:`pack` applies."""
+    return _quantization[0]
+
+
 def active() -> bool:
     """On, the kernels loaded, and no autograd to serve: the invariant GEMM runs."""
     return _enabled[0] and kernels.available() and not torch.is_grad_enabled()
+
+
+def _packed_gemm() -> bool:
+    """Whether linear layers run the packed GEMM: in this mode, or with quantized weights."""
+    return (active() or (_quantization[0] != "none" and kernels.available()
+                         and not torch.is_grad_enabled()))
 
 
 def chunk_len(chunk_size: int, t: int) -> int:
@@ -53,11 +74,15 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     """A GEMM weight stored ``[in, out]`` in the layout the projections run on in this mode:
     column panels that a GEMV reads front to back (``model/kernels/gemm.h``), shaped
     ``[in, out, 1]``, or ``[in/2, out, 2]`` bf16 pairs for the bf16 dot-product path
-    (AVX512-BF16). Only ``invariant_mm`` and the fused steps read it. Outside the mode, or
-    for anything but a 2-d fp32 / bf16 tensor, ``w`` is returned contiguous."""
-    w = w.detach().contiguous()
-    if (_enabled[0] and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float32)
-            and kernels.load()):
+    (AVX512-BF16); quantized (:func:`set_quantization`, ``model/kernels/gemm_quant.h``) when
+    a quantization is set. Only ``invariant_mm`` and the fused steps read it. Outside the
+    mode, or for anything but a 2-d fp32 / bf16 tensor, ``w`` is returned contiguous."""
+    w = w.detach()
+    usable = w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float32)
+    if usable and _quantization[0] != "none" and w.shape[0] >= quantize.MIN_INPUTS:
+        return quantize.pack(w, _quantization[0])
+    w = w.contiguous()
+    if _enabled[0] and usable and kernels.load():
         return torch.ops.linserve.pack_weight(w)
     return w
 
@@ -76,14 +101,57 @@ def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
     product for several projections of the same input), packed (:func:`pack`) and kept on
     ``owner`` until a weight changes (a dtype cast or a load replaces the tensor) or the mode
     flips. Each output column is computed alone, so a stacked product gives every part's
-    columns exactly as its own product would."""
-    key = (_enabled[0], *((p.data_ptr(), p.dtype, _version(p)) for p in parts))
+    columns exactly as its own product would. After :func:`release`, the packed weight is
+    all there is."""
     cached = owner.__dict__.get("_invariant_wt")
+    if cached is not None and cached[0] is _FROZEN:
+        return cast(torch.Tensor, cached[1])
+    if any(getattr(p, "_linserve_released", False) for p in parts):
+        raise RuntimeError("a released weight has no packed copy on this module "
+                           f"({type(owner).__name__}): build it before invariant.release")
+    key = (_enabled[0], _quantization[0], *((p.data_ptr(), p.dtype, _version(p)) for p in parts))
     if cached is None or cached[0] != key:
         w = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
-        cached = (key, pack(w.t()))
+        cached = (key, pack(w.t()), parts)
         owner.__dict__["_invariant_wt"] = cached
-    return cached[1]
+    return cast(torch.Tensor, cached[1])
+
+
+_FROZEN = object()
+
+
+def release(module: nn.Module) -> None:
+    """Keep only the packed GEMM weights built so far under ``module`` (from now on they
+    are used whatever the mode), and free the ``nn.Linear`` weights they were packed from:
+    each becomes a stride-0 view of one element with its shape (so ``n_params`` still counts
+    it). Weights of other modules (a tied embedding table) are kept. For a served model
+    whose every GEMM weight has been built (a warm-up), so the weights are not held twice."""
+    linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
+    for owner in module.modules():
+        cached = owner.__dict__.get("_invariant_wt")
+        if cached is None:
+            continue
+        owner.__dict__["_invariant_wt"] = (_FROZEN, cached[1], ())
+        for p in cached[2]:
+            if id(p) in linear:
+                p.data = torch.zeros((), dtype=p.dtype).expand(p.shape)
+                p._linserve_released = True  # type: ignore[attr-defined]
+
+
+def frozen(owner: object) -> torch.Tensor | None:
+    """``owner``'s packed GEMM weight if :func:`release` kept it, else None."""
+    cached = owner.__dict__.get("_invariant_wt")
+    return cast(torch.Tensor, cached[1]) if cached is not None and cached[0] is _FROZEN \
+        else None
+
+
+def resident_bytes(module: nn.Module, extra: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes the weights of ``module`` hold: its parameters' storages, the packed GEMM
+    weights on its modules and the ``extra`` tensors, each storage counted once."""
+    cached = [c[1] for o in module.modules() if (c := o.__dict__.get("_invariant_wt"))]
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in [*module.parameters(), *cached, *extra]}
+    return sum(seen.values())
 
 
 def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -100,9 +168,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, owner: object,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x ``[..., in]``, batch-invariant when :func:`active`
     and the weight is fp32 or bf16. The result has x's dtype, as F.linear's would."""
-    if not active() or weight.dtype not in (torch.float32, torch.bfloat16):
+    kept = frozen(owner)
+    if kept is None and (not _packed_gemm() or weight.dtype not in (torch.float32,
+                                                                   torch.bfloat16)):
         return F.linear(x, weight, bias)
-    y = project(x, gemm_weight(owner, weight))
+    y = project(x, kept if kept is not None else gemm_weight(owner, weight))
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

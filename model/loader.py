@@ -75,13 +75,18 @@ def pick_dtype(requested: str, flags: frozenset[str] | None = None) -> tuple[str
 
 
 def load(path: Path, dtype: str = "auto", fused: bool = True,
-         batch_invariant: bool = True) -> ServedModel:
+         batch_invariant: bool = True, quantization: str = "none") -> ServedModel:
     """Load the checkpoint at ``path`` with weights in ``dtype`` (see :func:`pick_dtype`),
-    the native fused step where the architecture has one, and batch-invariant kernels
-    (:mod:`model.invariant`) unless turned off."""
+    the native fused step where the architecture has one, batch-invariant kernels
+    (:mod:`model.invariant`) unless turned off, and GEMM weights quantized to
+    ``quantization`` (:mod:`model.quantize`)."""
     fam = family(path)
     kernels.load()  # the invariant GEMM and the native sampler serve every architecture
+    if quantization != "none" and not kernels.available():
+        raise CheckpointError(f"--quantization {quantization} needs the native kernels, "
+                              f"which did not load ({kernels.load_error()})")
     invariant.set_enabled(batch_invariant)
+    invariant.set_quantization(quantization)
     try:
         return fam.load(path, getattr(torch, pick_dtype(dtype)[0]), fused)
     except OSError as exc:

@@ -120,6 +120,11 @@ class LanguageModel(nn.Module):
     def uses_fused_step(self) -> bool:
         return self._fused is not None
 
+    @property
+    def fused_weights(self) -> list[torch.Tensor]:
+        """The fused step's packed weights (none without it)."""
+        return [] if self._fused is None else self._fused.weights
+
     @torch.inference_mode()
     def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
                        ) -> tuple[torch.Tensor, list[State]]:

@@ -201,7 +201,10 @@ class HFServedModel:
     def __init__(self, module: Any, tok: Tokenizer, template: str | None, fp: str,
                  architecture: str, context_limit: int, per_token: int,
                  chunk: int = 64) -> None:
-        self.module, self._tok, self._template, self._fp = module, tok, template, fp
+        self.module, self._tok, self._template = module, tok, template
+        # states of quantized weights are not interchangeable with the unquantized ones'
+        quant = invariant.quantization()
+        self._fp = fp if quant == "none" else f"{fp}-{quant}"
         self.chunk = chunk
         self.context_limit = context_limit
         empty = module.new_state(1, context_limit)
@@ -214,7 +217,8 @@ class HFServedModel:
             else "eager",
             ragged_prefill=True, state_bytes=empty.nbytes, state_grows=empty.grows,
             state_layout=empty.layout(), state_bytes_per_token=per_token,
-            weight_bytes=sum(p.numel() * p.element_size() for p in module.parameters()))
+            weight_bytes=invariant.resident_bytes(module),
+            quantization=invariant.quantization())
 
     def fingerprint(self) -> str:
         return self._fp

@@ -54,7 +54,8 @@ class OwnModel:
             state_grows=empty.grows, state_layout=empty.layout(),
             state_bytes_per_token=0 if not empty.grows else
             2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 4,
-            weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
+            weight_bytes=invariant.resident_bytes(model, model.fused_weights),
+            quantization=invariant.quantization())
 
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype, fused: bool) -> OwnModel:
@@ -66,7 +67,8 @@ class OwnModel:
         return cls(model, tok)
 
     def fingerprint(self) -> str:
-        return self.model.fingerprint()
+        quant = self.info.quantization  # quantized weights' states are not interchangeable
+        return self.model.fingerprint() + ("" if quant == "none" else f"-{quant}")
 
     def tokenizer(self) -> Tokenizer:
         return self._tok

@@ -578,7 +578,7 @@ class Qwen35ForCausalLM(nn.Module):
         weights are the very tensors the eager forms use (:func:`invariant.gemm_weight`), so
         nothing is stored twice; rebuilt when the mode flips or the weights are replaced."""
         emb = self.model.embed_tokens.weight
-        key = (invariant.enabled(), emb.data_ptr(), emb.dtype)
+        key = (invariant.enabled(), invariant.quantization(), emb.data_ptr(), emb.dtype)
         if self._fused is None or self._fused[0] != key:
             self._fused = (key, self._pack_fused())
         return self._fused[1]
@@ -690,6 +690,8 @@ def load(path: Path, dtype: torch.dtype, fused: bool) -> hf.HFServedModel:
     other = [n for n in unused if not n.startswith(("model.visual.", "mtp.", "lm_head."))]
     if other:
         log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other), other[0])
+    module.fused_weights()  # every GEMM weight packed (quantized), then the originals freed
+    invariant.release(module)
     arch = "qwen3_5 (Gated DeltaNet + gated attention, "
     arch += f"{sum(t == 'full_attention' for t in cfg.layer_types)} of {len(cfg.layer_types)} "
     arch += "layers full attention)"

@@ -5,6 +5,8 @@
 //   pack_weight(w [K, N] fp32|bf16) -> the panel layout the GEMM streams: [K, N, 1], or
 //   [K/2, N, 2] bf16 pairs for the bf16 dot-product path (AVX512-BF16 builds; has_bf16_dot()
 //   says which).
+//   pack_quantized(q [K, N] int8, scales, int4) -> an int8 (fp32 scales [N]) or int4 (fp16
+//   scales [K/G, N]) weight in gemm_quant.h's formats, which invariant_mm also takes.
 //   set_batch_invariant(on): whether the fused steps' projections use it (dense.h).
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -23,6 +25,10 @@ at::Tensor invariant_mm_op(const at::Tensor& a, const at::Tensor& w) {
 
 at::Tensor pack_weight_op(const at::Tensor& w) { return linserve::pack_weight(w); }
 
+at::Tensor pack_quantized_op(const at::Tensor& q, const at::Tensor& scales, bool int4) {
+  return linserve::pack_quantized(q, scales, int4);
+}
+
 bool has_bf16_dot() { return linserve::kHasBf16Dot; }
 
 void set_batch_invariant(bool on) { linserve::batch_invariant_flag() = on; }
@@ -34,6 +40,7 @@ bool get_batch_invariant() { return linserve::batch_invariant_flag(); }
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("invariant_mm(Tensor a, Tensor w) -> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
+  m.def("pack_quantized(Tensor q, Tensor scales, bool int4) -> Tensor");
   m.def("has_bf16_dot() -> bool");
   m.def("set_batch_invariant(bool on) -> ()");
   m.def("get_batch_invariant() -> bool");
@@ -42,6 +49,7 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("invariant_mm", &invariant_mm_op);
   m.impl("pack_weight", &pack_weight_op);
+  m.impl("pack_quantized", &pack_quantized_op);
 }
 
 TORCH_LIBRARY_IMPL(linserve, CatchAll, m) {

@@ -318,14 +318,21 @@ inline void span_rows_dp(const uint32_t* xp, int64_t k2_len, const Weights<uint1
   }
 }
 
-// y [B, N] (+)= bf16(x [B, K]) @ P, P in pairs as above.
-inline void gemm_rows_dp(const float* x, const Weights<uint16_t>& wp, float* y, int64_t rows,
-                         int64_t k_len, int64_t n, bool accumulate) {
+// x [B, K] fp32 rounded to bf16 (nearest even) in pairs [B, ceil(K/2)] (a zero pads odd K).
+inline std::vector<uint32_t> pair_rows(const float* x, int64_t rows, int64_t k_len) {
   const int64_t k2_len = (k_len + 1) / 2;
   std::vector<uint32_t> xp(rows * k2_len, 0u);
   auto* xh = reinterpret_cast<at::BFloat16*>(xp.data());
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < k_len; ++k) xh[r * k2_len * 2 + k] = at::BFloat16(x[r * k_len + k]);
+  return xp;
+}
+
+// y [B, N] (+)= bf16(x [B, K]) @ P, P in pairs as above.
+inline void gemm_rows_dp(const float* x, const Weights<uint16_t>& wp, float* y, int64_t rows,
+                         int64_t k_len, int64_t n, bool accumulate) {
+  const int64_t k2_len = (k_len + 1) / 2;
+  const std::vector<uint32_t> xp = pair_rows(x, rows, k_len);
   const uint32_t* xs = xp.data();
   for_spans(x, y, rows, k_len, n, accumulate, kRows, [&](int64_t r, const Span& s) {
     const uint32_t* xr = xs + s.r0 * k2_len;  // the paired copy of the span's rows
@@ -345,12 +352,14 @@ constexpr bool kHasBf16Dot = false;
 
 // W [K, N] fp32 or bf16 -> the packed layout the GEMM streams (see Weights): [K, N, 1], or
 // [ceil(K/2), N, 2] bf16 pairs where the CPU has the bf16 dot product; panel by panel.
+// (int8 values are laid out as bf16 ones, for gemm_quant.h's pack_quantized.)
 inline at::Tensor pack_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
+  const auto type = w.scalar_type();
+  TORCH_CHECK(w.dim() == 2 && (type == at::kBFloat16 || type == at::kFloat || type == at::kChar),
               "pack_weight takes [K, N] fp32 or bf16");
   const int64_t k_len = w.size(0), n = w.size(1);
   at::Tensor src = w.unsqueeze(2);  // [K', N, J]
-  if (kHasBf16Dot && w.scalar_type() == at::kBFloat16) {
+  if (kHasBf16Dot && type != at::kFloat) {
     at::Tensor padded = at::zeros({(k_len + 1) / 2 * 2, n}, w.options());
     padded.narrow(0, 0, k_len).copy_(w);
     src = padded.view({-1, 2, n}).permute({0, 2, 1});
@@ -367,14 +376,22 @@ inline at::Tensor pack_weight(const at::Tensor& w) {
   return out;
 }
 
+// int8 / int4 weights (gemm_quant.h, included at the end of this file).
+inline void quant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y, bool accumulate);
+
 // y = a @ w (or y += a @ w with ``accumulate``): a [B, K] fp32 contiguous, y [B, N] fp32
-// contiguous, w [K, N] fp32 or bf16 row-major, or [K', N, J] from pack_weight.
+// contiguous, w [K, N] fp32 or bf16 row-major, or [K', N, J] from pack_weight, or an int8 /
+// int4 weight from pack_quantized (gemm_quant.h).
 inline void invariant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y,
                          bool accumulate) {
   TORCH_CHECK(a.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat,
               "invariant_mm takes fp32 activations");
   TORCH_CHECK(a.is_contiguous() && w.is_contiguous() && y.is_contiguous(),
               "invariant_mm takes contiguous tensors");
+  if (w.scalar_type() == at::kChar || w.scalar_type() == at::kByte) {
+    TORCH_CHECK(w.dim() == 3 && y.size(0) == a.size(0), "invariant_mm: shapes disagree");
+    return quant_mm(a, w, y, accumulate);
+  }
   const bool packed = w.dim() == 3;
   const int64_t j = packed ? w.size(2) : 1;
   TORCH_CHECK(w.dim() == 2 || (packed && (j == 1 || (j == 2 && kHasBf16Dot))),
@@ -400,3 +417,5 @@ inline void invariant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y
 }
 
 }  // namespace linserve
+
+#include "gemm_quant.h"  // NOLINT: defines quant_mm, declared above

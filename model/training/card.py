@@ -15,7 +15,7 @@ from typing import Any
 from model.generate import generate
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
-from model.training.evaluate import slice_perplexity
+from model.training.evaluate import quantization_markdown, slice_perplexity
 from model.transformer import load_model
 
 SAMPLE_PROMPTS = ("ROMEO.\n", "KING.\nWhat news from France?\n\n", "Enter HAMLET.\n\nHAMLET.\n")
@@ -81,6 +81,7 @@ def render(weights: Path) -> str:
         *context_use_row(ev),
         "", "Perplexities use non-overlapping windows of the training context "
         f"({ev['train_context']} tokens), each from an empty state.", "",
+        *quantization_section(weights),
         "## Length generalisation", "",
         f"Held-out works fed as {ev['n_streams']} streams of 16,385 tokens through the stateful "
         "form; perplexity by position (T = training context):", "",
@@ -91,8 +92,23 @@ def render(weights: Path) -> str:
     lines += ["## Reproduce", "", "```bash", "python -m model.training.data",
               f"python -m model.training.train --config {config_path(name)}",
               f"python -m model.training.evaluate weights/{name} --output weights/{name}/eval.json",
+              f"python -m model.training.evaluate weights/{name} --quantization int8,int4 "
+              f"--output weights/{name}/quantization.json",
               f"python -m model.training.card weights/{name}", "```", ""]
     return "\n".join(lines)
+
+
+def quantization_section(weights: Path) -> list[str]:
+    """The weight-quantization table (``quantization.json``), when the folder has one."""
+    path = weights / "quantization.json"
+    if not path.is_file():
+        return []
+    table = json.loads(path.read_text())
+    return ["## Weight quantization", "",
+            "Perplexity with every GEMM weight quantized at load time (`--quantization`; "
+            "int8 per output channel, int4 in groups of 32 with fp16 scales; embeddings, "
+            "norms and states unchanged), against the weights as trained:", "",
+            quantization_markdown(table), ""]
 
 
 def context_use_row(ev: dict[str, Any]) -> list[str]:

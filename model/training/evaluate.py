@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from model import invariant
 from model.tokenizer import Tokenizer
 from model.training.data import DATA_DIR, load_tokens
 from model.transformer import LanguageModel, load_model
@@ -169,6 +170,42 @@ def evaluate(weights: Path, data_dir: Path = DATA_DIR, train_ctx: int = 256,
     return result
 
 
+def quantization_table(weights: Path, modes: list[str], data_dir: Path = DATA_DIR,
+                       train_ctx: int = 256, dtype: torch.dtype = torch.float32
+                       ) -> dict[str, Any]:
+    """Validation and test perplexity of the model at ``weights`` with its GEMM weights kept
+    (``none``) and quantized to each of ``modes`` (:mod:`model.quantize`), each from the same
+    loaded weights; ``delta`` is the change against ``none`` in percent."""
+    model = load_model(weights, dtype)
+    splits = {s: np.asarray(load_tokens(s, data_dir)) for s in ("valid", "test")}
+    rows: dict[str, Any] = {}
+    try:
+        for mode in ["none", *[m for m in modes if m != "none"]]:
+            invariant.set_quantization(mode)
+            row = {}
+            for split, tokens in splits.items():
+                nll, count = windowed_nll(model, tokens, train_ctx)
+                row[split] = round(math.exp(nll / count), 3)
+            rows[mode] = row
+    finally:
+        invariant.set_quantization("none")
+    for row in rows.values():
+        row["delta_valid_pct"] = round(100 * (row["valid"] / rows["none"]["valid"] - 1), 2)
+        row["delta_test_pct"] = round(100 * (row["test"] / rows["none"]["test"] - 1), 2)
+    return {"weights": str(weights), "dtype": str(dtype).removeprefix("torch."),
+            "train_context": train_ctx, "perplexity": rows}
+
+
+def quantization_markdown(table: dict[str, Any]) -> str:
+    """:func:`quantization_table`'s result as a Markdown table."""
+    lines = ["| weights | validation ppl | Δ | test ppl | Δ |", "| --- | --- | --- | --- | --- |"]
+    for mode, row in table["perplexity"].items():
+        lines.append(f"| {mode if mode != 'none' else table['dtype']} | {row['valid']} | "
+                     f"{row['delta_valid_pct']:+.2f}% | {row['test']} | "
+                     f"{row['delta_test_pct']:+.2f}% |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("weights", type=Path)
@@ -187,10 +224,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="score a softmax model as sliding-window attention over W tokens: "
                              "with W = T, the context-use ratio of a model that always sees the "
                              "last T tokens (the ceiling a recurrent state is measured against)")
+    parser.add_argument("--quantization", metavar="MODES",
+                        help="comma-separated int8,int4: print the perplexity table of the "
+                             "model quantized each way against its loaded weights (and write "
+                             "it to --output) instead of the full evaluation")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     train_ctx = args.train_context or training_context(args.weights)
+    if args.quantization:
+        table = quantization_table(args.weights, args.quantization.split(","), args.data_dir,
+                                   train_ctx, getattr(torch, args.dtype))
+        print(quantization_markdown(table))
+        if args.output:
+            args.output.write_text(json.dumps(table, indent=2) + "\n")
+        return
     result = evaluate(args.weights, args.data_dir, train_ctx, args.stream_len,
                       0 if args.no_length_table else args.streams, getattr(torch, args.dtype),
                       args.as_window)

@@ -48,10 +48,11 @@ def text_config(shape: dict[str, Any], vocab: int = 8192) -> Any:
 
 
 def make_checkpoint(path: Path, name: str, vision: bool = False, seed: int = 0,
-                    tokenizer: str = "qwen") -> Path:
+                    tokenizer: str = "qwen", scale: float = 4.0) -> Path:
     """Save a random-weight Qwen3.5 of shape ``SHAPES[name]`` (the vision-language wrapper
     with ``vision``) with a tokenizer (``"qwen"`` or ``"project"``), chat template and
-    generation config; returns the folder."""
+    generation config, its matrices ``scale`` times transformers' initialisation; returns
+    the folder."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     cfg = text_config(SHAPES[name], QWEN_VOCAB if tokenizer == "qwen" else 8192)
@@ -65,7 +66,7 @@ def make_checkpoint(path: Path, name: str, vision: bool = False, seed: int = 0,
         model = transformers.Qwen3_5ForCausalLM(cfg)
     with torch.no_grad():  # larger than init, so layers matter and decays vary
         for p in model.parameters():
-            p.mul_(4.0 if p.dim() > 1 else 1.0)
+            p.mul_(scale if p.dim() > 1 else 1.0)
     model.eval().save_pretrained(path)
     if tokenizer == "qwen":
         write_qwen_tokenizer_files(path)
