@@ -117,6 +117,12 @@ def write_json(name: str, data: dict[str, Any]) -> Path:
     return path
 
 
+def read_json(name: str) -> dict[str, Any]:
+    """``bench/results/{name}.json`` as :func:`write_json` wrote it."""
+    data: dict[str, Any] = json.loads((RESULTS / f"{name.removesuffix('.json')}.json").read_text())
+    return data
+
+
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
     print("  ".join(c.rjust(widths[c]) for c in columns))

@@ -14,10 +14,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +41,19 @@ def binary(name: str) -> Path:
     return path
 
 
+QUANTIZED = ("q4_0", "q4_k_m", "q5_0")  # made by llama-quantize from the bf16 GGUF
+
+
 def gguf(checkpoint: Path, kind: str) -> Path:
-    """The checkpoint converted to GGUF ``kind`` (f32, bf16, f16, q8_0), made once."""
+    """The checkpoint as GGUF ``kind``, made once: f32, bf16, f16 and q8_0 converted by
+    llama.cpp's script; q4_0 (and other :data:`QUANTIZED` types) by llama-quantize."""
     out = checkpoint / f"llamacpp-{kind}.gguf"
-    if not out.exists():
+    if out.exists():
+        return out
+    if kind in QUANTIZED:
+        subprocess.run(["bash", str(SCRIPT), "quantize", str(gguf(checkpoint, "bf16")),
+                        str(out), kind.upper()], check=True)
+    else:
         subprocess.run(["bash", str(SCRIPT), "convert", str(checkpoint), str(out), kind],
                        check=True)
     return out
@@ -73,11 +84,28 @@ def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> No
     raise RuntimeError("the server did not become healthy")
 
 
+@contextlib.contextmanager
+def running(cmd: list[str], port: int, log: Path) -> Iterator[int]:
+    """``cmd`` started (listening on ``port``) and healthy; yields its pid, stops it after."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait(f"http://127.0.0.1:{port}", proc)
+        yield proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def serve_and_load(cmd: list[str], port: int, streams: int, requests: int, prompt: int,
-                   gen: int, log: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+                   gen: int, log: Path, env: dict[str, str] | None = None,
+                   measure: Callable[[int], int] | None = None) -> dict[str, Any]:
     """Start ``cmd`` (listening on ``port``), run ``bench.loadtest`` with ``streams``
     concurrent streaming completions (a discarded warm-up round first), stop it; returns the
-    loadtest report."""
+    loadtest report (with ``rss_bytes``: ``measure(pid)`` after the run, when given)."""
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})})
@@ -87,7 +115,10 @@ def serve_and_load(cmd: list[str], port: int, streams: int, requests: int, promp
         common = ["--url", url, "--concurrency", str(streams), "--prompt-tokens", str(prompt),
                   "--max-tokens", str(gen), "--ignore-eos", "--temperature", "0.8"]
         loadtest.main([*common, "--requests", str(streams)])
-        return loadtest.main([*common, "--requests", str(requests)])
+        report = loadtest.main([*common, "--requests", str(requests)])
+        if measure is not None:
+            report["rss_bytes"] = measure(proc.pid)
+        return report
     finally:
         proc.terminate()
         try:

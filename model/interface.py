@@ -103,3 +103,9 @@ class ServedModel(Protocol):
     def state_from_bytes(self, data: bytes) -> tuple[State, dict[str, Any]]:
         """Parse and validate a blob; raises :class:`StateError` for a bad one."""
         ...
+
+    def drop_weights(self) -> None:
+        """Free the weights where they are large: the model keeps its config, tokenizer and
+        state layout (new states, state blobs) but can no longer run. For the HTTP process
+        of a server whose engine runs in a process of its own."""
+        ...

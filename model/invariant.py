@@ -135,7 +135,18 @@ def release(module: nn.Module) -> None:
         for p in cached[2]:
             if id(p) in linear:
                 p.data = torch.zeros((), dtype=p.dtype).expand(p.shape)
-                p._linserve_released = True  # type: ignore[attr-defined]
+                p.__dict__["_linserve_released"] = True
+
+
+def strip(module: nn.Module) -> None:
+    """Free every parameter and packed GEMM weight under ``module`` (each parameter becomes
+    a stride-0 view of one element with its shape): what is left describes the model and
+    cannot run it (:func:`gemm_weight` refuses, as after :func:`release`)."""
+    for owner in module.modules():
+        owner.__dict__.pop("_invariant_wt", None)
+    for p in module.parameters():
+        p.data = torch.zeros((), dtype=p.dtype).expand(p.shape)
+        p.__dict__["_linserve_released"] = True
 
 
 def frozen(owner: object) -> torch.Tensor | None:

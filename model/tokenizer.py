@@ -79,6 +79,12 @@ class Tokenizer:
         """A token's own text (a special token's name, such as ``<|im_end|>``)."""
         return str(self._tok.id_to_token(token_id) or "")
 
+    def special_tokens(self) -> list[str]:
+        """The names of the special added tokens (``<|im_end|>``, ...), which the
+        pre-tokenizer never merges with the text around them."""
+        added = self._tok.get_added_tokens_decoder()
+        return [t.content for t in added.values() if t.special]
+
     def token_id(self, text: str) -> int | None:
         """The id of a token given as its text (a special token's name), or None."""
         return self._tok.token_to_id(text)

@@ -223,6 +223,9 @@ class HFServedModel:
     def fingerprint(self) -> str:
         return self._fp
 
+    def drop_weights(self) -> None:
+        self.module.drop_weights()
+
     def tokenizer(self) -> Tokenizer:
         return self._tok
 

@@ -66,6 +66,9 @@ class OwnModel:
                              f"{model.cfg.vocab_size}")
         return cls(model, tok)
 
+    def drop_weights(self) -> None:
+        """Kept: the project's models are a few MB."""
+
     def fingerprint(self) -> str:
         quant = self.info.quantization  # quantized weights' states are not interchangeable
         return self.model.fingerprint() + ("" if quant == "none" else f"-{quant}")

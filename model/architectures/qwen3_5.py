@@ -595,6 +595,11 @@ class Qwen35ForCausalLM(nn.Module):
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def drop_weights(self) -> None:
+        """Free every weight (states can still be built; the model cannot run)."""
+        self._fused = None
+        invariant.strip(self)
+
 
 def state_bytes_per_token(cfg: Qwen35Config) -> int:
     """KV bytes one more token of context adds to a session (fp32 keys and values)."""

@@ -210,6 +210,14 @@ inline void store16(float* out, __m512 v, bool accumulate, __mmask16 m) {
   _mm512_mask_storeu_ps(out, m, v);
 }
 
+// Where each of NV vectors of 16 columns from c starts, and the row stride of c's panel.
+// (Two panels at once, as gemm.h's gemv_panels, measured no faster here: the GEMV is bound
+// by the widening of the integers, not by the read streams.)
+template <int64_t NV>
+inline void vectors(const QuantWeights& w, int64_t c, const uint8_t** out, int64_t* ld) {
+  for (int64_t j = 0; j < NV; ++j) out[j] = w.q.at(c + 16 * j, ld);
+}
+
 inline __m512bh pair_of(const uint32_t* xp, int64_t i) {
   return (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[i]));
 }
@@ -219,12 +227,13 @@ template <int64_t ROWS, int64_t NV>
 inline void tile_q8_dp(const uint32_t* xp, int64_t k2_len, const Span& s, const QuantWeights& w,
                        int64_t c, __mmask16 m) {
   int64_t ld;
-  const uint8_t* wc = w.q.at(c, &ld);
+  const uint8_t* wc[NV];
+  vectors<NV>(w, c, wc, &ld);
   __m512 acc[ROWS][NV];
   for (auto& row : acc) for (auto& a : row) a = _mm512_setzero_ps();
   for (int64_t k2 = 0; k2 < k2_len; ++k2) {
     __m512bh wv[NV];
-    for (int64_t j = 0; j < NV; ++j) wv[j] = q8_pairs_bf16(wc + k2 * ld + j * 32, m);
+    for (int64_t j = 0; j < NV; ++j) wv[j] = q8_pairs_bf16(wc[j] + k2 * ld, m);
     for (int64_t r = 0; r < ROWS; ++r) {
       const __m512bh xb = pair_of(xp, r * k2_len + k2);
       for (int64_t j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, wv[j]);
@@ -241,7 +250,8 @@ template <int64_t ROWS, int64_t NV>
 inline void tile_q4_dp(const uint32_t* xp, int64_t k2_len, const Span& s, const QuantWeights& w,
                        int64_t c, __mmask16 m, __m512i table) {
   int64_t ld;
-  const uint8_t* wc = w.q.at(c, &ld);
+  const uint8_t* wc[NV];
+  vectors<NV>(w, c, wc, &ld);
   const int64_t g2 = w.group / 2;  // pairs a group
   __m512 out[ROWS][NV];
   for (auto& row : out) for (auto& a : row) a = _mm512_setzero_ps();
@@ -251,7 +261,7 @@ inline void tile_q4_dp(const uint32_t* xp, int64_t k2_len, const Span& s, const 
     for (int64_t k2 = k0; k2 < k0 + g2; k2 += 2) {
       __m512bh lo[NV], hi[NV];
       for (int64_t j = 0; j < NV; ++j)
-        q4_pairs_bf16(wc + k2 / 2 * ld + j * 32, m, table, &lo[j], &hi[j]);
+        q4_pairs_bf16(wc[j] + k2 / 2 * ld, m, table, &lo[j], &hi[j]);
       for (int64_t r = 0; r < ROWS; ++r) {
         const __m512bh x0 = pair_of(xp, r * k2_len + k2), x1 = pair_of(xp, r * k2_len + k2 + 1);
         for (int64_t j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], x0, lo[j]);

@@ -150,6 +150,8 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     info = model.info
     client: EngineBackend
     if settings.engine_mode == "process":
+        # the engine process loads its own copy; this one only reads and writes states
+        model.drop_weights()
         client = ProcessEngineClient(settings, model)
     else:
         await asyncio.to_thread(warm_up, model)
@@ -180,6 +182,7 @@ async def startup(app: FastAPI, settings: Settings) -> None:
         "architecture": info.architecture, "params": info.params,
         "dtype": app.state.dtype[0], "dtype_reason": app.state.dtype[1],
         "decode_step": info.decode_step, "batch_invariant": settings.batch_invariant,
+        "quantization": info.quantization, "weight_bytes": info.weight_bytes,
         "state_bytes_per_session": info.state_bytes,
         "state_note": "grows with context" if info.state_grows else "constant",
         "session_store": settings.session_store.split("@")[-1],

@@ -17,6 +17,7 @@ from typing import Any
 
 from model.interface import ServedModel, State
 from model.sampling import SamplingParams
+from server.api.chat_session import ChatTurn
 from server.api.chat_template import TemplateChat
 from server.api.errors import APIError
 from server.api.protocol import SamplingFields, new_id
@@ -58,6 +59,7 @@ class Prepared:
     chat: bool = False
     fault: str | None = None
     grammar: GrammarSpec | None = None
+    turn: ChatTurn | None = None  # a template chat session's turn (server.api.chat_session)
 
 
 def engine_error(out: Output) -> APIError:
@@ -240,6 +242,9 @@ class GenerationService:
         sid = prep.session_id
         sess, token = await self.lock_session(sid, prep.owner)
         try:
+            if prep.turn is not None and prep.turn.version != sess.version:
+                raise APIError(409, f"session {sid!r} changed while this request was read; "
+                               "send it again", "session_id", "session_busy")
             input_ids = sess.pending + prep.prompt_ids
             if not input_ids:
                 raise APIError(400, "the session is empty; give a prompt", "prompt")
@@ -247,14 +252,16 @@ class GenerationService:
             self._check_context(consumed, len(input_ids), prep.params.max_tokens)
             req = GenerationRequest(new_id("cmpl"), input_ids, prep.params, prep.stop,
                                     start_state=sess.state, start_tokens=consumed,
-                                    prompt_logprobs=prep.prompt_logprobs, want_state=True,
+                                    prompt_logprobs=prep.prompt_logprobs,
+                                    want_state=prep.turn is None,
                                     chat=prep.chat, fault=prep.fault, grammar=prep.grammar)
             handle = self._submit(req)
         except BaseException:
             await self.store.release(sid, token)
             raise
         handle.saved = asyncio.get_running_loop().create_future()
-        handle.on_finish(lambda out: self._spawn(self._save(sess, token, out, handle)))
+        handle.on_finish(lambda out: self._spawn(self._save(sess, token, out, handle,
+                                                            prep.turn)))
         return handle
 
     async def lock_session(self, sid: str, owner: str) -> tuple[Session, str]:
@@ -290,15 +297,17 @@ class GenerationService:
         task.add_done_callback(self._tasks.discard)
 
     async def _save(self, sess: Session, token: str, out: Output,
-                    handle: RequestHandle) -> None:
+                    handle: RequestHandle, turn: ChatTurn | None = None) -> None:
         """Store the session's new state (if the request produced one), then unlock."""
         ok = True
         try:
-            if out.final_state is not None:
+            if turn is not None and out.finish_reason not in ("cancelled", "error"):
+                await self.store.put(await self._after_turn(sess, turn, handle.text))
+            elif turn is None and out.final_state is not None:
                 new = Session(sess.id, sess.owner, out.final_state, out.final_pending,
                               out.final_tokens, sess.created, time.time(), sess.version)
                 await self.store.put(new)
-        except (StaleWrite, SessionUnavailable):
+        except (StaleWrite, SessionUnavailable, APIError):
             log.warning("session %s could not be saved", sess.id)
             ok = False
         finally:
@@ -321,17 +330,35 @@ class GenerationService:
                     raise APIError(503, STORE_FAILED, "session_id", "session_store_failed")
                 return total
 
+    async def _after_turn(self, sess: Session, turn: ChatTurn, reply: str) -> Session:
+        """A template chat session after a reply: its previous state (read again, as stored)
+        with the text the template renders of the turn prefilled (see
+        :mod:`server.api.chat_session`)."""
+        assert self.chat is not None
+        transcript = turn.after(self.chat, self.tok.special_tokens(), reply)
+        feed = self.tok.encode(transcript.text[len(turn.conversation.text):])
+        old = await self.store.get(sess.id, sess.owner)
+        if old is None:
+            raise SessionUnavailable(sess.id)
+        self._check_context(old.tokens, len(feed), 0)
+        consumed = old.tokens - len(old.pending)
+        state, pending, _ = await self._prefill(old.pending + feed, old.state, consumed)
+        return Session(sess.id, sess.owner, state, pending, old.tokens + len(feed),
+                       sess.created, time.time(), sess.version, transcript.to_json())
+
     # ---- sessions ------------------------------------------------------------------------
     async def build_state(self, prompt_ids: list[int]) -> tuple[State, list[int]]:
         """Prefill ``prompt_ids`` in the engine (no sampling): the state and pending tokens."""
         state, pending, _ = await self._prefill(prompt_ids)
         return state, pending
 
-    async def _prefill(self, prompt_ids: list[int]) -> tuple[State, list[int], int]:
-        """A prefill-only request: the state, the pending tokens, and how many prompt tokens
-        the prefix cache served."""
+    async def _prefill(self, prompt_ids: list[int], start: State | None = None,
+                       start_tokens: int = 0) -> tuple[State, list[int], int]:
+        """A prefill-only request (after ``start``, which holds ``start_tokens``): the state,
+        the pending tokens, and how many prompt tokens the prefix cache served."""
         params = SamplingParams(max_tokens=0)
-        req = GenerationRequest(new_id("prefill"), prompt_ids, params, want_state=True)
+        req = GenerationRequest(new_id("prefill"), prompt_ids, params, want_state=True,
+                                start_state=start, start_tokens=start_tokens)
         out = await self.collect(self._submit(req))
         if out.final_state is None:
             raise APIError(503, "engine could not build the session state", None)

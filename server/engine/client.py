@@ -77,6 +77,7 @@ class RequestHandle:
         self.first_token: float | None = None
         self.last_token: float | None = None
         self._callbacks: list[Callable[[Output], None]] = []
+        self.text = ""  # everything delivered so far
         # For session requests: resolves to True once the new state is stored, False if the
         # store failed (the session then keeps its previous state).
         self.saved: asyncio.Future[bool] | None = None
@@ -92,6 +93,7 @@ class RequestHandle:
         self._callbacks.append(fn)
 
     def _push(self, out: Output) -> None:
+        self.text += out.text
         self.queue.put_nowait(out)
         if out.finish_reason is not None and not self.final.done():
             self.final.set_result(out)

@@ -20,13 +20,15 @@ log = logging.getLogger("linserve")
 def load_engine_model(settings: Settings) -> ServedModel:
     """The served model, with the engine's thread count set first."""
     torch.set_num_threads(settings.threads or max(1, available_cpus() - 1))
-    model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant)
+    model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
+                 settings.quantization)
     info = model.info
     log.info("model: %s, %s parameters, state %s bytes a session (%s); decode step %s; "
-             "weights %s (%s); batch-invariant %s", info.architecture, f"{info.params:,}",
-             f"{info.state_bytes:,}", "grows with context" if info.state_grows else "constant",
-             info.decode_step, info.dtype, pick_dtype(settings.dtype)[1],
-             "on" if batch_invariant_active() else "off")
+             "weights %s (%s), quantization %s, %s MB resident; batch-invariant %s",
+             info.architecture, f"{info.params:,}", f"{info.state_bytes:,}",
+             "grows with context" if info.state_grows else "constant", info.decode_step,
+             info.dtype, pick_dtype(settings.dtype)[1], info.quantization,
+             f"{info.weight_bytes / 1e6:,.1f}", "on" if batch_invariant_active() else "off")
     return model
 
 

@@ -79,9 +79,10 @@ class RedisSessionStore(SessionStore):
         except (StateError, KeyError):
             return None
         await self._call(self.redis.pexpire(key, self.ttl_ms))
+        chat = json.loads(data[b"chat"]) if data.get(b"chat") else None
         return Session(session_id, owner, state, json.loads(data[b"pending"]),
                        int(data[b"tokens"]), float(data[b"created"]), float(data[b"last_used"]),
-                       int(data[b"version"]))
+                       int(data[b"version"]), chat)
 
     async def put(self, session: Session) -> Session:
         assert self.model is not None, "bind_model first"
@@ -92,13 +93,14 @@ class RedisSessionStore(SessionStore):
             "state", blob, "owner", session.owner, "tokens", session.tokens,
             "pending", json.dumps(session.pending), "created", session.created,
             "last_used", now, "version", new_version, "fingerprint", self.fingerprint,
-            "format_version", STATE_FORMAT_VERSION]
+            "format_version", STATE_FORMAT_VERSION,
+            "chat", json.dumps(session.chat) if session.chat is not None else ""]
         ok = await self._call(self._put(keys=[self._key(session.id)],
                                         args=[session.version, self.ttl_ms, *fields]))
         if ok != 1:
             raise StaleWrite(session.id)
         return Session(session.id, session.owner, session.state, session.pending,
-                       session.tokens, session.created, now, new_version)
+                       session.tokens, session.created, now, new_version, session.chat)
 
     async def delete(self, session_id: str, owner: str) -> bool:
         key = self._key(session_id)

@@ -16,6 +16,7 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -43,6 +44,9 @@ class Session:
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     version: int = 0
+    # A chat session with a checkpoint's template: the conversation and the rendered text
+    # the state covers (server.api.chat_session.Transcript); None for any other session.
+    chat: dict[str, Any] | None = None
 
     @property
     def state_bytes(self) -> int:

@@ -156,3 +156,85 @@ def test_a_tool_round_trip_is_accepted(server: ServerProcess) -> None:
         "messages": ASK, "tools": TOOLS,
         "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert bad.status_code == 400 and "nope" in bad.json()["error"]["message"]
+
+
+def _assistant(message: Any) -> dict[str, Any]:
+    """A reply as a client resends it in the next stateless request."""
+    out: dict[str, Any] = {"role": "assistant", "content": message.content}
+    extra = message.model_extra or {}
+    if extra.get("reasoning_content") is not None:
+        out["reasoning_content"] = extra["reasoning_content"]
+    if message.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+    return out
+
+
+def _without_ids(message: dict[str, Any]) -> dict[str, Any]:
+    """A message with its tool calls' ids (random per reply) blanked."""
+    calls = [{**c, "id": ""} for c in message.get("tool_calls") or []]
+    return {**message, "tool_calls": calls} if calls else message
+
+
+def test_template_chat_session_continues_as_the_whole_conversation(server: ServerProcess
+                                                                   ) -> None:
+    """Three turns through ``session_id`` (thinking, a forced tool call, a tool result) give
+    the replies the same conversation sent whole gives each turn: the session holds what the
+    template renders of earlier turns (their reasoning dropped, calls in Qwen's syntax)."""
+    sid = httpx.post(server.url + "/v1/sessions", json={}).json()["id"]
+    turns: list[tuple[list[Any], Any]] = [
+        ([{"role": "user", "content": "Hello, who are you?"}], "auto"),
+        ([{"role": "user", "content": "Add 2 and 3."}], "required"),
+        ([{"role": "tool", "tool_call_id": "", "content": "5"},
+          {"role": "user", "content": "Thanks."}], "auto")]
+    history: list[Any] = []
+    for new, choice in turns:
+        if new[0]["role"] == "tool":
+            new[0]["tool_call_id"] = history[-1]["tool_calls"][0]["id"]
+        kwargs: dict[str, Any] = {"model": "q", "tools": TOOLS, "tool_choice": choice,
+                                  "temperature": 0, "parallel_tool_calls": False,
+                                  "max_tokens": 200 if choice == "required" else 24}
+        via = client(server).chat.completions.create(
+            messages=new, extra_body={"session_id": sid}, **kwargs).choices[0].message
+        history += new
+        whole = client(server).chat.completions.create(messages=history, **kwargs)
+        assert _without_ids(_assistant(via)) == _without_ids(_assistant(whole.choices[0].message))
+        history.append(_assistant(via))
+    info = httpx.get(f"{server.url}/v1/sessions/{sid}").json()
+    assert info["tokens"] > 0
+
+
+def test_template_chat_session_refuses_what_would_change_earlier_turns(server: ServerProcess
+                                                                       ) -> None:
+    """Other tools than the session's earlier turns were rendered with, or a session that
+    holds raw text, are a 400 (the session is kept as it was)."""
+    sid = httpx.post(server.url + "/v1/sessions", json={}).json()["id"]
+    first = {"model": "q", "messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS,
+             "max_tokens": 4, "session_id": sid}
+    assert httpx.post(server.url + "/v1/chat/completions", json=first,
+                      timeout=60).status_code == 200
+    tokens = httpx.get(f"{server.url}/v1/sessions/{sid}").json()["tokens"]
+    changed = {**first, "tools": TOOLS[:1]}
+    bad = httpx.post(server.url + "/v1/chat/completions", json=changed, timeout=60)
+    assert bad.status_code == 400 and "render" in bad.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}").json()["tokens"] == tokens
+    raw = httpx.post(server.url + "/v1/sessions", json={"prompt": "Once upon a time"}).json()
+    bad = httpx.post(server.url + "/v1/chat/completions",
+                     json={**first, "session_id": raw["id"]}, timeout=60)
+    assert bad.status_code == 400 and "raw text" in bad.json()["error"]["message"]
+
+
+def test_template_chat_session_survives_export_and_import(server: ServerProcess) -> None:
+    """An exported chat session carries its conversation: the imported copy continues
+    exactly as the original does."""
+    sid = httpx.post(server.url + "/v1/sessions", json={}).json()["id"]
+    ask = {"model": "q", "max_tokens": 6, "temperature": 0}
+    httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        **ask, "session_id": sid, "messages": [{"role": "user", "content": "Hi"}]})
+    blob = httpx.get(f"{server.url}/v1/sessions/{sid}/state").content
+    copy = httpx.post(server.url + "/v1/sessions/import", content=blob,
+                      headers={"Content-Type": "application/octet-stream"}).json()["id"]
+    nxt = [{"role": "user", "content": "And then?"}]
+    a, b = (httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        **ask, "session_id": s, "messages": nxt}).json()["choices"][0]["message"]
+        for s in (sid, copy))
+    assert a == b

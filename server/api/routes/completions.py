@@ -12,6 +12,7 @@ from server import metrics
 from server.api import reasoning
 from server.api.auth import Owner
 from server.api.chat_reply import ChatDeltas, ChatShape
+from server.api.chat_session import ChatTurn, next_prompt
 from server.api.chat_template import CHAT_STOP, render_chat
 from server.api.errors import APIError
 from server.api.formatting import (
@@ -30,6 +31,7 @@ from server.api.streaming import event_stream, log_request, observe_tokens
 from server.engine.client import RequestHandle
 from server.engine.types import Output
 from server.grammar.spec import GrammarSpec
+from server.sessions.store import SessionUnavailable
 
 router = APIRouter(tags=["completions"])
 DEFAULT_COMPLETION_TOKENS = 16
@@ -53,8 +55,11 @@ def _prepare(svc: GenerationService, body: CompletionRequest | ChatRequest, owne
     fault = None
     if svc.settings.fault_injection and body.model_extra:
         fault = body.model_extra.get("linserve_fault")
+    # chat: the plain template's transcript rules (a checkpoint template's sessions keep
+    # their turns through server.api.chat_session instead)
     return Prepared(prompt_ids, params, stop, owner, body.session_id, prompt_logprobs=echo_lp,
-                    chat=isinstance(body, ChatRequest), fault=fault, grammar=grammar)
+                    chat=isinstance(body, ChatRequest) and svc.chat is None, fault=fault,
+                    grammar=grammar)
 
 
 @router.post("/v1/completions", responses={**ERRORS, 200: SSE_RESPONSE})
@@ -213,15 +218,47 @@ def _constrained(body: ChatRequest) -> bool:
         return True  # an invalid one: grammar_of answers the 400
 
 
-def _chat_prompt(svc: GenerationService, body: ChatRequest
-                 ) -> tuple[str, tuple[str, ...], ChatShape]:
-    """The prompt text, the extra stop strings and the reply's shape of a chat request."""
+async def _chat_prompt(svc: GenerationService, body: ChatRequest, owner: str
+                       ) -> tuple[str, tuple[str, ...], ChatShape, ChatTurn | None]:
+    """The prompt text, the extra stop strings and the reply's shape of a chat request, and
+    for a session with the checkpoint's template, its turn (server.api.chat_session)."""
     if svc.chat is None:  # a base model: tools are not shown to it, a forced call still holds
-        return render_chat(body.messages), CHAT_STOP, ChatShape(forced=body.forced_tool()[0])
+        return (render_chat(body.messages), CHAT_STOP,
+                ChatShape(forced=body.forced_tool()[0]), None)
+    render = _render_vars(svc, body)
     if body.session_id:
-        raise APIError(400, "chat sessions are not supported yet with a checkpoint's own chat "
-                       "template; send the whole conversation (the prefix cache reuses the "
-                       "earlier turns' state)", "session_id", "unsupported_parameter")
+        return await _session_turn(svc, body, owner, render)
+    try:
+        text = svc.chat.render(body.messages, body.add_generation_prompt,
+                               body.continue_final_message, **render)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "messages", "invalid_messages") from None
+    return text, (), _shape(svc, body, render, text), None
+
+
+async def _session_turn(svc: GenerationService, body: ChatRequest, owner: str,
+                        render: dict[str, Any]
+                        ) -> tuple[str, tuple[str, ...], ChatShape, ChatTurn | None]:
+    """A template chat session's turn: the new messages after the stored conversation."""
+    assert svc.chat is not None and body.session_id is not None
+    if body.continue_final_message or not body.add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt=false are not "
+                       "supported with session_id", "session_id", "unsupported_parameter")
+    try:
+        sess = await svc.store.get(body.session_id, owner)
+    except SessionUnavailable as exc:
+        raise APIError(503, "session store unavailable", "session_id") from exc
+    if sess is None:
+        raise APIError(404, f"session {body.session_id!r} not found", "session_id")
+    prompt, conversation = next_prompt(svc.chat, sess.chat, sess.tokens, body.messages,
+                                       **render)
+    shape = _shape(svc, body, render, conversation.text + prompt)
+    turn = ChatTurn(conversation, render, lambda text: shape.message(text)[0], sess.version)
+    return prompt, (), shape, turn
+
+
+def _render_vars(svc: GenerationService, body: ChatRequest) -> dict[str, Any]:
+    """The template variables of a request: tools, documents, chat_template_kwargs."""
     tools = body.tool_dicts() if body.tool_choice != "none" else []
     extra = dict(body.chat_template_kwargs or {})
     if svc.settings.reasoning_parser and _constrained(body):
@@ -232,15 +269,15 @@ def _chat_prompt(svc: GenerationService, body: ChatRequest
     if bad:
         raise APIError(400, f"chat_template_kwargs may not set {sorted(bad)}",
                        "chat_template_kwargs", "invalid_parameter")
-    try:
-        text = svc.chat.render(body.messages, body.add_generation_prompt,
-                               body.continue_final_message, tools=tools or None,
-                               documents=body.documents, **extra)
-    except ValueError as exc:
-        raise APIError(400, str(exc), "messages", "invalid_messages") from None
+    return {"tools": tools or None, "documents": body.documents, **extra}
+
+
+def _shape(svc: GenerationService, body: ChatRequest, render: dict[str, Any], text: str
+           ) -> ChatShape:
+    """How the reply to the rendered ``text`` is read: tool calls, reasoning."""
     thinking = reasoning.starts_thinking(text) if svc.settings.reasoning_parser else None
-    shape = ChatShape(tools, svc.tool_parser, body.forced_tool()[0], thinking)
-    return text, (), shape
+    return ChatShape(render.get("tools") or [], svc.tool_parser, body.forced_tool()[0],
+                     thinking)
 
 
 @router.post("/v1/chat/completions", responses={**ERRORS, 200: SSE_RESPONSE})
@@ -250,11 +287,12 @@ async def chat_completions(body: ChatRequest, request: Request, owner: Owner) ->
     reasoning as the request and ``--tool-call-parser`` / ``--reasoning-parser`` ask
     (``chat_reply``)."""
     svc = _service(request)
-    text, stops, shape = _chat_prompt(svc, body)
+    text, stops, shape, turn = await _chat_prompt(svc, body, owner)
     prompt_ids = svc.tokenize_prompt(text, "messages")
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     prep = _prepare(svc, body, owner, prompt_ids, DEFAULT_CHAT_TOKENS, n_lp,
                     body.stop_list() + stops, await svc.grammar_of(body))
+    prep.turn = turn
     handles = await svc.start_choices(prep, body.n)
     base = {"id": handles[0].req.request_id.replace("cmpl", "chatcmpl", 1), "created": now(),
             "model": request.app.state.model_name}

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
 from model.interface import StateError
 from server.api.auth import Owner
+from server.api.chat_session import Transcript
 from server.api.errors import APIError
 from server.api.protocol import SessionCreate, SessionInfo
 from server.api.routes.docs import ERRORS
@@ -77,7 +79,8 @@ async def fork_session(session_id: str, request: Request, owner: Owner) -> Sessi
     src = await _get(svc, session_id, owner)
     # Stored states are never mutated in place (the engine copies before advancing), so
     # sharing the tensors is an exact, free copy.
-    fork = Session(new_session_id(), owner, src.state, list(src.pending), src.tokens)
+    fork = Session(new_session_id(), owner, src.state, list(src.pending), src.tokens,
+                   chat=src.chat)
     fork = await svc._put_new(fork)
     return _info(fork, request.app.state.model_name)
 
@@ -88,7 +91,9 @@ async def fork_session(session_id: str, request: Request, owner: Owner) -> Sessi
 async def export_session(session_id: str, request: Request, owner: Owner) -> Response:
     svc = _svc(request)
     sess = await _get(svc, session_id, owner)
-    extra = {"tokens": sess.tokens, "pending": sess.pending}
+    extra: dict[str, Any] = {"tokens": sess.tokens, "pending": sess.pending}
+    if sess.chat is not None:
+        extra["chat"] = sess.chat
     blob = await asyncio.to_thread(svc.model.state_to_bytes, sess.state, extra)
     disposition = f'attachment; filename="{sess.id}.safetensors"'
     return Response(blob, media_type="application/octet-stream",
@@ -109,8 +114,12 @@ async def import_session(request: Request, owner: Owner) -> SessionInfo:
         raise APIError(400, f"invalid state: {exc}", "body", "invalid_state") from exc
     pending, tokens = extra.get("pending", []), extra.get("tokens", 0)
     problem = session_problem(state, tokens, pending, svc.info)
+    chat = extra.get("chat")
+    if problem is None and chat is not None and Transcript.from_json(chat) is None:
+        problem = "'chat' is not a chat transcript (messages and text)"
     if problem is not None:
         raise APIError(400, f"invalid state: {problem}", "body", "invalid_state")
-    sess = Session(new_session_id(), owner, state, pending, tokens, time.time(), time.time())
+    sess = Session(new_session_id(), owner, state, pending, tokens, time.time(), time.time(),
+                   chat=chat)
     sess = await svc._put_new(sess)
     return _info(sess, request.app.state.model_name)
