@@ -20,6 +20,17 @@ log = logging.getLogger(__name__)
 M_MMAP_THRESHOLD = -3  # from glibc's malloc.h
 
 
+def trim() -> bool:
+    """Return the heap's free memory to the system (glibc's ``malloc_trim``): loading and
+    packing a checkpoint frees gigabytes of temporaries (the weights as read, fp32 copies
+    while quantizing) that glibc otherwise keeps (int4 on the 0.8B shapes: 2.42 GB resident
+    after loading, 1.30 GB after this). False where there is no ``malloc_trim``."""
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def pin_mmap_threshold(nbytes: int) -> bool:
     """Fix glibc's mmap threshold at ``nbytes`` (0: leave malloc alone). Returns whether it
     was applied (False on a libc without ``mallopt``, e.g. musl or macOS)."""

@@ -23,6 +23,7 @@ from server.engine.client import EngineBackend, EngineClient
 from server.engine.engine import Engine, EngineLimits
 from server.engine.loading import load_engine_model, pick_dtype, state_budget, warm_up
 from server.engine.process import ProcessEngineClient
+from server.malloc import trim
 from server.playground.routes import install_playground
 from server.prefix_cache.remote import RemotePrefixes
 from server.sessions.store import MemorySessionStore, SessionStore
@@ -152,6 +153,7 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     if settings.engine_mode == "process":
         # the engine process loads its own copy; this one only reads and writes states
         model.drop_weights()
+        trim()
         client = ProcessEngineClient(settings, model)
     else:
         await asyncio.to_thread(warm_up, model)

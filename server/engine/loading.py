@@ -13,6 +13,7 @@ import torch
 from model.interface import ModelInfo, ServedModel
 from model.loader import batch_invariant_active, load, pick_dtype
 from server.cpus import available_cpus
+from server.malloc import trim
 from server.settings import Settings
 
 log = logging.getLogger("linserve")
@@ -22,6 +23,7 @@ def load_engine_model(settings: Settings) -> ServedModel:
     torch.set_num_threads(settings.threads or max(1, available_cpus() - 1))
     model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
                  settings.quantization)
+    trim()
     info = model.info
     log.info("model: %s, %s parameters, state %s bytes a session (%s); decode step %s; "
              "weights %s (%s), quantization %s, %s MB resident; batch-invariant %s",
