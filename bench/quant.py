@@ -138,6 +138,10 @@ def plot(result: dict[str, Any]) -> None:
                           f"{'s' if threads > 1 else ''}")
             for x, y, n in zip(xs, ys, names, strict=True):
                 ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    grid = [0.4 + 0.02 * i for i in range(61)]
+    ax.plot(grid, [result["read_gbs_1_thread"] / g for g in grid], ":", color="gray",
+            label="read roofline, 1 thread")
+    ax.set_ylim(top=70)
     ax.set_xlabel("bytes read a token (GB)")
     ax.set_ylabel("decode tokens/s, batch 1")
     ax.set_title("Qwen3.5-0.8B shapes: weight types")
