@@ -196,7 +196,9 @@ inline void span_rows(const Span& s, const Weights<W>& w) {
 }
 
 // Work split: rows in groups of up to kRows, columns in chunks of kChunk (a multiple of every
-// tile width); threads take (group, chunk) pairs. The split decides who computes an element,
+// tile width); threads take (chunk, group) pairs, chunk-major, so the row groups of a chunk
+// run one after the other while its weights are still in cache (group-major, a batch of 16
+// streamed every weight from DRAM three times). The split decides who computes an element,
 // never how, so results do not depend on it.
 constexpr int64_t kChunk = 512;
 
@@ -208,7 +210,7 @@ inline void for_spans(const float* x, float* y, int64_t rows, int64_t k_len, int
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   at::parallel_for(0, groups * chunks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g = t / chunks, c0 = t % chunks * kChunk;
+      const int64_t g = t % groups, c0 = t / groups * kChunk;
       const int64_t r0 = g * group_rows;
       const Span s{r0, x + r0 * k_len, y + r0 * n, k_len, n, c0, std::min(c0 + kChunk, n),
                    accumulate};
