@@ -200,3 +200,28 @@ def test_prefix_states_cross_replicas(linear_weights: Path, redis_server: RedisP
         down = httpx.post(a.url + "/v1/chat/completions", timeout=60,
                           json={**body, "messages": history})
         assert down.status_code == 200
+
+
+def test_template_chat_session_moves_between_replicas(tmp_path: Path,
+                                                      redis_server: RedisProcess) -> None:
+    """A chat session with a checkpoint's template keeps its conversation in Redis: turn 2
+    on the other replica replies as the whole conversation sent stateless does."""
+    pytest.importorskip("transformers")
+    from tests.model.qwen_fixtures import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "qwen", "i4-tied")
+    args = ["--model", str(path), "--dtype", "float32", "--session-store", redis_server.url]
+    ask = {"max_tokens": 8, "temperature": 0,
+           "chat_template_kwargs": {"enable_thinking": False}}
+    with ServerProcess(path, args=args) as a, ServerProcess(path, args=args) as b:
+        sid = httpx.post(a.url + "/v1/sessions", json={}).json()["id"]
+        history: list[dict[str, object]] = []
+        for srv, text in ((a, "Hello"), (b, "And then?")):
+            new = {"role": "user", "content": text}
+            via = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+                **ask, "messages": [new], "session_id": sid}).json()["choices"][0]["message"]
+            history.append(new)
+            whole = httpx.post(a.url + "/v1/chat/completions", timeout=120, json={
+                **ask, "messages": history}).json()["choices"][0]["message"]
+            assert via == whole
+            history.append({"role": "assistant", "content": via["content"]})
