@@ -35,6 +35,8 @@ def test_health_and_models_report_the_quantization(quantized_server: tuple[str, 
     assert health["quantization"] == mode
     full = (ROOT / "weights" / "linear" / "model.safetensors").stat().st_size
     assert 0 < health["weight_bytes"] < 2 * full
+    listed = httpx.get(srv.url + "/v1/models").json()["data"][0]
+    assert listed["quantization"] == mode and listed["weight_bytes"] == health["weight_bytes"]
 
 
 def test_openai_sdk_completion_and_seeded_reproducibility(

@@ -25,7 +25,9 @@ async def list_models(request: Request, _: Owner) -> dict[str, Any]:
         "architecture": st.model.info.architecture, "max_model_len": st.max_model_len,
         "state_bytes": st.model.info.state_bytes,
         "state_grows": st.model.info.state_grows,
-        "state_bytes_per_token": st.model.info.state_bytes_per_token}]}
+        "state_bytes_per_token": st.model.info.state_bytes_per_token,
+        "quantization": st.model.info.quantization,
+        "weight_bytes": st.model.info.weight_bytes}]}
 
 
 @router.post("/tokenize", tags=["tokenizer"], responses=ERRORS)
