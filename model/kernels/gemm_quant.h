@@ -9,7 +9,8 @@
 // - int4 (a kByte tensor): q [K, N] in [-8, 7] with an fp16 scale per group of G input
 //   features and column, W[k, n] = q[k, n] s[k / G, n] (llama.cpp's Q4_0 without its blocks).
 //   Stored as the same panel layout of q + 8 with two stored rows per byte (row 2i in the
-//   low nibble, 2i + 1 in the high), then the scales [K / G, N] fp16:
+//   low nibble, 2i + 1 in the high; with J = 2, four rows per 16-bit word of each column and
+//   parity instead, see q4_quad_bf16), then the scales [K / G, N] fp16:
 //   shape [K' / 2 + 2 (K / G) / J, N, J]. G is read back from the shape.
 //
 // Arithmetic, for every element whatever the batch (so still batch-invariant, gemm.h):
@@ -184,18 +185,22 @@ inline __m512bh q8_pairs_bf16(const uint8_t* w, __mmask16 m) {
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// 16 columns x two pairs of int4 weights (32 bytes, nibbles) as two vectors of bf16 pairs:
-// a table lookup of q + 8 -> bf16(q).
-inline void q4_pairs_bf16(const uint8_t* w, __mmask16 m, __m512i table, __m512bh* lo,
-                          __m512bh* hi) {
-  const __m512i v = _mm512_cvtepu8_epi16(load_bytes(w, m));
-  *lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, _mm512_set1_epi16(15)), table);
-  *hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+// 16 columns x four pairs of int4 weights (64 bytes: a 16-bit word per column and parity,
+// its four nibbles four consecutive pairs) as four vectors of bf16 pairs: a table lookup of
+// q + 8 -> bf16(q). vpermw reads an index's low five bits, so each nibble needs only a shift
+// (the bit above it picks the table's second, identical half).
+inline void q4_quad_bf16(const uint8_t* w, __mmask16 m, __m512i table, __m512bh* q) {
+  const __mmask32 wm = _pdep_u32(m, 0x55555555u) | (_pdep_u32(m, 0x55555555u) << 1);
+  const __m512i v = m == 0xFFFF ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi16(wm, w);
+  q[0] = (__m512bh)_mm512_permutexvar_epi16(v, table);
+  q[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+  q[2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table);
+  q[3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table);
 }
 
 inline __m512i q4_table() {
   alignas(64) uint16_t t[32] = {};
-  for (int i = 0; i < 16; ++i) t[i] = c10::BFloat16(static_cast<float>(i - 8)).x;
+  for (int i = 0; i < 32; ++i) t[i] = c10::BFloat16(static_cast<float>((i & 15) - 8)).x;
   return _mm512_load_si512(t);
 }
 
@@ -250,22 +255,24 @@ template <int64_t ROWS, int64_t NV>
 inline void tile_q4_dp(const uint32_t* xp, int64_t k2_len, const Span& s, const QuantWeights& w,
                        int64_t c, __mmask16 m, __m512i table) {
   int64_t ld;
-  const uint8_t* wc[NV];
-  vectors<NV>(w, c, wc, &ld);
+  const int64_t p0 = c / kPanel * kPanel;
+  const uint8_t* panel = w.q.at(p0, &ld);
+  const uint8_t* wc[NV];  // vector j's words in the first quad of pairs (rows: 2 ld bytes)
+  for (int64_t j = 0; j < NV; ++j) wc[j] = panel + (c + 16 * j - p0) * 4;
   const int64_t g2 = w.group / 2;  // pairs a group
   __m512 out[ROWS][NV];
   for (auto& row : out) for (auto& a : row) a = _mm512_setzero_ps();
   for (int64_t k0 = 0, g = 0; k0 < k2_len; k0 += g2, ++g) {
     __m512 acc[ROWS][NV];
     for (auto& row : acc) for (auto& a : row) a = _mm512_setzero_ps();
-    for (int64_t k2 = k0; k2 < k0 + g2; k2 += 2) {
-      __m512bh lo[NV], hi[NV];
-      for (int64_t j = 0; j < NV; ++j)
-        q4_pairs_bf16(wc[j] + k2 / 2 * ld, m, table, &lo[j], &hi[j]);
+    for (int64_t k2 = k0; k2 < k0 + g2; k2 += 4) {
+      __m512bh q[NV][4];
+      for (int64_t j = 0; j < NV; ++j) q4_quad_bf16(wc[j] + k2 / 2 * ld, m, table, q[j]);
       for (int64_t r = 0; r < ROWS; ++r) {
-        const __m512bh x0 = pair_of(xp, r * k2_len + k2), x1 = pair_of(xp, r * k2_len + k2 + 1);
-        for (int64_t j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], x0, lo[j]);
-        for (int64_t j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], x1, hi[j]);
+        for (int64_t t = 0; t < 4; ++t) {
+          const __m512bh xt = pair_of(xp, r * k2_len + k2 + t);
+          for (int64_t j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xt, q[j][t]);
+        }
       }
     }
     for (int64_t j = 0; j < NV; ++j) {
@@ -328,7 +335,7 @@ inline void quant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y, bo
   TORCH_CHECK(scale_rows > 0 && (j == 1 || (j == 2 && kHasBf16Dot)) && y.size(1) == n,
               "quant_mm: the weight does not match the activations");
   const int64_t groups = int4 ? scale_rows * j / 2 : 1;
-  TORCH_CHECK(!int4 || (k_len % groups == 0 && (k_len / groups) % (2 * j) == 0),
+  TORCH_CHECK(!int4 || (k_len % groups == 0 && (k_len / groups) % (j == 2 ? 8 : 2) == 0),
               "quant_mm: int4 groups must divide K");
   const auto* base = reinterpret_cast<const uint8_t*>(w.data_ptr());
   const QuantWeights qw{{base, data_rows, n, j, true}, base + data_rows * n * j,
@@ -350,14 +357,20 @@ inline at::Tensor pack_quantized(const at::Tensor& q, const at::Tensor& scales, 
   at::Tensor panels = pack_weight(int4 ? q.add(8) : q);  // [K', N, J]
   const int64_t k_rows = panels.size(0), n = panels.size(1), j = panels.size(2);
   if (int4) {
-    TORCH_CHECK(k_rows % 2 == 0, "pack_quantized: int4 needs an even number of stored rows");
+    // panel by panel, J = 1: stored rows 2i, 2i+1 in one byte (low, high nibble); J = 2: rows
+    // 4i .. 4i+3 in one 16-bit word per column and parity (see q4_quad_bf16)
+    const int64_t per = j == 2 ? 4 : 2;
+    TORCH_CHECK(k_rows % per == 0, "pack_quantized: int4 needs whole groups of stored rows");
     at::Tensor bytes = at::empty({k_rows / 2 * n * j}, q.options().dtype(at::kByte));
-    for (int64_t p0 = 0; p0 < n; p0 += kPanel) {  // panel by panel: row pairs in one byte
+    for (int64_t p0 = 0; p0 < n; p0 += kPanel) {
       const int64_t width = std::min(kPanel, n - p0);
       const at::Tensor p = panels.view({-1}).narrow(0, p0 * k_rows * j, k_rows * width * j)
-                               .view({k_rows / 2, 2, width * j}).to(at::kByte);
-      bytes.narrow(0, p0 * k_rows / 2 * j, k_rows / 2 * width * j)
-          .copy_(p.select(1, 0).bitwise_or(p.select(1, 1).bitwise_left_shift(4)).view({-1}));
+                               .view({k_rows / per, per, width * j}).to(at::kInt);
+      at::Tensor packed = p.select(1, 0);
+      for (int64_t t = 1; t < per; ++t)
+        packed = packed.bitwise_or(p.select(1, t).bitwise_left_shift(4 * t));
+      const at::Tensor out = per == 4 ? packed.to(at::kShort).view(at::kByte) : packed.to(at::kByte);
+      bytes.narrow(0, p0 * k_rows / 2 * j, k_rows / 2 * width * j).copy_(out.reshape({-1}));
     }
     panels = bytes;
   }
