@@ -85,10 +85,13 @@ def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> No
 
 
 @contextlib.contextmanager
-def running(cmd: list[str], port: int, log: Path) -> Iterator[int]:
-    """``cmd`` started (listening on ``port``) and healthy; yields its pid, stops it after."""
+def running(cmd: list[str], port: int, log: Path, env: dict[str, str] | None = None
+            ) -> Iterator[int]:
+    """``cmd`` started (listening on ``port``, output to ``log``, ``env`` added) and healthy;
+    yields its pid, stops it after."""
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
     try:
         _wait(f"http://127.0.0.1:{port}", proc)
         yield proc.pid
@@ -106,25 +109,15 @@ def serve_and_load(cmd: list[str], port: int, streams: int, requests: int, promp
     """Start ``cmd`` (listening on ``port``), run ``bench.loadtest`` with ``streams``
     concurrent streaming completions (a discarded warm-up round first), stop it; returns the
     loadtest report (with ``rss_bytes``: ``measure(pid)`` after the run, when given)."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait(url, proc)
-        common = ["--url", url, "--concurrency", str(streams), "--prompt-tokens", str(prompt),
-                  "--max-tokens", str(gen), "--ignore-eos", "--temperature", "0.8"]
+    with running(cmd, port, log, env) as pid:
+        common = ["--url", f"http://127.0.0.1:{port}", "--concurrency", str(streams),
+                  "--prompt-tokens", str(prompt), "--max-tokens", str(gen), "--ignore-eos",
+                  "--temperature", "0.8"]
         loadtest.main([*common, "--requests", str(streams)])
         report = loadtest.main([*common, "--requests", str(requests)])
         if measure is not None:
-            report["rss_bytes"] = measure(proc.pid)
+            report["rss_bytes"] = measure(pid)
         return report
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def llama_server_cmd(model: Path, streams: int, context: int) -> tuple[list[str], int]:
