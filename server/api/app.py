@@ -21,7 +21,13 @@ from server.api.routes import completions, misc, sessions
 from server.api.service import GenerationService
 from server.engine.client import EngineBackend, EngineClient
 from server.engine.engine import Engine, EngineLimits
-from server.engine.loading import load_engine_model, pick_dtype, state_budget, warm_up
+from server.engine.loading import (
+    TRIM_ABOVE,
+    load_engine_model,
+    pick_dtype,
+    state_budget,
+    warm_up,
+)
 from server.engine.process import ProcessEngineClient
 from server.malloc import trim
 from server.playground.routes import install_playground
@@ -153,7 +159,8 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     if settings.engine_mode == "process":
         # the engine process loads its own copy; this one only reads and writes states
         model.drop_weights()
-        trim()
+        if info.weight_bytes >= TRIM_ABOVE:
+            trim()
         client = ProcessEngineClient(settings, model)
     else:
         await asyncio.to_thread(warm_up, model)

@@ -17,14 +17,18 @@ from server.malloc import trim
 from server.settings import Settings
 
 log = logging.getLogger("linserve")
+# Loading a checkpoint this large leaves gigabytes of freed temporaries in the heap; below it
+# the few MB left are reused by the server's own allocations, so nothing is trimmed.
+TRIM_ABOVE = 256 << 20
 
 def load_engine_model(settings: Settings) -> ServedModel:
     """The served model, with the engine's thread count set first."""
     torch.set_num_threads(settings.threads or max(1, available_cpus() - 1))
     model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
                  settings.quantization)
-    trim()
     info = model.info
+    if info.weight_bytes >= TRIM_ABOVE:
+        trim()
     log.info("model: %s, %s parameters, state %s bytes a session (%s); decode step %s; "
              "weights %s (%s), quantization %s, %s MB resident; batch-invariant %s",
              info.architecture, f"{info.params:,}", f"{info.state_bytes:,}",
