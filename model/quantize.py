@@ -1,9 +1,12 @@
-"""Weight-only quantization at load time (``--quantization int8|int4``).
+"""Weight quantization at load time (``--quantization int8|int4``).
 
 Every GEMM weight (the projections, the MLP and the output head; not the embedding table, not
 the norms) is replaced by small integers and scales, and multiplied by
-``model/kernels/gemm_quant.h`` without ever being dequantized in memory. Activations, recurrent
-states and KV caches stay fp32.
+``model/kernels/gemm_quant.h`` without ever being dequantized in memory. The products are
+integer dot products: a GEMM's input is quantized on the fly, per row and block of
+:data:`GROUP` inputs, to int8 (:func:`quantize_activations`, llama.cpp's Q8_0 rule, which
+its Q8_0 and Q4_0 dot products use too); the sums of blocks are fp32. Everything between
+GEMMs, recurrent states and KV caches stay fp32.
 
 - **int8**: symmetric, one fp32 scale per output channel: ``W[k, n] ≈ q[k, n] · s[n]``,
   ``s[n] = max_k |W[k, n]| / 127``, q in [−127, 127]. 8.0 bits a weight (+ 32 a column).
@@ -56,6 +59,18 @@ def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
     inv = torch.where(s != 0, 1 / s, torch.zeros_like(s))
     q = torch.round(g * inv[:, None, :]).clamp(-8, 7).to(torch.int8).view(k, n)
     return q, scale
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x [B, K]`` as the quantized GEMM sees it: per row and block of :data:`GROUP` inputs,
+    ``s = max |x| / 127`` and ``x ≈ round(x / s) · s`` (ties to even; the kernel's rule, the
+    tests' reference)."""
+    b, k = x.shape
+    pad = -k % GROUP
+    blocks = torch.nn.functional.pad(x.float(), (0, pad)).view(b, -1, GROUP)
+    s = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(s > 0, torch.round(blocks / s).clamp(-127, 127), torch.zeros_like(blocks))
+    return (q * s).view(b, -1)[:, :k]
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

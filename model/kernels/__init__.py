@@ -63,19 +63,20 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-# x86-64-v4 (AVX-512 F/BW/CD/DQ/VL), and the same with AVX512-BF16, which the batch-invariant
-# GEMM uses for bf16 weights (vdpbf16ps: twice the products of fp32 FMAs).
+# x86-64-v4 (AVX-512 F/BW/CD/DQ/VL), and the same with AVX512-BF16 and AVX512-VNNI, which the
+# batch-invariant GEMM uses for bf16 weights (vdpbf16ps: twice the products of fp32 FMAs) and
+# for int8 / int4 ones (vpdpbusd).
 X86_64_V4_FLAGS = X86_64_V3_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-X86_64_V4_BF16_FLAGS = X86_64_V4_FLAGS | {"avx512_bf16"}
+X86_64_V4_BF16_FLAGS = X86_64_V4_FLAGS | {"avx512_bf16", "avx512_vnni"}
 LEVELS = [("x86-64-v4-bf16", X86_64_V4_BF16_FLAGS), ("x86-64-v4", X86_64_V4_FLAGS),
           ("x86-64-v3", X86_64_V3_FLAGS), ("x86-64", frozenset())]
 
 
 def march_flags(arch: str) -> list[str]:
     """Compiler flags of a level: ``-march=ARCH``, and for ``x86-64-v4-bf16`` the v4 level
-    plus AVX512-BF16."""
+    plus AVX512-BF16 and AVX512-VNNI (every CPU with the first has the second)."""
     if arch == "x86-64-v4-bf16":
-        return ["-march=x86-64-v4", "-mavx512bf16"]
+        return ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"]
     return [f"-march={arch}"]
 
 

@@ -6,7 +6,7 @@
 //   [K/2, N, 2] bf16 pairs for the bf16 dot-product path (AVX512-BF16 builds; has_bf16_dot()
 //   says which).
 //   pack_quantized(q [K, N] int8, scales, int4) -> an int8 (fp32 scales [N]) or int4 (fp16
-//   scales [K/G, N]) weight in gemm_quant.h's formats, which invariant_mm also takes.
+//   scales [K/32, N]) weight in gemm_quant.h's formats, which invariant_mm also takes.
 //   set_batch_invariant(on): whether the fused steps' projections use it (dense.h).
 #include <ATen/ATen.h>
 #include <torch/library.h>

@@ -352,22 +352,11 @@ inline void gemm_rows_dp(const float* x, const Weights<uint16_t>& wp, float* y, 
 constexpr bool kHasBf16Dot = false;
 #endif
 
-// W [K, N] fp32 or bf16 -> the packed layout the GEMM streams (see Weights): [K, N, 1], or
-// [ceil(K/2), N, 2] bf16 pairs where the CPU has the bf16 dot product; panel by panel.
-// (int8 values are laid out as bf16 ones, for gemm_quant.h's pack_quantized.)
-inline at::Tensor pack_weight(const at::Tensor& w) {
-  const auto type = w.scalar_type();
-  TORCH_CHECK(w.dim() == 2 && (type == at::kBFloat16 || type == at::kFloat || type == at::kChar),
-              "pack_weight takes [K, N] fp32 or bf16");
-  const int64_t k_len = w.size(0), n = w.size(1);
-  at::Tensor src = w.unsqueeze(2);  // [K', N, J]
-  if (kHasBf16Dot && type != at::kFloat) {
-    at::Tensor padded = at::zeros({(k_len + 1) / 2 * 2, n}, w.options());
-    padded.narrow(0, 0, k_len).copy_(w);
-    src = padded.view({-1, 2, n}).permute({0, 2, 1});
-  }
-  const int64_t rows = src.size(0), j = src.size(2);
-  at::Tensor out = at::empty({rows, n, j}, w.options());
+// src [K', N, J] -> the same values with the columns in panels (see Weights): panel by
+// panel, each [K', width, J] contiguous.
+inline at::Tensor panelize(const at::Tensor& src) {
+  const int64_t rows = src.size(0), n = src.size(1), j = src.size(2);
+  at::Tensor out = at::empty({rows, n, j}, src.options());
   at::Tensor flat = out.view({-1});
   for (int64_t p0 = 0; p0 < n; p0 += kPanel) {
     const int64_t width = std::min(kPanel, n - p0);
@@ -376,6 +365,22 @@ inline at::Tensor pack_weight(const at::Tensor& w) {
         .copy_(src.narrow(1, p0, width));
   }
   return out;
+}
+
+// W [K, N] fp32 or bf16 -> the packed layout the GEMM streams (see Weights): [K, N, 1], or
+// [ceil(K/2), N, 2] bf16 pairs where the CPU has the bf16 dot product.
+inline at::Tensor pack_weight(const at::Tensor& w) {
+  const auto type = w.scalar_type();
+  TORCH_CHECK(w.dim() == 2 && (type == at::kBFloat16 || type == at::kFloat),
+              "pack_weight takes [K, N] fp32 or bf16");
+  const int64_t k_len = w.size(0), n = w.size(1);
+  at::Tensor src = w.unsqueeze(2);  // [K', N, J]
+  if (kHasBf16Dot && type != at::kFloat) {
+    at::Tensor padded = at::zeros({(k_len + 1) / 2 * 2, n}, w.options());
+    padded.narrow(0, 0, k_len).copy_(w);
+    src = padded.view({-1, 2, n}).permute({0, 2, 1});
+  }
+  return panelize(src);
 }
 
 // int8 / int4 weights (gemm_quant.h, included at the end of this file).

@@ -2,10 +2,11 @@
 
 - The quantizers: int8 per output channel within half a step; int4 in groups of 32 as
   llama.cpp's Q4_0 (the largest weight of a group maps to −8).
-- The quantized GEMM equals the product with the dequantized weights (within the rounding of
-  the activations to bf16 on the bf16 dot-product path) and stays batch-invariant: every
-  prefix of a batch and every row alone give the same bits. ``test_each_instruction_set``
-  re-runs these with the kernels compiled for AVX2 (another code path).
+- The quantized GEMM equals the product of the dequantized weights with the activations as
+  it quantizes them (int8 per row and block of 32) within fp32 rounding, and stays
+  batch-invariant: every prefix of a batch and every row alone give the same bits.
+  ``test_each_instruction_set`` re-runs these with the kernels compiled for AVX2 and for
+  AVX-512 without VNNI (the generic integer path).
 - A Qwen3.5 checkpoint loads quantized: the unquantized weights are freed, the native step
   equals the eager one, and teacher-forced next tokens agree with the unquantized model's.
 - The project's trained model: perplexity within +1 % (int8) and +5 % (int4).
@@ -68,7 +69,7 @@ def test_int4_falls_back_to_int8_when_groups_do_not_divide() -> None:
 @pytest.mark.parametrize(("k", "n"), [(64, 256), (96, 100), (128, 7), (256, 4500), (33, 50)])
 def test_quantized_gemm_is_exact_and_batch_invariant(mode: str, k: int, n: int) -> None:
     """Rows of a 40-row product equal every prefix's and each row alone, bit for bit, and
-    the dequantized reference within fp32 (or bf16-activation) rounding."""
+    the reference (activations quantized as the kernel does) within fp32 rounding."""
     torch.manual_seed(2)
     w = torch.randn(k, n)
     q, s = quantize.quantize(w, mode)
@@ -81,10 +82,8 @@ def test_quantized_gemm_is_exact_and_batch_invariant(mode: str, k: int, n: int) 
         assert torch.equal(torch.ops.linserve.invariant_mm(x[:b], packed), full[:b])
     for i in (0, 17, 39):
         assert torch.equal(torch.ops.linserve.invariant_mm(x[i : i + 1], packed), full[i : i + 1])
-    pairs = packed.shape[2] == 2  # the bf16 dot-product path rounds activations to bf16
-    xr = x.bfloat16().float() if pairs else x
-    want = xr @ quantize.dequantize(q, s)
-    assert (full - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    want = (quantize.quantize_activations(x).double() @ quantize.dequantize(q, s).double())
+    assert (full.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 @pytest.mark.parametrize("kind", ["gated", "softmax"])
@@ -155,8 +154,14 @@ def test_hf_checkpoint_quantized_tracks_the_unquantized_model(checkpoint: Path, 
 def test_hf_checkpoint_loads_quantized_and_frees_the_originals(checkpoint: Path, mode: str
                                                                ) -> None:
     """Weights in memory shrink (the fp32 GEMM weights are released), /health's figures come
-    from ModelInfo, states are marked by the fingerprint, and the native step equals the
-    eager one on 3 rows for 8 steps."""
+    from ModelInfo, states are marked by the fingerprint, and the native step tracks the
+    eager one on 3 rows for 8 steps.
+
+    Tracks, not equals: the two forms' activations differ in their last bits (1e-7), and
+    quantizing them to int8 can round one element to the next step in one form only. The
+    logits then differ by about one activation step times the weights it meets (measured:
+    up to 0.016 on a row, KL 3e-6), three orders under int4's own KL; without the
+    flip the forms agree to 1e-7."""
     full = loader.load(checkpoint, "float32")
     model = loader.load(checkpoint, "float32", quantization=mode)
     info = model.info
@@ -171,7 +176,11 @@ def test_hf_checkpoint_loads_quantized_and_frees_the_originals(checkpoint: Path,
     for _ in range(8):
         tokens = torch.randint(0, 8192, (3,), generator=gen)
         a, b = model.step(tokens, native), model.module.step_eager(tokens, eager)
-        assert (a - b).abs().max().item() <= 1e-4
+        la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
+        kl = (la.exp() * (la - lb)).sum(-1).max().item()
+        print(f"{mode}: native against eager, max |Δ| {(a - b).abs().max().item():.2e}, "
+              f"KL {kl:.1e}")
+        assert (a - b).abs().max().item() <= 0.05 and kl <= 1e-4
     alone = State.cat([model.prefill(torch.randint(0, 8192, (1, 5), generator=gen))[1]])
     batch = State.cat([alone.copy(), native.copy()])
     t = torch.tensor([7, 8, 9, 10])
