@@ -37,9 +37,11 @@ class Settings(BaseSettings):
         "dot products (AVX512-BF16 or AMX), float32 otherwise; recurrent state and KV caches "
         "are always float32")
     quantization: Literal["none", "int8", "int4"] = Field(
-        "none", description="weight-only quantization of every projection, MLP and output-head "
-        "weight at load time: int8 (per output channel) or int4 (groups of 32, fp16 scales, "
-        "as llama.cpp's Q4_0); embeddings, norms, states and KV caches stay as they are")
+        "none", description="quantization of every projection, MLP and output-head weight at "
+        "load time: int8 (per output channel) or int4 (groups of 32, fp16 scales, as "
+        "llama.cpp's Q4_0), multiplied as integer dot products with the GEMM's input rounded "
+        "to int8 per block of 32 (as llama.cpp's Q8_0); embeddings, norms, states and KV "
+        "caches stay as they are")
     threads: int = Field(0, ge=0, description="torch threads for the engine (0: auto)")
     chat_template: str = Field("", description="a Jinja chat template file that replaces the "
                                "checkpoint's own")

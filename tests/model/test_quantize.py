@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 quantization (model/quantize.py, model/kernels/gemm_quant.h).
+"""int8 / int4 weights (model/quantize.py, model/kernels/gemm_quant.h).
 
 - The quantizers: int8 per output channel within half a step; int4 in groups of 32 as
   llama.cpp's Q4_0 (the largest weight of a group maps to −8).
@@ -140,7 +140,7 @@ def test_hf_checkpoint_quantized_tracks_the_unquantized_model(checkpoint: Path, 
                                                               max_kl: float) -> None:
     """Fed the unquantized model's greedy continuation, the quantized model picks the same
     next token at ≥ 90 % of positions, with a mean KL divergence under ``max_kl`` nats
-    (measured: int8 6e-6, int4 1.9e-3; both 100 % agreement)."""
+    (measured: int8 1.4e-5, int4 2.0e-3; both 100 % agreement)."""
     seq, ref = _teacher_forced(checkpoint, "none")
     _, got = _teacher_forced(checkpoint, mode, seq)
     agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
