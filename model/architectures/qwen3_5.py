@@ -246,6 +246,8 @@ class GatedDeltaNet(nn.Module):
         conv.window = torch.stack([full[i, n : n + k1] for i, n in enumerate(ends)]
                                   ).contiguous()
         mixed = invariant.rowwise(F.silu, self._causal_conv(full))
+        if kernels.available() and not torch.is_grad_enabled():
+            return self._scan_native(mixed, (z, b_in, a_in), rec, new, x)
         q, k, v, g, beta = self._heads(mixed, b_in, a_in)
         if new is not None:
             valid = torch.arange(x.shape[1])[None] < new[:, None]  # [B, T]
@@ -254,6 +256,26 @@ class GatedDeltaNet(nn.Module):
         o, s = delta_rule_chunked(q, k, v, g, beta, rec.s)
         rec.s = s.contiguous()
         return self._finish(o, z, x)
+
+    def _scan_native(self, mixed: torch.Tensor, gates: tuple[torch.Tensor, ...],
+                     rec: RecurrentEntry, new: torch.Tensor | None, x: torch.Tensor
+                     ) -> torch.Tensor:
+        """The delta rule over the prompt in its recurrent form, natively
+        (``gdn_scan``): each head's state stays in cache over all T tokens, where the chunked
+        form's small matrix products, triangular solves and transposes cost 3× more on a
+        CPU (``BENCHMARKS.md`` §22). ``mixed [B, T, C]`` convolved; ``gates`` z, b, a (in x's
+        dtype); replaces ``rec.s``."""
+        cfg = self.cfg
+        b, t, _ = mixed.shape
+        zba = torch.cat([y.float() for y in gates], dim=-1).contiguous()
+        lengths = new if new is not None else torch.full((b,), t, dtype=torch.long)
+        s = rec.s.clone(memory_format=torch.contiguous_format)
+        out = torch.ops.linserve.gdn_scan(
+            mixed.contiguous(), zba, self.A_log.float().contiguous(),
+            self.dt_bias.float().contiguous(), s, self.norm.weight.float().contiguous(),
+            lengths, cfg.linear_num_key_heads, cfg.rms_norm_eps)
+        rec.s = s
+        return self.out_proj(out.to(x.dtype))
 
     def step_fused(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry
                    ) -> torch.Tensor:

@@ -5,13 +5,15 @@
 // Per row: the causal depthwise convolution over the conv window and the new projections,
 // SiLU, and the window shift; q and k L2-normalised per key head (q also scaled by Dk^-1/2);
 // per value head the decay g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), and the
-// gated delta rule over its state S [Dk, Dv] in two passes:
-//   pass 1, row by row of S: decay it, and accumulate kv = S^T k;
-//   delta = beta (v - kv);
-//   pass 2, row by row: S += k delta^T, and accumulate o = S^T q;
+// gated delta rule over its state S [Dk, Dv]:
+//   kv = S^T k (a read of S; in a scan, the previous token's pass computed it);
+//   delta = beta (v - e^g kv);
+//   one pass, row by row: S = e^g S + k delta^T, accumulating o = S^T q (and, in a scan,
+//   the next token's S^T k);
 // then the per-head RMSNorm of o times SiLU(z). The eager form reads and writes S four
-// times (a multiply, two products and an outer-product add); this reads it twice and writes
-// it twice, which is what bounds a batched step of a real-size model.
+// times (a multiply, two products and an outer-product add); a step reads it twice and
+// writes it once, a scan reads and writes it once a token, which is what bounds a batched
+// step, or a prefill, of a real-size model.
 //
 // Every (row, head) is computed by its own loops in a fixed order, so a row's result does not
 // depend on the rows beside it or on the threads (batch invariance). fp32 throughout.
@@ -24,10 +26,17 @@
 #include <cstring>
 #include <vector>
 
+#include "fastmath.h"
+
 namespace linserve::gdn {
 
 
-inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+// x sigmoid(x) through exp_nonpositive (vectorised; glibc's expf is a call per element,
+// which took a third of a prefill scan's time in gated_norm).
+inline float silu(float x) {
+  const float e = exp_nonpositive(-std::fabs(x));  // e^-|x|
+  return (x >= 0.f ? x : x * e) / (1.f + e);
+}
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
@@ -55,26 +64,38 @@ inline void l2norm(float* x, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) x[i] *= r;
 }
 
-// One value head's delta rule on S [dk, dv]; o [dv] gets S^T q after the update.
-inline void delta_head(float* s, const float* q, const float* k, const float* v, float decay,
-                       float beta, float* o, int64_t dk, int64_t dv) {
-  std::vector<float> kv(dv, 0.f);
+// kv [dv] = S^T k for S [dk, dv].
+inline void readout(const float* __restrict__ s, const float* k, float* __restrict__ kv,
+                    int64_t dk, int64_t dv) {
+  for (int64_t j = 0; j < dv; ++j) kv[j] = 0.f;
   for (int64_t i = 0; i < dk; ++i) {
-    float* row = s + i * dv;
+    const float* row = s + i * dv;
     const float ki = k[i];
-    for (int64_t j = 0; j < dv; ++j) {
-      row[j] *= decay;
-      kv[j] += ki * row[j];
-    }
+    for (int64_t j = 0; j < dv; ++j) kv[j] += ki * row[j];
   }
-  for (int64_t j = 0; j < dv; ++j) kv[j] = beta * (v[j] - kv[j]);  // delta
-  for (int64_t j = 0; j < dv; ++j) o[j] = 0.f;
+}
+
+// One token of one value head's delta rule, in one pass over S [dk, dv], given kv = S^T k
+// (of S before the token): delta = beta (v - decay kv); S = decay S + k delta^T; o = S^T q.
+// With NEXT, the same pass leaves kv = S^T k_next, the next token's readout, so a scan over
+// T tokens reads and writes S T times (plus one read), not 2T. ``delta``: dv floats.
+template <bool NEXT>
+inline void delta_pass(float* __restrict__ s, const float* q, const float* k, const float* v,
+                       float decay, float beta, float* __restrict__ o, float* __restrict__ kv,
+                       const float* k_next, int64_t dk, int64_t dv, float* __restrict__ delta) {
+  for (int64_t j = 0; j < dv; ++j) {
+    delta[j] = beta * (v[j] - decay * kv[j]);
+    o[j] = 0.f;
+    if (NEXT) kv[j] = 0.f;
+  }
   for (int64_t i = 0; i < dk; ++i) {
     float* row = s + i * dv;
-    const float ki = k[i], qi = q[i];
+    const float ki = k[i], qi = q[i], ni = NEXT ? k_next[i] : 0.f;
     for (int64_t j = 0; j < dv; ++j) {
-      row[j] += ki * kv[j];
-      o[j] += qi * row[j];
+      const float r = decay * row[j] + ki * delta[j];
+      row[j] = r;
+      o[j] += qi * r;
+      if (NEXT) kv[j] += ni * r;
     }
   }
 }
@@ -103,38 +124,78 @@ struct Inputs {
   int64_t ld;  // the row stride shared by the four
 };
 
+// One token's convolved projections x [C]: q and k L2-normalised per key head in place, q
+// also scaled by Dk^-1/2.
+inline void normalize_qk(float* x, const Shape& sh) {
+  const float q_scale = 1.f / std::sqrt(static_cast<float>(sh.dk));
+  const int64_t key_dim = sh.key_heads * sh.dk;
+  for (int64_t h = 0; h < sh.key_heads; ++h) {
+    l2norm(x + h * sh.dk, sh.dk, q_scale);
+    l2norm(x + key_dim + h * sh.dk, sh.dk, 1.f);
+  }
+}
+
+// The delta rule over T tokens of ``rows`` rows, one token after the other (the recurrent
+// form, for a prefill as for a step): conv [B, T, C] the convolved projections with q, k
+// normalised (normalize_qk); z, a, b of row r's token t at (r T + t) in.ld; s [B, Hv, Dk, Dv]
+// updated in place; out [B, T, Hv Dv] the gated-normed outputs. ``lengths`` [B] (or null: all
+// T): row r's real tokens; the rest are padding, which leaves S alone and outputs zeros.
+// Parallel over (row, value head): each head's S stays in cache for all T tokens.
+inline void scan(const float* conv, const Inputs& in, const float* a_log, const float* dt_bias,
+                 float* s, const float* norm_w, float* out, int64_t rows, int64_t t_len,
+                 const int64_t* lengths, const Shape& sh) {
+  const int64_t c_len = sh.c_len, hv = sh.hv, dk = sh.dk, dv = sh.dv;
+  const int64_t key_dim = sh.key_heads * dk, rep = hv / sh.key_heads;
+  at::parallel_for(0, rows * hv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kv(dv), delta(dv);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / hv, h = task % hv, kh = h / rep;
+      const int64_t n = lengths == nullptr ? t_len : lengths[r];
+      const float decay_rate = -std::exp(a_log[h]);
+      float* state = s + (r * hv + h) * dk * dv;
+      const auto x = [&](int64_t t) { return conv + (r * t_len + t) * c_len; };
+      if (n > 0) readout(state, x(0) + key_dim + kh * dk, kv.data(), dk, dv);
+      for (int64_t t = 0; t < t_len; ++t) {
+        const int64_t i = r * t_len + t;  // the token's index in [B, T]
+        float* o = out + i * hv * dv + h * dv;
+        if (t >= n) {
+          std::memset(o, 0, dv * sizeof(float));
+          continue;
+        }
+        const float g = decay_rate * softplus(in.a[i * in.ld + h] + dt_bias[h]);
+        const float beta = 1.f / (1.f + std::exp(-in.b[i * in.ld + h]));
+        const float* xt = x(t);
+        if (t + 1 < n) {
+          delta_pass<true>(state, xt + kh * dk, xt + key_dim + kh * dk, xt + 2 * key_dim + h * dv,
+                           std::exp(g), beta, o, kv.data(), x(t + 1) + key_dim + kh * dk, dk, dv,
+                           delta.data());
+        } else {
+          delta_pass<false>(state, xt + kh * dk, xt + key_dim + kh * dk,
+                            xt + 2 * key_dim + h * dv, std::exp(g), beta, o, kv.data(), nullptr,
+                            dk, dv, delta.data());
+        }
+        gated_norm(o, in.z + i * in.ld + h * dv, norm_w, dv, sh.eps);
+      }
+    }
+  });
+}
+
 // The step for ``rows`` rows: window [B, K-1, C] and s [B, Hv, Dk, Dv] updated in place,
 // out [B, Hv Dv]. conv_w [C, K]; a_log, dt_bias [Hv]; norm_w [Dv]. Parallel over rows for the
 // convolution, then over (row, value head).
 inline void step(const Inputs& in, float* window, const float* conv_w, const float* a_log,
                  const float* dt_bias, float* s, const float* norm_w, float* out, int64_t rows,
                  const Shape& sh) {
-  const int64_t c_len = sh.c_len, k = sh.k, hv = sh.hv, dk = sh.dk, dv = sh.dv;
-  const int64_t key_dim = sh.key_heads * dk, rep = hv / sh.key_heads;
-  const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
+  const int64_t c_len = sh.c_len, k = sh.k;
   std::vector<float> conv(rows * c_len);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* x = conv.data() + r * c_len;
       conv_row(in.mixed + r * in.ld, window + r * (k - 1) * c_len, conv_w, x, c_len, k);
-      for (int64_t h = 0; h < sh.key_heads; ++h) {
-        l2norm(x + h * dk, dk, q_scale);
-        l2norm(x + key_dim + h * dk, dk, 1.f);
-      }
+      normalize_qk(x, sh);
     }
   });
-  at::parallel_for(0, rows * hv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t r = t / hv, h = t % hv, kh = h / rep;
-      const float* x = conv.data() + r * c_len;
-      const float g = -std::exp(a_log[h]) * softplus(in.a[r * in.ld + h] + dt_bias[h]);
-      const float beta = 1.f / (1.f + std::exp(-in.b[r * in.ld + h]));
-      float* o = out + r * hv * dv + h * dv;
-      delta_head(s + (r * hv + h) * dk * dv, x + kh * dk, x + key_dim + kh * dk,
-                 x + 2 * key_dim + h * dv, std::exp(g), beta, o, dk, dv);
-      gated_norm(o, in.z + r * in.ld + h * dv, norm_w, dv, sh.eps);
-    }
-  });
+  scan(conv.data(), in, a_log, dt_bias, s, norm_w, out, rows, 1, nullptr, sh);
 }
 
 }  // namespace linserve::gdn

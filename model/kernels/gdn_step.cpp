@@ -1,9 +1,14 @@
-// The gdn_step op: one Gated DeltaNet recurrent step (gdn.h) for the eager per-layer step.
+// The Gated DeltaNet ops (gdn.h): gdn_step, one recurrent step for the eager per-layer step,
+// and gdn_scan, the recurrent form over a prompt for the prefill.
 //
 // Shapes (B rows; Hk, Hv key / value heads of Dk, Dv; C = 2 Hk Dk + Hv Dv; K conv width):
-//   mixed [B, C] projections; window [B, K-1, C] (updated); conv_w [C, K];
-//   a, b [B, Hv]; a_log, dt_bias [Hv]; s [B, Hv, Dk, Dv] (updated); z [B, Hv Dv];
-//   norm_w [Dv]  ->  out [B, Hv Dv].
+//   gdn_step: mixed [B, C] projections; window [B, K-1, C] (updated); conv_w [C, K];
+//     a, b [B, Hv]; a_log, dt_bias [Hv]; s [B, Hv, Dk, Dv] (updated); z [B, Hv Dv];
+//     norm_w [Dv]  ->  out [B, Hv Dv].
+//   gdn_scan: conv [B, T, C] the convolved projections (SiLU applied); zba [B, T, Hv Dv +
+//     2 Hv] the gate projections z, b, a side by side; s (updated);
+//     lengths [B] int64, each row's real tokens (right padding after them writes nothing)
+//     ->  out [B, T, Hv Dv] (zeros at padding).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -41,6 +46,37 @@ at::Tensor gdn_step(const at::Tensor& mixed, const at::Tensor& window, const at:
   return out;
 }
 
+at::Tensor gdn_scan(const at::Tensor& conv, const at::Tensor& zba, const at::Tensor& a_log,
+                    const at::Tensor& dt_bias, const at::Tensor& s, const at::Tensor& norm_w,
+                    const at::Tensor& lengths, int64_t key_heads, double eps) {
+  for (const at::Tensor* t : {&conv, &zba, &a_log, &dt_bias, &s, &norm_w}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "gdn_scan takes contiguous fp32 tensors");
+  }
+  const int64_t rows = conv.size(0), t_len = conv.size(1), c_len = conv.size(2);
+  const int64_t hv = s.size(1), dk = s.size(2), dv = s.size(3);
+  TORCH_CHECK(conv.dim() == 3 && c_len == 2 * key_heads * dk + hv * dv && hv % key_heads == 0 &&
+                  s.size(0) == rows && zba.size(0) == rows && zba.size(1) == t_len &&
+                  zba.size(2) == hv * dv + 2 * hv,
+              "gdn_scan: projections and state disagree");
+  const at::Tensor n = lengths.to(at::kLong).contiguous();
+  TORCH_CHECK(n.numel() == rows, "gdn_scan: one length a row");
+  at::Tensor x = conv.clone();  // q, k normalised in place
+  float* xp = x.data_ptr<float>();
+  const linserve::gdn::Shape sh{key_heads, hv, dk, dv, c_len, 0, static_cast<float>(eps)};
+  at::parallel_for(0, rows * t_len, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) linserve::gdn::normalize_qk(xp + i * c_len, sh);
+  });
+  const float* p = zba.data_ptr<float>();
+  const int64_t ld = zba.size(2);
+  at::Tensor out = at::empty({rows, t_len, hv * dv}, conv.options());
+  linserve::gdn::scan(xp, {nullptr, p, p + hv * dv + hv, p + hv * dv, ld},
+                      a_log.data_ptr<float>(), dt_bias.data_ptr<float>(), s.data_ptr<float>(),
+                      norm_w.data_ptr<float>(), out.data_ptr<float>(), rows, t_len,
+                      n.data_ptr<int64_t>(), sh);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
@@ -48,6 +84,12 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
       "gdn_step(Tensor mixed, Tensor(a!) window, Tensor conv_w, Tensor a, Tensor b, "
       "Tensor a_log, Tensor dt_bias, Tensor(b!) s, Tensor z, Tensor norm_w, int key_heads, "
       "float eps) -> Tensor");
+  m.def(
+      "gdn_scan(Tensor conv, Tensor zba, Tensor a_log, Tensor dt_bias, Tensor(a!) s, "
+      "Tensor norm_w, Tensor lengths, int key_heads, float eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("gdn_step", &gdn_step); }
+TORCH_LIBRARY_IMPL(linserve, CPU, m) {
+  m.impl("gdn_step", &gdn_step);
+  m.impl("gdn_scan", &gdn_scan);
+}
