@@ -234,10 +234,12 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry,
                 new: torch.Tensor | None = None) -> torch.Tensor:
-        """Parallel form over T new tokens ``[B, T, d]``; replaces the entries' tensors.
-        ``new [B]``: how many of the T are real per row (a right-padded ragged batch); the
-        padding then writes nothing (β = 0, no decay, zero q, k, v, as the chunked form's
-        own padding) and the conv window keeps each row's last real inputs."""
+        """T new tokens ``[B, T, d]``; replaces the entries' tensors. The delta rule runs
+        natively in its recurrent form where the kernels are built (:meth:`_scan_native`),
+        else in the chunked WY form (tested equal). ``new [B]``: how many of the T are real
+        per row (a right-padded ragged batch); the padding then writes nothing (β = 0, no
+        decay, zero q, k, v, as the chunked form's own padding) and the conv window keeps
+        each row's last real inputs."""
         mixed, z, b_in, a_in = self._project(x)
         mixed = mixed.float()
         full = torch.cat([conv.window, mixed], dim=1)  # [B, K-1+T, C]

@@ -71,6 +71,35 @@ def test_chunked_prefill_across_chunk_boundaries(checkpoint: Path) -> None:
     assert (anywhere - whole).abs().max().item() <= 1e-4
 
 
+def test_the_native_scan_prefill_equals_the_chunked_form(checkpoint: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill's two forms of the delta rule: the native recurrent scan (gdn_scan, used
+    where the kernels are built) and the chunked WY form in PyTorch (used without them), on a
+    150-token prompt after 40 tokens and on a ragged batch: logits and every state tensor
+    within fp32 rounding."""
+    from model.architectures import qwen3_5
+
+    ours = _served(checkpoint)
+    gen = torch.Generator().manual_seed(11)
+    first, rest = (torch.randint(0, 8192, (1, n), generator=gen) for n in (40, 150))
+    prompts = [torch.randint(0, 8192, (n,), generator=gen).tolist() for n in (5, 90)]
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        _, state = ours.prefill(first)
+        logits, state = ours.prefill(rest, state)
+        ragged, states = ours.prefill_ragged(prompts, [None, state])
+        tensors = [t for st in (state, *states) for e in st.entries()
+                   for t in e.tensors().values()]
+        return torch.cat([logits, ragged]), tensors
+
+    native = run()
+    monkeypatch.setattr(qwen3_5.kernels, "available", lambda: False)
+    chunked = run()
+    assert (native[0] - chunked[0]).abs().max().item() <= 1e-4
+    for a, b in zip(native[1], chunked[1], strict=True):
+        assert (a - b).abs().max().item() <= 1e-4
+
+
 def test_a_batch_of_rows_at_different_positions_equals_each_alone(checkpoint: Path) -> None:
     ours = _served(checkpoint)
     gen = torch.Generator().manual_seed(3)
