@@ -241,15 +241,16 @@ class GatedDeltaNet(nn.Module):
         decay, zero q, k, v, as the chunked form's own padding) and the conv window keeps
         each row's last real inputs."""
         mixed, z, b_in, a_in = self._project(x)
-        mixed = mixed.float()
-        full = torch.cat([conv.window, mixed], dim=1)  # [B, K-1+T, C]
         k1 = conv.window.shape[1]
+        full = conv.window.new_empty(x.shape[0], k1 + x.shape[1], mixed.shape[-1])
+        full[:, :k1] = conv.window  # [B, K-1+T, C]: the window, then the new projections
+        full[:, k1:] = mixed
         ends = [full.shape[1] - k1] * full.shape[0] if new is None else new.tolist()
         conv.window = torch.stack([full[i, n : n + k1] for i, n in enumerate(ends)]
                                   ).contiguous()
-        mixed = invariant.rowwise(F.silu, self._causal_conv(full))
         if kernels.available() and not torch.is_grad_enabled():
-            return self._scan_native(mixed, (z, b_in, a_in), rec, new, x)
+            return self._scan_native(full, (z, b_in, a_in), rec, new, x)
+        mixed = invariant.rowwise(F.silu, self._causal_conv(full))
         q, k, v, g, beta = self._heads(mixed, b_in, a_in)
         if new is not None:
             valid = torch.arange(x.shape[1])[None] < new[:, None]  # [B, T]
@@ -259,22 +260,25 @@ class GatedDeltaNet(nn.Module):
         rec.s = s.contiguous()
         return self._finish(o, z, x)
 
-    def _scan_native(self, mixed: torch.Tensor, gates: tuple[torch.Tensor, ...],
+    def _scan_native(self, full: torch.Tensor, gates: tuple[torch.Tensor, ...],
                      rec: RecurrentEntry, new: torch.Tensor | None, x: torch.Tensor
                      ) -> torch.Tensor:
         """The delta rule over the prompt in its recurrent form, natively
         (``gdn_scan``): each head's state stays in cache over all T tokens, where the chunked
         form's small matrix products, triangular solves and transposes cost 3× more on a
-        CPU (``BENCHMARKS.md`` §22). ``mixed [B, T, C]`` convolved; ``gates`` z, b, a (in x's
-        dtype); replaces ``rec.s``."""
+        CPU (``BENCHMARKS.md`` §22); the convolution, SiLU and q/k norms in the same native
+        call. ``full [B, K-1+T, C]`` the conv windows and new projections; ``gates`` z, b, a
+        (in x's dtype); replaces ``rec.s``."""
         cfg = self.cfg
-        b, t, _ = mixed.shape
+        b = full.shape[0]
+        t = full.shape[1] - cfg.linear_conv_kernel_dim + 1
         zba = torch.cat([y.float() for y in gates], dim=-1).contiguous()
         lengths = new if new is not None else torch.full((b,), t, dtype=torch.long)
         s = rec.s.clone(memory_format=torch.contiguous_format)
         out = torch.ops.linserve.gdn_scan(
-            mixed.contiguous(), zba, self.A_log.float().contiguous(),
-            self.dt_bias.float().contiguous(), s, self.norm.weight.float().contiguous(),
+            full.contiguous(), self.conv_weight().t().contiguous(), zba,
+            self.A_log.float().contiguous(), self.dt_bias.float().contiguous(), s,
+            self.norm.weight.float().contiguous(),
             lengths, cfg.linear_num_key_heads, cfg.rms_norm_eps)
         rec.s = s
         return self.out_proj(out.to(x.dtype))

@@ -5,8 +5,9 @@
 //   gdn_step: mixed [B, C] projections; window [B, K-1, C] (updated); conv_w [C, K];
 //     a, b [B, Hv]; a_log, dt_bias [Hv]; s [B, Hv, Dk, Dv] (updated); z [B, Hv Dv];
 //     norm_w [Dv]  ->  out [B, Hv Dv].
-//   gdn_scan: conv [B, T, C] the convolved projections (SiLU applied); zba [B, T, Hv Dv +
-//     2 Hv] the gate projections z, b, a side by side; s (updated);
+//   gdn_scan: full [B, K-1+T, C] each row's conv window then its T new projections;
+//     conv_wt [K, C] the depthwise kernel transposed; zba [B, T, Hv Dv + 2 Hv] the gate
+//     projections z, b, a side by side; s (updated);
 //     lengths [B] int64, each row's real tokens (right padding after them writes nothing)
 //     ->  out [B, T, Hv Dv] (zeros at padding).
 #include <ATen/ATen.h>
@@ -46,30 +47,55 @@ at::Tensor gdn_step(const at::Tensor& mixed, const at::Tensor& window, const at:
   return out;
 }
 
-at::Tensor gdn_scan(const at::Tensor& conv, const at::Tensor& zba, const at::Tensor& a_log,
-                    const at::Tensor& dt_bias, const at::Tensor& s, const at::Tensor& norm_w,
-                    const at::Tensor& lengths, int64_t key_heads, double eps) {
-  for (const at::Tensor* t : {&conv, &zba, &a_log, &dt_bias, &s, &norm_w}) {
+// out [B, T, C]: per token the causal convolution of full [B, K-1+T, C] with w [K, C] (the
+// sum in gdn.h's conv_row order), SiLU, and q, k normalised.
+at::Tensor convolve(const at::Tensor& full, const at::Tensor& w, const linserve::gdn::Shape& sh) {
+  const int64_t rows = full.size(0), k = w.size(0), c_len = full.size(2);
+  const int64_t t_len = full.size(1) - k + 1;
+  at::Tensor out = at::empty({rows, t_len, c_len}, full.options());
+  const float* fp = full.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows * t_len, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* src = fp + ((i / t_len) * (t_len + k - 1) + i % t_len) * c_len;
+      float* dst = op + i * c_len;
+      for (int64_t c = 0; c < c_len; ++c) dst[c] = 0.f;
+      for (int64_t j = 0; j < k; ++j)
+        for (int64_t c = 0; c < c_len; ++c) dst[c] += wp[j * c_len + c] * src[j * c_len + c];
+      for (int64_t c = 0; c < c_len; ++c) dst[c] = linserve::gdn::silu(dst[c]);
+      linserve::gdn::normalize_qk(dst, sh);
+    }
+  });
+  return out;
+}
+
+at::Tensor gdn_scan(const at::Tensor& full, const at::Tensor& conv_wt, const at::Tensor& zba,
+                    const at::Tensor& a_log, const at::Tensor& dt_bias, const at::Tensor& s,
+                    const at::Tensor& norm_w, const at::Tensor& lengths, int64_t key_heads,
+                    double eps) {
+  for (const at::Tensor* t : {&full, &conv_wt, &zba, &a_log, &dt_bias, &s, &norm_w}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
                 "gdn_scan takes contiguous fp32 tensors");
   }
-  const int64_t rows = conv.size(0), t_len = conv.size(1), c_len = conv.size(2);
+  TORCH_CHECK(full.dim() == 3 && conv_wt.dim() == 2 && conv_wt.size(1) == full.size(2) &&
+                  full.size(1) >= conv_wt.size(0), "gdn_scan: full and conv_wt disagree");
+  const int64_t rows = full.size(0), c_len = full.size(2);
+  const int64_t t_len = full.size(1) - conv_wt.size(0) + 1;
   const int64_t hv = s.size(1), dk = s.size(2), dv = s.size(3);
-  TORCH_CHECK(conv.dim() == 3 && c_len == 2 * key_heads * dk + hv * dv && hv % key_heads == 0 &&
+  TORCH_CHECK(c_len == 2 * key_heads * dk + hv * dv && hv % key_heads == 0 &&
                   s.size(0) == rows && zba.size(0) == rows && zba.size(1) == t_len &&
                   zba.size(2) == hv * dv + 2 * hv,
               "gdn_scan: projections and state disagree");
   const at::Tensor n = lengths.to(at::kLong).contiguous();
   TORCH_CHECK(n.numel() == rows, "gdn_scan: one length a row");
-  at::Tensor x = conv.clone();  // q, k normalised in place
-  float* xp = x.data_ptr<float>();
-  const linserve::gdn::Shape sh{key_heads, hv, dk, dv, c_len, 0, static_cast<float>(eps)};
-  at::parallel_for(0, rows * t_len, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) linserve::gdn::normalize_qk(xp + i * c_len, sh);
-  });
+  const linserve::gdn::Shape sh{key_heads, hv, dk, dv, c_len, conv_wt.size(0),
+                                 static_cast<float>(eps)};
+  at::Tensor x = convolve(full, conv_wt, sh);
+  const float* xp = x.data_ptr<float>();
   const float* p = zba.data_ptr<float>();
   const int64_t ld = zba.size(2);
-  at::Tensor out = at::empty({rows, t_len, hv * dv}, conv.options());
+  at::Tensor out = at::empty({rows, t_len, hv * dv}, full.options());
   linserve::gdn::scan(xp, {nullptr, p, p + hv * dv + hv, p + hv * dv, ld},
                       a_log.data_ptr<float>(), dt_bias.data_ptr<float>(), s.data_ptr<float>(),
                       norm_w.data_ptr<float>(), out.data_ptr<float>(), rows, t_len,
@@ -85,7 +111,7 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
       "Tensor a_log, Tensor dt_bias, Tensor(b!) s, Tensor z, Tensor norm_w, int key_heads, "
       "float eps) -> Tensor");
   m.def(
-      "gdn_scan(Tensor conv, Tensor zba, Tensor a_log, Tensor dt_bias, Tensor(a!) s, "
+      "gdn_scan(Tensor full, Tensor conv_wt, Tensor zba, Tensor a_log, Tensor dt_bias, Tensor(a!) s, "
       "Tensor norm_w, Tensor lengths, int key_heads, float eps) -> Tensor");
 }
 
