@@ -166,6 +166,10 @@ class MLP(nn.Module):
 class GatedDeltaNet(nn.Module):
     """A Gated DeltaNet layer (see the module docstring)."""
 
+    # Prefill the delta rule natively in its recurrent form where the kernels are built
+    # (False: the chunked WY form in PyTorch, the reference; ``bench.gdn_prefill`` compares)
+    native_scan = True
+
     def __init__(self, cfg: Qwen35Config) -> None:
         super().__init__()
         self.cfg = cfg
@@ -248,7 +252,7 @@ class GatedDeltaNet(nn.Module):
         ends = [full.shape[1] - k1] * full.shape[0] if new is None else new.tolist()
         conv.window = torch.stack([full[i, n : n + k1] for i, n in enumerate(ends)]
                                   ).contiguous()
-        if kernels.available() and not torch.is_grad_enabled():
+        if self.native_scan and kernels.available() and not torch.is_grad_enabled():
             return self._scan_native(full, (z, b_in, a_in), rec, new, x)
         mixed = invariant.rowwise(F.silu, self._causal_conv(full))
         q, k, v, g, beta = self._heads(mixed, b_in, a_in)
