@@ -221,8 +221,6 @@ inline void span_rows_quant(const QuantActs& a, const Span& s, const QuantWeight
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // ---- AVX512-VNNI: vpdpbusd, 16 columns a vector ------------------------------------------
-constexpr bool kHasVnni = true;
-
 // ROWS rows x NV vectors of 16 columns from c (the last vector's columns masked by m).
 template <bool INT4, int64_t ROWS, int64_t NV>
 inline void tile_vnni(const QuantActs& a, const Span& s, const QuantWeights& w, int64_t c,
@@ -292,8 +290,6 @@ inline void span_rows_vnni(const QuantActs& a, const Span& s, const QuantWeights
     tile_vnni<INT4, ROWS, 1>(a, s, w, c, static_cast<__mmask16>((1u << left) - 1u));
   }
 }
-#else
-constexpr bool kHasVnni = false;
 #endif
 
 constexpr int64_t kRowsQuant = 6;
