@@ -193,7 +193,7 @@ class GatedDeltaNet(nn.Module):
         (the native pass of ``prefill_ops.cpp`` where built: no transposes)."""
         if kernels.available() and not torch.is_grad_enabled():
             return torch.ops.linserve.causal_conv(full.contiguous(),
-                                                  self.conv_weight().t().contiguous())
+                                                  self.conv_weight())
         return F.conv1d(full.transpose(1, 2), self.conv1d.weight.float(),
                         groups=full.shape[2]).transpose(1, 2)
 
@@ -280,7 +280,7 @@ class GatedDeltaNet(nn.Module):
         lengths = new if new is not None else torch.full((b,), t, dtype=torch.long)
         s = rec.s.clone(memory_format=torch.contiguous_format)
         out = torch.ops.linserve.gdn_scan(
-            full.contiguous(), self.conv_weight().t().contiguous(), zba,
+            full.contiguous(), self.conv_weight(), zba,
             self.A_log.float().contiguous(), self.dt_bias.float().contiguous(), s,
             self.norm.weight.float().contiguous(),
             lengths, cfg.linear_num_key_heads, cfg.rms_norm_eps)
@@ -301,10 +301,11 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.to(x.dtype))
 
     def conv_weight(self) -> torch.Tensor:
-        """The depthwise kernel ``[C, K]`` fp32 (cached with the stacked weights)."""
+        """The depthwise kernel transposed, ``[K, C]`` fp32 (cached with the stacked weights):
+        the native kernels' loops run over C."""
         if self._conv is None or self._conv[0] != self.conv1d.weight.data_ptr():
             self._conv = (self.conv1d.weight.data_ptr(),
-                          self.conv1d.weight.detach().float().squeeze(1).contiguous())
+                          self.conv1d.weight.detach().float().squeeze(1).t().contiguous())
         return self._conv[1]
 
     def step(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry) -> torch.Tensor:

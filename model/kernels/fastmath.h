@@ -28,4 +28,32 @@ inline float exp_nonpositive(float v) {
   return p * scale;
 }
 
+// 16 floats as one value: one zmm on AVX-512, two ymm on AVX2 (GCC splits it). Loads and
+// stores through memcpy, so any alignment.
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// The 16 lanes' sum, as a fixed tree (halves added, then halves of the halves ...).
+inline float sum16(v16 v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// Vectors of 16 a register-blocked loop keeps per accumulator set (a few sets at once).
+#if defined(__AVX512F__)
+constexpr int64_t kCols = 4;  // 4 zmm a set
+#else
+constexpr int64_t kCols = 2;  // 4 ymm a set
+#endif
+
 }  // namespace linserve

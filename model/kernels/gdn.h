@@ -40,16 +40,28 @@ inline float silu(float x) {
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
-// The convolution + SiLU of one row into out [C]; shifts the row's window.
+// out [C] = SiLU(sum_j w[j] src[j]) for one token, src[j] (j < K) the conv window's rows and
+// then the token's projections, w [K, C] the depthwise kernel transposed; loops over C that
+// vectorise, the sum in j order.
+inline void conv_token(const float* const* src, const float* w, float* out, int64_t c_len,
+                       int64_t k) {
+  for (int64_t c = 0; c < c_len; ++c) out[c] = 0.f;
+  for (int64_t j = 0; j < k; ++j) {
+    const float* wj = w + j * c_len;
+    const float* xj = src[j];
+    for (int64_t c = 0; c < c_len; ++c) out[c] += wj[c] * xj[c];
+  }
+  for (int64_t c = 0; c < c_len; ++c) out[c] = silu(out[c]);
+}
+
+// The convolution + SiLU of one row into out [C] (w [K, C]); shifts the row's window
+// [K-1, C] and appends ``mixed``.
 inline void conv_row(const float* mixed, float* window, const float* w, float* out,
                      int64_t c_len, int64_t k) {
-  for (int64_t c = 0; c < c_len; ++c) {
-    const float* wc = w + c * k;
-    float acc = 0.f;
-    for (int64_t i = 0; i < k - 1; ++i) acc += wc[i] * window[i * c_len + c];
-    acc += wc[k - 1] * mixed[c];
-    out[c] = silu(acc);
-  }
+  std::vector<const float*> src(k);
+  for (int64_t j = 0; j + 1 < k; ++j) src[j] = window + j * c_len;
+  src[k - 1] = mixed;
+  conv_token(src.data(), w, out, c_len, k);
   if (k > 1) {
     std::memmove(window, window + c_len, (k - 2) * c_len * sizeof(float));
     std::memcpy(window + (k - 2) * c_len, mixed, c_len * sizeof(float));
@@ -64,14 +76,59 @@ inline void l2norm(float* x, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) x[i] *= r;
 }
 
+// The delta rule's passes over S [dk, dv] run over column blocks of kCols vectors of 16
+// floats, the block's accumulators in registers over all dk rows (a loop over the whole
+// row kept them in memory: a store and a reload a row, twice as slow when S is in cache).
+// Each output column is still a sum over the rows in row order, whatever the block. kCols
+// (fastmath.h): 3 sets of accumulators fit the registers.
+// Columns [j0, j0 + 16 NV) of kv = S^T k.
+template <int64_t NV>
+inline void readout_cols(const float* s, const float* k, float* kv, int64_t dk, int64_t dv,
+                         int64_t j0) {
+  v16 acc[NV] = {};
+  for (int64_t i = 0; i < dk; ++i) {
+    const float* row = s + i * dv + j0;
+    for (int64_t n = 0; n < NV; ++n) acc[n] += k[i] * load16(row + 16 * n);
+  }
+  for (int64_t n = 0; n < NV; ++n) store16(kv + j0 + 16 * n, acc[n]);
+}
+
 // kv [dv] = S^T k for S [dk, dv].
 inline void readout(const float* __restrict__ s, const float* k, float* __restrict__ kv,
                     int64_t dk, int64_t dv) {
-  for (int64_t j = 0; j < dv; ++j) kv[j] = 0.f;
+  int64_t j0 = 0;
+  for (; j0 + 16 * kCols <= dv; j0 += 16 * kCols) readout_cols<kCols>(s, k, kv, dk, dv, j0);
+  for (; j0 + 16 <= dv; j0 += 16) readout_cols<1>(s, k, kv, dk, dv, j0);
+  for (int64_t j = j0; j < dv; ++j) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < dk; ++i) acc += k[i] * s[i * dv + j];
+    kv[j] = acc;
+  }
+}
+
+// One token's update of columns [j0, j0 + 16 NV) (delta_pass): S = decay S + k delta^T,
+// o = S^T q, with NEXT kv = S^T k_next. ``prefetch``: the next head's S, brought toward
+// the cache a row at a time while this one is computed (or null).
+template <int64_t NV, bool NEXT>
+inline void delta_cols(float* s, const float* q, const float* k, const float* delta,
+                       float decay, float* o, float* kv, const float* k_next, int64_t dk,
+                       int64_t dv, int64_t j0, const float* prefetch) {
+  v16 d[NV], ao[NV] = {}, an[NV] = {};
+  for (int64_t n = 0; n < NV; ++n) d[n] = load16(delta + j0 + 16 * n);
   for (int64_t i = 0; i < dk; ++i) {
-    const float* row = s + i * dv;
-    const float ki = k[i];
-    for (int64_t j = 0; j < dv; ++j) kv[j] += ki * row[j];
+    float* row = s + i * dv + j0;
+    if (prefetch != nullptr)
+      for (int64_t j = 0; j < dv; j += 16) __builtin_prefetch(prefetch + i * dv + j, 1, 3);
+    for (int64_t n = 0; n < NV; ++n) {
+      const v16 r = decay * load16(row + 16 * n) + k[i] * d[n];
+      store16(row + 16 * n, r);
+      ao[n] += q[i] * r;
+      if (NEXT) an[n] += k_next[i] * r;
+    }
+  }
+  for (int64_t n = 0; n < NV; ++n) {
+    store16(o + j0 + 16 * n, ao[n]);
+    if (NEXT) store16(kv + j0 + 16 * n, an[n]);
   }
 }
 
@@ -79,24 +136,28 @@ inline void readout(const float* __restrict__ s, const float* k, float* __restri
 // (of S before the token): delta = beta (v - decay kv); S = decay S + k delta^T; o = S^T q.
 // With NEXT, the same pass leaves kv = S^T k_next, the next token's readout, so a scan over
 // T tokens reads and writes S T times (plus one read), not 2T. ``delta``: dv floats.
+// ``prefetch`` as in delta_cols (the first column block issues it).
 template <bool NEXT>
 inline void delta_pass(float* __restrict__ s, const float* q, const float* k, const float* v,
                        float decay, float beta, float* __restrict__ o, float* __restrict__ kv,
-                       const float* k_next, int64_t dk, int64_t dv, float* __restrict__ delta) {
-  for (int64_t j = 0; j < dv; ++j) {
-    delta[j] = beta * (v[j] - decay * kv[j]);
-    o[j] = 0.f;
-    if (NEXT) kv[j] = 0.f;
-  }
-  for (int64_t i = 0; i < dk; ++i) {
-    float* row = s + i * dv;
-    const float ki = k[i], qi = q[i], ni = NEXT ? k_next[i] : 0.f;
-    for (int64_t j = 0; j < dv; ++j) {
-      const float r = decay * row[j] + ki * delta[j];
-      row[j] = r;
-      o[j] += qi * r;
-      if (NEXT) kv[j] += ni * r;
+                       const float* k_next, int64_t dk, int64_t dv, float* __restrict__ delta,
+                       const float* prefetch) {
+  for (int64_t j = 0; j < dv; ++j) delta[j] = beta * (v[j] - decay * kv[j]);
+  int64_t j0 = 0;
+  for (; j0 + 16 * kCols <= dv; j0 += 16 * kCols, prefetch = nullptr)
+    delta_cols<kCols, NEXT>(s, q, k, delta, decay, o, kv, k_next, dk, dv, j0, prefetch);
+  for (; j0 + 16 <= dv; j0 += 16, prefetch = nullptr)
+    delta_cols<1, NEXT>(s, q, k, delta, decay, o, kv, k_next, dk, dv, j0, prefetch);
+  for (int64_t j = j0; j < dv; ++j) {
+    float ao = 0.f, an = 0.f;
+    for (int64_t i = 0; i < dk; ++i) {
+      const float r = decay * s[i * dv + j] + k[i] * delta[j];
+      s[i * dv + j] = r;
+      ao += q[i] * r;
+      if (NEXT) an += k_next[i] * r;
     }
+    o[j] = ao;
+    if (NEXT) kv[j] = an;
   }
 }
 
@@ -168,11 +229,11 @@ inline void scan(const float* conv, const Inputs& in, const float* a_log, const 
         if (t + 1 < n) {
           delta_pass<true>(state, xt + kh * dk, xt + key_dim + kh * dk, xt + 2 * key_dim + h * dv,
                            std::exp(g), beta, o, kv.data(), x(t + 1) + key_dim + kh * dk, dk, dv,
-                           delta.data());
+                           delta.data(), nullptr);
         } else {
           delta_pass<false>(state, xt + kh * dk, xt + key_dim + kh * dk,
                             xt + 2 * key_dim + h * dv, std::exp(g), beta, o, kv.data(), nullptr,
-                            dk, dv, delta.data());
+                            dk, dv, delta.data(), task + 1 < end ? state + dk * dv : nullptr);
         }
         gated_norm(o, in.z + i * in.ld + h * dv, norm_w, dv, sh.eps);
       }
@@ -181,7 +242,7 @@ inline void scan(const float* conv, const Inputs& in, const float* a_log, const 
 }
 
 // The step for ``rows`` rows: window [B, K-1, C] and s [B, Hv, Dk, Dv] updated in place,
-// out [B, Hv Dv]. conv_w [C, K]; a_log, dt_bias [Hv]; norm_w [Dv]. Parallel over rows for the
+// out [B, Hv Dv]. conv_w [K, C]; a_log, dt_bias [Hv]; norm_w [Dv]. Parallel over rows for the
 // convolution, then over (row, value head).
 inline void step(const Inputs& in, float* window, const float* conv_w, const float* a_log,
                  const float* dt_bias, float* s, const float* norm_w, float* out, int64_t rows,

@@ -2,7 +2,7 @@
 // and gdn_scan, the recurrent form over a prompt for the prefill.
 //
 // Shapes (B rows; Hk, Hv key / value heads of Dk, Dv; C = 2 Hk Dk + Hv Dv; K conv width):
-//   gdn_step: mixed [B, C] projections; window [B, K-1, C] (updated); conv_w [C, K];
+//   gdn_step: mixed [B, C] projections; window [B, K-1, C] (updated); conv_w [K, C];
 //     a, b [B, Hv]; a_log, dt_bias [Hv]; s [B, Hv, Dk, Dv] (updated); z [B, Hv Dv];
 //     norm_w [Dv]  ->  out [B, Hv Dv].
 //   gdn_scan: full [B, K-1+T, C] each row's conv window then its T new projections;
@@ -26,7 +26,7 @@ at::Tensor gdn_step(const at::Tensor& mixed, const at::Tensor& window, const at:
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
                 "gdn_step takes contiguous fp32 tensors");
   }
-  const int64_t rows = mixed.size(0), c_len = mixed.size(1), k = conv_w.size(1);
+  const int64_t rows = mixed.size(0), c_len = mixed.size(1), k = conv_w.size(0);
   const int64_t hv = s.size(1), dk = s.size(2), dv = s.size(3);
   TORCH_CHECK(c_len == 2 * key_heads * dk + hv * dv && hv % key_heads == 0,
               "gdn_step: projections and state disagree");
@@ -48,7 +48,7 @@ at::Tensor gdn_step(const at::Tensor& mixed, const at::Tensor& window, const at:
 }
 
 // out [B, T, C]: per token the causal convolution of full [B, K-1+T, C] with w [K, C] (the
-// sum in gdn.h's conv_row order), SiLU, and q, k normalised.
+// sum in gdn.h's conv_token order), SiLU, and q, k normalised.
 at::Tensor convolve(const at::Tensor& full, const at::Tensor& w, const linserve::gdn::Shape& sh) {
   const int64_t rows = full.size(0), k = w.size(0), c_len = full.size(2);
   const int64_t t_len = full.size(1) - k + 1;
@@ -60,10 +60,9 @@ at::Tensor convolve(const at::Tensor& full, const at::Tensor& w, const linserve:
     for (int64_t i = begin; i < end; ++i) {
       const float* src = fp + ((i / t_len) * (t_len + k - 1) + i % t_len) * c_len;
       float* dst = op + i * c_len;
-      for (int64_t c = 0; c < c_len; ++c) dst[c] = 0.f;
-      for (int64_t j = 0; j < k; ++j)
-        for (int64_t c = 0; c < c_len; ++c) dst[c] += wp[j * c_len + c] * src[j * c_len + c];
-      for (int64_t c = 0; c < c_len; ++c) dst[c] = linserve::gdn::silu(dst[c]);
+      std::vector<const float*> rows_in(k);
+      for (int64_t j = 0; j < k; ++j) rows_in[j] = src + j * c_len;
+      linserve::gdn::conv_token(rows_in.data(), wp, dst, c_len, k);
       linserve::gdn::normalize_qk(dst, sh);
     }
   });

@@ -12,7 +12,7 @@
 // dims; GDN shapes as gdn.h; V vocabulary):
 //   tokens [B] int64, lengths [B] int64 (each row's position before this token);
 //   weights: embed [V, d], head [d, V] (packed), final norm [d] (as 1 + w), then per layer
-//     Gated DeltaNet (10): norm_in [d], in [d, C + Hv Dv + 2 Hv], conv_w [C, K], a_log [Hv],
+//     Gated DeltaNet (10): norm_in [d], in [d, C + Hv Dv + 2 Hv], conv_w [K, C], a_log [Hv],
 //       dt_bias [Hv], gated-norm w [Dv], out [Hv Dv, d], norm_post [d], gate_up [d, 2f],
 //       down [f, d];
 //     attention (10): norm_in [d], qkv [d, 2 H D + 2 Hkv D], q_norm [D], k_norm [D],
@@ -27,6 +27,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "attention.h"
 #include "dense.h"
 #include "fastmath.h"
 #include "gdn.h"
@@ -94,14 +95,6 @@ void rotate(float* x, const float* inv_freq, int64_t rot, int64_t pos) {
   }
 }
 
-// The query heads of one key-value group of one row over the row's len cached positions:
-// o [rep, D] = softmax(q kᵀ / √D) v; q [rep, D]; kc, vc [len, D]; scores scratch [len].
-void attend_group(const float* q, const float* kc, const float* vc, int64_t rep, int64_t len,
-                  int64_t dh, float* o, float* scores) {
-  for (int64_t h = 0; h < rep; ++h)
-    linserve::attend_head(q + h * dh, kc, vc, len, dh, scores, o + h * dh);
-}
-
 // q / k norms and rotary positions, the new key and value into the cache; qkv [B, ...] as
 // the stacked projection gives it: per query head [q D | gate D], then k [Hkv D], v [Hkv D].
 void write_kv(const at::Tensor& qkv, const at::Tensor* w, at::Tensor& kc, at::Tensor& vc,
@@ -140,10 +133,10 @@ void attention_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& kc, at::Ten
   at::parallel_for(0, rows * m.hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t r = t / m.hkv, g = t % m.hkv, len = lengths[r] + 1;
-      std::vector<float> scores(len);
+      std::vector<float> scores(std::min(rep, linserve::kGroupHeads) * len);
       float* og = o.data_ptr<float>() + (r * m.h + g * rep) * dh;
       const int64_t at_group = (r * m.hkv + g) * cap * dh;
-      attend_group(q.data() + (r * m.h + g * rep) * dh, kc.data_ptr<float>() + at_group,
+      linserve::attend_group(q.data() + (r * m.h + g * rep) * dh, kc.data_ptr<float>() + at_group,
                    vc.data_ptr<float>() + at_group, rep, len, dh, og, scores.data());
       for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {  // the sigmoid output gate
         const float* gate = gates + r * qkv.size(1) + h * 2 * dh + dh;

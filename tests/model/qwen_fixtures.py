@@ -31,6 +31,13 @@ SHAPES: dict[str, dict[str, Any]] = {
     "i3-gqa": {"interval": 3, "layers": 6, "heads": (6, 3), "head_dim": 24,
                "linear": (1, 3, 24, 32), "tie": True},
 }
+# Head sizes of the published checkpoints' order, for the native kernels' register-blocked
+# paths (column blocks of 64 and 16 and a scalar tail: head_dim 80, value heads of 136;
+# four query heads a key-value head). Used by the native-step tests only.
+KERNEL_SHAPES: dict[str, dict[str, Any]] = {
+    "wide": {"interval": 2, "layers": 2, "heads": (8, 2), "head_dim": 80,
+             "linear": (1, 2, 128, 136), "tie": True},
+}
 
 
 def text_config(shape: dict[str, Any], vocab: int = 8192) -> Any:
@@ -55,10 +62,11 @@ def make_checkpoint(path: Path, name: str, vision: bool = False, seed: int = 0,
     the folder."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    cfg = text_config(SHAPES[name], QWEN_VOCAB if tokenizer == "qwen" else 8192)
+    shape = {**SHAPES, **KERNEL_SHAPES}[name]
+    cfg = text_config(shape, QWEN_VOCAB if tokenizer == "qwen" else 8192)
     if vision:
         full = transformers.Qwen3_5Config(
-            text_config=cfg.to_dict(), tie_word_embeddings=SHAPES[name]["tie"],
+            text_config=cfg.to_dict(), tie_word_embeddings=shape["tie"],
             vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64,
                            "num_heads": 2, "out_hidden_size": 64})
         model = transformers.Qwen3_5ForConditionalGeneration(full)

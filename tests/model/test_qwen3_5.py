@@ -13,7 +13,7 @@ from model import loader
 from model.architectures.hf import HFServedModel
 from model.attention.delta import delta_rule_chunked, delta_rule_naive, l2norm
 from model.state import State
-from tests.model.qwen_fixtures import SHAPES, make_checkpoint, reference
+from tests.model.qwen_fixtures import KERNEL_SHAPES, SHAPES, make_checkpoint, reference
 
 pytest.importorskip("transformers")
 
@@ -21,6 +21,14 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                ) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param,
+                           tokenizer="project")
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES) + sorted(KERNEL_SHAPES))
+def native_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                      ) -> Path:
+    """The shapes above and the kernel shapes, for the tests of the native kernels."""
     return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param,
                            tokenizer="project")
 
@@ -71,7 +79,7 @@ def test_chunked_prefill_across_chunk_boundaries(checkpoint: Path) -> None:
     assert (anywhere - whole).abs().max().item() <= 1e-4
 
 
-def test_the_native_scan_prefill_equals_the_chunked_form(checkpoint: Path,
+def test_the_native_scan_prefill_equals_the_chunked_form(native_checkpoint: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefill's two forms of the delta rule: the native recurrent scan (gdn_scan, used
     where the kernels are built) and the chunked WY form in PyTorch (used without them), on a
@@ -79,7 +87,7 @@ def test_the_native_scan_prefill_equals_the_chunked_form(checkpoint: Path,
     within fp32 rounding."""
     from model.architectures import qwen3_5
 
-    ours = _served(checkpoint)
+    ours = _served(native_checkpoint)
     gen = torch.Generator().manual_seed(11)
     first, rest = (torch.randint(0, 8192, (1, n), generator=gen) for n in (40, 150))
     prompts = [torch.randint(0, 8192, (n,), generator=gen).tolist() for n in (5, 90)]
@@ -161,7 +169,7 @@ def test_delta_rule_chunked_equals_naive(t: int) -> None:
     assert (s_c - s_n).abs().max().item() <= 1e-4
 
 
-def test_the_fused_gdn_step_equals_the_eager_one(checkpoint: Path) -> None:
+def test_the_fused_gdn_step_equals_the_eager_one(native_checkpoint: Path) -> None:
     """model/kernels/gdn_step.cpp against the eager step, on a batch of 3 rows with
     different histories, 20 steps: outputs and states within fp32 rounding."""
     from model import kernels
@@ -169,7 +177,7 @@ def test_the_fused_gdn_step_equals_the_eager_one(checkpoint: Path) -> None:
 
     if not kernels.load():
         pytest.skip("native kernels unavailable")
-    ours = _served(checkpoint)
+    ours = _served(native_checkpoint)
     index = next(i for i, layer in enumerate(ours.module.model.layers)
                  if isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet))
     gdn = ours.module.model.layers[index].linear_attn
@@ -190,7 +198,7 @@ def test_the_fused_gdn_step_equals_the_eager_one(checkpoint: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_native_whole_model_step_equals_the_eager_one(checkpoint: Path, dtype: str
+def test_the_native_whole_model_step_equals_the_eager_one(native_checkpoint: Path, dtype: str
                                                           ) -> None:
     """model/kernels/qwen35_step.cpp against the layer-by-layer step on 3 rows at different
     positions, 12 steps. fp32: logits and every state tensor within fp32 rounding (1e-4).
@@ -202,8 +210,8 @@ def test_the_native_whole_model_step_equals_the_eager_one(checkpoint: Path, dtyp
 
     if not kernels.load():
         pytest.skip("native kernels unavailable")
-    model = loader.load(checkpoint, dtype).module
-    exact = loader.load(checkpoint, "float32").module
+    model = loader.load(native_checkpoint, dtype).module
+    exact = loader.load(native_checkpoint, "float32").module
     gen = torch.Generator().manual_seed(8)
     state = State.cat([exact.prefill(torch.randint(0, 8192, (1, n), generator=gen))[1]
                        for n in (3, 64, 100)])
@@ -227,14 +235,15 @@ def test_the_native_whole_model_step_equals_the_eager_one(checkpoint: Path, dtyp
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_rows_native_step_does_not_depend_on_the_batch(checkpoint: Path, dtype: str) -> None:
+def test_a_rows_native_step_does_not_depend_on_the_batch(native_checkpoint: Path, dtype: str
+                                                         ) -> None:
     """Batch invariance of the native step: each row's logits and state are the same bits
     alone as beside four other rows at other positions."""
     from model import kernels
 
     if not kernels.load():
         pytest.skip("native kernels unavailable")
-    model = loader.load(checkpoint, dtype).module
+    model = loader.load(native_checkpoint, dtype).module
     gen = torch.Generator().manual_seed(9)
     rows = [model.prefill(torch.randint(0, 8192, (1, n), generator=gen))[1]
             for n in (2, 30, 64, 65, 129)]
