@@ -36,6 +36,7 @@
 
 #include <cmath>
 
+#include "fastmath.h"
 #include "gemm.h"
 
 namespace linserve {
@@ -89,6 +90,41 @@ struct QuantActs {
   int32_t d0(int64_t r, int64_t b) const { return bias[r * blocks + b]; }
 };
 
+// One block of kBlock inputs (zeros past n) -> q, returns its scale; *sum = the q's sum.
+inline float quantize_block(const float* x, int64_t n, int8_t* q, int32_t* sum) {
+  float buf[kBlock] = {};
+  std::memcpy(buf, x, n * sizeof(float));
+  v16 top = {};
+  for (int64_t i = 0; i < kBlock; i += 16) {
+    const v16 v = load16(buf + i);
+    const v16 a = v < 0 ? -v : v;
+    top = a > top ? a : top;  // (a NaN is passed over, as std::max(amax, NaN) does)
+  }
+  float amax = 0.f;
+  for (int64_t i = 0; i < 16; ++i) amax = std::max(amax, top[i]);
+  const float s = amax / 127.f;
+  int32_t total = 0;
+  if (s > 0.f) {
+    typedef int32_t v16i __attribute__((vector_size(64)));
+    typedef int8_t v16c __attribute__((vector_size(16)));
+    const v16 magic = v16{} + 12582912.f, hi = v16{} + 127.f, zero = {};  // 1.5 2^23
+    v16i acc = {};
+    for (int64_t i = 0; i < kBlock; i += 16) {
+      v16 v = load16(buf + i) / s;
+      v = (v + magic) - magic;  // to nearest, ties to even, as nearbyint (|v| <= 127.5)
+      v = v == v ? v : zero;    // NaN: 0
+      v = v > hi ? hi : (v < -hi ? -hi : v);
+      const v16i qi = __builtin_convertvector(v, v16i);
+      const v16c qc = __builtin_convertvector(qi, v16c);
+      std::memcpy(q + i, &qc, sizeof(qc));
+      acc += qi;
+    }
+    for (int64_t i = 0; i < 16; ++i) total += acc[i];
+  }
+  *sum = total;
+  return s;
+}
+
 inline QuantActs quantize_acts(const float* x, int64_t rows, int64_t k_len, int32_t offset) {
   QuantActs a;
   a.k32 = (k_len + kBlock - 1) / kBlock * kBlock;
@@ -98,21 +134,10 @@ inline QuantActs quantize_acts(const float* x, int64_t rows, int64_t k_len, int3
   a.bias.assign(rows * a.blocks, 0);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < a.blocks; ++b) {
-      const int64_t k0 = b * kBlock, k1 = std::min(k0 + kBlock, k_len);
-      float amax = 0.f;
-      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(x[r * k_len + k]));
-      const float s = amax / 127.f;
+      const int64_t k0 = b * kBlock, n = std::min(kBlock, k_len - k0);
       int32_t sum = 0;
-      if (s > 0.f) {
-        for (int64_t k = k0; k < k1; ++k) {
-          float v = std::nearbyint(x[r * k_len + k] / s);
-          v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);  // (v = ±127 at the max; NaN: 0)
-          const auto q = static_cast<int8_t>(v == v ? v : 0.f);
-          a.q[r * a.k32 + k] = q;
-          sum += q;
-        }
-      }
-      a.scale[r * a.blocks + b] = s;
+      a.scale[r * a.blocks + b] =
+          quantize_block(x + r * k_len + k0, n, a.q.data() + r * a.k32 + k0, &sum);
       a.bias[r * a.blocks + b] = -offset * sum;
     }
   }
