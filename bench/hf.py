@@ -11,8 +11,9 @@ saves it with transformers (bf16 on disk). Measured in one run, at each of ``--t
 - decode tokens/s at batch 1, 8 and 32 with ``--contexts`` tokens already in every row (the
   KV part filled to that length, the GDN state really prefilled); batch 32 is skipped past
   4k of context (32 rows of 16k KV are 13 GB);
-- batch-1 decode against the roofline: bytes a step must read (every weight once, plus the
-  state) / step time, over the read bandwidth of one thread (``bench.roofline``);
+- batch-1 decode against the roofline: bytes a step must move (``step_bytes``: every weight
+  once, the recurrent state read and written, the KV positions read) / step time, over the
+  read bandwidth of one thread (``bench.roofline``);
 - prefill tokens/s for a ``--prompt``-token prompt (= its time to first token);
 - bytes per session at 1k, 16k and 128k tokens;
 - transformers' ``generate`` at batch 1 (the floor), unless ``--no-transformers``;
@@ -96,6 +97,21 @@ def decode_row(model: HFServedModel, batch: int, context: int) -> dict[str, Any]
             "step_ms": round(ms, 2), "tokens_per_s": round(batch / ms * 1000, 1)}
 
 
+def step_bytes(model: HFServedModel, context: int) -> int:
+    """Bytes a batch-1 step must move, as ``bench.roofline`` counts them: the native step's
+    weights once as stored, except the embedding table (one row is gathered); the recurrent
+    state and conv window, read and written back; the KV cache's ``context`` positions, read
+    (not its capacity, which grows by doubling: 2,048 slots hold 1,024 tokens)."""
+    weights = model.module.fused_weights()[1:]
+    moved = sum(w.numel() * w.element_size() for w in weights)
+    for e in state_at(model, 1, context).entries():
+        if isinstance(e, KVEntry):
+            moved += e.nbytes * context // e.capacity
+        else:
+            moved += 2 * e.nbytes
+    return moved
+
+
 def weight_bytes(model: HFServedModel) -> int:
     return sum(p.numel() * p.element_size() for p in model.module.parameters())
 
@@ -104,7 +120,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """This project's figures (in process, no HTTP) at each thread count."""
     model = loader.load(args.checkpoint, args.dtype)
     assert isinstance(model, HFServedModel)
-    read = weight_bytes(model) + state_at(model, 1, 1024).nbytes
+    read = step_bytes(model, 1024)
     bw = read_bandwidth_gbs()
     rows, prefill = [], []
     for threads in args.threads:

@@ -5,8 +5,9 @@ The checkpoint is ``bench.hf``'s (random weights in the published shapes, bf16 o
 with ``python -m bench.hf --make``). In one run, for each weight type:
 
 - batch-1 decode tokens/s at 1 and 2 threads (1,024 tokens of context) and batch-16 decode;
-- the bytes a batch-1 step reads (every GEMM weight once as stored, the norms, the state) and
-  the fraction of the read roofline it reaches (``bench.roofline``, one thread);
+- the bytes a batch-1 step moves (every GEMM weight once as stored, the norms, the
+  recurrent state read and written, the KV cache's positions read: ``step_bytes``) and the
+  fraction of the read roofline it reaches (``bench.roofline``, one thread);
 - with ``--llamacpp`` (after ``bash bench/llamacpp.sh build``): ``llama-bench`` on the
   BF16 / Q8_0 / Q4_0 GGUFs (Q4_0 made with ``llama-quantize``, which keeps the tied
   embedding / output matrix in Q6_K), and ``--streams`` concurrent streaming clients against
@@ -27,20 +28,13 @@ import torch
 
 from bench import llamacpp_compare as lc
 from bench.common import RESULTS, machine, print_table, read_json, save_figure, write_json
-from bench.hf import decode_row, state_at
+from bench.hf import decode_row, step_bytes
 from bench.roofline import read_bandwidth_gbs
 from model import loader
 from model.architectures.hf import HFServedModel
 
 TYPES = {"bf16": "none", "int8": "int8", "int4": "int4"}  # ours -> --quantization
 GGUF = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}   # the llama.cpp type beside it
-
-
-def step_bytes(model: HFServedModel, context: int) -> int:
-    """Bytes a batch-1 step reads: the native step's weights except the embedding table
-    (one row is gathered), and one row's state at ``context`` tokens."""
-    weights = model.module.fused_weights()[1:]
-    return sum(w.numel() * w.element_size() for w in weights) + state_at(model, 1, context).nbytes
 
 
 def ours(checkpoint: Path, kind: str, threads: list[int], context: int, bw: float
