@@ -40,15 +40,15 @@ inline float silu(float x) {
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
-// out [C] = SiLU(sum_j w[j] src[j]) for one token, src[j] (j < K) the conv window's rows and
-// then the token's projections, w [K, C] the depthwise kernel transposed; loops over C that
-// vectorise, the sum in j order.
-inline void conv_token(const float* const* src, const float* w, float* out, int64_t c_len,
-                       int64_t k) {
+// out [C] = SiLU(sum_j w[j] x_j) for one token: x_j (j < K-1) the conv window's rows at
+// rows + j C, x_{K-1} = last (the token's projections); w [K, C] the depthwise kernel
+// transposed. Loops over C that vectorise, the sum in j order.
+inline void conv_token(const float* rows, const float* last, const float* w, float* out,
+                       int64_t c_len, int64_t k) {
   for (int64_t c = 0; c < c_len; ++c) out[c] = 0.f;
   for (int64_t j = 0; j < k; ++j) {
     const float* wj = w + j * c_len;
-    const float* xj = src[j];
+    const float* xj = j + 1 < k ? rows + j * c_len : last;
     for (int64_t c = 0; c < c_len; ++c) out[c] += wj[c] * xj[c];
   }
   for (int64_t c = 0; c < c_len; ++c) out[c] = silu(out[c]);
@@ -58,10 +58,7 @@ inline void conv_token(const float* const* src, const float* w, float* out, int6
 // [K-1, C] and appends ``mixed``.
 inline void conv_row(const float* mixed, float* window, const float* w, float* out,
                      int64_t c_len, int64_t k) {
-  std::vector<const float*> src(k);
-  for (int64_t j = 0; j + 1 < k; ++j) src[j] = window + j * c_len;
-  src[k - 1] = mixed;
-  conv_token(src.data(), w, out, c_len, k);
+  conv_token(window, mixed, w, out, c_len, k);
   if (k > 1) {
     std::memmove(window, window + c_len, (k - 2) * c_len * sizeof(float));
     std::memcpy(window + (k - 2) * c_len, mixed, c_len * sizeof(float));
@@ -81,6 +78,7 @@ inline void l2norm(float* x, int64_t n, float scale) {
 // row kept them in memory: a store and a reload a row, twice as slow when S is in cache).
 // Each output column is still a sum over the rows in row order, whatever the block. kCols
 // (fastmath.h): 3 sets of accumulators fit the registers.
+
 // Columns [j0, j0 + 16 NV) of kv = S^T k.
 template <int64_t NV>
 inline void readout_cols(const float* s, const float* k, float* kv, int64_t dk, int64_t dv,

@@ -60,9 +60,7 @@ at::Tensor convolve(const at::Tensor& full, const at::Tensor& w, const linserve:
     for (int64_t i = begin; i < end; ++i) {
       const float* src = fp + ((i / t_len) * (t_len + k - 1) + i % t_len) * c_len;
       float* dst = op + i * c_len;
-      std::vector<const float*> rows_in(k);
-      for (int64_t j = 0; j < k; ++j) rows_in[j] = src + j * c_len;
-      linserve::gdn::conv_token(rows_in.data(), wp, dst, c_len, k);
+      linserve::gdn::conv_token(src, src + (k - 1) * c_len, wp, dst, c_len, k);
       linserve::gdn::normalize_qk(dst, sh);
     }
   });
