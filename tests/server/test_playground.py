@@ -151,27 +151,35 @@ def disconnects(url: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_stop_cancels_on_the_server(page: Any, server: ServerProcess) -> None:
-    # 8,000 tokens: seconds of generation, but a loaded CI machine can render the stream
-    # behind the server; if the reply is already complete when the click would land, the
-    # run is repeated (up to three times) so the click always hits a running request
-    set_field(page, "max_tokens", "8000")
-    before = disconnects(server.url)
-    for _ in range(3):
-        page.click("#generate")
-        wait_until(page, "(document.querySelector('.generated') || {textContent: ''})"
-                   ".textContent.length > 40 || !document.getElementById('generate').disabled")
-        if page.is_enabled("#stop-button") and running_requests(server.url) >= 1:
-            break
-        page.wait_for_selector("#generate:not([disabled])")
-    page.click("#stop-button")
-    page.wait_for_selector("#generate:not([disabled])")
+def _stop_one_run(page: Any, url: str) -> bool:
+    """Start a long run, press Stop while the server is generating it, and wait until the
+    page and the server are idle again. True when the click cancelled a live request: the
+    pane says so and the server counted one disconnect. False when the run finished before
+    the click landed (a loaded machine can render the stream well behind the server)."""
+    before = disconnects(url)
+    marks = page.inner_text(".pane .output").count("[stopped]")
+    page.click("#generate")
+    wait_until(page, "(document.querySelector('.generated') || {textContent: ''})"
+               ".textContent.length > 40 || !document.getElementById('generate').disabled")
+    if page.is_enabled("#stop-button") and running_requests(url) >= 1:
+        page.click("#stop-button")
+    page.wait_for_selector("#generate:not([disabled])", timeout=120_000)
     deadline = time.monotonic() + 10
-    while running_requests(server.url) > 0 and time.monotonic() < deadline:
+    while (running_requests(url) > 0 or disconnects(url) == before) \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert running_requests(server.url) == 0
-    assert "[stopped]" in page.inner_text(".pane .output")
-    assert disconnects(server.url) == before + 1  # cancelled on the server, not run out
+    assert running_requests(url) == 0
+    stopped = page.inner_text(".pane .output").count("[stopped]") == marks + 1
+    cancelled = disconnects(url) - before
+    assert cancelled in (0, 1)
+    return stopped and cancelled == 1
+
+
+def test_stop_cancels_on_the_server(page: Any, server: ServerProcess) -> None:
+    # 8,000 tokens: seconds of generation; a run that ends before the click lands is
+    # repeated (up to three times) so the click always hits a running request
+    set_field(page, "max_tokens", "8000")
+    assert any(_stop_one_run(page, server.url) for _ in range(3))
 
 
 def test_fork_shows_two_different_branches(page: Any) -> None:

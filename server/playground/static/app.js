@@ -149,8 +149,19 @@
     if (cls) span.className = cls;
     span.textContent = text;
     pane.out.append(span);
-    pane.out.scrollTop = pane.out.scrollHeight;
+    scrollToEnd(pane);
     return span;
+  }
+
+  // Reading scrollHeight forces a layout of the whole output; doing it once a frame rather
+  // than once a chunk keeps a long stream's rendering linear, so the page (and Stop) keeps up.
+  function scrollToEnd(pane) {
+    if (pane.scrollPending) return;
+    pane.scrollPending = true;
+    requestAnimationFrame(() => {
+      pane.scrollPending = false;
+      pane.out.scrollTop = pane.out.scrollHeight;
+    });
   }
 
   function refreshSessionUi() {
@@ -291,7 +302,7 @@
         text += piece;
         live.textContent = text;
         if (choice.finish_reason) finish = choice.finish_reason;
-        pane.out.scrollTop = pane.out.scrollHeight;
+        scrollToEnd(pane);
       }
       showFigures(pane, t0, first, usage, text, finish);
     }
