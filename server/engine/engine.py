@@ -216,6 +216,7 @@ class Engine:
         """Spend the iteration's token budget: session replays first, then prompts. With a
         recurrent model, prompts that need no prompt log-probs are prefilled together in one
         ragged batch (64 prompts of 16 tokens: one pass instead of 64)."""
+        t0 = time.perf_counter()
         budget = self.replays.run(self.limits.step_token_budget)
         if self.model.info.ragged_prefill and budget > 0:
             budget = self._prefill_batched(budget)
@@ -232,6 +233,8 @@ class Engine:
                     self.prefilling.popleft()
                 seq.fail(f"prefill failed: {exc}")
                 self._finish(seq, None, [])
+        if budget < self.limits.step_token_budget:
+            metrics.PREFILL_TIME.observe(time.perf_counter() - t0)
 
     def _prefill_one(self, seq: Sequence, budget: int) -> int:
         """Prefill the next chunk of ``seq``; returns the tokens spent."""
