@@ -110,14 +110,36 @@ def serve_and_load(cmd: list[str], port: int, streams: int, requests: int, promp
     concurrent streaming completions (a discarded warm-up round first), stop it; returns the
     loadtest report (with ``rss_bytes``: ``measure(pid)`` after the run, when given)."""
     with running(cmd, port, log, env) as pid:
-        common = ["--url", f"http://127.0.0.1:{port}", "--concurrency", str(streams),
-                  "--prompt-tokens", str(prompt), "--max-tokens", str(gen), "--ignore-eos",
-                  "--temperature", "0.8"]
+        url = f"http://127.0.0.1:{port}"
+        common = ["--url", url, "--concurrency", str(streams), "--prompt-tokens", str(prompt),
+                  "--max-tokens", str(gen), "--ignore-eos", "--temperature", "0.8"]
         loadtest.main([*common, "--requests", str(streams)])
+        before = engine_seconds(url)
         report = loadtest.main([*common, "--requests", str(requests)])
+        after = engine_seconds(url)
+        if before and after:
+            report["engine_seconds"] = {k: round(after[k] - before[k], 3) for k in after}
         if measure is not None:
             report["rss_bytes"] = measure(pid)
         return report
+
+
+ENGINE_SERIES = {"prefill": "linserve_prefill_seconds_sum", "decode": "linserve_step_seconds_sum",
+                 "decode_steps": "linserve_step_seconds_count"}
+
+
+def engine_seconds(url: str) -> dict[str, float]:
+    """This server's engine time so far (prefill and decode-step seconds, and decode steps)
+    from its ``/metrics``; empty for a server without them (llama-server)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                  if line.startswith("linserve_") and " " in line)
+    if not all(s in values for s in ENGINE_SERIES.values()):
+        return {}
+    return {k: float(values[s]) for k, s in ENGINE_SERIES.items()}
 
 
 def llama_server_cmd(model: Path, streams: int, context: int) -> tuple[list[str], int]:

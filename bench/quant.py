@@ -71,7 +71,9 @@ def rss_bytes(pid: int) -> int:
 
 def servers(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     """``--streams`` concurrent streams against this server and llama-server, one type."""
-    prompt, gen, keep = 128, 128, ("output_tokens_per_s", "ttft_ms", "tpot_ms", "errors")
+    prompt, gen = 128, 128
+    keep = ("output_tokens_per_s", "ttft_ms", "tpot_ms", "errors", "wall_seconds",
+            "engine_seconds")
     out: dict[str, Any] = {}
     port = lc.free_port()
     cmd = [sys.executable, "-m", "server", "--model", str(args.checkpoint), "--dtype",
