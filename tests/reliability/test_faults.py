@@ -194,7 +194,9 @@ def test_disconnect_storm_on_long_session_prompts_does_not_stall_others(
         wait_idle(srv.url, 10)
         sizes = [httpx.get(f"{srv.url}/v1/sessions/{sid}").json()["tokens"] for sid in sids]
         assert len(ids) == 8000
-        assert all(8002 <= n <= 8000 + 8 for n in sizes), sizes  # held: the tokens sent
+        # held: the tokens sent (at least the 2 read; the server may send a few more into the
+        # socket before it sees the hang-up, more on a loaded machine), never all 50 generated
+        assert all(8002 <= n <= 8000 + 24 for n in sizes), sizes
     gaps = [b - a for r in seen for a, b in zip(r.times, r.times[1:], strict=False)
             if t0 <= b <= t1]
     assert gaps, "the victims must have streamed during the storm"
