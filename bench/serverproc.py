@@ -35,7 +35,11 @@ class ServerProcess:
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self._log,
                                      stderr=subprocess.STDOUT)
-        self.wait_healthy()
+        try:
+            self.wait_healthy()
+        except BaseException:  # a server that never became healthy is not left running
+            self.stop()
+            raise
 
     def wait_healthy(self, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout

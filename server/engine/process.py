@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -122,9 +123,14 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
     pump_thread = threading.Thread(target=_pump, name="pump", daemon=True,
                                    args=(inbox, outbox, model, engine))
 
+    parent = os.getppid()
+
     def flush_metrics() -> None:  # gauges must move while idle too
         while True:
             time.sleep(0.1)
+            if os.getppid() != parent:  # the server died, even by SIGKILL: do not outlive it
+                log.error("the server process is gone; the engine process exits")
+                os._exit(1)
             pending = take_events()
             if pending:
                 outbox.put(([], pending, []))

@@ -126,6 +126,24 @@ def test_engine_killed_under_load_is_noticed_and_replaced(linear_weights: Path) 
     assert noticed <= 1.0
 
 
+def test_the_engine_process_does_not_outlive_a_killed_server(linear_weights: Path) -> None:
+    """kill -9 of the server itself (no chance to stop its child): the engine process sees
+    its parent gone and exits instead of holding the model's memory as an orphan."""
+    srv = ServerProcess(linear_weights)
+    child = engine_pid(srv.url)
+    srv.kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    srv.stop()
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+
+
 FAULTS = ("submit", "prefill", "first_token", "decode")
 
 
