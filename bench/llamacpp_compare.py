@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import loadtest
 from bench.serverproc import free_port
@@ -132,11 +133,11 @@ def engine_seconds(url: str) -> dict[str, float]:
     """This server's engine time so far (prefill and decode-step seconds, and decode steps)
     from its ``/metrics``; empty for a server without them (llama-server)."""
     try:
-        text = httpx.get(url + "/metrics", timeout=10).text
-    except httpx.HTTPError:
+        r = httpx.get(url + "/metrics", timeout=10)
+        values = {s.name: s.value for family in text_string_to_metric_families(r.text)
+                  for s in family.samples if not s.labels} if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):  # unreachable, or not Prometheus text
         return {}
-    values = dict(line.rsplit(" ", 1) for line in text.splitlines()
-                  if line.startswith("linserve_") and " " in line)
     if not all(s in values for s in ENGINE_SERIES.values()):
         return {}
     return {k: float(values[s]) for k, s in ENGINE_SERIES.items()}
