@@ -146,3 +146,20 @@ def child_pids(pid: int) -> list[int]:
     """The direct children of ``pid`` (e.g. the server's engine process)."""
     return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
             for c in (task / "children").read_text().split()]
+
+
+def server_metrics(url: str) -> dict[str, float]:
+    """The unlabelled samples of a server's Prometheus ``/metrics`` (histograms' ``_sum`` and
+    ``_count`` included), by name; empty when it is unreachable or does not answer in
+    Prometheus text (llama-server without ``--metrics``)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = httpx.get(url + "/metrics", timeout=10)
+        if r.status_code != 200:
+            return {}
+        return {s.name: s.value for family in text_string_to_metric_families(r.text)
+                for s in family.samples if not s.labels}
+    except (httpx.HTTPError, ValueError):
+        return {}

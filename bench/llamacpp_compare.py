@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench import loadtest
+from bench.common import server_metrics
 from bench.serverproc import free_port
 
 SCRIPT = Path(__file__).with_name("llamacpp.sh")
@@ -132,12 +132,7 @@ ENGINE_SERIES = {"prefill": "linserve_prefill_seconds_sum", "decode": "linserve_
 def engine_seconds(url: str) -> dict[str, float]:
     """This server's engine time so far (prefill and decode-step seconds, and decode steps)
     from its ``/metrics``; empty for a server without them (llama-server)."""
-    try:
-        r = httpx.get(url + "/metrics", timeout=10)
-        values = {s.name: s.value for family in text_string_to_metric_families(r.text)
-                  for s in family.samples if not s.labels} if r.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError):  # unreachable, or not Prometheus text
-        return {}
+    values = server_metrics(url)
     if not all(s in values for s in ENGINE_SERIES.values()):
         return {}
     return {k: float(values[s]) for k, s in ENGINE_SERIES.items()}

@@ -36,7 +36,7 @@ import numpy as np
 from openai import AsyncOpenAI
 
 from bench import loadtest
-from bench.common import RESULTS, machine, save_figure, style_axes, write_json
+from bench.common import RESULTS, machine, save_figure, server_metrics, style_axes, write_json
 from bench.serverproc import ServerProcess
 
 LINES = ["Now is the winter of our discontent made glorious summer by this sun of York",
@@ -249,10 +249,7 @@ def no_reuse(weights: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
+    return server_metrics(url).get(name, 0.0)
 
 
 def plot(rows: list[dict[str, Any]]) -> None:
