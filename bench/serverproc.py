@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -57,6 +59,17 @@ class ServerProcess:
 
     def logs(self) -> str:
         return self.log_path.read_text()
+
+    def request_record(self, request_id: str) -> dict[str, Any] | None:
+        """The server's one-line JSON record of a finished request (``status``,
+        ``output_tokens``: the tokens it wrote to the client before it ended or saw the
+        client hang up), or None if it has not logged one yet."""
+        for line in reversed(self.logs().splitlines()):
+            start = line.find('{"event": "request"')
+            if start >= 0 and f'"id": "{request_id}"' in line:
+                record: dict[str, Any] = json.loads(line[start:])
+                return record
+        return None
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -112,9 +112,9 @@ class BatchParams:
         return (self.temperature > 0).tolist()
 
     @cached_property
-    def needs_sort(self) -> bool:
-        """Whether any row uses top-k or top-p (the native sampler handles neither)."""
-        return bool((self.top_k > 0).any() | (self.top_p < 1).any())
+    def sorting(self) -> torch.Tensor:
+        """Which rows use top-k or top-p ``[B]`` bool (the native sampler handles neither)."""
+        return (self.top_k > 0) | (self.top_p < 1)
 
 
 COLUMNS = ("temperature", "top_k", "top_p", "min_p", "repetition", "presence", "frequency")
@@ -245,26 +245,12 @@ def _sample_native(logits: torch.Tensor, bp: BatchParams,
                                           None if mask is None else mask.bits)
 
 
-def sample(logits: torch.Tensor, bp: BatchParams,
-           generators: Sequence[torch.Generator | None],
-           counts: torch.Tensor | None = None, seen: torch.Tensor | None = None,
-           native: bool = True, mask: TokenMask | None = None) -> torch.Tensor:
-    """Next token per row ``[B]`` (long). ``generators[i]`` serves row i only; ``mask``
-    restricts some rows to allowed tokens (applied last, so no bias can lift it).
-
-    Batches without top-k or top-p go through the native sampler when the kernels are
-    loaded (``native=False`` forces this eager path, the reference); both draw from the same
-    distribution with the same per-row uniform.
-    """
-    raw = logits
-    if bp.bias is not None:
-        logits = bp.bias.apply(logits)
-    if counts is not None and seen is not None:
-        logits = apply_penalties(logits, counts, seen, bp)
-    if mask is not None and bp.bias is not None:
-        logits = _grammar_over_bias(logits, raw, mask)
-    if native and not bp.needs_sort and kernels.available():
-        return _sample_native(logits, bp, generators, mask)
+def _sample_eager(logits: torch.Tensor, bp: BatchParams,
+                  generators: Sequence[torch.Generator | None], mask: TokenMask | None
+                  ) -> torch.Tensor:
+    """The reference path (sorting for top-k and top-p): masks, softmax and an inverse-CDF
+    draw with each sampled row's uniform. Every operation is row-wise, so a row's token does
+    not depend on the other rows of the batch."""
     if mask is not None:
         logits = mask.apply(logits)
     tokens = logits.argmax(-1)
@@ -278,6 +264,53 @@ def sample(logits: torch.Tensor, bp: BatchParams,
     # lands on a leading token of zero probability.
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     tokens[hot] = drawn.clamp(max=logits.shape[-1] - 1)
+    return tokens
+
+
+def _rows(logits: torch.Tensor, bp: BatchParams, generators: Sequence[torch.Generator | None],
+          mask: TokenMask | None, rows: list[int]
+          ) -> tuple[torch.Tensor, BatchParams, list[torch.Generator | None], TokenMask | None]:
+    """The sub-batch of ``rows``: logits, parameters, generators and token mask."""
+    idx = torch.tensor(rows)
+    sub_mask = None
+    if mask is not None:
+        constrained = torch.isin(idx, mask.rows).nonzero().flatten()
+        sub_mask = TokenMask(mask.bits.index_select(0, idx), constrained)
+    return (logits.index_select(0, idx), bp.select(idx), [generators[i] for i in rows],
+            sub_mask)
+
+
+def sample(logits: torch.Tensor, bp: BatchParams,
+           generators: Sequence[torch.Generator | None],
+           counts: torch.Tensor | None = None, seen: torch.Tensor | None = None,
+           native: bool = True, mask: TokenMask | None = None) -> torch.Tensor:
+    """Next token per row ``[B]`` (long). ``generators[i]`` serves row i only; ``mask``
+    restricts some rows to allowed tokens (applied last, so no bias can lift it).
+
+    Each row takes its own path, whatever its batch mates do: rows without top-k or top-p
+    go through the native sampler when the kernels are loaded, the others (and every row
+    with ``native=False``) through the eager sorting path. The two paths sum the CDF in
+    different orders and may draw different tokens at a boundary, so choosing the path per
+    batch would make a seeded row's text depend on its neighbours.
+    """
+    raw = logits
+    if bp.bias is not None:
+        logits = bp.bias.apply(logits)
+    if counts is not None and seen is not None:
+        logits = apply_penalties(logits, counts, seen, bp)
+    if mask is not None and bp.bias is not None:
+        logits = _grammar_over_bias(logits, raw, mask)
+    if not (native and kernels.available()):
+        return _sample_eager(logits, bp, generators, mask)
+    sorting = bp.sorting.tolist()
+    if not any(sorting):
+        return _sample_native(logits, bp, generators, mask)
+    if all(sorting):
+        return _sample_eager(logits, bp, generators, mask)
+    tokens = torch.empty(logits.shape[0], dtype=torch.long)
+    for path, want in ((_sample_native, False), (_sample_eager, True)):
+        rows = [i for i, s in enumerate(sorting) if s == want]
+        tokens[rows] = path(*_rows(logits, bp, generators, mask, rows))
     return tokens
 
 

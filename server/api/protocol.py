@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -223,6 +224,16 @@ class CompletionRequest(SamplingFields):
         None, description="samples per prompt, of which the n with the highest total "
         "log-probability are returned (at least n; streamed only once all are done)")
 
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_covers_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """``best_of`` samples are ranked to return ``n``: fewer than ``n`` is refused, as
+        OpenAI and vLLM refuse it."""
+        n = info.data.get("n")
+        if value is not None and isinstance(n, int) and value < n:
+            raise ValueError(f"must be at least n ({n}), got {value}")
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _empty_prompt_in_session(cls, data: Any) -> Any:
@@ -419,6 +430,8 @@ class SessionInfo(BaseModel):
     model: str
     created: int
     last_used: int
+    busy: bool = Field(False, description="a request is running on the session (it answers "
+                       "409 to another until that one ends or is cancelled)")
 
 
 def new_id(prefix: str) -> str:

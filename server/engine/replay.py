@@ -43,22 +43,24 @@ class ReplayQueue:
         self.jobs.append(job)
 
     def run(self, budget: int) -> int:
-        """Advance the queued replays in order under ``budget`` tokens; returns what is left."""
-        while self.jobs and budget > 0:
+        """Advance the queued replays in order under ``budget`` tokens; returns what is left.
+        A job with nothing (left) to feed finishes at once, whatever the budget: a KV row cut
+        back to exactly its target has nothing to prefill, and must not block the queue."""
+        while self.jobs:
             job = self.jobs[0]
-            n = self.model.prefill_split(len(job.feed), self.chunk, budget)
-            if n == 0:
-                break  # the budget left is less than one aligned chunk
-            try:
-                if n:
+            if job.feed:
+                n = self.model.prefill_split(len(job.feed), self.chunk, max(budget, 0))
+                if n <= 0:
+                    break  # the budget left is less than one aligned chunk
+                try:
                     _, job.state = self.model.prefill(torch.tensor([job.feed[:n]]), job.state)
-                    job.feed = job.feed[n:]
-                    budget -= n
-            except Exception as exc:
-                log.exception("replay %s failed", job.label)
-                self.jobs.popleft()
-                job.failed(exc)
-                continue
+                except Exception as exc:
+                    log.exception("replay %s failed", job.label)
+                    self.jobs.popleft()
+                    job.failed(exc)
+                    continue
+                job.feed = job.feed[n:]
+                budget -= n
             if not job.feed:
                 self.jobs.popleft()
                 job.done(job.state)

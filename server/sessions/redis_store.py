@@ -122,6 +122,9 @@ class RedisSessionStore(SessionStore):
         self._renewers[token] = asyncio.create_task(self._renew(lock))
         return token
 
+    async def busy(self, session_id: str) -> bool:
+        return bool(await self._call(self.redis.exists(f"{self.prefix}lock:{session_id}")))
+
     async def _renew(self, lock: Lock) -> None:
         while True:
             await asyncio.sleep(self.lock_ms / 3000)

@@ -113,6 +113,10 @@ class SessionStore(abc.ABC):
     async def release(self, session_id: str, token: str) -> None: ...
 
     @abc.abstractmethod
+    async def busy(self, session_id: str) -> bool:
+        """Whether a request holds the session's busy-lock now."""
+
+    @abc.abstractmethod
     async def stats(self) -> tuple[int, int]:
         """(number of sessions, bytes of state)."""
 
@@ -218,6 +222,9 @@ class MemorySessionStore(SessionStore):
     async def release(self, session_id: str, token: str) -> None:
         if self._locks.get(session_id) == token:
             del self._locks[session_id]
+
+    async def busy(self, session_id: str) -> bool:
+        return session_id in self._locks
 
     async def stats(self) -> tuple[int, int]:
         return len(self._items), self._bytes

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,13 +132,14 @@ def _instruction_sets() -> list[tuple[str, str]]:
 @pytest.mark.skipif(bool(os.environ.get(ISA_RUN)), reason="already inside one ISA's run")
 @pytest.mark.parametrize(("aten", "march"), _instruction_sets())
 def test_each_instruction_set(aten: str, march: str) -> None:
-    """This module's invariance tests pass with ATen and the kernels forced to each
-    instruction set (the native build, AVX512-BF16 included where present, is the main
-    run)."""
+    """This module's invariance tests, and the native sampler's (a seeded row's draws beside
+    any batch mates), pass with ATen and the kernels forced to each instruction set (the
+    native build, AVX512-BF16 included where present, is the main run)."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": aten, "LINSERVE_KERNEL_ARCH": march,
            ISA_RUN: march}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         str(Path(__file__).with_name("test_native_sampling.py")),
          "-k", "not each_instruction_set"],
         env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -132,3 +132,4 @@ def test_logit_bias_bans_and_forces(native: bool) -> None:
         assert int(tokens[0]) != int(top[0])  # banned
         assert int(tokens[1]) == 7 and int(tokens[2]) == 3  # forced, greedy and sampled
         assert int(tokens[3]) == int(top[3])  # an unbiased row is untouched
+

@@ -36,6 +36,25 @@ def metric(url: str, name: str) -> float:
     return total
 
 
+def held_after(url: str, prompt: str | list[int], sent: int, **sampling: object) -> int:
+    """How many tokens a session holds after a request that sent ``sent`` tokens: the same
+    seeded request made without a session gives those tokens, and the session holds the
+    tokens that spell their text (:func:`server.sessions.transcript.session_tokens`)."""
+    from model.tokenizer import Tokenizer
+    from server.sessions.transcript import session_tokens
+    from tests.conftest import WEIGHTS
+
+    if sent == 0:
+        return 0
+    r = httpx.post(url + "/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": sent, "logprobs": 0, "return_tokens_as_token_ids": True,
+        **sampling})
+    r.raise_for_status()
+    ids = [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+    tok = Tokenizer.from_file(WEIGHTS / "tokenizer.json")
+    return len(session_tokens(tok, ids, tok.decode(ids)))
+
+
 def wait_idle(url: str, timeout: float = 5.0) -> float:
     """Seconds until no request is running (raises if it takes longer than ``timeout``)."""
     t0 = time.monotonic()
@@ -48,6 +67,7 @@ def wait_idle(url: str, timeout: float = 5.0) -> float:
 
 @dataclass
 class StreamResult:
+    id: str = ""
     status: int = 0
     done: bool = False
     finish_reason: str | None = None
@@ -77,6 +97,7 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict, drop_after: in
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
+                res.id = chunk.get("id", res.id)
                 if chunk.get("usage"):
                     res.usage_tokens = chunk["usage"]["completion_tokens"]
                 for ch in chunk.get("choices", []):

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from bench.serverproc import ServerProcess
-from tests.reliability.helpers import FULL, metric, wait_idle
+from tests.reliability.helpers import FULL, held_after, metric, wait_idle
 
 pytestmark = [pytest.mark.integration]
 
@@ -25,6 +25,7 @@ class Result:
     """What one client saw: HTTP status, text, finish reason, an error (envelope or SSE
     error event), and the arrival times of its chunks."""
 
+    id: str = ""
     status: int = 0
     text: str = ""
     finish: str | None = None
@@ -58,6 +59,7 @@ async def call(c: httpx.AsyncClient, url: str, body: dict, drop_after: int | Non
             if "error" in chunk:
                 res.error = chunk["error"]
                 continue
+            res.id = chunk.get("id", res.id)
             for ch in chunk["choices"]:
                 res.times.append(time.monotonic())
                 res.text += ch["text"]
@@ -192,15 +194,17 @@ def test_disconnect_storm_on_long_session_prompts_does_not_stall_others(
                   "stream": True}
 
         seen = [Result() for _ in range(4)]
+        dropped: list[Result] = []
 
         async def scenario() -> tuple[float, float]:
             async with httpx.AsyncClient(timeout=300) as c:
                 victims = [asyncio.create_task(call(c, srv.url, victim, res=r)) for r in seen]
                 await asyncio.sleep(2.0)
                 t0 = time.monotonic()
-                await asyncio.gather(*(call(c, srv.url, {
+                dropped[:] = await asyncio.gather(*(call(c, srv.url, {
                     "prompt": ids, "session_id": sid, "max_tokens": 50, "stream": True,
-                    "ignore_eos": True}, drop_after=2) for sid in sids))
+                    "ignore_eos": True, "seed": k}, drop_after=2)
+                    for k, sid in enumerate(sids)))
                 await asyncio.sleep(1.0)
                 t1 = time.monotonic()
                 for task in victims:
@@ -212,9 +216,14 @@ def test_disconnect_storm_on_long_session_prompts_does_not_stall_others(
         wait_idle(srv.url, 10)
         sizes = [httpx.get(f"{srv.url}/v1/sessions/{sid}").json()["tokens"] for sid in sids]
         assert len(ids) == 8000
-        # held: the tokens sent (at least the 2 read; the server may send a few more into the
-        # socket before it sees the hang-up, more on a loaded machine), never all 50 generated
-        assert all(8002 <= n <= 8000 + 24 for n in sizes), sizes
+        # held: exactly the tokens the server wrote before it saw the hang-up (its request
+        # log counts them: at least the 2 read), never all 50 generated
+        for k, (res, n) in enumerate(zip(dropped, sizes, strict=True)):
+            record = srv.request_record(res.id)
+            assert record is not None and record["status"] == "disconnected"
+            sent = record["output_tokens"]
+            assert 2 <= sent < 50
+            assert n == 8000 + held_after(srv.url, ids, sent, seed=k, ignore_eos=True), k
     gaps = [b - a for r in seen for a, b in zip(r.times, r.times[1:], strict=False)
             if t0 <= b <= t1]
     assert gaps, "the victims must have streamed during the storm"

@@ -17,7 +17,9 @@ import pytest
 from bench.serverproc import ServerProcess
 from tests.reliability.helpers import (
     FULL,
+    StreamResult,
     duration,
+    held_after,
     metric,
     rss_bytes,
     stream,
@@ -73,16 +75,16 @@ def test_disconnect_storm(linear_weights: Path) -> None:
         sessions = [httpx.post(srv.url + "/v1/sessions", json={"prompt": f"Act {i}."}).json()
                     for i in range(30)]
 
-        async def one(i: int, c: httpx.AsyncClient) -> tuple[int, int]:
+        async def one(i: int, c: httpx.AsyncClient) -> tuple[int, StreamResult]:
             rng = random.Random(i)
             body = {"prompt": "Enter Ghost.", "max_tokens": 2000, "stream": True,
                     "ignore_eos": True, "logprobs": 0}
             if i < len(sessions):
-                body = {**body, "prompt": "", "session_id": sessions[i]["id"]}
+                body = {**body, "prompt": "", "session_id": sessions[i]["id"], "seed": i}
             res = await stream(c, srv.url, body, drop_after=rng.randint(1, 40))
-            return i, res.tokens
+            return i, res
 
-        async def storm(first: int) -> list[tuple[int, int]]:
+        async def storm(first: int) -> list[tuple[int, StreamResult]]:
             async with httpx.AsyncClient(timeout=120,
                                          limits=httpx.Limits(max_connections=400)) as c:
                 return await asyncio.gather(*(one(i, c) for i in range(first, n_clients)))
@@ -93,10 +95,16 @@ def test_disconnect_storm(linear_weights: Path) -> None:
         settle = wait_idle(srv.url, timeout=5.0)
         assert settle < 1.0, settle
         for i, sess in enumerate(sessions):
-            # The session holds what the server sent: at least what the client parsed before
-            # dropping, plus at most the chunks still in flight on the socket.
+            # The session holds exactly what the server wrote before it saw the hang-up (its
+            # request log counts it; the client parsed some of it): the tokens of the same
+            # seeded request made without a session.
+            record = srv.request_record(received[i].id)
+            assert record is not None and record["status"] == "disconnected", i
+            sent = record["output_tokens"]
+            assert received[i].tokens <= sent, (i, sent)
             held = httpx.get(f"{srv.url}/v1/sessions/{sess['id']}").json()["tokens"]
-            assert received[i] <= held - sess["tokens"] <= received[i] + 16, (i, held)
+            want = held_after(srv.url, f"Act {i}.", sent, seed=i, ignore_eos=True)
+            assert held - sess["tokens"] == want, (i, held, sent)
         assert metric(srv.url, "linserve_sessions") == len(sessions)
         cache = "linserve_prefix_cache_bytes"  # budgeted, not a leak
         rss1 = rss_bytes(srv.proc.pid) - metric(srv.url, cache)

@@ -85,26 +85,32 @@ if {"avx2", "fma"} <= cpu_flags():
 def test_greedy_identical_alone_and_under_load(linear_weights: Path, dtype: str,
                                                aten: str | None, march: str | None) -> None:
     """A greedy request and seeded sampled ones each give identical text alone and among 62
-    concurrent streams of other prompts and lengths (batch-invariant kernels, the default)."""
+    concurrent streams of other prompts, lengths and samplers (batch-invariant kernels, the
+    default)."""
     env = {k: v for k, v in (("ATEN_CPU_CAPABILITY", aten), ("LINSERVE_KERNEL_ARCH", march))
            if v is not None}
     rng = random.Random(0)
+    # The load mixes every sampler: temperature alone and min-p (the native path), top-p and
+    # top-k (the sorting path); a seeded row's path never depends on its mates'.
+    mixes = [{"temperature": 0.8}, {"temperature": 0.9, "top_p": 0.9},
+             {"temperature": 0.9, "top_k": 40}, {"temperature": 0.8, "min_p": 0.05}]
     load = [{"prompt": rng.choice(LOAD_PROMPTS) * rng.randint(1, 12),
              "max_tokens": rng.randint(8, 96), "stream": True, "ignore_eos": True,
-             "temperature": 0.8} for _ in range(62)]
+             **mixes[i % len(mixes)]} for i in range(62)]
     with ServerProcess(linear_weights, env=env,
                        args=["--max-running", "80", "--dtype", dtype]) as srv:
         greedy = {"prompt": "OTHELLO.\n", "max_tokens": 48, "temperature": 0,
                   "ignore_eos": True, "stream": True}
         seeded = [{**greedy, "prompt": p, "temperature": 1.0, "seed": 1234 + i}
                   for i, p in enumerate(["OTHELLO.\n", "Enter the Ghost.\n" * 30])]
+        seeded.append({**greedy, "temperature": 0.7, "top_p": 0.9, "seed": 7})
 
         async def run(n_load: int) -> list[str]:
             async with httpx.AsyncClient(timeout=300,
                                          limits=httpx.Limits(max_connections=100)) as c:
                 res = await asyncio.gather(*(stream(c, srv.url, r) for r in
                                              [greedy, *seeded, *load[:n_load]]))
-            return [r.text for r in res[:3]]
+            return [r.text for r in res[:1 + len(seeded)]]
         alone = asyncio.run(run(0))
         loaded = asyncio.run(run(62))
         invariant = httpx.get(srv.url + "/health").json()["batch_invariant"]

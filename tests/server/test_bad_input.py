@@ -97,3 +97,62 @@ def test_still_healthy_after_the_matrix(server: ServerProcess) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
     r = httpx.post(server.url + C, json={"prompt": "Hello", "max_tokens": 3}, timeout=30)
     assert r.status_code == 200
+
+
+def test_best_of_below_n_is_refused(server: ServerProcess) -> None:
+    """OpenAI and vLLM refuse best_of < n; so does this server, naming best_of."""
+    from openai import BadRequestError, OpenAI
+
+    r = httpx.post(server.url + C, json={"prompt": "a", "n": 12, "best_of": 2}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "best_of"
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    with pytest.raises(BadRequestError) as err:
+        client.completions.create(model="x", prompt="a", n=3, best_of=2, max_tokens=2)
+    assert err.value.body["param"] == "best_of"  # type: ignore[index]
+    ok = client.completions.create(model="x", prompt="a", n=2, best_of=2, max_tokens=2)
+    assert len(ok.choices) == 2
+
+
+REFUSED_VALUES: dict[str, object] = {
+    "suffix": "end", "min_tokens": 2, "use_beam_search": True, "functions": [{"name": "f"}],
+    "prompt_logprobs": 1, "include_stop_str_in_output": True, "bad_words": ["a"],
+    "allowed_token_ids": [1, 2], "truncate_prompt_tokens": 5}
+
+
+def _readme_list(start: str, end: str) -> str:
+    from bench.serverproc import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    return text[text.index(start):text.index(end)]
+
+
+def test_the_readme_field_lists_agree_with_the_server(server: ServerProcess) -> None:
+    """Every field the README lists as refused is refused, every one it lists as ignored is
+    accepted, and the request models refuse nothing the README does not list."""
+    from server.api.protocol import REFUSED
+
+    refused = _readme_list("*Refused (400):*", "*Accepted and ignored")
+    ignored = _readme_list("*Accepted and ignored", "*Accepted and used in chat*")
+    assert set(REFUSED) == set(REFUSED_VALUES)
+    for name, value in REFUSED_VALUES.items():
+        assert f"`{name}`" in refused, name
+        r = httpx.post(server.url + C, json={"prompt": "a", name: value}, timeout=30)
+        assert r.status_code == 400 and name in r.json()["error"]["message"], name
+    for name, value in {"user": "u", "metadata": {"k": "v"}, "store": True,
+                        "service_tier": "auto", "guided_decoding_backend": "xgrammar",
+                        "model": "anything"}.items():
+        assert f"`{name}`" in ignored, name
+        r = httpx.post(server.url + C, json={"prompt": "a", "max_tokens": 2, name: value},
+                       timeout=30)
+        assert r.status_code == 200, (name, r.text)
+    chat = "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    assert "`tool_choice` of `required` or a named tool without `tools`" in refused
+    r = httpx.post(server.url + chat, json={"messages": msgs, "tool_choice": "required"})
+    assert r.status_code == 400
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {}}}}]
+    r = httpx.post(server.url + chat, json={"messages": msgs, "tools": tools, "max_tokens": 40,
+                                            "tool_choice": "required"}, timeout=60)
+    assert r.status_code == 200, r.text  # enforced by a grammar, not refused

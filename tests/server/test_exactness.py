@@ -141,8 +141,12 @@ def test_health_is_split_into_liveness_and_readiness(server: ServerProcess) -> N
     live = httpx.get(server.url + "/health/live")
     ready = httpx.get(server.url + "/health/ready")
     assert live.status_code == 200 and ready.status_code == 200
-    engine = httpx.get(server.url + "/health").json()["engine"]
+    health = httpx.get(server.url + "/health").json()
+    engine = health["engine"]
     assert engine["status"] == "up" and isinstance(engine["pid"], int)
+    # /health names the architecture as /v1/models does
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert health["architecture"] == model["architecture"] == "linear"
 
 
 def _with_tokens(blob: bytes, tokens: int) -> bytes:

@@ -64,6 +64,7 @@ def test_health_names_the_architecture_and_state(qwen_server: ServerProcess) -> 
     assert models["state_grows"] is True and models["state_bytes"] > 0
     assert models["state_bytes_per_token"] > 0  # the playground charts both parts
     assert health["status"] == "ok"
+    assert health["architecture"] == models["architecture"]
 
 
 def test_structured_outputs_with_a_150k_vocabulary(qwen_server: ServerProcess) -> None:

@@ -82,7 +82,8 @@ async def health(request: Request) -> Response:
     reason = "draining" if st.draining else engine["reason"]
     body = {"status": ("ok" if store_ok else "degraded") if ready else "unavailable",
             "reason": None if ready else reason, "model": st.model_name,
-            "engine": engine, "session_store": "ok" if store_ok else "unavailable",
+            "architecture": st.model.info.architecture, "engine": engine,
+            "session_store": "ok" if store_ok else "unavailable",
             "time": now(), "draining": st.draining,
             "decode_step": st.model.info.decode_step,
             "dtype": st.dtype[0], "dtype_reason": st.dtype[1],

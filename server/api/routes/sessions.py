@@ -26,9 +26,10 @@ def _svc(request: Request) -> GenerationService:
     return svc
 
 
-def _info(sess: Session, model: str) -> SessionInfo:
+def _info(sess: Session, model: str, busy: bool = False) -> SessionInfo:
     return SessionInfo(id=sess.id, tokens=sess.tokens, state_bytes=sess.state_bytes,
-                       model=model, created=int(sess.created), last_used=int(sess.last_used))
+                       model=model, created=int(sess.created), last_used=int(sess.last_used),
+                       busy=busy)
 
 
 async def _get(svc: GenerationService, sid: str, owner: str) -> Session:
@@ -53,8 +54,13 @@ async def create_session(request: Request, owner: Owner,
 
 @router.get("/v1/sessions/{session_id}", response_model=SessionInfo, responses=ERRORS)
 async def get_session(session_id: str, request: Request, owner: Owner) -> SessionInfo:
-    sess = await _get(_svc(request), session_id, owner)
-    return _info(sess, request.app.state.model_name)
+    svc = _svc(request)
+    sess = await _get(svc, session_id, owner)
+    try:
+        busy = await svc.store.busy(session_id)
+    except SessionUnavailable as exc:
+        raise APIError(503, "session store unavailable", "session_id") from exc
+    return _info(sess, request.app.state.model_name, busy)
 
 
 @router.delete("/v1/sessions/{session_id}", responses=ERRORS)
