@@ -27,7 +27,8 @@ class ServerProcess:
     """A running server; ``url`` is its base URL. Use as a context manager."""
 
     def __init__(self, weights: Path | str, env: dict[str, str] | None = None,
-                 args: list[str] | None = None, port: int | None = None) -> None:
+                 args: list[str] | None = None, port: int | None = None,
+                 ready_timeout: float = 90.0) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"linserve-{self.port}.log"
@@ -38,7 +39,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self._log,
                                      stderr=subprocess.STDOUT)
         try:
-            self.wait_healthy()
+            self.wait_healthy(ready_timeout)
         except BaseException:  # a server that never became healthy is not left running
             self.stop()
             raise

@@ -97,8 +97,9 @@ def test_greedy_identical_alone_and_under_load(linear_weights: Path, dtype: str,
     load = [{"prompt": rng.choice(LOAD_PROMPTS) * rng.randint(1, 12),
              "max_tokens": rng.randint(8, 96), "stream": True, "ignore_eos": True,
              **mixes[i % len(mixes)]} for i in range(62)]
-    with ServerProcess(linear_weights, env=env,
-                       args=["--max-running", "80", "--dtype", dtype]) as srv:
+    # A forced -march may compile its kernels first (a minute or two on 2 cores).
+    with ServerProcess(linear_weights, env=env, args=["--max-running", "80", "--dtype", dtype],
+                       ready_timeout=400 if march else 90) as srv:
         greedy = {"prompt": "OTHELLO.\n", "max_tokens": 48, "temperature": 0,
                   "ignore_eos": True, "stream": True}
         seeded = [{**greedy, "prompt": p, "temperature": 1.0, "seed": 1234 + i}
