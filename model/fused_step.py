@@ -17,7 +17,7 @@ import torch
 
 from model import invariant, kernels
 from model.config import EAGER_ONLY_FIELDS, ModelConfig
-from model.layers import Block
+from model.layers.own import Block
 from model.state import ConvEntry, KVEntry, RecurrentEntry, State
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from model import invariant, kernels
-from model.architectures import hf, qwen3_5
+from model.architectures import hf, lfm2, qwen3_5
+from model.architectures.family import HFFamily
 from model.architectures.linserve import OwnModel, is_own_checkpoint
 from model.architectures.linserve import max_state_bytes as own_max_state_bytes
 from model.interface import CheckpointError, ServedModel
@@ -43,6 +44,9 @@ FAMILIES = [
     Family("qwen3_5", qwen3_5.recognise, qwen3_5.load, qwen3_5.max_state_bytes,
            qwen3_5.check),
 ]
+HF_FAMILIES: list[HFFamily] = [lfm2.FAMILY]
+FAMILIES += [Family(f.name, f.recognise, f.load, f.max_state_bytes, f.check)
+             for f in HF_FAMILIES]
 
 
 def family(path: Path) -> Family:
@@ -55,7 +59,12 @@ def family(path: Path) -> Family:
     config = hf.read_json(path / "config.json")
     raise CheckpointError(f"{path}: unknown architecture (model_type "
                           f"{config.get('model_type')!r}; this server loads its own "
-                          f"checkpoints and {', '.join(qwen3_5.MODEL_TYPES)})")
+                          f"checkpoints and {', '.join(known_model_types())})")
+
+
+def known_model_types() -> list[str]:
+    """Every Hugging Face ``model_type`` some family serves."""
+    return [*qwen3_5.MODEL_TYPES, *(t for f in HF_FAMILIES for t in f.model_types)]
 
 
 def resolve(path_or_id: str | Path) -> Path:

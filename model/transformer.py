@@ -16,7 +16,7 @@ from torch.nn.utils.rnn import pad_sequence
 from model import fused_step, invariant, kernels
 from model.config import ModelConfig
 from model.fused_step import FusedStep
-from model.layers import Block
+from model.layers.own import Block
 from model.state import ConvEntry, KVEntry, RecurrentEntry, State
 
 

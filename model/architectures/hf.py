@@ -200,7 +200,7 @@ class HFServedModel:
 
     def __init__(self, module: Any, tok: Tokenizer, template: str | None, fp: str,
                  architecture: str, context_limit: int, per_token: int,
-                 chunk: int = 64) -> None:
+                 chunk: int = 64, decode_step: str | None = None) -> None:
         self.module, self._tok, self._template = module, tok, template
         # states of quantized weights are not interchangeable with the unquantized ones'
         quant = invariant.quantization()
@@ -213,8 +213,8 @@ class HFServedModel:
             architecture=architecture, vocab_size=module.cfg.vocab_size,
             context_limit=context_limit, params=module.n_params(),
             dtype=str(dtype).removeprefix("torch."),
-            decode_step="fused (whole model, one native call)" if kernels.available()
-            else "eager",
+            decode_step=decode_step or ("fused (whole model, one native call)"
+                                        if kernels.available() else "eager"),
             ragged_prefill=True, state_bytes=empty.nbytes, state_grows=empty.grows,
             state_layout=empty.layout(), state_bytes_per_token=per_token,
             weight_bytes=invariant.resident_bytes(module),

@@ -1,0 +1,111 @@
+"""A Hugging Face architecture family as data: which ``model_type`` values it serves, how it
+reads its config, builds its module (a :class:`model.layers.decoder.DecoderLM`) and names
+its tensors. Everything else, recognising a folder, checking it before reading weights,
+sizing its state, loading, packing and serving, is the same for every family and lives
+here, so a new family is one module that defines a :class:`HFFamily`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model import invariant
+from model.architectures import hf
+from model.interface import CheckpointError
+from model.layers.decoder import DecoderLM
+from model.state import KVEntry
+
+log = logging.getLogger("linserve")
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """``config``: the parsed config from ``config.json``'s dict (raises KeyError,
+    TypeError or ValueError naming what is wrong). ``build``: the module for a config.
+    ``rename``: a checkpoint tensor's name in that module (None: not ours). ``describe``:
+    one line for ``/v1/models`` and the startup log. ``accepts``: a further test of the
+    config dict beyond its ``model_type`` (a variant another family serves)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    config: Callable[[dict[str, Any]], Any]
+    build: Callable[[Any], DecoderLM]
+    rename: Callable[[str], str | None]
+    describe: Callable[[Any], str]
+    accepts: Callable[[dict[str, Any]], bool] = lambda config: True
+
+    def recognise(self, path: Path) -> bool:
+        try:
+            config = hf.read_json(path / "config.json")
+        except CheckpointError:
+            return False
+        return config.get("model_type") in self.model_types and self.accepts(config)
+
+    def read_config(self, path: Path) -> Any:
+        try:
+            return self.config(hf.read_json(path / "config.json"))
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(f"{path}/config.json: inconsistent or incomplete "
+                                  f"({type(exc).__name__}: {exc})") from None
+
+    def _meta(self, cfg: Any) -> DecoderLM:
+        with torch.device("meta"):
+            return self.build(cfg)
+
+    def max_state_bytes(self, path: Path) -> int:
+        """The largest one-session state: its constant part plus a full-context KV cache."""
+        cfg = self.read_config(path)
+        return state_sizes(self._meta(cfg), cfg.max_position_embeddings)[0]
+
+    def check(self, path: Path, dtype: torch.dtype) -> None:
+        """Everything that can be checked before reading weights: the config, that the
+        weights fit in memory, every tensor's presence and shape (from the safetensors
+        headers), and the tokenizer. Raises :class:`CheckpointError`."""
+        cfg = self.read_config(path)
+        module = self._meta(cfg)
+        need = module.n_params() * torch.empty(0, dtype=dtype).element_size()
+        have = hf.available_memory()
+        if need > 0.9 * have:
+            raise CheckpointError(f"{path}: the weights need {need / 2**30:.1f} GiB in "
+                                  f"{str(dtype).removeprefix('torch.')}, "
+                                  f"{have / 2**30:.1f} GiB is available")
+        hf.plan(module, path, self.rename)
+        hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+
+    def load(self, path: Path, dtype: torch.dtype, fused: bool) -> hf.HFServedModel:
+        """Build the module from ``path``'s config, load its weights, tokenizer and chat
+        template, pack every GEMM weight and free the originals."""
+        del fused  # these families step layer by layer (no whole-model native step yet)
+        self.check(path, dtype)
+        cfg = self.read_config(path)
+        tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+        module = self._meta(cfg).to_empty(device="cpu").eval()
+        unused = hf.load_weights(module, path, self.rename, dtype)
+        other = [n for n in unused if not n.startswith("lm_head.")]
+        if other:
+            log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other),
+                        other[0])
+        module.pack_weights()
+        invariant.release(module)
+        per_token = state_sizes(module, cfg.max_position_embeddings)[1]
+        return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path),
+                                self.describe(cfg), cfg.max_position_embeddings, per_token,
+                                decode_step="eager (layer by layer)")
+
+
+def state_sizes(module: DecoderLM, max_context: int) -> tuple[int, int]:
+    """(the largest one-session state in bytes, the bytes each token of context adds): the
+    constant entries of a fresh state plus its full KV caches (fp32 keys and values)."""
+    state = module.new_state(1, max_context)
+    per_token = sum(2 * e.k.shape[1] * e.k.shape[3] * 4 for e in state.entries()
+                    if isinstance(e, KVEntry) and not e.window)
+    constant = sum(e.nbytes for e in state.entries() if not isinstance(e, KVEntry))
+    return constant + per_token * max_context + 8, per_token

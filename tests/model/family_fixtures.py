@@ -1,0 +1,63 @@
+"""Tiny random checkpoints of the Hugging Face families made at test time with
+``transformers`` (the reference) and saved with ``save_pretrained``, with the project's
+8,192-token tokenizer. Two or more shapes a family: layer patterns, GQA ratios, head sizes,
+tied and untied heads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENIZER = ROOT / "weights" / "tokenizer.json"
+VOCAB = 8192
+
+
+def _lfm2(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    cfg = t.Lfm2Config(vocab_size=VOCAB, hidden_size=shape["d"], intermediate_size=shape["ff"],
+                       num_hidden_layers=len(shape["types"]), layer_types=shape["types"],
+                       num_attention_heads=shape["heads"][0],
+                       num_key_value_heads=shape["heads"][1],
+                       max_position_embeddings=4096, tie_word_embeddings=shape["tie"],
+                       conv_L_cache=shape.get("L", 3), block_multiple_of=32,
+                       block_ffn_dim_multiplier=shape.get("mult", 1.0))
+    return t.Lfm2ForCausalLM(cfg)
+
+
+# family -> shape name -> shape
+SHAPES: dict[str, dict[str, dict[str, Any]]] = {
+    "lfm2": {
+        "a2-tied": {"d": 64, "ff": 192, "heads": (4, 2), "tie": True,
+                    "types": ["conv", "conv", "full_attention", "conv", "full_attention"]},
+        "a1-untied": {"d": 96, "ff": 256, "heads": (6, 1), "tie": False, "L": 4, "mult": 1.5,
+                      "types": ["full_attention", "conv", "conv", "conv"]},
+    },
+}
+BUILDERS = {"lfm2": _lfm2}
+CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
+
+
+def make(path: Path, family: str, name: str, seed: int = 0, scale: float = 3.0) -> Path:
+    """Save a random-weight checkpoint of ``SHAPES[family][name]``, its matrices ``scale``
+    times transformers' initialisation (so layers matter), with the project's tokenizer."""
+    torch.manual_seed(seed)
+    model = BUILDERS[family](SHAPES[family][name])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale if p.dim() > 1 else 1.0)
+    model.eval().save_pretrained(path)
+    shutil.copy(TOKENIZER, path / "tokenizer.json")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))
+    return path
+
+
+def reference(path: Path) -> Any:
+    """The checkpoint loaded by transformers, fp32, eval."""
+    t = pytest.importorskip("transformers")
+    return t.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
