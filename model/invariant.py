@@ -249,13 +249,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     for i in range(b):
         for g in range(groups):
             rows = q[i, g * rep : (g + 1) * rep].reshape(rep * t, d)
-            # keys @ queriesᵀ: the cache is read in place, only the few queries are copied
-            scores = torch.ops.linserve.invariant_mm(k[i, g].contiguous(),
-                                                     rows.t().contiguous()).t() * d ** -0.5
-            probs = torch.softmax(scores.masked_fill(~masks, float("-inf")), dim=-1)
-            o = torch.ops.linserve.invariant_mm(probs.contiguous(), v[i, g].contiguous())
+            # keys @ queriesᵀ: the cache is read in place, only the few queries are copied,
+            # padded to whole vectors (the GEMM's last N % lanes columns take another code
+            # path, so a query's scores would depend on how many share the call)
+            cols = F.pad(rows.t(), (0, (-rep * t) % LANES)).contiguous()
+            scores = torch.ops.linserve.invariant_mm(k[i, g].contiguous(), cols
+                                                     )[:, : rep * t].t() * d ** -0.5
+            o = torch.ops.linserve.invariant_mm(_softmax(scores, masks), v[i, g].contiguous())
             out[i, g * rep : (g + 1) * rep] = o.view(rep, t, -1)
     return out
+
+
+def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension of ``scores [R, S]`` where ``mask`` is True, the same
+    bits for a row whatever S (keys past a query's position are only masked zeros): the
+    exponentials elementwise with no scalar tail (:func:`rowwise`) and the sum as one
+    accumulator in order (:func:`sum_last`), where ATen's softmax would vectorise its
+    reductions and exponentials by S and treat the tail of S in scalar code."""
+    scores = scores.masked_fill(~mask, float("-inf"))
+    e = rowwise(torch.exp, scores - scores.amax(-1, keepdim=True))
+    return (e / sum_last(e)).contiguous()
 
 
 class Linear(nn.Linear):

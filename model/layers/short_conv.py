@@ -27,14 +27,17 @@ def causal_conv(full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def advance_window(conv: ConvEntry, new_inputs: torch.Tensor, new: torch.Tensor | None
                    ) -> torch.Tensor:
     """The window followed by ``new_inputs [B, T, C]`` -> ``[B, K−1+T, C]`` fp32; the entry
-    keeps each row's last K−1 real inputs (``new [B]``: a ragged batch's real counts)."""
+    keeps each row's last K−1 real inputs (``new [B]``: a ragged batch's real counts),
+    written in place (state entries are updated in place by every layer: a decode step runs
+    on a view of the slot pool's rows)."""
     k1 = conv.window.shape[1]
     b, t, c = new_inputs.shape
     full = conv.window.new_empty(b, k1 + t, c)
     full[:, :k1] = conv.window
     full[:, k1:] = new_inputs
     ends = [t] * b if new is None else new.tolist()
-    conv.window = torch.stack([full[i, n : n + k1] for i, n in enumerate(ends)]).contiguous()
+    # in place: a decode step runs on a view of the slot pool's rows
+    conv.window.copy_(torch.stack([full[i, n : n + k1] for i, n in enumerate(ends)]))
     return full
 
 

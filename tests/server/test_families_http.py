@@ -1,0 +1,166 @@
+"""Each Hugging Face family built on the shared layers, served through HTTP
+(``python -m server --model``): greedy output equal to transformers' ``generate`` through the
+openai SDK, the prefix cache, streaming, ``n`` / ``best_of`` / logprobs, ragged batches,
+sessions with fork and export/import, structured outputs, and int8 / int4 weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from bench.serverproc import ROOT, ServerProcess
+from tests.model.family_fixtures import SHAPES, make, reference
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("transformers")
+# one shape a family through HTTP (every shape is checked against transformers in
+# tests/model/test_families.py)
+SERVED = [(family, sorted(shapes)[0]) for family, shapes in SHAPES.items()]
+
+
+@pytest.fixture(scope="module", params=SERVED, ids=[f for f, _ in SERVED])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> Path:
+    family, name = request.param
+    return make(tmp_path_factory.mktemp(f"http-{family}"), family, name)
+
+
+def _server(checkpoint: Path, *args: str) -> ServerProcess:
+    return ServerProcess(ROOT / "weights" / "linear",
+                         args=["--model", str(checkpoint), "--served-model-name", "tiny",
+                               "--dtype", "float32", *args])
+
+
+@pytest.fixture(scope="module")
+def srv(checkpoint: Path) -> Iterator[ServerProcess]:
+    with _server(checkpoint) as s:
+        yield s
+
+
+def test_greedy_continuations_equal_transformers_generate(checkpoint: Path,
+                                                          srv: ServerProcess) -> None:
+    """64 greedy tokens for three prompts, through the openai SDK, token for token."""
+    from openai import OpenAI
+
+    ref = reference(checkpoint)
+    client = OpenAI(base_url=srv.url + "/v1", api_key="none")
+    for prompt in ("ROMEO.\n", "To be, or not to be", "Enter a Messenger."):
+        ids = httpx.post(srv.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
+                                eos_token_id=None)[0, len(ids):].tolist()
+        out = client.completions.create(model="tiny", prompt=ids, max_tokens=64,
+                                        temperature=0, logprobs=0, extra_body={
+                                            "ignore_eos": True,
+                                            "return_tokens_as_token_ids": True})
+        assert out.choices[0].logprobs is not None
+        got = [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens or []]
+        assert got == want
+
+
+def test_health_and_models_name_the_family(checkpoint: Path, srv: ServerProcess) -> None:
+    family = json.loads((checkpoint / "config.json").read_text())["model_type"]
+    health = httpx.get(srv.url + "/health").json()
+    model = httpx.get(srv.url + "/v1/models").json()["data"][0]
+    assert health["status"] == "ok"
+    assert health["architecture"] == model["architecture"]
+    assert model["architecture"].startswith(family)
+    assert model["state_bytes"] > 0 and model["weight_bytes"] > 0
+
+
+def test_prefix_cache_streaming_n_best_of_and_logprobs(srv: ServerProcess) -> None:
+    from openai import OpenAI
+
+    c = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    prompt = " ".join(["Now is the winter of our discontent made glorious summer."] * 12)
+    c.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    longer = prompt + " Thus conscience does make cowards of us all."
+    cached = c.completions.create(model="tiny", prompt=longer, max_tokens=16, temperature=0)
+    details = cached.usage.prompt_tokens_details if cached.usage else None
+    assert details is not None and (details.cached_tokens or 0) >= 100
+    uncached = c.completions.create(model="tiny", prompt=longer, max_tokens=16,
+                                    temperature=0, echo=True, logprobs=0)
+    assert uncached.choices[0].text == longer + cached.choices[0].text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny", prompt=longer, max_tokens=16, temperature=0, stream=True)
+        if ch.choices)
+    assert streamed == cached.choices[0].text
+    many = c.completions.create(model="tiny", prompt="To be", max_tokens=8, n=3, seed=4,
+                                best_of=4, logprobs=2)
+    assert len(many.choices) == 3
+    for choice in many.choices:
+        assert choice.logprobs is not None and len(choice.logprobs.top_logprobs or []) >= 1
+
+
+def _concurrent_equal_alone(url: str) -> None:
+    """Eight prompts of different lengths sent together (one ragged prefill, decoded
+    together) give the greedy and seeded texts each gives alone."""
+    prompts = [("Enter Hamlet. " * n).strip() for n in (1, 3, 7, 12, 20, 2, 9, 30)]
+
+    def one(k: int) -> str:
+        body = {"prompt": prompts[k], "max_tokens": 12, "temperature": 0.0 if k % 2 else 0.9,
+                "seed": k}
+        out = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        return str(out["choices"][0]["text"])
+
+    alone = [one(k) for k in range(len(prompts))]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(one, range(len(prompts))))
+    assert together == alone
+
+
+def test_concurrent_prompts_equal_each_alone(srv: ServerProcess) -> None:
+    _concurrent_equal_alone(srv.url)
+
+
+def test_sessions_fork_and_export_import_continue_like_stateless(srv: ServerProcess) -> None:
+    """A session fed in two turns, forked, exported and imported, continues exactly as one
+    stateless request over the same tokens."""
+    def ids(text: str) -> list[int]:
+        return list(httpx.post(srv.url + "/tokenize", json={"prompt": text}).json()["tokens"])
+
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        sess = c.post("/v1/sessions", json={"prompt": "KING LEAR.\n"}).json()
+        first = c.post("/v1/completions", json={
+            "prompt": "Blow, winds", "session_id": sess["id"], "max_tokens": 10,
+            "temperature": 0, "logprobs": 0, "return_tokens_as_token_ids": True}).json()
+        said = [int(t.split(":")[1]) for t in first["choices"][0]["logprobs"]["tokens"]]
+        fork = c.post(f"/v1/sessions/{sess['id']}/fork").json()
+        blob = c.get(f"/v1/sessions/{sess['id']}/state").content
+        imported = c.post("/v1/sessions/import", content=blob,
+                          headers={"content-type": "application/octet-stream"}).json()
+        whole = ids("KING LEAR.\n") + ids("Blow, winds") + said + ids(" and crack")
+        stateless = c.post("/v1/completions", json={"prompt": whole, "max_tokens": 12,
+                                                     "temperature": 0}).json()
+        for sid in (imported["id"], fork["id"], sess["id"]):
+            cont = c.post("/v1/completions", json={"prompt": " and crack", "max_tokens": 12,
+                                                    "session_id": sid, "temperature": 0}).json()
+            assert cont["choices"][0]["text"] == stateless["choices"][0]["text"]
+
+
+def test_structured_output(srv: ServerProcess) -> None:
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+        "prompt": "A person:", "max_tokens": 80, "guided_json": schema, "seed": 1})
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), schema)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_weights_serve_batch_invariantly(checkpoint: Path, mode: str) -> None:
+    with _server(checkpoint, "--quantization", mode) as s:
+        health = httpx.get(s.url + "/health").json()
+        assert health["quantization"] == mode
+        full = httpx.get(s.url + "/v1/models").json()["data"][0]
+        assert full["quantization"] == mode
+        _concurrent_equal_alone(s.url)
