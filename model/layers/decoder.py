@@ -7,7 +7,8 @@ A *mixer* (attention, short convolution, Mamba2) is an ``nn.Module`` with
 ``new_entries(batch, max_context) -> {name: Entry}``; its state lives in the layer's dict of
 :mod:`model.state` entries and is updated *in place* (a decode step runs on a view of the
 slot pool's rows: a tensor replaced on the view would be lost when the view is rebuilt).
-A *layer* takes ``(x, entries, lengths, one_token, new)`` and owns ``new_entries`` too (:class:`Block` is the common pre-norm residual one).
+A *layer* takes ``(x, entries, lengths, one_token, new)`` and owns ``new_entries`` too
+(:class:`Block` is the common pre-norm residual one).
 """
 
 from __future__ import annotations
