@@ -249,12 +249,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     for i in range(b):
         for g in range(groups):
             rows = q[i, g * rep : (g + 1) * rep].reshape(rep * t, d)
-            # keys @ queriesᵀ: the cache is read in place, only the few queries are copied,
-            # padded to whole vectors (the GEMM's last N % lanes columns take another code
-            # path, so a query's scores would depend on how many share the call)
-            cols = F.pad(rows.t(), (0, (-rep * t) % LANES)).contiguous()
-            scores = torch.ops.linserve.invariant_mm(k[i, g].contiguous(), cols
-                                                     )[:, : rep * t].t() * d ** -0.5
+            # keys @ queriesᵀ: the cache is read in place, only the few queries are copied
+            scores = torch.ops.linserve.invariant_mm(k[i, g].contiguous(),
+                                                     rows.t().contiguous()).t() * d ** -0.5
             o = torch.ops.linserve.invariant_mm(_softmax(scores, masks), v[i, g].contiguous())
             out[i, g * rep : (g + 1) * rep] = o.view(rep, t, -1)
     return out

@@ -57,13 +57,6 @@ inline vfloat load_w(const uint16_t* w) {
   const vu32 bits = __builtin_convertvector(*reinterpret_cast<const vu16_u*>(w), vu32) << 16;
   return reinterpret_cast<const vfloat&>(bits);
 }
-inline float load_w1(const float* w) { return *w; }
-inline float load_w1(const uint16_t* w) {
-  const uint32_t bits = static_cast<uint32_t>(*w) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 // ---- Where a weight's columns live -------------------------------------------------------
 // A weight is [K', N, J]: K' stored rows, N output columns, J values per (row, column) (J = 1
@@ -122,20 +115,6 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y,
   }
 }
 
-// The last N % kLanes columns, one element at a time, with the same arithmetic.
-template <typename W>
-inline void scalar_columns(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y,
-                           int64_t ldy, int64_t rows, int64_t cols, int64_t k_len,
-                           bool accumulate) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      float acc = 0.f;
-      for (int64_t k = 0; k < k_len; ++k) acc = acc + x[r * ldx + k] * load_w1(w + k * ldw + c);
-      y[r * ldy + c] = accumulate ? y[r * ldy + c] + acc : acc;
-    }
-  }
-}
-
 // One unit of work: ROWS rows from row r0 (x, y at that row) and the output columns [c0, c1).
 struct Span {
   int64_t r0;
@@ -154,6 +133,28 @@ inline int64_t columns(const Span& s, const Weights<W>& w, int64_t c) {
     tile<ROWS, NV>(s.x, s.k_len, wc, ld, s.y + c, s.n, s.k_len, s.accumulate);
   }
   return c;
+}
+
+// The span's last columns [c, c1), fewer than one tile: copied, zero-padded, into one tile's
+// width and run through the same tile as every other column. Narrower tiles (one vector, or
+// a scalar loop) compiled to other arithmetic for different row counts, so a row's last
+// N % (kVecs kLanes) outputs changed with the batch it shared.
+template <int64_t ROWS, typename W>
+inline void tail_columns(const Span& s, const Weights<W>& w, int64_t c) {
+  constexpr int64_t kWidth = kVecs * kLanes;
+  const int64_t cols = s.c1 - c;
+  int64_t ld;
+  const W* wc = w.at(c, &ld);
+  std::vector<W> pad(static_cast<size_t>(s.k_len * kWidth), W(0));
+  for (int64_t k = 0; k < s.k_len; ++k)
+    std::memcpy(pad.data() + k * kWidth, wc + k * ld, static_cast<size_t>(cols) * sizeof(W));
+  float out[ROWS * kWidth];
+  tile<ROWS, kVecs>(s.x, s.k_len, pad.data(), kWidth, out, kWidth, s.k_len, false);
+  for (int64_t r = 0; r < ROWS; ++r) {
+    float* y = s.y + r * s.n + c;
+    for (int64_t j = 0; j < cols; ++j)
+      y[j] = s.accumulate ? y[j] + out[r * kWidth + j] : out[r * kWidth + j];
+  }
 }
 
 // One row over two adjacent full panels of a packed [K, N, 1] weight: two read streams (see
@@ -187,12 +188,7 @@ inline void span_rows(const Span& s, const Weights<W>& w) {
       gemv_two_panels(s.x, s.k_len, w.at(c, &ld), s.y + c, s.accumulate);
   }
   c = columns<ROWS, kVecs>(s, w, c);
-  c = columns<ROWS, 1>(s, w, c);
-  if (c < s.c1) {
-    int64_t ld;
-    const W* wc = w.at(c, &ld);
-    scalar_columns(s.x, s.k_len, wc, ld, s.y + c, s.n, ROWS, s.c1 - c, s.k_len, s.accumulate);
-  }
+  if (c < s.c1) tail_columns<ROWS>(s, w, c);
 }
 
 // Work split: rows in groups of up to kRows, columns in chunks of kChunk (a multiple of every

@@ -11,22 +11,33 @@ from model.invariant import Linear
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) · up(x))``; gate and up run as one GEMM. ``[..., d] -> [..., d]``."""
+    """``down(silu(gate(x)) · up(x))``; gate and up run as one GEMM. ``[..., d] -> [..., d]``.
+    ``fused``: gate and up stored as one ``gate_up_proj`` weight ``[2f, d]``, gate first
+    (Granite's ``input_linear``); else ``gate_proj`` and ``up_proj``."""
 
-    def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
+    def __init__(self, dim: int, hidden: int, bias: bool = False, fused: bool = False) -> None:
         super().__init__()
-        self.gate_proj = Linear(dim, hidden, bias=bias)
-        self.up_proj = Linear(dim, hidden, bias=bias)
+        if fused:
+            self.gate_up_proj = Linear(dim, 2 * hidden, bias=bias)
+        else:
+            self.gate_proj = Linear(dim, hidden, bias=bias)
+            self.up_proj = Linear(dim, hidden, bias=bias)
         self.down_proj = Linear(hidden, dim, bias=bias)
+        self.fused = fused
+
+    def _parts(self) -> list[Linear]:
+        return [self.gate_up_proj] if self.fused else [self.gate_proj, self.up_proj]
 
     def gate_up(self) -> torch.Tensor:
         """gate and up as one GEMM weight ``[d, 2f]`` (:func:`invariant.gemm_weight`)."""
-        return invariant.gemm_weight(self, self.gate_proj.weight, self.up_proj.weight)
+        return invariant.gemm_weight(self, *(p.weight for p in self._parts()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = invariant.project(x, self.gate_up()).to(x.dtype).chunk(2, dim=-1)
-        if self.gate_proj.bias is not None and self.up_proj.bias is not None:
-            gate, up = gate + self.gate_proj.bias, up + self.up_proj.bias
+        gate_up = invariant.project(x, self.gate_up()).to(x.dtype)
+        biases: list[torch.Tensor] = [p.bias for p in self._parts() if p.bias is not None]
+        if biases:
+            gate_up = gate_up + torch.cat(biases)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(invariant.rowwise(F.silu, gate) * up)
 
 

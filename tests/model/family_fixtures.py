@@ -30,6 +30,23 @@ def _lfm2(shape: dict[str, Any]) -> Any:
     return t.Lfm2ForCausalLM(cfg)
 
 
+def _granite(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    d = shape["d"]
+    cfg = t.GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=d, intermediate_size=2 * d,
+        shared_intermediate_size=shape["ff"], num_hidden_layers=len(shape["types"]),
+        layer_types=shape["types"], num_attention_heads=shape["heads"][0],
+        num_key_value_heads=shape["heads"][1], max_position_embeddings=4096,
+        tie_word_embeddings=shape["tie"], num_local_experts=0,
+        position_embedding_type=shape.get("pos"), mamba_n_heads=shape["mamba"][0],
+        mamba_d_state=shape["mamba"][1], mamba_n_groups=shape["mamba"][2], mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=32, embedding_multiplier=shape.get("emb", 1.0),
+        residual_multiplier=shape.get("res", 1.0), logits_scaling=shape.get("logits", 1.0),
+        attention_multiplier=shape.get("attn", (d // shape["heads"][0]) ** -0.5))
+    return t.GraniteMoeHybridForCausalLM(cfg)
+
+
 # family -> shape name -> shape
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "lfm2": {
@@ -38,8 +55,17 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
         "a1-untied": {"d": 96, "ff": 256, "heads": (6, 1), "tie": False, "L": 4, "mult": 1.5,
                       "types": ["full_attention", "conv", "conv", "conv"]},
     },
+    "granitemoehybrid": {  # mamba: (heads, d_state, groups)
+        "rope-g2": {"d": 64, "ff": 96, "heads": (4, 2), "tie": True, "pos": "rope",
+                    "mamba": (8, 16, 2), "emb": 2.0, "res": 0.5, "logits": 2.0, "attn": 0.2,
+                    "types": ["linear_attention", "linear_attention", "attention",
+                              "linear_attention"]},
+        "nope-g1": {"d": 48, "ff": 80, "heads": (6, 1), "tie": False, "pos": None,
+                    "mamba": (4, 8, 1),
+                    "types": ["attention", "linear_attention", "linear_attention"]},
+    },
 }
-BUILDERS = {"lfm2": _lfm2}
+BUILDERS = {"lfm2": _lfm2, "granitemoehybrid": _granite}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 
 

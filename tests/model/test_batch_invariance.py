@@ -38,11 +38,15 @@ def _model(kind: str, dtype: torch.dtype, fused: bool) -> torch.nn.Module:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize(("k", "n"), [(64, 256), (255, 100), (300, 1000), (33, 7), (40, 4500)])
+@pytest.mark.parametrize(("k", "n"), [(64, 256), (255, 100), (300, 1000), (33, 7), (40, 4500),
+                                      (40, 328), (64, 24), (64, 88)])
 def test_invariant_mm_rows_do_not_depend_on_the_batch(dtype: torch.dtype, packed: bool,
                                                       k: int, n: int) -> None:
     """Every prefix of a 64-row batch, and every row alone, gives the full batch's rows bit
-    for bit, and the product is right (within fp32 / bf16-activation rounding)."""
+    for bit, and the product is right (within fp32 / bf16-activation rounding). The widths
+    cover every column path: whole tiles, a last part one vector or more wide (N = 24, 88,
+    328: it took narrower tiles whose arithmetic changed with the row count) and a few
+    columns."""
     torch.manual_seed(0)
     w = torch.randn(k, n).to(dtype)
     wk = invariant.pack(w) if packed else w  # 4,500 columns: two panels and a narrow one

@@ -61,12 +61,19 @@ def test_prefill_then_steps_equals_step_by_step_and_transformers(checkpoint: Pat
         one = ours.step(tokens[:, t], stepped)
         assert (one[0] - want[t]).abs().max().item() <= 1e-4
         if t >= 70:
-            assert torch.equal(one, ours.step(tokens[:, t], state))
+            assert _same(one, ours.step(tokens[:, t], state), ours)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, model: HFServedModel) -> bool:
+    """Bit for bit where every mixer's arithmetic per token is independent of the call it
+    falls in; else (a chunked SSD against its recurrence) within fp32 rounding."""
+    if model.module.split_invariant:
+        return torch.equal(a, b)
+    return (a - b).abs().max().item() <= 1e-4
 
 
 def test_prompt_splits_give_the_same_logits(checkpoint: Path) -> None:
-    """A prompt prefilled whole, or split anywhere: the same bits (each token's arithmetic
-    does not depend on the call it falls in)."""
+    """A prompt prefilled whole, split at a chunk multiple, or split anywhere."""
     ours = _served(checkpoint)
     tokens = _ids(2, 1, 200)
     whole, _ = ours.prefill(tokens)
@@ -76,7 +83,7 @@ def test_prompt_splits_give_the_same_logits(checkpoint: Path) -> None:
     _, b = ours.prefill(tokens[:, :77])
     _, b = ours.prefill(tokens[:, 77:150], b)
     anywhere, _ = ours.prefill(tokens[:, 150:], b)
-    assert torch.equal(anywhere, whole)
+    assert _same(anywhere, whole, ours)
 
 
 def test_a_row_in_a_batch_is_bit_equal_to_itself_alone(checkpoint: Path) -> None:

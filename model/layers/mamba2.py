@@ -1,0 +1,183 @@
+"""The Mamba2 mixer, as transformers' reference computes it (Granite-4.0-H, Nemotron-H,
+Falcon-H1): ``in_proj`` to z, xBC and dt; a causal depthwise convolution and SiLU over xBC;
+the selective state space (SSD) with one scalar decay per head, ``exp(dt · A)``, A = −exp(A_log)
+and dt = softplus(dt + dt_bias) clamped to ``time_step_limit``; the D skip; a gated RMSNorm
+grouped by ``n_groups``; ``out_proj``.
+
+Per head h the state is S ``[P, N]`` (head_dim × d_state): S ← exp(dt A) S + dt · x Bᵀ, and
+y = S C + D x. Prefill uses the chunked SSD form (:func:`ssd_chunked`, row by row, so a row's
+result does not depend on its batch), a step the recurrence (:meth:`Mamba2.step`); both are
+tested equal. State: a :class:`model.state.RecurrentEntry` ``s [B, H, P, N]`` and the conv
+window, both fp32 and constant in size, updated in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import invariant
+from model.invariant import Linear
+from model.layers.norms import GatedRMSNorm
+from model.layers.short_conv import advance_window, causal_conv
+from model.state import ConvEntry, RecurrentEntry
+
+CHUNK = 64
+
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """``heads · head_dim`` is the inner width; ``groups`` share B and C (and group the
+    gated norm); ``dt_limit`` is ``time_step_limit``."""
+
+    hidden: int
+    heads: int
+    head_dim: int
+    d_state: int
+    groups: int
+    conv_width: int
+    eps: float
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+    norm_before_gate: bool = False
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.groups * self.d_state
+
+
+def _segsum_exp(a: torch.Tensor) -> torch.Tensor:
+    """``a [..., L]`` -> ``exp(Σ a[s+1..l]) [..., L, L]`` for s ≤ l, else 0."""
+    cs = a.cumsum(-1)
+    diff = cs[..., :, None] - cs[..., None, :]
+    keep = torch.ones(a.shape[-1], a.shape[-1], dtype=torch.bool).tril()
+    return diff.masked_fill(~keep, float("-inf")).exp()
+
+
+def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                c: torch.Tensor, s0: torch.Tensor, chunk: int = CHUNK
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD over one row's T tokens in chunks: x ``[T, H, P]``, dt ``[T, H]`` (after
+    softplus), a ``[H]`` (negative), b, c ``[T, H, N]``, s0 ``[H, P, N]`` -> y ``[T, H, P]``
+    (without the D skip) and the final state ``[H, P, N]``, all fp32."""
+    t = x.shape[0]
+    pad = (-t) % chunk
+    if pad:  # zero dt: no decay and no write
+        x, dt, b, c = (F.pad(y, (0, 0) * (y.dim() - 1) + (0, pad)) for y in (x, dt, b, c))
+    n = x.shape[0] // chunk
+    x, dt, b, c = (y.reshape(n, chunk, *y.shape[1:]) for y in (x, dt, b, c))
+    da = (dt * a).permute(0, 2, 1)  # [n, H, L]
+    acs = da.cumsum(-1)
+    xdt = x * dt[..., None]  # [n, L, H, P]
+    scores = torch.einsum("clhn,cshn->chls", c, b) * _segsum_exp(da)
+    y = torch.einsum("chls,cshp->clhp", scores, xdt)
+    decay = (acs[..., -1:] - acs).exp()  # [n, H, L]: to the chunk's end
+    states = torch.einsum("clhn,chl,clhp->chpn", b, decay, xdt)
+    s = s0
+    starts = []
+    for k in range(n):  # the recurrence over chunks
+        starts.append(s)
+        s = s * acs[k, :, -1].exp()[:, None, None] + states[k]
+    y = y + torch.einsum("clhn,chpn->clhp", c, torch.stack(starts)) * \
+        acs.exp().permute(0, 2, 1)[..., None]
+    return y.reshape(n * chunk, *y.shape[2:])[:t], s
+
+
+class Mamba2(nn.Module):
+    """See the module docstring. Parameters ``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``,
+    ``D``, ``norm``, ``out_proj``, as transformers names them."""
+
+    # the chunked prefill and the recurrent step agree within fp32 rounding, not bit for bit
+    split_invariant = False
+
+    def __init__(self, shape: Mamba2Shape) -> None:
+        super().__init__()
+        s = shape
+        self.shape = s
+        self.in_proj = Linear(s.hidden, s.inner + s.conv_dim + s.heads, bias=s.proj_bias)
+        self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, s.conv_width, groups=s.conv_dim,
+                                bias=s.conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(s.heads))
+        self.A_log = nn.Parameter(torch.zeros(s.heads))
+        self.D = nn.Parameter(torch.ones(s.heads))
+        self.norm = GatedRMSNorm(s.inner, s.eps, s.groups, s.norm_before_gate)
+        self.out_proj = Linear(s.inner, s.hidden, bias=s.proj_bias)
+        self._w: tuple[int, torch.Tensor] | None = None
+
+    def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
+        del max_context
+        s = self.shape
+        return {"recurrent": RecurrentEntry.empty(batch, s.heads, s.head_dim, s.d_state,
+                                                  with_z=False),
+                "conv": ConvEntry.empty(batch, s.conv_width, s.conv_dim)}
+
+    def conv_weight(self) -> torch.Tensor:
+        """The kernel as ``[K, C]`` fp32 (cached while the weight stays the same tensor)."""
+        if self._w is None or self._w[0] != self.conv1d.weight.data_ptr():
+            self._w = (self.conv1d.weight.data_ptr(),
+                       self.conv1d.weight.detach().float().squeeze(1).t().contiguous())
+        return self._w[1]
+
+    def _inputs(self, x: torch.Tensor, conv: ConvEntry, new: torch.Tensor | None
+                ) -> tuple[torch.Tensor, ...]:
+        """x ``[B, T, d]`` -> z ``[B, T, inner]``, xs ``[B, T, H, P]``, B and C
+        ``[B, T, H, N]`` (groups repeated over their heads), dt ``[B, T, H]``; fp32.
+        Advances the conv window."""
+        s = self.shape
+        z, xbc, dt = self.in_proj(x).float().split([s.inner, s.conv_dim, s.heads], dim=-1)
+        conv_out = causal_conv(advance_window(conv, xbc, new), self.conv_weight())
+        if self.conv1d.bias is not None:
+            conv_out = conv_out + self.conv1d.bias.float()
+        xs, b, c = invariant.rowwise(F.silu, conv_out).split(
+            [s.inner, s.groups * s.d_state, s.groups * s.d_state], dim=-1)
+        bt, t = x.shape[:2]
+        b, c = (y.reshape(bt, t, s.groups, s.d_state)
+                .repeat_interleave(s.heads // s.groups, dim=2) for y in (b, c))
+        dt = invariant.rowwise(F.softplus, dt + self.dt_bias.float())
+        dt = dt.clamp(min=s.dt_limit[0], max=s.dt_limit[1])
+        return z, xs.reshape(bt, t, s.heads, s.head_dim), b, c, dt
+
+    def _out(self, y: torch.Tensor, xs: torch.Tensor, z: torch.Tensor, x: torch.Tensor
+             ) -> torch.Tensor:
+        """y ``[B, T, H, P]`` + the D skip, gated norm with z, ``out_proj`` -> ``[B, T, d]``."""
+        y = y + xs * self.D.float()[:, None]
+        out = self.norm(y.reshape(*y.shape[:2], -1), z)
+        return self.out_proj(out.to(x.dtype))
+
+    def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
+                new: torch.Tensor | None = None) -> torch.Tensor:
+        """T new tokens ``[B, T, d]`` (``new [B]``: a right-padded ragged batch's real
+        counts) -> ``[B, T, d]``; each row's SSD runs alone (chunked form)."""
+        del lengths
+        rec: RecurrentEntry = entries["recurrent"]
+        z, xs, b, c, dt = self._inputs(x, entries["conv"], new)
+        a = -self.A_log.float().exp()
+        y = torch.zeros_like(xs)
+        counts = [x.shape[1]] * x.shape[0] if new is None else new.tolist()
+        for i, n in enumerate(counts):
+            y[i, :n], s = ssd_chunked(xs[i, :n], dt[i, :n], a, b[i, :n], c[i, :n], rec.s[i])
+            rec.s[i] = s
+        return self._out(y, xs, z, x)
+
+    def step(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor
+             ) -> torch.Tensor:
+        """One token per row ``[B, d]``: the recurrence, elementwise and with in-order sums,
+        so a row's result does not depend on the batch; updates the state in place."""
+        del lengths
+        rec: RecurrentEntry = entries["recurrent"]
+        z, xs, b, c, dt = (y[:, 0] for y in self._inputs(x.unsqueeze(1), entries["conv"], None))
+        decay = invariant.rowwise(torch.exp, dt * -self.A_log.float().exp())  # [B, H]
+        rec.s.mul_(decay[:, :, None, None]).add_(
+            (xs * dt[..., None])[..., None] * b[:, :, None, :])
+        y = invariant.sum_last(rec.s * c[:, :, None, :]).squeeze(-1)  # [B, H, P]
+        return self._out(y.unsqueeze(1), xs.unsqueeze(1), z.unsqueeze(1),
+                         x.unsqueeze(1)).squeeze(1)
