@@ -169,8 +169,7 @@ class DecoderLM(nn.Module):
     def split_invariant(self) -> bool:
         """Whether a prompt gives the same bits whole, split anywhere, or fed token by token
         (every mixer's arithmetic per token independent of the call; a chunked SSD is not)."""
-        return all(getattr(getattr(layer, "mixer", None), "split_invariant", True)
-                   for layer in self.model.layers)
+        return all(getattr(m, "split_invariant", True) for m in self.model.layers.modules())
 
     def pack_weights(self) -> None:
         """Build every packed GEMM weight (one two-token prefill and one step), so that

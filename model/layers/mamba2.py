@@ -45,6 +45,10 @@ class Mamba2Shape:
     proj_bias: bool = False
     dt_limit: tuple[float, float] = (0.0, float("inf"))
     norm_before_gate: bool = False
+    gated_norm: bool = True  # False: y · silu(z), no norm (Falcon-H1's mamba_rms_norm off)
+    in_multiplier: float = 1.0  # Falcon-H1's ssm_in_multiplier, on the layer's input
+    # Falcon-H1's ssm_multipliers: z, x, B, C and dt of the input projection scaled
+    proj_multipliers: tuple[float, float, float, float, float] | None = None
 
     @property
     def inner(self) -> int:
@@ -109,7 +113,8 @@ class Mamba2(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(s.heads))
         self.A_log = nn.Parameter(torch.zeros(s.heads))
         self.D = nn.Parameter(torch.ones(s.heads))
-        self.norm = GatedRMSNorm(s.inner, s.eps, s.groups, s.norm_before_gate)
+        if s.gated_norm:
+            self.norm = GatedRMSNorm(s.inner, s.eps, s.groups, s.norm_before_gate)
         self.out_proj = Linear(s.inner, s.hidden, bias=s.proj_bias)
         self._w: tuple[int, torch.Tensor] | None = None
 
@@ -133,7 +138,10 @@ class Mamba2(nn.Module):
         ``[B, T, H, N]`` (groups repeated over their heads), dt ``[B, T, H]``; fp32.
         Advances the conv window."""
         s = self.shape
-        z, xbc, dt = self.in_proj(x).float().split([s.inner, s.conv_dim, s.heads], dim=-1)
+        proj = self.in_proj(x * s.in_multiplier if s.in_multiplier != 1.0 else x).float()
+        if s.proj_multipliers is not None:
+            proj = proj * self._proj_scale()
+        z, xbc, dt = proj.split([s.inner, s.conv_dim, s.heads], dim=-1)
         conv_out = causal_conv(advance_window(conv, xbc, new), self.conv_weight())
         if self.conv1d.bias is not None:
             conv_out = conv_out + self.conv1d.bias.float()
@@ -146,12 +154,21 @@ class Mamba2(nn.Module):
         dt = dt.clamp(min=s.dt_limit[0], max=s.dt_limit[1])
         return z, xs.reshape(bt, t, s.heads, s.head_dim), b, c, dt
 
+    def _proj_scale(self) -> torch.Tensor:
+        """The input projection's per-column multipliers ``[inner + conv_dim + H]``."""
+        s = self.shape
+        assert s.proj_multipliers is not None
+        sizes = [s.inner, s.inner, s.groups * s.d_state, s.groups * s.d_state, s.heads]
+        return torch.cat([torch.full((n,), m) for n, m in zip(sizes, s.proj_multipliers,
+                                                               strict=True)])
+
     def _out(self, y: torch.Tensor, xs: torch.Tensor, z: torch.Tensor, x: torch.Tensor
              ) -> torch.Tensor:
-        """y ``[B, T, H, P]`` + the D skip, gated norm with z, ``out_proj`` -> ``[B, T, d]``."""
-        y = y + xs * self.D.float()[:, None]
-        out = self.norm(y.reshape(*y.shape[:2], -1), z)
-        return self.out_proj(out.to(x.dtype))
+        """y ``[B, T, H, P]`` + the D skip, gated norm with z (or y · silu(z)), ``out_proj``
+        -> ``[B, T, d]``."""
+        y = (y + xs * self.D.float()[:, None]).reshape(*y.shape[:2], -1)
+        gated = self.norm(y, z) if self.shape.gated_norm else y * invariant.rowwise(F.silu, z)
+        return self.out_proj(gated.to(x.dtype))
 
     def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
                 new: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,10 +15,13 @@ from model.invariant import Linear
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) · up(x))``; gate and up run as one GEMM. ``[..., d] -> [..., d]``.
     ``fused``: gate and up stored as one ``gate_up_proj`` weight ``[2f, d]``, gate first
-    (Granite's ``input_linear``); else ``gate_proj`` and ``up_proj``."""
+    (Granite's ``input_linear``); else ``gate_proj`` and ``up_proj``. ``multipliers``:
+    Falcon-H1's, on the gate's input to the activation and on the output."""
 
-    def __init__(self, dim: int, hidden: int, bias: bool = False, fused: bool = False) -> None:
+    def __init__(self, dim: int, hidden: int, bias: bool = False, fused: bool = False,
+                 multipliers: tuple[float, float] = (1.0, 1.0)) -> None:
         super().__init__()
+        self.multipliers = multipliers
         if fused:
             self.gate_up_proj = Linear(dim, 2 * hidden, bias=bias)
         else:
@@ -38,16 +43,33 @@ class SwiGLU(nn.Module):
         if biases:
             gate_up = gate_up + torch.cat(biases)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(invariant.rowwise(F.silu, gate) * up)
+        gate_m, out_m = self.multipliers
+        if gate_m != 1.0:
+            gate = gate * gate_m
+        out = self.down_proj(invariant.rowwise(F.silu, gate) * up)
+        return out * out_m if out_m != 1.0 else out
 
 
 class ReluSquaredMLP(nn.Module):
-    """Nemotron-H's MLP: ``down(relu(up(x))²)``. ``[..., d] -> [..., d]``."""
+    """Nemotron-H's MLP: ``down(relu(up(x))²)``. ``[..., d] -> [..., d]``. It also serves as a
+    block's stateless *mixer* (:mod:`model.layers.decoder`): Nemotron-H's MLP blocks are
+    ``x + mlp(norm(x))`` in the mixer's place."""
 
     def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
         super().__init__()
         self.up_proj = Linear(dim, hidden, bias=bias)
         self.down_proj = Linear(hidden, dim, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.relu(self.up_proj(x)).square())
+    def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
+        del batch, max_context
+        return {}
+
+    def forward(self, x: torch.Tensor, entries: dict[str, Any] | None = None,
+                lengths: torch.Tensor | None = None, new: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        del entries, lengths, new
+        return self.down_proj(invariant.rowwise(torch.relu, self.up_proj(x)).square())
+
+    def step(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor
+             ) -> torch.Tensor:
+        return self.forward(x)

@@ -47,6 +47,35 @@ def _granite(shape: dict[str, Any]) -> Any:
     return t.GraniteMoeHybridForCausalLM(cfg)
 
 
+def _nemotron(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    cfg = t.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=shape["d"], layers_block_type=shape["types"],
+        num_hidden_layers=len(shape["types"]), num_attention_heads=shape["heads"][0],
+        num_key_value_heads=shape["heads"][1], head_dim=shape["head_dim"],
+        intermediate_size=shape["ff"], mamba_num_heads=shape["mamba"][0],
+        mamba_head_dim=shape["mamba"][1], ssm_state_size=shape["mamba"][2],
+        n_groups=shape["mamba"][3], conv_kernel=4, chunk_size=32,
+        time_step_min=shape.get("dt_min", 0.001), max_position_embeddings=4096,
+        tie_word_embeddings=shape["tie"], n_routed_experts=0)
+    return t.NemotronHForCausalLM(cfg)
+
+
+def _falcon(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    d = shape["d"]
+    cfg = t.FalconH1Config(
+        vocab_size=VOCAB, hidden_size=d, intermediate_size=shape["ff"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"][0],
+        num_key_value_heads=shape["heads"][1], max_position_embeddings=4096,
+        tie_word_embeddings=shape["tie"], mamba_d_ssm=shape["mamba"][0],
+        mamba_n_heads=shape["mamba"][1], mamba_d_state=shape["mamba"][2],
+        mamba_n_groups=shape["mamba"][3], mamba_d_conv=4, mamba_chunk_size=32,
+        mamba_rms_norm=shape["rms"], mamba_norm_before_gate=shape.get("before", True),
+        **shape.get("mult", {}))
+    return t.FalconH1ForCausalLM(cfg)
+
+
 # family -> shape name -> shape
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "lfm2": {
@@ -64,8 +93,29 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
                     "mamba": (4, 8, 1),
                     "types": ["attention", "linear_attention", "linear_attention"]},
     },
+    "nemotron_h": {  # mamba: (heads, head_dim, d_state, groups)
+        "a-g2": {"d": 64, "ff": 128, "heads": (4, 2), "head_dim": 16, "tie": False,
+                 "mamba": (8, 16, 16, 2), "dt_min": 1e-9,
+                 "types": ["linear_attention", "mlp", "full_attention", "mlp",
+                           "linear_attention", "mlp"]},
+        "b-g1": {"d": 48, "ff": 96, "heads": (6, 3), "head_dim": 24, "tie": True,
+                 "mamba": (4, 24, 8, 1),
+                 "types": ["full_attention", "linear_attention", "mlp", "linear_attention"]},
+    },
+    "falcon_h1": {  # mamba: (d_ssm, heads, d_state, groups)
+        "norm-g2": {"d": 64, "ff": 96, "layers": 3, "heads": (4, 2), "tie": False,
+                    "mamba": (96, 6, 16, 2), "rms": True, "mult": {
+                        "embedding_multiplier": 1.5, "lm_head_multiplier": 0.5,
+                        "attention_in_multiplier": 0.8, "attention_out_multiplier": 1.2,
+                        "key_multiplier": 0.7, "ssm_in_multiplier": 1.1,
+                        "ssm_out_multiplier": 0.9, "mlp_multipliers": [1.3, 0.6],
+                        "ssm_multipliers": [0.9, 1.1, 1.2, 0.8, 1.05]}},
+        "gate-g1": {"d": 48, "ff": 80, "layers": 2, "heads": (6, 1), "tie": True,
+                    "mamba": (64, 4, 8, 1), "rms": False},
+    },
 }
-BUILDERS = {"lfm2": _lfm2, "granitemoehybrid": _granite}
+BUILDERS = {"lfm2": _lfm2, "granitemoehybrid": _granite, "nemotron_h": _nemotron,
+            "falcon_h1": _falcon}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 
 
