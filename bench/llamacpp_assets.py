@@ -5,7 +5,8 @@ tests need are kept, under ``$LINSERVE_TEST_CACHE`` (default ``~/.cache/linserve
 
 - ``models/ggml-vocab-qwen35.gguf``: a Qwen-family byte-level BPE (151,936 ids) with the
   Qwen3.5 pre-tokenizer, and its ``.inp`` / ``.out`` test vectors;
-- ``models/templates/*.jinja``: real chat templates (Qwen3.5, Qwen3-Coder, Hermes).
+- ``models/templates/*.jinja``: real chat templates (Qwen3.5, Qwen3-Coder, Hermes, LFM2,
+  Granite-4.0, Nemotron-Nano-v2).
 
 :func:`qwen_tokenizer_json` turns the GGUF vocabulary into a Hugging Face ``tokenizer.json``.
 """
@@ -31,6 +32,10 @@ WANTED = (
     "models/templates/Qwen3.5-4B.jinja",
     "models/templates/Qwen3-Coder.jinja",
     "models/templates/NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
+    "models/templates/LFM2.5-Instruct.jinja",
+    "models/templates/LFM2-8B-A1B.jinja",
+    "models/templates/ibm-granite-granite-4.0.jinja",
+    "models/templates/NVIDIA-Nemotron-Nano-v2.jinja",
 )
 
 # The pre-tokenizer regex of Qwen3.5's tokenizer.json, as llama.cpp's llama-vocab.cpp quotes it.

@@ -45,9 +45,11 @@ class Settings(BaseSettings):
     threads: int = Field(0, ge=0, description="torch threads for the engine (0: auto)")
     chat_template: str = Field("", description="a Jinja chat template file that replaces the "
                                "checkpoint's own")
-    tool_call_parser: Literal["", "qwen3_xml", "qwen3_coder", "hermes"] = Field(
+    tool_call_parser: Literal["", "qwen3_xml", "qwen3_coder", "hermes", "lfm2", "pythonic",
+                              "nemotron"] = Field(
         "", description="how tool calls are read from the output (vLLM's names; default: "
-        "qwen3_xml for a template that writes <function=…> calls, else hermes)")
+        "from the template: qwen3_xml for <function=…> calls, lfm2 for LFM2's Python calls, "
+        "nemotron for <TOOLCALL> arrays, else hermes)")
     reasoning_parser: Literal["", "qwen3", "deepseek_r1"] = Field(
         "", description="put <think>…</think> text in reasoning_content (vLLM's names)")
     fused_step: bool = Field(

@@ -17,6 +17,7 @@ client resends (``server.sessions.transcript``), so both ways feed the model the
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -37,6 +38,18 @@ def render_chat(messages: Sequence[ChatMessage]) -> str:
         else:
             parts.append(f"{ROLE_NAMES[msg.role]}: {msg.text().strip()}\n")
     return "".join(parts) + "Assistant:"
+
+
+CONTENT_LOOP = re.compile(r"for \w+ in [\w.]*(\.content|\[['\"]content['\"]\])")
+CONTENT_TEST = re.compile(r"content['\"]?\]?\s+is\s+(not\s+)?(string|iterable|sequence|mapping)")
+
+
+def string_content(source: str) -> bool:
+    """Whether a template takes each message's content as a string only (as vLLM detects a
+    template's content format): it never tests the content's type nor loops over it. Such a
+    template gets an array of text parts joined into one string, where it would fail on
+    ``content.replace`` or render the list."""
+    return not (CONTENT_TEST.search(source) or CONTENT_LOOP.search(source))
 
 
 class TemplateChat:
@@ -67,6 +80,7 @@ class TemplateChat:
         self.template = env.from_string(source)
         # OpenAI's newer name for the system role; templates that predate it get "system"
         self.developer_as_system = "developer" not in source
+        self.string_content = string_content(source)
         self.bos_token, self.eos_token = bos_token, eos_token
 
     def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
@@ -79,6 +93,10 @@ class TemplateChat:
         from jinja2.exceptions import TemplateError
 
         dicts = [m.for_template() for m in messages]
+        if self.string_content:
+            for d, m in zip(dicts, messages, strict=True):
+                if isinstance(d.get("content"), list):
+                    d["content"] = m.text()
         if self.developer_as_system:
             for d in dicts:
                 if d["role"] == "developer":

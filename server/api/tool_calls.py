@@ -1,6 +1,6 @@
 """Tool calls in model output: parsers chosen by vLLM's names, whole texts and streams.
 
-Both formats wrap a call in ``<tool_call>`` … ``</tool_call>``:
+Each format wraps calls between two markers:
 
 - ``qwen3_xml`` (Qwen3.5, Qwen3-Coder; vLLM's ``qwen3_coder`` / ``qwen3_xml``)::
 
@@ -14,7 +14,13 @@ Both formats wrap a call in ``<tool_call>`` … ``</tool_call>``:
 
   Parameter values are text; each is converted to the type its tool's JSON schema gives it
   (integer, number, boolean, object, array; strings stay as they are).
-- ``hermes`` (Hermes, Qwen2.5): ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``.
+- ``hermes`` (Hermes, Qwen2.5, Granite-4.0):
+  ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``.
+- ``lfm2`` (alias ``pythonic``; LFM2 / LFM2.5): a Python list of calls with keyword
+  arguments, ``<|tool_call_start|>[get_weather(city="Paris"), ...]<|tool_call_end|>``, read
+  with :mod:`ast` (literals only: nothing is evaluated).
+- ``nemotron`` (Nemotron-H / Nemotron-Nano-v2): a JSON array of calls,
+  ``<TOOLCALL>[{"name": …, "arguments": {…}}, ...]</TOOLCALL>``.
 
 Text outside the markers stays ``content``. A block that does not parse (malformed, an unknown
 function, an unterminated call at the end of the output) stays ``content`` too, verbatim:
@@ -27,14 +33,13 @@ tools with schema-valid arguments, and :func:`parse_forced` reads it back.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-START, END = "<tool_call>", "</tool_call>"
-PARSERS = ("qwen3_xml", "qwen3_coder", "hermes")
 
 
 @dataclass
@@ -52,8 +57,17 @@ class ToolCall:
 
 
 def default_parser(template: str | None) -> str:
-    """The parser a chat template implies: Qwen3.5's XML calls, else Hermes JSON."""
-    return "qwen3_xml" if template and "<function=" in template else "hermes"
+    """The parser a chat template implies: Qwen3.5's XML calls, LFM2's Python calls,
+    Nemotron's JSON array, else Hermes JSON (Granite-4.0's too)."""
+    if not template:
+        return "hermes"
+    if "<function=" in template:
+        return "qwen3_xml"
+    if "<TOOLCALL>" in template:
+        return "nemotron"
+    if "List of tools:" in template or "<|tool_call_start|>" in template:
+        return "lfm2"
+    return "hermes"
 
 
 def _schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -97,11 +111,9 @@ def _parse_xml(block: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | Non
     return ToolCall(name, json.dumps(args, ensure_ascii=False))
 
 
-def _parse_hermes(block: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
-    try:
-        obj = json.loads(block)
-    except ValueError:
-        return None
+def _json_call(obj: Any, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
+    """``{"name", "arguments"}`` (or ``parameters``; arguments an object or JSON text) as a
+    call of a known function."""
     if not isinstance(obj, dict) or obj.get("name") not in schemas:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -115,10 +127,81 @@ def _parse_hermes(block: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | 
     return ToolCall(str(obj["name"]), json.dumps(args, ensure_ascii=False))
 
 
-def parse_block(parser: str, block: str, tools: list[dict[str, Any]]) -> ToolCall | None:
-    """One call from the text between the markers, or None when it is not a valid call."""
-    schemas = _schemas(tools)
-    return _parse_hermes(block, schemas) if parser == "hermes" else _parse_xml(block, schemas)
+def _parse_hermes(block: str, schemas: dict[str, dict[str, Any]]) -> list[ToolCall] | None:
+    try:
+        call = _json_call(json.loads(block), schemas)
+    except ValueError:
+        return None
+    return None if call is None else [call]
+
+
+def _parse_json_array(block: str, schemas: dict[str, dict[str, Any]]
+                      ) -> list[ToolCall] | None:
+    try:
+        items = json.loads(block)
+    except ValueError:
+        return None
+    calls = [_json_call(item, schemas) for item in items] if isinstance(items, list) else []
+    return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
+
+
+def _python_call(node: ast.expr, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
+    """``name(key=literal, ...)`` as a call of a known function."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+            and node.func.id in schemas):
+        return None
+    try:
+        args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    if None in args:  # **kwargs
+        return None
+    return ToolCall(node.func.id, json.dumps(args, ensure_ascii=False))
+
+
+def _parse_python(block: str, schemas: dict[str, dict[str, Any]]) -> list[ToolCall] | None:
+    try:
+        tree = ast.parse(block.strip(), mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    body = tree.body
+    nodes = body.elts if isinstance(body, ast.List) else [body]
+    calls = [_python_call(n, schemas) for n in nodes]
+    return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
+
+
+def _parse_xml_block(block: str, schemas: dict[str, dict[str, Any]]) -> list[ToolCall] | None:
+    call = _parse_xml(block, schemas)
+    return None if call is None else [call]
+
+
+@dataclass(frozen=True)
+class Format:
+    """A tool-call format: the markers around a block and how a block reads (None: not a
+    valid block, kept as content)."""
+
+    start: str
+    end: str
+    parse: Callable[[str, dict[str, dict[str, Any]]], list[ToolCall] | None]
+
+
+FORMATS: dict[str, Format] = {
+    "qwen3_xml": Format("<tool_call>", "</tool_call>", _parse_xml_block),
+    "hermes": Format("<tool_call>", "</tool_call>", _parse_hermes),
+    "lfm2": Format("<|tool_call_start|>", "<|tool_call_end|>", _parse_python),
+    "nemotron": Format("<TOOLCALL>", "</TOOLCALL>", _parse_json_array),
+}
+ALIASES = {"qwen3_coder": "qwen3_xml", "pythonic": "lfm2"}
+PARSERS = (*FORMATS, *ALIASES)
+
+
+def format_of(parser: str) -> Format:
+    return FORMATS[ALIASES.get(parser, parser)]
+
+
+def parse_block(parser: str, block: str, tools: list[dict[str, Any]]) -> list[ToolCall] | None:
+    """The calls in the text between the markers, or None when it is not a valid block."""
+    return format_of(parser).parse(block, _schemas(tools))
 
 
 def extract(parser: str, text: str, tools: list[dict[str, Any]]
@@ -137,6 +220,7 @@ class ToolStream:
 
     def __init__(self, parser: str, tools: list[dict[str, Any]]) -> None:
         self.parser, self.tools = parser, tools
+        self.fmt = format_of(parser)
         self.pending = ""  # undecided text outside a call
         self.block: str | None = None  # inside a call: its text so far
         self.after_call = False
@@ -144,6 +228,7 @@ class ToolStream:
     def feed(self, text: str) -> list[str | ToolCall]:
         events: list[str | ToolCall] = []
         self.pending += text
+        start, end = self.fmt.start, self.fmt.end
         while self.pending:
             if self.after_call:  # the newlines that follow a call belong to it
                 self.pending = self.pending.lstrip("\n")
@@ -151,31 +236,31 @@ class ToolStream:
                     break
                 self.after_call = False
             if self.block is None:
-                at = self.pending.find(START)
+                at = self.pending.find(start)
                 if at < 0:
-                    keep = _partial_suffix(self.pending, START)
+                    keep = _partial_suffix(self.pending, start)
                     if len(self.pending) > keep:
                         events.append(self.pending[: len(self.pending) - keep])
                         self.pending = self.pending[len(self.pending) - keep:]
                     break
                 if at:
                     events.append(self.pending[:at])
-                self.block, self.pending = "", self.pending[at + len(START):]
+                self.block, self.pending = "", self.pending[at + len(start):]
             else:
                 buf = self.block + self.pending
-                at = buf.find(END)
+                at = buf.find(end)
                 if at < 0:
                     self.block, self.pending = buf, ""
                     break
-                call = parse_block(self.parser, buf[:at], self.tools)
-                events.append(call if call is not None else START + buf[: at + len(END)])
-                self.block, self.pending = None, buf[at + len(END):]
-                self.after_call = call is not None
+                calls = parse_block(self.parser, buf[:at], self.tools)
+                events.extend(calls if calls is not None else [start + buf[: at + len(end)]])
+                self.block, self.pending = None, buf[at + len(end):]
+                self.after_call = calls is not None
         return events
 
     def finish(self) -> list[str | ToolCall]:
         """What is left at the end: held-back text, or an unterminated call, as content."""
-        rest = (START + self.block if self.block is not None else "") + self.pending
+        rest = (self.fmt.start + self.block if self.block is not None else "") + self.pending
         self.block, self.pending = None, ""
         return [rest] if rest else []
 

@@ -36,6 +36,10 @@ XML = ("Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNe
 HERMES = ('Sure <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
           ' and <tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}'
           '</tool_call>')
+LFM2 = ('I will look.<|tool_call_start|>[get_weather(city="New York", days=3, metric=True, '
+        'hours=[1, 2]), add(a=1.5, b=2)]<|tool_call_end|>Done.')
+NEMOTRON = ('<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+            '{"name": "add", "arguments": {"a": 1, "b": 2}}]</TOOLCALL>')
 MALFORMED = [
     "<tool_call>\n<function=nope>\n</function>\n</tool_call>",  # an unknown function
     "<tool_call>\n<function=add>\nstray<parameter=a>\n1\n</parameter>\n</function>\n"
@@ -64,15 +68,39 @@ def test_hermes_calls_with_object_or_string_arguments() -> None:
     assert calls == [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo"})]
 
 
-@pytest.mark.parametrize("text", MALFORMED)
-@pytest.mark.parametrize("parser", ["qwen3_xml", "hermes"])
+def test_lfm2_python_calls_and_nemotron_json_arrays() -> None:
+    """Several calls in one block, literals read without evaluating anything."""
+    content, calls = _whole("lfm2", LFM2)
+    assert content == "I will look.Done."
+    assert calls == [("get_weather", {"city": "New York", "days": 3, "metric": True,
+                                      "hours": [1, 2]}), ("add", {"a": 1.5, "b": 2})]
+    assert _whole("pythonic", LFM2) == (content, calls)
+    assert _whole("nemotron", NEMOTRON) == ("", [("get_weather", {"city": "Oslo"}),
+                                                 ("add", {"a": 1, "b": 2})])
+
+
+LFM2_MALFORMED = [
+    "<|tool_call_start|>[nope(a=1)]<|tool_call_end|>",  # an unknown function
+    "<|tool_call_start|>[add(1, 2)]<|tool_call_end|>",  # positional arguments
+    "<|tool_call_start|>[add(a=__import__('os').getcwd())]<|tool_call_end|>",  # not a literal
+    "<|tool_call_start|>[add(a=1, b=2)",  # cut off
+    "<|tool_call_start|>add(a=1<|tool_call_end|>",  # not Python
+]
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    *((p, t) for p in ("qwen3_xml", "hermes") for t in MALFORMED),
+    *(("lfm2", t) for t in LFM2_MALFORMED),
+    ("nemotron", '<TOOLCALL>[{"name": "nope", "arguments": {}}]</TOOLCALL>'),
+    ("nemotron", "<TOOLCALL>[]</TOOLCALL>")])
 def test_malformed_calls_stay_content(parser: str, text: str) -> None:
     content, calls = _whole(parser, text)
     assert calls == [] and content == text
 
 
 @pytest.mark.parametrize(("parser", "text"), [("qwen3_xml", XML), ("hermes", HERMES),
-                                              ("qwen3_xml", MALFORMED[2])])
+                                              ("qwen3_xml", MALFORMED[2]), ("lfm2", LFM2),
+                                              ("nemotron", "Sure. " + NEMOTRON)])
 def test_streaming_in_any_split_equals_the_whole(parser: str, text: str) -> None:
     want = _whole(parser, text)
     for cut in range(1, len(text)):
