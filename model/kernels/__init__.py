@@ -103,6 +103,26 @@ def prebuilt_library() -> str | None:
     return str(Path(root) / arch / f"{NAME}.so")
 
 
+STALE_LOCK_SECONDS = 600.0
+
+
+def clear_stale_lock(build_dir: Path) -> None:
+    """Remove a build lock left by a process killed while compiling. torch's extension
+    builder waits for ``lock`` to disappear and never times out, so a server (or test run)
+    killed during its first compile left every later start hanging. A build takes a minute
+    or two here; a lock older than :data:`STALE_LOCK_SECONDS` has no live owner."""
+    import time
+
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning("kernels: removing a stale build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
+
+
 def build(directory: str | Path | None = None, verbose: bool = False) -> str:
     """Compile the kernels (cached by source and flags) and load them; returns the .so path."""
     from torch.utils import cpp_extension
@@ -114,6 +134,7 @@ def build(directory: str | Path | None = None, verbose: bool = False) -> str:
     # The default cache keeps one build per -march, so switching LINSERVE_KERNEL_ARCH (the
     # tests run each instruction set this CPU has) does not rebuild over the other.
     name = NAME if build_dir is not None or arch == "native" else f"{NAME}_{arch.replace('-', '_')}"
+    clear_stale_lock(Path(build_dir or cpp_extension._get_build_directory(name, False)))
     path = cpp_extension.load(
         name=name, sources=[str(s) for s in SOURCES],
         # -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it; the library
