@@ -154,8 +154,14 @@ inline vfloat load_scales(const QCol& col, int64_t b) {
   return out;
 }
 
+// ``v`` arrives as a product (acc times the scales); the volatile round trip keeps it one,
+// rounded, before the add: otherwise the compiler fused product and add into an FMA in some
+// tile shapes and not in others, and a row's bits changed with its batch (seen on AVX2).
 inline void store_out(float* out, vfloat v, bool accumulate) {
-  if (accumulate) v = load_w(out) + v;
+  if (accumulate) {
+    volatile vfloat product = v;
+    v = load_w(out) + product;
+  }
   std::memcpy(out, &v, sizeof(v));
 }
 
@@ -229,7 +235,7 @@ inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantW
         f = INT4 ? f + static_cast<float>(d) * (half_to_float(*group_scales(col, b)) * sx)
                  : f + static_cast<float>(d) * sx;
       }
-      const float out = INT4 ? f : f * *static_cast<const float*>(col.s);
+      const volatile float out = INT4 ? f : f * *static_cast<const float*>(col.s);
       float* y = s.y + r * s.n + c + cc;
       *y = s.accumulate ? *y + out : out;
     }
@@ -240,7 +246,17 @@ template <bool INT4, int64_t ROWS>
 inline void span_rows_quant(const QuantActs& a, const Span& s, const QuantWeights& w) {
   int64_t c = s.c0;
   for (; c + kVecs * kLanes <= s.c1; c += kVecs * kLanes) tile_q<INT4, ROWS, kVecs>(a, s, w, c);
-  for (; c + kLanes <= s.c1; c += kLanes) tile_q<INT4, ROWS, 1>(a, s, w, c);
+  // The last single vectors one row at a time: a narrow tile's arithmetic changed with the
+  // number of rows it held, so a row's last columns depended on its batch (seen on AVX2).
+  for (; c + kLanes <= s.c1; c += kLanes) {
+    for (int64_t r = 0; r < ROWS; ++r) {
+      Span one = s;
+      one.r0 = s.r0 + r;
+      one.x = s.x + r * s.k_len;
+      one.y = s.y + r * s.n;
+      tile_q<INT4, 1, 1>(a, one, w, c);
+    }
+  }
   if (c < s.c1) scalar_quant_columns<INT4>(a, s, w, ROWS, c);
 }
 

@@ -63,6 +63,26 @@ def test_invariant_mm_rows_do_not_depend_on_the_batch(dtype: torch.dtype, packed
     assert (full.double() - ref).abs().max().item() < 1e-4 * k ** 0.5
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize(("k", "n"), [(64, 200), (64, 328), (96, 24), (64, 256)])
+def test_quantized_invariant_mm_rows_do_not_depend_on_the_batch(mode: str, k: int, n: int
+                                                                ) -> None:
+    """int8 / int4 weights: every row alone, or in any group, gives the full batch's bits,
+    for widths whose last part is one vector or more (N = 200, 328, 24) or none."""
+    torch.manual_seed(1)
+    invariant.set_quantization(mode)
+    try:
+        wk = invariant.pack(torch.randn(k, n))
+    finally:
+        invariant.set_quantization("none")
+    x = torch.randn(12, k) * 3
+    full = torch.ops.linserve.invariant_mm(x, wk)
+    for b in range(1, 13):
+        assert torch.equal(torch.ops.linserve.invariant_mm(x[:b], wk), full[:b])
+    for i in (0, 7, 11):
+        assert torch.equal(torch.ops.linserve.invariant_mm(x[i : i + 1], wk), full[i : i + 1])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fused", [True, False])

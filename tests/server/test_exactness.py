@@ -146,7 +146,7 @@ def test_health_is_split_into_liveness_and_readiness(server: ServerProcess) -> N
     assert engine["status"] == "up" and isinstance(engine["pid"], int)
     # /health names the architecture as /v1/models does
     model = httpx.get(server.url + "/v1/models").json()["data"][0]
-    assert health["architecture"] == model["architecture"] == "linear"
+    assert health["architecture"] == model["architecture"] == "gated-linear"
 
 
 def _with_tokens(blob: bytes, tokens: int) -> bytes:
