@@ -10,14 +10,13 @@ SSM state and conv window (constant) and a KV cache.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from model.architectures.family import HFFamily
+from model.architectures.family import HFFamily, renamer
 from model.architectures.granite_hybrid import json_float
 from model.layers.attention import Attention, AttentionShape
 from model.layers.decoder import DecoderLM
@@ -125,18 +124,10 @@ def build(cfg: FalconH1Config) -> DecoderLM:
                      m["embedding_multiplier"], 1.0 / m["lm_head_multiplier"])
 
 
-RENAMES = [
-    (r"^model\.final_layernorm\.", "model.norm."),
-    (r"^(model\.layers\.\d+\.self_attn)\.", r"\1."),
-]
+RENAMES = [(r"^model\.final_layernorm\.", "model.norm.")]
 
 
-def rename(name: str) -> str | None:
-    for pattern, repl in RENAMES:
-        name, hits = re.subn(pattern, repl, name)
-        if hits:
-            break
-    return name
+rename = renamer(RENAMES)
 
 
 def describe(cfg: FalconH1Config) -> str:

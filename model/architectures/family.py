@@ -8,6 +8,7 @@ here, so a new family is one module that defines a :class:`HFFamily`.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,21 @@ class HFFamily:
         return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path),
                                 self.describe(cfg), cfg.max_position_embeddings, per_token,
                                 decode_step="eager (layer by layer)")
+
+
+def renamer(rules: list[tuple[str, str]]) -> Callable[[str], str]:
+    """A checkpoint-name mapping from ``(regex, replacement)`` rules: the first rule that
+    matches a name rewrites it; a name no rule matches stays as it is."""
+    compiled = [(re.compile(pattern), repl) for pattern, repl in rules]
+
+    def rename(name: str) -> str:
+        for pattern, repl in compiled:
+            new, hits = pattern.subn(repl, name)
+            if hits:
+                return new
+        return name
+
+    return rename
 
 
 def state_sizes(module: DecoderLM, max_context: int) -> tuple[int, int]:

@@ -11,11 +11,10 @@ Reads both the published config (``block_ff_dim``, ``tie_embedding``, ``full_att
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from model.architectures.family import HFFamily
+from model.architectures.family import HFFamily, renamer
 from model.layers.attention import Attention, AttentionShape
 from model.layers.decoder import Block, DecoderLM
 from model.layers.mlp import SwiGLU
@@ -107,17 +106,16 @@ RENAMES = [
 ]
 
 
+_renames = renamer(RENAMES)
+
+
 def rename(name: str) -> str | None:
     """A checkpoint tensor's name in :func:`build`'s module (``lfm2_vl``'s text model too)."""
     if name.startswith("model.language_model."):
         name = "model." + name.removeprefix("model.language_model.")
     elif name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
         return None
-    for pattern, repl in RENAMES:
-        name, hits = re.subn(pattern, repl, name)
-        if hits:
-            break
-    return name
+    return _renames(name)
 
 
 def describe(cfg: Lfm2Config) -> str:

@@ -10,11 +10,10 @@ Mixture-of-experts blocks (``E`` / ``moe``) are refused at startup with one line
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from model.architectures.family import HFFamily
+from model.architectures.family import HFFamily, renamer
 from model.layers.attention import Attention, AttentionShape
 from model.layers.decoder import Block, DecoderLM
 from model.layers.mamba2 import Mamba2, Mamba2Shape
@@ -96,12 +95,7 @@ RENAMES = [
 ]
 
 
-def rename(name: str) -> str | None:
-    for pattern, repl in RENAMES:
-        name, hits = re.subn(pattern, repl, name)
-        if hits:
-            break
-    return name
+rename = renamer(RENAMES)
 
 
 def describe(cfg: NemotronHConfig) -> str:

@@ -33,6 +33,9 @@ from model.architectures import hf
 from model.attention.delta import delta_rule_chunked, delta_rule_step, l2norm
 from model.interface import CheckpointError
 from model.invariant import Linear
+from model.layers.decoder import DecoderLM
+from model.layers.rope import inv_freq as rope_freqs
+from model.layers.rope import rope as shared_rope
 from model.state import ConvEntry, KVEntry, RecurrentEntry, State
 
 log = logging.getLogger("linserve")
@@ -330,21 +333,13 @@ class GatedDeltaNet(nn.Module):
 
 def inv_freq(cfg: Qwen35Config) -> torch.Tensor:
     """The rotary frequencies ``[rotary_dim / 2]`` fp32."""
-    rot = cfg.rotary_dim
-    return 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
+    return rope_freqs(cfg.rotary_dim, cfg.rope_theta)
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, cfg: Qwen35Config) -> torch.Tensor:
     """Rotary positions on the first ``rotary_dim`` of each head (halves rotated). x
     ``[B, H, T, D]``, pos ``[B, T]`` (or ``[1, T]``) int64."""
-    rot = cfg.rotary_dim
-    freqs = pos[..., None].float() * inv_freq(cfg)  # [B, T, rot/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = (invariant.rowwise(f, emb)[:, None] for f in (torch.cos, torch.sin))
-    xr, xp = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-    return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
+    return shared_rope(x, pos, inv_freq(cfg))
 
 
 class GatedAttention(nn.Module):
@@ -492,27 +487,19 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class TextModel(nn.Module):
-    """``model.*`` of the checkpoint: embeddings, layers, final norm."""
+class Qwen35ForCausalLM(DecoderLM):
+    """The whole text model on the shared decoder body (:class:`DecoderLM`: embeddings,
+    prefill whole, chunked and ragged, the head), with its own layers and state, and a step
+    that is one native call for the whole model where the kernels are built
+    (:meth:`step_eager`, layer by layer, elsewhere). Logits fp32."""
 
     def __init__(self, cfg: Qwen35Config) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, kind) for kind in cfg.layer_types)
-        self.norm = QwenRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class Qwen35ForCausalLM(nn.Module):
-    """The whole text model: ``prefill`` (chunked GDN, causal attention), ``step`` (one
-    token per row), logits fp32."""
-
-    def __init__(self, cfg: Qwen35Config) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.model = TextModel(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else \
-            Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        super().__init__(cfg, cfg.vocab_size, cfg.hidden_size,
+                         [DecoderLayer(cfg, kind) for kind in cfg.layer_types],
+                         QwenRMSNorm(cfg.hidden_size, cfg.rms_norm_eps), cfg.tie_word_embeddings)
         self._fused: tuple[Any, list[torch.Tensor]] | None = None
+
+    step_eager = DecoderLM.step  # layer by layer in PyTorch: the native step's reference
 
     def new_state(self, batch: int = 1, max_context: int | None = None) -> State:
         cfg = self.cfg
@@ -528,49 +515,6 @@ class Qwen35ForCausalLM(nn.Module):
                 layers.append({"kv": KVEntry.empty(batch, cfg.num_key_value_heads, cfg.head_dim,
                                                    max_context or cfg.max_position_embeddings)})
         return State(layers, torch.zeros(batch, dtype=torch.long))
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.model.norm(x)
-        if self.lm_head is not None:
-            return self.lm_head(x).float()
-        return invariant.linear(x, self.model.embed_tokens.weight, self.model.embed_tokens).float()
-
-    @torch.inference_mode()
-    def prefill(self, tokens: torch.Tensor, state: State | None = None,
-                all_logits: bool = False) -> tuple[torch.Tensor, State]:
-        """tokens ``[B, T]`` after ``state`` (None: empty; every row at one length; not
-        modified) -> last logits ``[B, V]`` (``[B, T, V]`` with ``all_logits``), new state."""
-        b, t = tokens.shape
-        state = self.new_state(b) if state is None else state.copy()
-        if bool((state.lengths != state.lengths[0]).any()):
-            raise ValueError("prefill needs rows of equal length")
-        state.reserve(int(state.lengths[0]) + t)
-        x = self.model.embed_tokens(tokens)
-        for layer, entries in zip(self.model.layers, state.layers, strict=True):
-            x = layer(x, entries, state.lengths)
-        state.lengths += t
-        return self.head(x if all_logits else x[:, -1]), state
-
-    @torch.inference_mode()
-    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
-                       ) -> tuple[torch.Tensor, list[State]]:
-        """Several prompts of different lengths, after states at different lengths, in one
-        right-padded pass (GEMMs, norms, MLPs and the chunked delta rule batched; attention
-        row by row). Returns each prompt's last logits ``[B, V]`` and its new one-row state;
-        the given states are not modified. Equal to :meth:`prefill` of each alone."""
-        if not prompts or any(not p for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        new = torch.tensor([len(p) for p in prompts])
-        tokens = torch.nn.utils.rnn.pad_sequence([torch.tensor(p) for p in prompts],
-                                                 batch_first=True)
-        state = State.cat([st if st is not None else self.new_state(1) for st in states])
-        starts = state.lengths.clone()
-        state.reserve(int((starts + new).max()))
-        x = self.model.embed_tokens(tokens)
-        for layer, entries in zip(self.model.layers, state.layers, strict=True):
-            x = layer(x, entries, starts, new=new)
-        state.lengths += new
-        return self.head(x[torch.arange(len(prompts)), new - 1]), state.unbatch()
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
@@ -588,16 +532,6 @@ class Qwen35ForCausalLM(nn.Module):
             state.lengths += 1
             return logits
         return self.step_eager(tokens, state)
-
-    @torch.inference_mode()
-    def step_eager(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
-        """:meth:`step` layer by layer in PyTorch (the reference for the native step)."""
-        state.reserve(int(state.lengths.max()) + 1)
-        x = self.model.embed_tokens(tokens)
-        for layer, entries in zip(self.model.layers, state.layers, strict=True):
-            x = layer(x, entries, state.lengths, one_token=True)
-        state.lengths += 1
-        return self.head(x)
 
     def _dims(self) -> list[int]:
         cfg = self.cfg
@@ -624,9 +558,6 @@ class Qwen35ForCausalLM(nn.Module):
         for layer in self.model.layers:
             out += _layer_weights(cast(DecoderLayer, layer), self.cfg)
         return out
-
-    def n_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
     def drop_weights(self) -> None:
         """Free every weight (states can still be built; the model cannot run)."""
