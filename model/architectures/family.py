@@ -30,8 +30,7 @@ class HFFamily:
     """``config``: the parsed config from ``config.json``'s dict (raises KeyError,
     TypeError or ValueError naming what is wrong). ``build``: the module for a config.
     ``rename``: a checkpoint tensor's name in that module (None: not ours). ``describe``:
-    one line for ``/v1/models`` and the startup log. ``accepts``: a further test of the
-    config dict beyond its ``model_type`` (a variant another family serves)."""
+    one line for ``/v1/models`` and the startup log."""
 
     name: str
     model_types: tuple[str, ...]
@@ -39,23 +38,16 @@ class HFFamily:
     build: Callable[[Any], DecoderLM]
     rename: Callable[[str], str | None]
     describe: Callable[[Any], str]
-    accepts: Callable[[dict[str, Any]], bool] = lambda config: True
 
     def recognise(self, path: Path) -> bool:
         try:
             config = hf.read_json(path / "config.json")
         except CheckpointError:
             return False
-        return config.get("model_type") in self.model_types and self.accepts(config)
+        return config.get("model_type") in self.model_types
 
     def read_config(self, path: Path) -> Any:
-        try:
-            return self.config(hf.read_json(path / "config.json"))
-        except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, CheckpointError):
-                raise
-            raise CheckpointError(f"{path}/config.json: inconsistent or incomplete "
-                                  f"({type(exc).__name__}: {exc})") from None
+        return hf.parse_config(path, self.config)
 
     def _meta(self, cfg: Any) -> DecoderLM:
         with torch.device("meta"):

@@ -38,6 +38,9 @@ class GraniteHybridConfig:
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> GraniteHybridConfig:
+        if int(c.get("num_local_experts", 0) or 0) > 0:
+            raise NotImplementedError("granitemoehybrid with experts (num_local_experts > 0) "
+                                      "is not served yet; the dense models are")
         d, n = int(c["hidden_size"]), int(c["num_hidden_layers"])
         types = c.get("layer_types") or c.get("layers_block_type") or ["mamba"] * n
         if len(types) != n or set(types) - {*MAMBA, *ATTENTION}:
@@ -85,11 +88,6 @@ def json_float(value: Any) -> float:
     return float(value)
 
 
-def dense(config: dict[str, Any]) -> bool:
-    """This module serves the dense models; a mixture of experts is another family's."""
-    return int(config.get("num_local_experts", 0) or 0) == 0
-
-
 def build(cfg: GraniteHybridConfig) -> DecoderLM:
     d = cfg.hidden_size
     mlp = cfg.shared_intermediate_size
@@ -118,4 +116,4 @@ def describe(cfg: GraniteHybridConfig) -> str:
 
 
 FAMILY = HFFamily("granite_hybrid", ("granitemoehybrid",), GraniteHybridConfig.from_hf, build,
-                  rename, describe, accepts=dense)
+                  rename, describe)

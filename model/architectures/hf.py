@@ -67,6 +67,21 @@ def read_json(path: Path, required: bool = True) -> dict[str, Any]:
     return data
 
 
+def parse_config(path: Path, parse: Callable[[dict[str, Any]], Any]) -> Any:
+    """``parse`` of the folder's ``config.json``; a missing or inconsistent field (KeyError,
+    TypeError, ValueError naming it), or a variant not served (NotImplementedError), is a
+    one-line :class:`CheckpointError`."""
+    try:
+        return parse(read_json(path / "config.json"))
+    except NotImplementedError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}/config.json: inconsistent or incomplete "
+                              f"({type(exc).__name__}: {exc})") from None
+
+
 def tensor_files(path: Path) -> dict[str, Path]:
     """Every tensor name in the checkpoint and the file that holds it."""
     index = path / "model.safetensors.index.json"

@@ -49,7 +49,8 @@ class NemotronHConfig:
         if set(types) - {"linear_attention", "full_attention", "mlp", "moe"}:
             raise ValueError(f"unknown layers_block_type {sorted(set(types))}")
         if "moe" in types:
-            raise ValueError("mixture-of-experts blocks (moe) are not served yet")
+            raise NotImplementedError("nemotron_h with mixture-of-experts blocks (moe) is not "
+                                      "served yet")
         heads = int(c["num_attention_heads"])
         head_dim = int(c.get("head_dim") or d // heads)
         eps = float(c.get("layer_norm_epsilon", 1e-5))

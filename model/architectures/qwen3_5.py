@@ -599,13 +599,8 @@ def recognise(path: Path) -> bool:
 
 
 def _config(path: Path) -> Qwen35Config:
-    try:
-        return Qwen35Config.from_hf(hf.read_json(path / "config.json"))
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, CheckpointError):
-            raise
-        raise CheckpointError(f"{path}/config.json: inconsistent or incomplete "
-                              f"({type(exc).__name__}: {exc})") from None
+    cfg: Qwen35Config = hf.parse_config(path, Qwen35Config.from_hf)
+    return cfg
 
 
 def _rename(name: str) -> str | None:

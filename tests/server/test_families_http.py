@@ -164,3 +164,24 @@ def test_quantized_weights_serve_batch_invariantly(checkpoint: Path, mode: str) 
         full = httpx.get(s.url + "/v1/models").json()["data"][0]
         assert full["quantization"] == mode
         _concurrent_equal_alone(s.url)
+
+
+@pytest.mark.parametrize(("family", "change", "says"), [
+    ("nemotron_h", {"layers_block_type": ["linear_attention", "moe"]},
+     "mixture-of-experts blocks (moe) is not served yet"),
+    ("granitemoehybrid", {"num_local_experts": 4}, "with experts (num_local_experts > 0)"),
+    ("lfm2", {"num_attention_heads": 5}, "hidden_size is not a multiple"),
+    ("falcon_h1", {"mamba_n_heads": 5}, "mamba_n_heads"),
+])
+def test_an_unserved_or_bad_config_gets_one_line(tmp_path: Path, family: str,
+                                                 change: dict, says: str) -> None:
+    import subprocess
+    import sys
+
+    path = make(tmp_path / family, family, sorted(SHAPES[family])[0])
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **change}))
+    proc = subprocess.run([sys.executable, "-m", "server", "--model", str(path), "--port", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 and len(lines) == 1 and says in lines[0], proc.stderr
