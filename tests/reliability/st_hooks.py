@@ -8,7 +8,8 @@ Chat bodies get the same treatment for the cross-field rules of tool calls and t
 a forced ``tool_choice`` (its tools' schemas become a grammar, and it must name one of the
 tools) and ``continue_final_message`` (which needs an assistant message last and no
 generation prompt) are dropped from the cases that break them; their 400s are tested in
-``tests/server/test_tool_calls.py``."""
+``tests/server/test_tool_calls.py``. So is ``best_of`` below ``n`` (refused as OpenAI and vLLM
+refuse it; tested in ``tests/server/test_bad_input.py``)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,14 @@ def map_case(context: Any, case: Any) -> Any:
     if isinstance(case.body, dict):
         keep_valid_constraints(case.body)
         keep_valid_chat_rules(case.body)
+        keep_valid_best_of(case.body)
     return case
+
+
+def keep_valid_best_of(body: dict[str, Any]) -> None:
+    best_of, n = body.get("best_of"), body.get("n", 1)
+    if isinstance(best_of, int) and isinstance(n, int) and best_of < n:
+        del body["best_of"]
 
 
 def keep_valid_chat_rules(body: dict[str, Any]) -> None:
