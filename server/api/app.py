@@ -17,7 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from server.api.errors import error_body, install_error_handlers
 from server.api.openapi import install_openapi
-from server.api.routes import completions, misc, sessions
+from server.api.routes import completions, misc, responses, sessions
 from server.api.service import GenerationService
 from server.engine.client import EngineBackend, EngineClient
 from server.engine.engine import Engine, EngineLimits
@@ -132,7 +132,7 @@ def create_app(settings: Settings) -> FastAPI:
                   description="OpenAI-compatible server for linear-attention language models "
                               "with constant-size sessions.")
     install_error_handlers(app)
-    for router in (completions.router, sessions.router, misc.router):
+    for router in (completions.router, responses.router, sessions.router, misc.router):
         app.include_router(router)
     install_playground(app)
     origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]

@@ -25,6 +25,13 @@ class ChatShape:
     parser: str = "hermes"
     forced: bool = False
     thinking: bool | None = None  # None: no reasoning parser; else starts inside <think>
+    call_ids: str = ""  # if set, the k-th call's id is call_ids + k (a stream and a whole
+    # reply then name their calls alike); else each id is random
+
+    def name_call(self, call: ToolCall, index: int) -> ToolCall:
+        if self.call_ids:
+            call.id = f"{self.call_ids}{index}"
+        return call
 
     def message(self, text: str) -> tuple[dict[str, Any], bool]:
         """(the assistant message, whether it holds tool calls) of a whole reply."""
@@ -41,7 +48,7 @@ class ChatShape:
         if think is not None:
             msg["reasoning_content"] = think
         if calls:
-            msg["tool_calls"] = [c.to_openai() for c in calls]
+            msg["tool_calls"] = [self.name_call(c, k).to_openai() for k, c in enumerate(calls)]
         return msg, bool(calls)
 
 
@@ -95,6 +102,7 @@ class ChatDeltas:
                     out.append({"content": text})
                 continue
             index, self.calls = self.calls, self.calls + 1
+            event = self.shape.name_call(event, index)
             out.append({"tool_calls": [{"index": index, "id": event.id, "type": "function",
                                         "function": {"name": event.name, "arguments": ""}}]})
             out.append({"tool_calls": [{"index": index,

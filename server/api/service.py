@@ -60,6 +60,9 @@ class Prepared:
     fault: str | None = None
     grammar: GrammarSpec | None = None
     turn: ChatTurn | None = None  # a template chat session's turn (server.api.chat_session)
+    # What the session keeps beside its state once the reply is whole (its text, its last
+    # output): a stored response (server.api.responses.stored), written with the state.
+    meta: Callable[[str, Output], dict[str, Any]] | None = None
 
 
 def engine_error(out: Output) -> APIError:
@@ -260,8 +263,7 @@ class GenerationService:
             await self.store.release(sid, token)
             raise
         handle.saved = asyncio.get_running_loop().create_future()
-        handle.on_finish(lambda out: self._spawn(self._save(sess, token, out, handle,
-                                                            prep.turn)))
+        handle.on_finish(lambda out: self._spawn(self._save(sess, token, out, handle, prep)))
         return handle
 
     async def lock_session(self, sid: str, owner: str) -> tuple[Session, str]:
@@ -297,15 +299,15 @@ class GenerationService:
         task.add_done_callback(self._tasks.discard)
 
     async def _save(self, sess: Session, token: str, out: Output,
-                    handle: RequestHandle, turn: ChatTurn | None = None) -> None:
-        """Store the session's new state (if the request produced one), then unlock."""
+                    handle: RequestHandle, prep: Prepared) -> None:
+        """Store the session's new state (if the request produced one) and its ``meta``,
+        then unlock."""
         ok = True
         try:
-            if turn is not None and out.finish_reason not in ("cancelled", "error"):
-                await self.store.put(await self._after_turn(sess, turn, handle.text))
-            elif turn is None and out.final_state is not None:
-                new = Session(sess.id, sess.owner, out.final_state, out.final_pending,
-                              out.final_tokens, sess.created, time.time(), sess.version)
+            new = await self._next_session(sess, out, handle, prep.turn)
+            if prep.meta is not None:
+                new = replace(new or sess, meta=prep.meta(handle.text, out))
+            if new is not None:
                 await self.store.put(new)
         except (StaleWrite, SessionUnavailable, APIError):
             log.warning("session %s could not be saved", sess.id)
@@ -314,6 +316,19 @@ class GenerationService:
             await self.store.release(sess.id, token)
             if handle.saved is not None and not handle.saved.done():
                 handle.saved.set_result(ok)
+
+    async def _next_session(self, sess: Session, out: Output, handle: RequestHandle,
+                            turn: ChatTurn | None) -> Session | None:
+        """The session after this request (None: it keeps what it holds)."""
+        if turn is not None:
+            if out.finish_reason in ("cancelled", "error"):
+                return None
+            return await self._after_turn(sess, turn, handle.text)
+        if out.final_state is None:
+            return None
+        return Session(sess.id, sess.owner, out.final_state, out.final_pending,
+                       out.final_tokens, sess.created, time.time(), sess.version,
+                       meta=sess.meta)
 
     async def collect(self, handle: RequestHandle) -> Output:
         """Wait for the whole result (non-streaming); a failed request raises its error
@@ -344,7 +359,7 @@ class GenerationService:
         consumed = old.tokens - len(old.pending)
         state, pending, _ = await self._prefill(old.pending + feed, old.state, consumed)
         return Session(sess.id, sess.owner, state, pending, old.tokens + len(feed),
-                       sess.created, time.time(), sess.version, transcript.to_json())
+                       sess.created, time.time(), sess.version, transcript.to_json(), old.meta)
 
     # ---- sessions ------------------------------------------------------------------------
     async def build_state(self, prompt_ids: list[int]) -> tuple[State, list[int]]:

@@ -7,11 +7,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from server import metrics
-from server.api.errors import error_body
+from server.api.errors import APIError, error_body
 from server.api.formatting import SSE_DONE, SSE_KEEPALIVE, sse
 from server.api.service import STORE_FAILED, engine_error
 from server.engine.client import RequestHandle
@@ -48,7 +51,30 @@ def log_request(handle: RequestHandle, final: Output | None, status: str) -> Non
 
 
 Render = Callable[[int, Output], dict[str, Any] | list[dict[str, Any]] | None]
-UsageRender = Callable[[list[Output]], dict[str, Any] | None]
+UsageRender = Callable[[list[Output]], dict[str, Any] | list[dict[str, Any]] | None]
+
+
+def openai_error(err: APIError) -> dict[str, Any]:
+    return error_body(err.status, err.message, err.param, err.code)
+
+
+def named_event(data: dict[str, Any]) -> str:
+    """An SSE frame named by the event's ``type`` (the Responses and Anthropic streams)."""
+    return f"event: {data['type']}\ndata: {orjson.dumps(data).decode()}\n\n"
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How a stream is written: by default OpenAI's ``data:`` frames, comment keep-alives
+    and a closing ``[DONE]``; the Responses and Anthropic APIs name their events."""
+
+    frame: Callable[[dict[str, Any]], str] = sse
+    keepalive: str = SSE_KEEPALIVE
+    done: str = SSE_DONE
+    error: Callable[[APIError], dict[str, Any]] = openai_error
+
+
+OPENAI = Framing()
 
 
 async def _fan_in(handles: list[RequestHandle], keepalive: float
@@ -82,45 +108,52 @@ async def _fan_in(handles: list[RequestHandle], keepalive: float
             task.cancel()
 
 
+def _frames(framing: Framing, chunks: dict[str, Any] | list[dict[str, Any]] | None
+            ) -> str:
+    return "".join(framing.frame(c) for c in (chunks if isinstance(chunks, list) else [chunks])
+                   if c is not None)
+
+
 async def event_stream(handles: list[RequestHandle], render: Render,
-                       usage_chunk: UsageRender | None, keepalive: float
+                       usage_chunk: UsageRender | None, keepalive: float,
+                       framing: Framing = OPENAI, opening: Sequence[dict[str, Any]] = ()
                        ) -> AsyncIterator[str]:
-    """Yield SSE frames until every choice finishes; cancel all if the client disconnects
-    (each session or request keeps exactly the tokens it sent)."""
+    """Yield SSE frames (``opening`` first) until every choice finishes, then what
+    ``usage_chunk`` makes of the last outputs; cancel all if the client disconnects (each
+    session or request keeps exactly the tokens it sent)."""
     finals: dict[int, Output] = {}
     failed = False
     try:
+        if opening:
+            yield _frames(framing, list(opening))
         async for item in _fan_in(handles, keepalive):
             if item is None:
-                yield SSE_KEEPALIVE
+                yield framing.keepalive
                 continue
             k, out = item
             handle = handles[k]
             if out.error is not None:
-                err = engine_error(out)
-                yield sse(error_body(err.status, err.message, None, err.code))
+                yield framing.frame(framing.error(engine_error(out)))
                 finals[k], failed = out, True
                 break
             observe_tokens(handle, out)
-            chunks = render(k, out)
-            for chunk in chunks if isinstance(chunks, list) else [chunks]:
-                if chunk is not None:
-                    yield sse(chunk)
-            handle.sent_tokens += len(out.token_ids)
+            frames = _frames(framing, render(k, out))
             if out.finish_reason is not None:
                 finals[k] = out
                 if handle.saved is not None and not await handle.saved:
-                    yield sse(error_body(503, STORE_FAILED, "session_id",
-                                         "session_store_failed"))
+                    yield frames + framing.frame(framing.error(APIError(
+                        503, STORE_FAILED, "session_id", "session_store_failed")))
                     failed = True
                     break
-                if len(finals) == len(handles):
-                    break
+            if frames:
+                yield frames
+            handle.sent_tokens += len(out.token_ids)
+            if len(finals) == len(handles):
+                break
         if not failed and usage_chunk is not None and len(finals) == len(handles):
-            extra = usage_chunk([finals[k] for k in range(len(handles))])
-            if extra is not None:
-                yield sse(extra)
-        yield SSE_DONE
+            yield _frames(framing, usage_chunk([finals[k] for k in range(len(handles))]))
+        if framing.done:
+            yield framing.done
     finally:
         for k, handle in enumerate(handles):
             final = finals.get(k)

@@ -46,6 +46,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.cancelled = False
         self.cut = False  # a stop string truncated the text: the session is rebuilt from it
+        self.stop_string: str | None = None  # the stop string that ended the output
         self.error: str | None = None  # why the request failed (finish_reason "error")
         self.held: int | None = None  # generated tokens the session keeps (None: all)
         self.reserved = 0  # state bytes the engine set aside for this sequence
@@ -115,9 +116,10 @@ class Sequence:
 
     def _check_stop_strings(self) -> bool:
         start = max(0, self.sent - self.hold)
-        hits = [i for i in (self.text.find(s, start) for s in self.req.stop) if i >= 0]
+        hits = [(i, s) for s in self.req.stop if (i := self.text.find(s, start)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.stop_string = min(hits)
+            self.text = self.text[:at]
             self.finish_reason = "stop"
             self.cut = True
             return True
@@ -132,7 +134,8 @@ class Sequence:
         out = Output(text=self.text[self.sent : safe], logprobs=self.pending_logprobs,
                      finish_reason=self.finish_reason, prompt_tokens=self.prompt_len,
                      completion_tokens=len(self.generated), error=self.error,
-                     cached_tokens=self.cached)
+                     cached_tokens=self.cached,
+                     stop_string=self.stop_string if self.finish_reason else None)
         out.token_ids = self.generated[self.emitted_tokens :]
         self.emitted_tokens = len(self.generated)
         self.sent = safe

@@ -58,6 +58,7 @@ class Output:
     final_tokens: int = 0  # tokens the session holds with final_state (pending included)
     error: str | None = None  # set (with finish_reason "error") when the request failed
     error_status: int = 500  # 500: this request failed; 503: the engine went down
+    stop_string: str | None = None  # on the last delta: the stop string that ended it
 
     def merge(self, later: Output) -> Output:
         """Coalesce two consecutive deltas into one (for slow readers)."""
@@ -75,4 +76,5 @@ class Output:
             final_tokens=later.final_tokens,
             error=later.error,
             error_status=later.error_status,
+            stop_string=later.stop_string,
         )

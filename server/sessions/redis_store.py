@@ -80,9 +80,10 @@ class RedisSessionStore(SessionStore):
             return None
         await self._call(self.redis.pexpire(key, self.ttl_ms))
         chat = json.loads(data[b"chat"]) if data.get(b"chat") else None
+        meta = json.loads(data[b"meta"]) if data.get(b"meta") else None
         return Session(session_id, owner, state, json.loads(data[b"pending"]),
                        int(data[b"tokens"]), float(data[b"created"]), float(data[b"last_used"]),
-                       int(data[b"version"]), chat)
+                       int(data[b"version"]), chat, meta)
 
     async def put(self, session: Session) -> Session:
         assert self.model is not None, "bind_model first"
@@ -94,13 +95,15 @@ class RedisSessionStore(SessionStore):
             "pending", json.dumps(session.pending), "created", session.created,
             "last_used", now, "version", new_version, "fingerprint", self.fingerprint,
             "format_version", STATE_FORMAT_VERSION,
-            "chat", json.dumps(session.chat) if session.chat is not None else ""]
+            "chat", json.dumps(session.chat) if session.chat is not None else "",
+            "meta", json.dumps(session.meta) if session.meta is not None else ""]
         ok = await self._call(self._put(keys=[self._key(session.id)],
                                         args=[session.version, self.ttl_ms, *fields]))
         if ok != 1:
             raise StaleWrite(session.id)
         return Session(session.id, session.owner, session.state, session.pending,
-                       session.tokens, session.created, now, new_version, session.chat)
+                       session.tokens, session.created, now, new_version, session.chat,
+                       session.meta)
 
     async def delete(self, session_id: str, owner: str) -> bool:
         key = self._key(session_id)

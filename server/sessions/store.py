@@ -47,6 +47,9 @@ class Session:
     # A chat session with a checkpoint's template: the conversation and the rendered text
     # the state covers (server.api.chat_session.Transcript); None for any other session.
     chat: dict[str, Any] | None = None
+    # What an API keeps with the state: a stored Responses-API response (its object and
+    # input items, server.api.responses.stored); None for a plain session.
+    meta: dict[str, Any] | None = None
 
     @property
     def state_bytes(self) -> int:

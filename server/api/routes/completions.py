@@ -8,13 +8,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server import metrics
-from server.api import reasoning
 from server.api.auth import Owner
-from server.api.chat_reply import ChatDeltas, ChatShape
-from server.api.chat_session import ChatTurn, next_prompt
-from server.api.chat_template import CHAT_STOP, render_chat
-from server.api.errors import APIError
+from server.api.chat_reply import ChatDeltas
+from server.api.chat_run import collect_reply, prepare, start_chat
 from server.api.formatting import (
     SSE_DONE,
     SSE_HEADERS,
@@ -26,40 +22,19 @@ from server.api.formatting import (
 )
 from server.api.protocol import ChatRequest, CompletionRequest, now
 from server.api.routes.docs import ERRORS, SSE_RESPONSE
-from server.api.service import GenerationService, Prepared
-from server.api.streaming import event_stream, log_request, observe_tokens
+from server.api.service import GenerationService
+from server.api.streaming import event_stream
 from server.engine.client import RequestHandle
 from server.engine.types import Output
-from server.grammar.spec import GrammarSpec
-from server.sessions.store import SessionUnavailable
 
 router = APIRouter(tags=["completions"])
 DEFAULT_COMPLETION_TOKENS = 16
-DEFAULT_CHAT_TOKENS = 256
-DISCONNECT_POLL_SECONDS = 0.25
+
 
 
 def _service(request: Request) -> GenerationService:
     svc: GenerationService = request.app.state.service
     return svc
-
-
-def _prepare(svc: GenerationService, body: CompletionRequest | ChatRequest, owner: str,
-             prompt_ids: list[int], default_max: int, logprobs: int | None,
-             stop: tuple[str, ...], grammar: GrammarSpec | None) -> Prepared:
-    default_max = min(default_max, svc.settings.max_tokens_limit)
-    max_tokens = svc.check_max_tokens(body.requested_max_tokens() or default_max)
-    params = body.to_sampling_params(max_tokens, logprobs)
-    svc.check_stop_ids(params)
-    echo_lp = isinstance(body, CompletionRequest) and body.echo and logprobs is not None
-    fault = None
-    if svc.settings.fault_injection and body.model_extra:
-        fault = body.model_extra.get("linserve_fault")
-    # chat: the plain template's transcript rules (a checkpoint template's sessions keep
-    # their turns through server.api.chat_session instead)
-    return Prepared(prompt_ids, params, stop, owner, body.session_id, prompt_logprobs=echo_lp,
-                    chat=isinstance(body, ChatRequest) and svc.chat is None, fault=fault,
-                    grammar=grammar)
 
 
 @router.post("/v1/completions", responses={**ERRORS, 200: SSE_RESPONSE})
@@ -94,13 +69,13 @@ async def completions(body: CompletionRequest, request: Request, owner: Owner) -
                 "finish_reason": finish_reason(out)}
 
     if k > body.n:  # best_of: every sample runs to its end, the top n are returned
-        outs = await asyncio.gather(*(_collect(svc, h, request) for h in handles))
+        outs = await asyncio.gather(*(collect_reply(svc, h, request) for h in handles))
         kept = best_of(outs, k, body.n)
         choices = [choice(j, outs[i], echoes[prompt_of[i]] + outs[i].text, whole=True)
                    for j, i in enumerate(kept)]
         return _whole(body, base, choices, usage(outs))
     if not body.stream:
-        outs = await asyncio.gather(*(_collect(svc, h, request) for h in handles))
+        outs = await asyncio.gather(*(collect_reply(svc, h, request) for h in handles))
         return JSONResponse({**base, "choices": [
             choice(i, out, echoes[prompt_of[i]] + out.text, whole=True)
             for i, out in enumerate(outs)], "usage": usage(outs)})
@@ -143,7 +118,7 @@ async def _start_all(svc: GenerationService, body: CompletionRequest, owner: str
     handles: list[RequestHandle] = []
     try:
         for ids in all_ids:
-            prep = _prepare(svc, body, owner, ids, DEFAULT_COMPLETION_TOKENS, logprobs,
+            prep = prepare(svc, body, owner, ids, DEFAULT_COMPLETION_TOKENS, logprobs,
                             body.stop_list(), grammar)
             handles += await svc.start_choices(prep, k)
     except BaseException:
@@ -174,110 +149,11 @@ def best_of(outs: list[Output], k: int, n: int) -> list[int]:
     return kept
 
 
-async def _collect(svc: GenerationService, handle: RequestHandle, request: Request) -> Output:
-    """The whole result of a non-streaming request, with its metrics and log line. A client
-    that disconnects first has its request cancelled (the session is left unchanged: the
-    client received nothing)."""
-    task = asyncio.ensure_future(svc.collect(handle))
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
-            if done:
-                break
-            if await request.is_disconnected():
-                metrics.DISCONNECTS.inc()
-                handle.cancel()
-                await asyncio.wait({task})
-                break
-    except asyncio.CancelledError:
-        handle.cancel()
-        raise
-    out = task.result()
-    observe_tokens(handle, out)
-    log_request(handle, out, "ok" if out.finish_reason != "cancelled" else "disconnected")
-    return out
-
-
 def _stream(handles: list[RequestHandle], render: Any, usage_chunk: Any,
             request: Request) -> StreamingResponse:
     keepalive = request.app.state.settings.keepalive_seconds
     return StreamingResponse(event_stream(handles, render, usage_chunk, keepalive),
                              media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-# template variables a request may not override through chat_template_kwargs
-RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
-                      "bos_token", "eos_token", "continue_final_message"})
-
-
-def _constrained(body: ChatRequest) -> bool:
-    """Whether the output is held to a grammar (a forced call or structured output)."""
-    try:
-        return body.forced_tool()[0] or body.grammar_spec() is not None
-    except ValueError:
-        return True  # an invalid one: grammar_of answers the 400
-
-
-async def _chat_prompt(svc: GenerationService, body: ChatRequest, owner: str
-                       ) -> tuple[str, tuple[str, ...], ChatShape, ChatTurn | None]:
-    """The prompt text, the extra stop strings and the reply's shape of a chat request, and
-    for a session with the checkpoint's template, its turn (server.api.chat_session)."""
-    if svc.chat is None:  # a base model: tools are not shown to it, a forced call still holds
-        return (render_chat(body.messages), CHAT_STOP,
-                ChatShape(forced=body.forced_tool()[0]), None)
-    render = _render_vars(svc, body)
-    if body.session_id:
-        return await _session_turn(svc, body, owner, render)
-    try:
-        text = svc.chat.render(body.messages, body.add_generation_prompt,
-                               body.continue_final_message, **render)
-    except ValueError as exc:
-        raise APIError(400, str(exc), "messages", "invalid_messages") from None
-    return text, (), _shape(svc, body, render, text), None
-
-
-async def _session_turn(svc: GenerationService, body: ChatRequest, owner: str,
-                        render: dict[str, Any]
-                        ) -> tuple[str, tuple[str, ...], ChatShape, ChatTurn | None]:
-    """A template chat session's turn: the new messages after the stored conversation."""
-    assert svc.chat is not None and body.session_id is not None
-    if body.continue_final_message or not body.add_generation_prompt:
-        raise APIError(400, "continue_final_message and add_generation_prompt=false are not "
-                       "supported with session_id", "session_id", "unsupported_parameter")
-    try:
-        sess = await svc.store.get(body.session_id, owner)
-    except SessionUnavailable as exc:
-        raise APIError(503, "session store unavailable", "session_id") from exc
-    if sess is None:
-        raise APIError(404, f"session {body.session_id!r} not found", "session_id")
-    prompt, conversation = next_prompt(svc.chat, sess.chat, sess.tokens, body.messages,
-                                       **render)
-    shape = _shape(svc, body, render, conversation.text + prompt)
-    turn = ChatTurn(conversation, render, lambda text: shape.message(text)[0], sess.version)
-    return prompt, (), shape, turn
-
-
-def _render_vars(svc: GenerationService, body: ChatRequest) -> dict[str, Any]:
-    """The template variables of a request: tools, documents, chat_template_kwargs."""
-    tools = body.tool_dicts() if body.tool_choice != "none" else []
-    extra = dict(body.chat_template_kwargs or {})
-    if svc.settings.reasoning_parser and _constrained(body):
-        # the grammar holds from the first token, so the model does not think first
-        # (vLLM defers it until </think>; here thinking is switched off for such requests)
-        extra.setdefault("enable_thinking", False)
-    bad = RESERVED & set(extra)
-    if bad:
-        raise APIError(400, f"chat_template_kwargs may not set {sorted(bad)}",
-                       "chat_template_kwargs", "invalid_parameter")
-    return {"tools": tools or None, "documents": body.documents, **extra}
-
-
-def _shape(svc: GenerationService, body: ChatRequest, render: dict[str, Any], text: str
-           ) -> ChatShape:
-    """How the reply to the rendered ``text`` is read: tool calls, reasoning."""
-    thinking = reasoning.starts_thinking(text) if svc.settings.reasoning_parser else None
-    return ChatShape(render.get("tools") or [], svc.tool_parser, body.forced_tool()[0],
-                     thinking)
 
 
 @router.post("/v1/chat/completions", responses={**ERRORS, 200: SSE_RESPONSE})
@@ -287,13 +163,9 @@ async def chat_completions(body: ChatRequest, request: Request, owner: Owner) ->
     reasoning as the request and ``--tool-call-parser`` / ``--reasoning-parser`` ask
     (``chat_reply``)."""
     svc = _service(request)
-    text, stops, shape, turn = await _chat_prompt(svc, body, owner)
-    prompt_ids = svc.tokenize_prompt(text, "messages")
+    run = await start_chat(svc, body, owner)
+    handles, shape, prompt_ids = run.handles, run.shape, run.prompt_ids
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
-    prep = _prepare(svc, body, owner, prompt_ids, DEFAULT_CHAT_TOKENS, n_lp,
-                    body.stop_list() + stops, await svc.grammar_of(body))
-    prep.turn = turn
-    handles = await svc.start_choices(prep, body.n)
     base = {"id": handles[0].req.request_id.replace("cmpl", "chatcmpl", 1), "created": now(),
             "model": request.app.state.model_name}
     if body.session_id:
@@ -310,7 +182,7 @@ async def chat_completions(body: ChatRequest, request: Request, owner: Owner) ->
         return "tool_calls" if called and reason == "stop" else reason
 
     if not body.stream:
-        outs = await asyncio.gather(*(_collect(svc, h, request) for h in handles))
+        outs = await asyncio.gather(*(collect_reply(svc, h, request) for h in handles))
         choices = []
         for k, out in enumerate(outs):
             message, called = shape.message(out.text)
