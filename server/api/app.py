@@ -15,9 +15,9 @@ import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from server.api.errors import error_body, install_error_handlers
+from server.api.errors import body_for, install_error_handlers
 from server.api.openapi import install_openapi
-from server.api.routes import completions, misc, responses, sessions
+from server.api.routes import completions, messages, misc, responses, sessions
 from server.api.service import GenerationService
 from server.engine.client import EngineBackend, EngineClient
 from server.engine.engine import Engine, EngineLimits
@@ -69,13 +69,13 @@ class BodyLimit:
         declared = headers.get(b"content-length")
         if declared is not None:
             if not declared.isdigit() or int(declared) > limit:
-                await _send_413(send, limit)
+                await _send_413(send, limit, scope["path"])
                 return
             await self.app(scope, receive, send)
             return
         body = await _read_up_to(receive, limit)
         if body is None:
-            await _send_413(send, limit)
+            await _send_413(send, limit, scope["path"])
             return
         await self.app(scope, _replay(body, receive), send)
 
@@ -111,9 +111,9 @@ def _replay(body: bytes, receive: Callable[[], Awaitable[Any]]) -> Callable[[], 
     return replay
 
 
-async def _send_413(send: Callable[[Any], Awaitable[None]], limit: int) -> None:
-    body = json.dumps(error_body(413, f"request body exceeds {limit} bytes", None,
-                                 "body_too_large")).encode()
+async def _send_413(send: Callable[[Any], Awaitable[None]], limit: int, path: str) -> None:
+    body = json.dumps(body_for(path, 413, f"request body exceeds {limit} bytes", None,
+                               "body_too_large")).encode()
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
@@ -132,7 +132,8 @@ def create_app(settings: Settings) -> FastAPI:
                   description="OpenAI-compatible server for linear-attention language models "
                               "with constant-size sessions.")
     install_error_handlers(app)
-    for router in (completions.router, responses.router, sessions.router, misc.router):
+    for router in (completions.router, responses.router, messages.router, sessions.router,
+                   misc.router):
         app.include_router(router)
     install_playground(app)
     origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]

@@ -14,16 +14,19 @@ from server.sessions.store import owner_hash
 
 
 def require_owner(request: Request) -> str:
-    """FastAPI dependency: check the Bearer key (if keys are configured); return the owner."""
+    """FastAPI dependency: check the Bearer key, or Anthropic's ``x-api-key`` header (if
+    keys are configured); return the owner."""
     keys: set[str] = request.app.state.api_keys
     if not keys:
         return ""
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
-    key = key.strip()
-    if scheme.lower() != "bearer" or not key:
-        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", None,
-                       "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+    key = key.strip() if scheme.lower() == "bearer" else ""
+    key = key or request.headers.get("x-api-key", "").strip()  # Anthropic's header
+    if not key:
+        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>' or "
+                       "'x-api-key: <key>'", None, "invalid_api_key",
+                       {"WWW-Authenticate": "Bearer"})
     if not any(hmac.compare_digest(key, k) for k in keys):
         raise APIError(401, "invalid API key", None, "invalid_api_key",
                        {"WWW-Authenticate": "Bearer"})

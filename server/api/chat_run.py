@@ -110,6 +110,11 @@ def _constrained(body: ChatRequest) -> bool:
         return True  # an invalid one: grammar_of answers the 400
 
 
+async def render_prompt(svc: GenerationService, body: ChatRequest, owner: str) -> str:
+    """The prompt text a chat request renders to (for counting its tokens)."""
+    return (await _chat_prompt(svc, body, owner))[0]
+
+
 async def _chat_prompt(svc: GenerationService, body: ChatRequest, owner: str
                        ) -> tuple[str, tuple[str, ...], ChatShape, ChatTurn | None]:
     """The prompt text, the extra stop strings and the reply's shape of a chat request, and

@@ -38,10 +38,33 @@ def error_body(status: int, message: str, param: str | None = None,
                       "param": param, "code": code}}
 
 
+# Anthropic's error types by status (its Messages API answers in its own envelope).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+ANTHROPIC_PATHS = "/v1/messages"
+
+
+def anthropic_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's envelope ``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {
+        "type": _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500
+                                     else "api_error"), "message": message}}
+
+
+def body_for(path: str, status: int, message: str, param: str | None = None,
+             code: str | None = None) -> dict[str, Any]:
+    """The error body in the envelope of the API that ``path`` belongs to."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_body(status, message)
+    return error_body(status, message, param, code)
+
+
 def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None
-                   ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status,
+                   code: str | None = None, headers: dict[str, str] | None = None,
+                   path: str = "") -> JSONResponse:
+    return JSONResponse(body_for(path, status, message, param, code), status_code=status,
                         headers=headers)
 
 
@@ -72,22 +95,25 @@ def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers that turn every exception into the OpenAI envelope."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers,
+                              request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(400, message, param, "invalid_value")
+        return error_response(400, message, param, "invalid_value", path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         headers = getattr(exc, "headers", None)
         if exc.status_code == 405:
             headers = {"Allow": ", ".join(allowed_methods(app, request.url.path))}
-        return error_response(exc.status_code, str(exc.detail), None, None, headers)
+        return error_response(exc.status_code, str(exc.detail), None, None, headers,
+                              request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, "internal server error", None, "internal_error")
+        return error_response(500, "internal server error", None, "internal_error",
+                              path=request.url.path)

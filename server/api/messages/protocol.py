@@ -103,8 +103,25 @@ class Thinking(OpenAIBase):
     ``thinking`` blocks); ``budget_tokens`` is a target, as Anthropic documents it, and the
     thinking counts against ``max_tokens``."""
 
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: Annotated[Integer, Field(ge=1)] | None = None
+    display: Literal["summarized"] | None = Field(
+        None, description="only 'summarized': the thinking is returned as written")
+
+
+class OutputFormat(OpenAIBase):
+    """``output_config.format``: structured outputs, the reply held to ``schema``."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(OpenAIBase):
+    """``output_config``: ``format`` constrains the reply; ``effort`` is accepted (a hint
+    this server's models do not take)."""
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
 
 
 class Metadata(OpenAIBase):
@@ -127,6 +144,7 @@ class MessagesRequest(OpenAIBase):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
     stream: StrictBool = False
     service_tier: Literal["auto", "standard_only"] | None = None
 
