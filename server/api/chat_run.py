@@ -52,7 +52,11 @@ async def start_chat(svc: GenerationService, body: ChatRequest, owner: str,
     prep = prepare(svc, body, owner, prompt_ids, DEFAULT_CHAT_TOKENS, n_lp,
                    body.stop_list() + stops, await svc.grammar_of(body))
     prep.turn, prep.meta = turn, meta
-    return ChatRun(await svc.start_choices(prep, body.n), shape, prompt_ids)
+    handles = await svc.start_choices(prep, body.n)
+    if body.session_id is None and body.n == 1 and svc.chat is not None:
+        svc.remember_reply(handles[0], [m.model_dump(exclude_none=True) for m in body.messages],
+                           _render_vars(svc, body), lambda reply: shape.message(reply)[0])
+    return ChatRun(handles, shape, prompt_ids)
 
 
 def prepare(svc: GenerationService, body: CompletionRequest | ChatRequest, owner: str,
