@@ -61,7 +61,8 @@ def to_chat(body: MessagesRequest) -> ChatRequest:
     fields: dict[str, Any] = {
         "messages": to_messages(body), "max_tokens": body.max_tokens,
         "temperature": body.temperature, "top_p": body.top_p or 1.0,
-        "top_k": body.top_k or 0, "stop": body.stop_sequences, "stream": body.stream}
+        "top_k": body.top_k or 0, "seed": body.seed, "stop": body.stop_sequences,
+        "stream": body.stream}
     if body.tools:
         fields["tools"] = [t.as_openai() for t in body.tools]
     choice = body.tool_choice

@@ -140,6 +140,8 @@ class MessagesRequest(OpenAIBase):
     temperature: Number = Field(1.0, ge=0.0, le=1.0)
     top_p: Number | None = Field(None, gt=0.0, le=1.0)
     top_k: Annotated[Integer, Field(ge=0)] | None = None
+    seed: Annotated[Integer, Field(ge=0, le=2**53 - 1)] | None = Field(
+        None, description="an extension: seeded sampling, as in chat")
     metadata: Metadata | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
