@@ -53,12 +53,51 @@ def compiles(field: str, value: Any, whitespace: Any) -> bool | None:
 
 @schemathesis.hook
 def map_case(context: Any, case: Any) -> Any:
-    """Applied in every phase (the coverage phase skips body-level hooks)."""
+    """Applied in every phase (the coverage phase skips body-level hooks), to positive
+    cases only: a negative case must stay as invalid as it was generated."""
+    meta = getattr(case, "meta", None)
+    if meta is not None and str(getattr(meta.generation.mode, "value", "")) == "negative":
+        return case
     if isinstance(case.body, dict):
         keep_valid_constraints(case.body)
         keep_valid_chat_rules(case.body)
         keep_valid_best_of(case.body)
+        keep_valid_agent_rules(case.body)
     return case
+
+
+def keep_valid_agent_rules(body: dict[str, Any]) -> None:
+    """The Responses and Messages APIs' cross-field rules: a stored response to continue
+    (a random id is a 404), a schema that compiles, a tool_choice that names a tool, a
+    thinking budget under max_tokens (their 400s: tests/server/test_responses_api.py and
+    test_messages_api.py). A fuzzed response is stored (``store: false`` is not kept), so
+    that the stateful phase finds what it created; unstored ones are tested there too."""
+    body.pop("previous_response_id", None)
+    if body.get("store") is False:
+        del body["store"]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
+        del body["tool_choice"]
+    for outer, schema_of in (("text", _text_schema), ("output_config", _output_schema)):
+        config = body.get(outer)
+        schema = schema_of(config) if isinstance(config, dict) else None
+        if schema is not None and compiles("response_format", {
+                "type": "json_schema", "json_schema": {"schema": schema}}, None) is False:
+            del body[outer]
+    thinking, limit = body.get("thinking"), body.get("max_tokens")
+    if isinstance(thinking, dict) and isinstance(thinking.get("budget_tokens"), int) and \
+            isinstance(limit, int) and thinking["budget_tokens"] >= limit:
+        del body["thinking"]
+
+
+def _text_schema(config: dict[str, Any]) -> Any:
+    fmt = config.get("format")
+    return fmt.get("schema") if isinstance(fmt, dict) else None
+
+
+def _output_schema(config: dict[str, Any]) -> Any:
+    fmt = config.get("format")
+    return fmt.get("schema") if isinstance(fmt, dict) else None
 
 
 def keep_valid_best_of(body: dict[str, Any]) -> None:

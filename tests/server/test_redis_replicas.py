@@ -225,3 +225,32 @@ def test_template_chat_session_moves_between_replicas(tmp_path: Path,
                 **ask, "messages": history}).json()["choices"][0]["message"]
             assert via == whole
             history.append({"role": "assistant", "content": via["content"]})
+
+
+def test_a_stored_response_continues_on_another_replica(linear_weights: Path,
+                                                        redis_server: RedisProcess) -> None:
+    """A Responses-API response stored on replica a is continued, read and listed on b,
+    exactly as a would continue it; another API key sees none of it."""
+    from openai import NotFoundError, OpenAI
+
+    keys = {"LINSERVE_API_KEYS": "key-a,key-b"}
+    greedy = {"temperature": 0.0, "max_output_tokens": 10}
+    with ServerProcess(linear_weights, env=keys, args=["--session-store", redis_server.url]
+                       ) as a, ServerProcess(linear_weights, env=keys, args=[
+                           "--session-store", redis_server.url]) as b:
+        ca, cb = (OpenAI(base_url=s.url + "/v1", api_key="key-a", max_retries=0)
+                  for s in (a, b))
+        first = ca.responses.create(model="m", input="Hello there", **greedy)
+        on_b = cb.responses.create(model="m", input="And then?",
+                                   previous_response_id=first.id, **greedy)
+        on_a = ca.responses.create(model="m", input="And then?",
+                                   previous_response_id=first.id, **greedy)
+        assert on_b.output_text == on_a.output_text
+        assert on_b.usage is not None and on_b.usage.input_tokens_details.cached_tokens > 0
+        assert cb.responses.retrieve(first.id).output_text == first.output_text
+        assert [i.type for i in cb.responses.input_items.list(on_a.id).data] == ["message"]
+        other = OpenAI(base_url=b.url + "/v1", api_key="key-b", max_retries=0)
+        with pytest.raises(NotFoundError):
+            other.responses.retrieve(first.id)
+        with pytest.raises(NotFoundError):
+            other.responses.create(model="m", input="x", previous_response_id=first.id)

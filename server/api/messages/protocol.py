@@ -184,8 +184,10 @@ class CountTokensRequest(OpenAIBase):
     thinking: Thinking | None = None
 
     def as_request(self) -> MessagesRequest:
-        data = self.model_dump(exclude_none=True)
-        return MessagesRequest.model_validate({**data, "max_tokens": 1 << 30})
+        """A Messages request of these (validated) fields."""
+        return MessagesRequest.model_construct(
+            model=self.model, messages=self.messages, system=self.system, tools=self.tools,
+            tool_choice=self.tool_choice, thinking=self.thinking, max_tokens=1 << 30)
 
 
 def arguments(block: ToolUseBlock) -> str:

@@ -147,9 +147,13 @@ class ResponsesRequest(OpenAIBase):
     """``POST /v1/responses``."""
 
     model: str | None = None
-    input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=4096)] = Field(
+    input: Text | Annotated[list[InputItem], Field(
+        min_length=1, max_length=4096, json_schema_extra={"contains": {"not": {
+            "type": "object", "properties": {"type": {"const": "reasoning"}},
+            "required": ["type"]}}})] = Field(
         description="a string (one user message) or a list of items: messages, "
-        "function_call and function_call_output items, reasoning items")
+        "function_call and function_call_output items, reasoning items (at least one item "
+        "that is not reasoning)")
     instructions: Text | None = Field(
         None, description="a system message before the input; with previous_response_id "
         "the stored conversation keeps its own, so a different one is a 400")
@@ -188,6 +192,13 @@ class ResponsesRequest(OpenAIBase):
         if isinstance(self.tool_choice, NamedFunction) and self.tool_choice.name not in names:
             raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is not "
                              "among the tools")
+        return self
+
+    @model_validator(mode="after")
+    def _something_to_say(self) -> ResponsesRequest:
+        if isinstance(self.input, list) and all(isinstance(i, ReasoningItem)
+                                                for i in self.input):
+            raise ValueError("input has only reasoning items: give a message or a tool result")
         return self
 
     def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem

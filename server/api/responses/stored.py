@@ -70,11 +70,9 @@ def page(items: list[dict[str, Any]], order: str, limit: int, after: str | None
          ) -> dict[str, Any]:
     """A list page of input items, as OpenAI's cursor lists are."""
     ordered = items if order == "asc" else list(reversed(items))
-    if after is not None:
+    if after:
         ids = [i["id"] for i in ordered]
-        if after not in ids:
-            raise APIError(400, f"no input item {after!r} in this response", "after")
-        ordered = ordered[ids.index(after) + 1:]
+        ordered = ordered[ids.index(after) + 1:] if after in ids else []
     data = ordered[:limit]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": len(ordered) > limit}

@@ -4,7 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
+
 from server.api.protocol import ErrorResponse
+
+
+class AnthropicErrorBody(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error envelope (the /v1/messages routes)."""
+
+    type: str = "error"
+    error: AnthropicErrorBody
 
 _ERR = {"model": ErrorResponse}
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -17,6 +31,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         "Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}},
     503: {**_ERR, "description": "Session store unavailable"},
 }
+ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {**doc, "model": AnthropicError} for status, doc in ERRORS.items()}
 SSE_RESPONSE: dict[str, Any] = {
     "description": "JSON when stream is false; with stream true, server-sent events: "
                    "'data: {chunk}' frames, optional ': keep-alive' comments, then "

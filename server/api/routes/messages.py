@@ -27,7 +27,7 @@ from server.api.messages.convert import (
 )
 from server.api.messages.events import MessageEvents
 from server.api.messages.protocol import CountTokensRequest, MessagesRequest
-from server.api.routes.docs import ERRORS, SSE_RESPONSE
+from server.api.routes.docs import ANTHROPIC_ERRORS, SSE_RESPONSE
 from server.api.service import GenerationService
 from server.api.streaming import Framing, event_stream, named_event
 
@@ -47,7 +47,7 @@ def _svc(request: Request) -> GenerationService:
     return svc
 
 
-@router.post("/v1/messages", responses={**ERRORS, 200: SSE_RESPONSE})
+@router.post("/v1/messages", responses={**ANTHROPIC_ERRORS, 200: SSE_RESPONSE})
 async def create_message(body: MessagesRequest, request: Request, owner: Owner) -> Any:
     """Anthropic's Messages API: content blocks (thinking, text, tool_use), ``stop_reason``
     and usage, whole or as its streamed events."""
@@ -73,7 +73,7 @@ async def create_message(body: MessagesRequest, request: Request, owner: Owner) 
         media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-@router.post("/v1/messages/count_tokens", responses=ERRORS)
+@router.post("/v1/messages/count_tokens", responses=ANTHROPIC_ERRORS)
 async def count_tokens(body: CountTokensRequest, request: Request, owner: Owner) -> Any:
     """The prompt tokens a Messages request with these messages, system, tools and
     thinking would have (rendered by the same template)."""
