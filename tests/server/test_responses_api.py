@@ -58,7 +58,7 @@ def test_create_and_stream_agree(srv: ServerProcess) -> None:
     assert kinds[-1] == "response.completed" and "response.output_item.done" in kinds
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert deltas == whole.output_text or not final.output[-1].type == "message"
+    assert deltas == whole.output_text
     stored = c.responses.retrieve(final.id)
     assert stored.output_text == final.output_text and stored.usage == final.usage
 
@@ -131,8 +131,9 @@ def test_stored_response_routes(srv: ServerProcess) -> None:
 
 def test_structured_output_through_text_format(srv: ServerProcess) -> None:
     c, m = sdk(srv), model(srv)
+    age = {"type": "integer", "minimum": 0, "maximum": 150}
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+                                               "age": age},
               "required": ["name", "age"], "additionalProperties": False}
     reply = c.responses.create(model=m, input="A person, as JSON", max_output_tokens=60,
                                text={"format": {"type": "json_schema", "name": "person",
@@ -209,3 +210,31 @@ def test_reasoning_items(qwen_agent: ServerProcess) -> None:
                              max_output_tokens=20, extra_body={"seed": 2})
     assert [o.type for o in off.output] == ["message"]
     assert off.usage is not None and off.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_the_readme_lists_every_refused_field(server: ServerProcess) -> None:
+    """Each field the Responses and Messages APIs refuse is named in the README's lists and
+    answered with a 400 that names it."""
+    from bench.serverproc import ROOT
+    from server.api.messages.protocol import REFUSED as MESSAGES_REFUSED
+    from server.api.responses.protocol import REFUSED as RESPONSES_REFUSED
+
+    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    assert {"/v1/responses", "/v1/responses/{response_id}",
+            "/v1/responses/{response_id}/input_items", "/v1/messages",
+            "/v1/messages/count_tokens"} <= set(paths)
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Agent APIs"):readme.index("## Layout")]
+    responses = section[section.index("**`POST /v1/responses`**"):
+                        section.index("**Stored responses")]
+    messages = section[section.index("**`POST /v1/messages`**"):]
+    for name in RESPONSES_REFUSED:
+        assert f"`{name}`" in responses.split("*Refused")[1], name
+        r = httpx.post(server.url + "/v1/responses", json={"input": "x", name: [1]})
+        assert r.status_code == 400 and name in r.json()["error"]["message"], name
+    for name in MESSAGES_REFUSED:
+        assert f"`{name}`" in messages.split("*Refused")[1], name
+        r = httpx.post(server.url + "/v1/messages", json={
+            "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}],
+            name: [1]})
+        assert r.status_code == 400 and name in r.json()["error"]["message"], name
