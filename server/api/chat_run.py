@@ -53,9 +53,10 @@ async def start_chat(svc: GenerationService, body: ChatRequest, owner: str,
                    body.stop_list() + stops, await svc.grammar_of(body))
     prep.turn, prep.meta = turn, meta
     handles = await svc.start_choices(prep, body.n)
-    if body.session_id is None and body.n == 1 and svc.chat is not None:
-        svc.remember_reply(handles[0], [m.model_dump(exclude_none=True) for m in body.messages],
-                           _render_vars(svc, body), lambda reply: shape.message(reply)[0])
+    if body.session_id is None and body.n == 1 and svc.next_turns is not None:
+        svc.next_turns.remember(handles[0],
+                                [m.model_dump(exclude_none=True) for m in body.messages],
+                                _render_vars(svc, body), lambda reply: shape.message(reply)[0])
     return ChatRun(handles, shape, prompt_ids)
 
 

@@ -17,9 +17,10 @@ from typing import Any
 
 from model.interface import ServedModel, State
 from model.sampling import SamplingParams
-from server.api.chat_session import ChatTurn, Transcript, stable_text
+from server.api.chat_session import ChatTurn
 from server.api.chat_template import TemplateChat
 from server.api.errors import APIError
+from server.api.next_turn import NextTurns
 from server.api.protocol import SamplingFields, new_id
 from server.api.tool_calls import default_parser
 from server.engine.client import EngineBackend, EngineUnavailable, RequestHandle
@@ -105,6 +106,11 @@ class GenerationService:
         self.draining: Callable[[], bool] = lambda: False
         self.remote: RemotePrefixes | None = None  # prefix states shared through Redis
         self._grammars: GrammarCompiler | None = None  # validates grammars before the engine
+        self.next_turns = (NextTurns(self.chat, self.tok.special_tokens(),
+                                     self.prompt_tokens.encode, self._prefill, self._spawn,
+                                     settings.max_prompt_tokens)
+                           if self.chat is not None and settings.prefix_cache_bytes > 0
+                           else None)
 
     # ---- validation --------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | list[str], param: str = "prompt"
@@ -179,6 +185,8 @@ class GenerationService:
         self._check_open()
         if prep.session_id is None:
             self._check_stateless(prep)
+            if self.next_turns is not None:
+                await self.next_turns.settled(prep.prompt_ids)
             req = GenerationRequest(new_id("cmpl"), prep.prompt_ids, prep.params, prep.stop,
                                     prompt_logprobs=prep.prompt_logprobs, chat=prep.chat,
                                     fault=prep.fault, grammar=prep.grammar)
@@ -222,6 +230,8 @@ class GenerationService:
         base: State | None = None
         feed, cached = ids, 0
         if len(ids) > 1 and not prep.prompt_logprobs:
+            if self.next_turns is not None:
+                await self.next_turns.settled(ids)
             base, feed, cached = await self._prefill(ids)
         handles: list[RequestHandle] = []
         try:
@@ -360,36 +370,6 @@ class GenerationService:
         state, pending, _ = await self._prefill(old.pending + feed, old.state, consumed)
         return Session(sess.id, sess.owner, state, pending, old.tokens + len(feed),
                        sess.created, time.time(), sess.version, transcript.to_json(), old.meta)
-
-    def remember_reply(self, handle: RequestHandle, messages: list[dict[str, Any]],
-                       render: dict[str, Any], reply: Callable[[str], dict[str, Any]]) -> None:
-        """After a stateless chat reply with the checkpoint's template, put the state of the
-        conversation as the template renders it for the next turn in the prefix cache (a
-        prefill-only request of that text, tokenized as the next request will tokenize it):
-        a client that resends the whole conversation then prefills only its new message.
-        The engine's own entry after a generation holds the reply as the model wrote it,
-        which a template renders differently (without its reasoning, with its end tokens)."""
-        if self.chat is None or self.settings.prefix_cache_bytes <= 0:
-            return
-
-        def done(out: Output) -> None:
-            if out.finish_reason in ("stop", "length") and not self.draining():
-                self._spawn(self._cache_turn(messages, render, reply(handle.text),
-                                             len(handle.req.input_ids)))
-
-        handle.on_finish(done)
-
-    async def _cache_turn(self, messages: list[dict[str, Any]], render: dict[str, Any],
-                          reply: dict[str, Any], prompt_tokens: int) -> None:
-        assert self.chat is not None
-        try:
-            text = stable_text(self.chat, Transcript(messages, ""), reply,
-                               self.tok.special_tokens(), **render)
-            ids = self.prompt_tokens.encode(text)
-            if prompt_tokens < len(ids) <= self.settings.max_prompt_tokens:
-                await self._prefill(ids)
-        except (APIError, ValueError) as exc:  # a template that will not render it: no entry
-            log.debug("reply not cached: %s", exc)
 
     # ---- sessions ------------------------------------------------------------------------
     async def build_state(self, prompt_ids: list[int]) -> tuple[State, list[int]]:

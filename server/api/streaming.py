@@ -71,7 +71,7 @@ class Framing:
     frame: Callable[[dict[str, Any]], str] = sse
     keepalive: str = SSE_KEEPALIVE
     done: str = SSE_DONE
-    error: Callable[[APIError], dict[str, Any]] = openai_error
+    error: Callable[[APIError], dict[str, Any] | list[dict[str, Any]]] = openai_error
 
 
 OPENAI = Framing()
@@ -133,7 +133,7 @@ async def event_stream(handles: list[RequestHandle], render: Render,
             k, out = item
             handle = handles[k]
             if out.error is not None:
-                yield framing.frame(framing.error(engine_error(out)))
+                yield _frames(framing, framing.error(engine_error(out)))
                 finals[k], failed = out, True
                 break
             observe_tokens(handle, out)
@@ -141,7 +141,7 @@ async def event_stream(handles: list[RequestHandle], render: Render,
             if out.finish_reason is not None:
                 finals[k] = out
                 if handle.saved is not None and not await handle.saved:
-                    yield frames + framing.frame(framing.error(APIError(
+                    yield frames + _frames(framing, framing.error(APIError(
                         503, STORE_FAILED, "session_id", "session_store_failed")))
                     failed = True
                     break

@@ -231,3 +231,28 @@ def test_disconnect_storm_on_long_session_prompts_does_not_stall_others(
     print(f"disconnect storm ({storm} x 8k-token session prompts, 2 tokens each): victims' "
           f"gaps p50 {gaps[len(gaps) // 2] * 1000:.0f} ms, max {gaps[-1] * 1000:.0f} ms")
     assert gaps[-1] <= 0.75
+
+
+def test_an_engine_failure_in_each_apis_envelope(linear_weights: Path) -> None:
+    """A request the engine fails ends in its API's own way: the Responses stream with an
+    ``error`` event and ``response.failed``, the Messages stream with Anthropic's ``error``
+    event, and whole replies with a 500 in each envelope."""
+    with ServerProcess(linear_weights, args=["--fault-injection"]) as srv:
+        body = {"input": "Enter HAMLET.", "max_output_tokens": 24, "linserve_fault": "decode"}
+        r = httpx.post(srv.url + "/v1/responses", json=body, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+        r = httpx.post(srv.url + "/v1/responses", json={**body, "stream": True}, timeout=60)
+        events = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+        assert events[0] == "response.created" and events[-2:] == ["error", "response.failed"]
+        failed = json.loads(r.text.strip().splitlines()[-1][6:])
+        assert failed["response"]["status"] == "failed"
+        assert "decode" in failed["response"]["error"]["message"]
+        anthropic = {"model": "m", "max_tokens": 24, "linserve_fault": "decode",
+                     "messages": [{"role": "user", "content": "Enter HAMLET."}]}
+        r = httpx.post(srv.url + "/v1/messages", json=anthropic, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
+        r = httpx.post(srv.url + "/v1/messages", json={**anthropic, "stream": True},
+                       timeout=60)
+        events = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+        assert events[0] == "message_start" and events[-1] == "error"
+        assert httpx.get(srv.url + "/health").status_code == 200

@@ -71,8 +71,9 @@ def test_stop_sequences_and_max_tokens(server: ServerProcess) -> None:
 
 
 def test_resending_the_conversation_reads_the_cache(srv: ServerProcess) -> None:
-    """A client that resends the whole conversation has all of it but the new message
-    served from the prefix cache (``cache_read_input_tokens``)."""
+    """A client that resends the whole conversation at once has all of it but the new
+    message served from the prefix cache (``cache_read_input_tokens``): with a template,
+    the next turn waits for the conversation's prefill that the reply started."""
     c = sdk(srv)
     history: list[Any] = [{"role": "user", "content": "Hello there, tell me a story"}]
     first = c.messages.create(model="m", messages=history, system="Be brief.", **GREEDY)

@@ -70,6 +70,9 @@ def to_chat(body: MessagesRequest) -> ChatRequest:
         fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
             choice.type, {"type": "function", "function": {"name": choice.name}})
         fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    fault = (body.model_extra or {}).get("linserve_fault")
+    if fault is not None:  # a test-only engine fault (settings.fault_injection), passed on
+        fields["linserve_fault"] = fault
     fmt = body.output_config.format if body.output_config else None
     if fmt is not None:
         fields["response_format"] = {"type": "json_schema", "json_schema": {

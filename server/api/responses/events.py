@@ -7,6 +7,7 @@ its event sequence, each event numbered by ``sequence_number``::
         response.function_call_arguments.delta, then their .done events,
         response.content_part.done and response.output_item.done
     response.completed (its status incomplete at max_output_tokens)
+    on a failure: error, then response.failed
 
 The items closed at the end are those of the finished Response (the object also returned by
 GET and stored), so a client accumulating the stream ends with exactly that object.
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.api.chat_reply import ChatDeltas
+from server.api.errors import APIError
 from server.api.responses.items import (
     ResponseBuilder,
     call_item,
@@ -71,6 +73,14 @@ class ResponseEvents:
         if out.finish_reason is not None and out.finish_reason != "cancelled":
             events += self._close(out)
         return events
+
+    def failed(self, err: APIError) -> list[dict[str, Any]]:
+        """A failure mid-stream: an ``error`` event, then ``response.failed`` with the
+        error in the Response."""
+        error = {"code": err.code or "server_error", "message": err.message}
+        failed = {**self.builder.skeleton("failed"), "error": error}
+        return [self.event("error", **error, param=err.param),
+                self.event("response.failed", response=failed)]
 
     def _delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         suffix = self.builder.rid.removeprefix("resp_")

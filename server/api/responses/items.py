@@ -74,6 +74,9 @@ def to_chat(body: ResponsesRequest, messages: list[ChatMessage], session_id: str
     if fmt is not None and fmt.type != "text":
         spec = fmt.model_dump(by_alias=True, exclude_none=True, exclude={"type"})
         fields["response_format"] = {"type": fmt.type, "json_schema": spec or None}
+    fault = (body.model_extra or {}).get("linserve_fault")
+    if fault is not None:  # a test-only engine fault (settings.fault_injection), passed on
+        fields["linserve_fault"] = fault
     thinking = body.reasoning.thinking() if body.reasoning else None
     if thinking is not None:
         fields["chat_template_kwargs"] = {"enable_thinking": thinking}

@@ -35,16 +35,6 @@ from server.sessions.store import Session, SessionUnavailable
 router = APIRouter(tags=["responses"])
 
 
-def responses_error(err: APIError) -> dict[str, Any]:
-    """A failure inside a Responses stream: ``response.failed``'s error (the SDK raises
-    it)."""
-    return {"type": "error", "code": err.code or "server_error", "message": err.message,
-            "param": err.param, "sequence_number": 0}
-
-
-RESPONSES_STREAM = Framing(frame=named_event, done="", error=responses_error)
-
-
 def _svc(request: Request) -> GenerationService:
     svc: GenerationService = request.app.state.service
     return svc
@@ -124,9 +114,10 @@ async def create_response(body: ResponsesRequest, request: Request, owner: Owner
 def _stream(run: ChatRun, builder: ResponseBuilder, request: Request) -> StreamingResponse:
     events = ResponseEvents(builder, ChatDeltas(run.shape))
     keepalive = request.app.state.settings.keepalive_seconds
+    framing = Framing(frame=named_event, done="", error=events.failed)
     return StreamingResponse(
         event_stream(run.handles, lambda _, out: events.feed(out), None, keepalive,
-                     RESPONSES_STREAM, events.opening()),
+                     framing, events.opening()),
         media_type="text/event-stream", headers=SSE_HEADERS)
 
 
