@@ -32,6 +32,7 @@ from bench.multiturn import WEATHER_TOOL, user_turn
 from bench.serverproc import ROOT, ServerProcess
 
 TURNS = 10
+PARTS = ("responses", "tools", "chat", "anthropic")
 SYSTEM = "You are a careful assistant. You answer with tools when you can."
 TOOL = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat form
 OFF = {"enable_thinking": False}
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server-args", nargs="*", default=["--engine-stall-seconds", "120"],
                    help="more server flags (a 512-token prefill step of the 0.8B shapes in "
                    "fp32 takes over the default 10 s watchdog on a 2-core AVX2 CPU)")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     args = p.parse_args(argv)
     runs: dict[str, list[dict[str, Any]]] = {}
     with ServerProcess(ROOT / "weights" / "linear", ready_timeout=900,
@@ -181,10 +183,16 @@ def main(argv: list[str] | None = None) -> None:
         client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=900)
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
                                        max_tokens=2)  # warm-up
-        runs["responses, previous_response_id"] = responses_stored(client)
-        runs["chat with tools, resent whole"] = chat_resent(client, tools=True)
-        runs["chat, resent whole"] = chat_resent(client, tools=False)
-        runs["anthropic messages, resent whole"] = messages_resent(srv.url)
+        parts = {"responses": ("responses, previous_response_id",
+                               lambda: responses_stored(client)),
+                 "tools": ("chat with tools, resent whole",
+                           lambda: chat_resent(client, tools=True)),
+                 "chat": ("chat, resent whole", lambda: chat_resent(client, tools=False)),
+                 "anthropic": ("anthropic messages, resent whole",
+                               lambda: messages_resent(srv.url))}
+        for part in args.parts:
+            name, run = parts[part]
+            runs[name] = run()
         ttfts = server_ttfts(srv.log_path)[1:]  # after the warm-up, in the runs' order
     for rows in runs.values():
         for row in rows:
@@ -199,8 +207,10 @@ def main(argv: list[str] | None = None) -> None:
     result = {"machine": machine(), "checkpoint": str(args.checkpoint),
               "server_args": args.server_args, "runs": runs,
               "summary": summary}
-    write_json("agent_apis", result)
-    plot(result)
+    write_json("agent_apis" if len(args.parts) == len(PARTS) else
+               "agent_apis-" + "-".join(args.parts), result)
+    if len(args.parts) == len(PARTS):
+        plot(result)
     for name, row in summary.items():
         print(f"{name:36s} {row}")
 

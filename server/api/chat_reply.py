@@ -9,12 +9,16 @@ guaranteed, read whole at the end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from server.api import reasoning, tool_calls
 from server.api.formatting import StripStream
 from server.api.tool_calls import ToolCall
+from server.engine.types import Output
+
+Event = dict[str, Any]
 
 
 @dataclass
@@ -108,3 +112,16 @@ class ChatDeltas:
             out.append({"tool_calls": [{"index": index,
                                         "function": {"arguments": event.arguments}}]})
         return out
+
+
+def reply_events(deltas: ChatDeltas, out: Output, on_delta: Callable[[dict[str, Any]],
+                 list[Event]], on_close: Callable[[Output], list[Event]]) -> list[Event]:
+    """The events another API streams for one output of a reply: each chat delta's through
+    ``on_delta``, and once the reply is done (not cancelled) the closing ones."""
+    parts = deltas.feed(out.text)
+    if out.finish_reason is not None:
+        parts += deltas.finish()
+    events = [event for part in parts for event in on_delta(part)]
+    if out.finish_reason is not None and out.finish_reason != "cancelled":
+        events += on_close(out)
+    return events

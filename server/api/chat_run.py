@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from pydantic import ValidationError
 
 from server import metrics
 from server.api import reasoning
@@ -37,6 +38,17 @@ class ChatRun:
     handles: list[RequestHandle]
     shape: ChatShape
     prompt_ids: list[int]
+
+
+def chat_request(fields: dict[str, Any], param: str) -> ChatRequest:
+    """The chat request another API's request becomes (a 400 on ``param`` if it is not
+    one)."""
+    try:
+        return ChatRequest.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise APIError(400, f"{param}: {first.get('msg', 'invalid')}", param,
+                       "invalid_value") from None
 
 
 async def start_chat(svc: GenerationService, body: ChatRequest, owner: str,

@@ -98,18 +98,56 @@ def stable_text(chat: TemplateChat, conversation: Transcript, reply: dict[str, A
     renders with different next messages, cut after its last special token (never less than
     the conversation's stored text)."""
     messages = [*conversation.chat_messages(), ChatMessage.model_validate(reply)]
-    nexts = [ChatMessage.model_validate({"role": "user", "content": p}) for p in PROBES]
-    for call in reply.get("tool_calls") or []:
-        nexts += [ChatMessage.model_validate({"role": "tool", "content": p,
-                                              "tool_call_id": call["id"]}) for p in PROBES]
-        break
-    renders = [chat.render([*messages, m], False, **render) for m in nexts]
-    common = renders[0]
-    for other in renders[1:]:
+    kinds = _next_kinds(reply)[:2]  # a user message, or a tool result
+    renders = [chat.render([*messages, *nexts], False, **render)
+               for kind in kinds for nexts in kind]
+    return _cut(_common(renders), specials, len(conversation.text))
+
+
+def next_turn_texts(chat: TemplateChat, conversation: Transcript, reply: dict[str, Any],
+                    specials: Sequence[str], **render: Any) -> list[str]:
+    """What the template renders of ``conversation`` and ``reply`` for each kind of next turn:
+    a user message; after tool calls also their results alone (the model goes on), and
+    their results then a user message. Templates differ by kind (Qwen3.5's renders an
+    assistant turn after the last user message with its reasoning block), so each kind gets
+    its own text: the common prefix of renders with different probe contents, cut after a
+    special token. Distinct texts only, longest first."""
+    messages = [*conversation.chat_messages(), ChatMessage.model_validate(reply)]
+    texts = {_cut(_common([chat.render([*messages, *nexts], False, **render)
+                           for nexts in kind]), specials, len(conversation.text))
+             for kind in _next_kinds(reply)}
+    return sorted(texts, key=len, reverse=True)
+
+
+def _next_kinds(reply: dict[str, Any]) -> list[list[list[ChatMessage]]]:
+    """Per kind of next turn, one message list per probe."""
+    def user(p: str) -> ChatMessage:
+        return ChatMessage.model_validate({"role": "user", "content": p})
+
+    kinds = [[[user(p)] for p in PROBES]]
+    calls = reply.get("tool_calls") or []
+    if calls:
+        def tool(p: str) -> ChatMessage:
+            return ChatMessage.model_validate({"role": "tool", "content": p,
+                                               "tool_call_id": calls[0]["id"]})
+
+        kinds += [[[tool(p)] for p in PROBES], [[tool(p), user(p)] for p in PROBES]]
+    return kinds
+
+
+def _common(texts: list[str]) -> str:
+    common = texts[0]
+    for other in texts[1:]:
         common = common[:next((i for i, (a, b) in enumerate(zip(common, other, strict=False))
                                if a != b), min(len(common), len(other)))]
+    return common
+
+
+def _cut(common: str, specials: Sequence[str], floor: int) -> str:
+    """``common`` cut after its last special token (tokenization cannot merge across it),
+    never shorter than ``floor``."""
     cut = max((common.rfind(s) + len(s) for s in specials if s and s in common), default=0)
-    return common[:max(cut, len(conversation.text))]
+    return common[:max(cut, floor)]
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """The next turn of a conversation resent whole, put in the prefix cache ahead of time.
 
 After a stateless chat reply with a checkpoint's template, the text the template will
-render of the conversation and that reply on the next turn (:func:`stable_text`: what the
-session code keeps for template chat sessions) is tokenized as the next request will
-tokenize it and prefilled by a prefill-only request, whose state the engine's prefix cache
-keeps. The engine's own entry after a generation holds the reply as the model wrote it,
-which a template renders differently (without its reasoning, with its end tokens), so
-without this the next turn resumes only from the previous prompt.
+render of the conversation and that reply on the next turn (:func:`next_turn_texts`: one
+per kind of next turn, a user message or, after tool calls, their results) is tokenized as
+the next request will tokenize it and prefilled by a prefill-only request, whose state the
+engine's prefix cache keeps. The engine's own entry after a generation holds the reply as
+the model wrote it, which a template renders differently (without its reasoning, with its
+end tokens), so without this the next turn resumes only from the previous prompt.
 
 A client that sends its next turn at once (an agent running a tool instantly) would race
 that prefill: a request whose prompt extends a conversation being prefilled waits for it
@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from server.api.chat_session import Transcript, stable_text
+from server.api.chat_session import Transcript, next_turn_texts
 from server.api.chat_template import TemplateChat
 from server.api.errors import APIError
 from server.engine.client import RequestHandle
@@ -49,23 +49,23 @@ class NextTurns:
         def done(out: Output) -> None:
             if out.finish_reason not in ("stop", "length"):
                 return
-            ids = self._next_ids(messages, render, reply(handle.text))
-            if ids is not None and len(handle.req.input_ids) < len(ids) <= self.max_tokens:
-                future = asyncio.get_running_loop().create_future()
-                self.running.append((ids, future))
-                self.spawn(self._prefill(ids, future))
+            for ids in self._next_ids(messages, render, reply(handle.text)):
+                if len(handle.req.input_ids) < len(ids) <= self.max_tokens:
+                    future = asyncio.get_running_loop().create_future()
+                    self.running.append((ids, future))
+                    self.spawn(self._prefill(ids, future))
 
         handle.on_finish(done)
 
     def _next_ids(self, messages: list[dict[str, Any]], render: dict[str, Any],
-                  reply: dict[str, Any]) -> list[int] | None:
+                  reply: dict[str, Any]) -> list[list[int]]:
         try:
-            text = stable_text(self.chat, Transcript(messages, ""), reply, self.specials,
-                               **render)
+            texts = next_turn_texts(self.chat, Transcript(messages, ""), reply,
+                                    self.specials, **render)
         except (APIError, ValueError) as exc:  # a template that will not render it
             log.debug("next turn not cached: %s", exc)
-            return None
-        return self.encode(text)
+            return []
+        return [self.encode(text) for text in texts]
 
     async def _prefill(self, ids: list[int], future: asyncio.Future[None]) -> None:
         try:

@@ -293,6 +293,17 @@ class GenerationService:
             raise APIError(404, f"session {sid!r} not found", "session_id")
         return sess, token
 
+    async def delete_session(self, sid: str, owner: str, param: str = "session_id") -> None:
+        """Delete a session: 404 unknown, 409 while a request runs on it (cancel that one
+        first), so an in-flight save can never bring a deleted session back."""
+        _, token = await self.lock_session(sid, owner)
+        try:
+            await self.store.delete(sid, owner)
+        except SessionUnavailable as exc:
+            raise APIError(503, "session store unavailable", param) from exc
+        finally:
+            await self.store.release(sid, token)
+
     def _submit(self, req: GenerationRequest) -> RequestHandle:
         try:
             return self.client.submit(req)

@@ -144,6 +144,9 @@ def test_a_tool_use_round_trip(qwen_agent: ServerProcess) -> None:
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                       "content": "sunny, 21 C"}]}], **GREEDY)
     assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    # the conversation with the call, as the template renders it next, was cached
+    before = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert follow.usage.cache_read_input_tokens > before
     rendered = httpx.post(qwen_agent.url + "/v1/messages/count_tokens", json={
         "model": "q", "tools": TOOLS, "messages": [
             *ask, {"role": "assistant", "content": [u.model_dump() for u in uses]},

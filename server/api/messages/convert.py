@@ -7,9 +7,7 @@ import json
 import secrets
 from typing import Any
 
-from pydantic import ValidationError
-
-from server.api.errors import APIError
+from server.api.chat_run import chat_request
 from server.api.messages.protocol import (
     MessagesRequest,
     TextBlock,
@@ -80,12 +78,7 @@ def to_chat(body: MessagesRequest) -> ChatRequest:
     thinking = body.thinking
     fields["chat_template_kwargs"] = {
         "enable_thinking": thinking is not None and thinking.type != "disabled"}
-    try:
-        return ChatRequest.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise APIError(400, f"messages: {first.get('msg', 'invalid')}", "messages",
-                       "invalid_value") from None
+    return chat_request(fields, "messages")
 
 
 def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from server.api.chat_reply import ChatDeltas
+from server.api.chat_reply import ChatDeltas, reply_events
 from server.api.messages.convert import stop_of, usage
 from server.api.messages.protocol import MessagesRequest
 from server.engine.types import Output
@@ -44,15 +44,7 @@ class MessageEvents:
             {"type": "ping"}]
 
     def feed(self, out: Output) -> list[dict[str, Any]]:
-        deltas = self.deltas.feed(out.text)
-        if out.finish_reason is not None:
-            deltas += self.deltas.finish()
-        events: list[dict[str, Any]] = []
-        for delta in deltas:
-            events += self._delta(delta)
-        if out.finish_reason is not None and out.finish_reason != "cancelled":
-            events += self._close(out)
-        return events
+        return reply_events(self.deltas, out, self._delta, self._close)
 
     def _delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         if "reasoning_content" in delta:

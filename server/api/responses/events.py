@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.api.chat_reply import ChatDeltas
+from server.api.chat_reply import ChatDeltas, reply_events
 from server.api.errors import APIError
 from server.api.responses.items import (
     ResponseBuilder,
@@ -64,15 +64,7 @@ class ResponseEvents:
     def feed(self, out: Output) -> list[dict[str, Any]]:
         """The events of one engine output (the closing ones after the last)."""
         self.text += out.text
-        deltas = self.deltas.feed(out.text)
-        if out.finish_reason is not None:
-            deltas += self.deltas.finish()
-        events: list[dict[str, Any]] = []
-        for delta in deltas:
-            events += self._delta(delta)
-        if out.finish_reason is not None and out.finish_reason != "cancelled":
-            events += self._close(out)
-        return events
+        return reply_events(self.deltas, out, self._delta, self._close)
 
     def failed(self, err: APIError) -> list[dict[str, Any]]:
         """A failure mid-stream: an ``error`` event, then ``response.failed`` with the

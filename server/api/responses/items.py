@@ -8,11 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from model.tokenizer import Tokenizer
 from server.api.chat_reply import ChatShape
-from server.api.errors import APIError
+from server.api.chat_run import chat_request
 from server.api.protocol import ChatMessage, ChatRequest
 from server.api.responses.protocol import (
     FunctionCallItem,
@@ -80,12 +78,7 @@ def to_chat(body: ResponsesRequest, messages: list[ChatMessage], session_id: str
     thinking = body.reasoning.thinking() if body.reasoning else None
     if thinking is not None:
         fields["chat_template_kwargs"] = {"enable_thinking": thinking}
-    try:
-        return ChatRequest.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise APIError(400, f"input: {first.get('msg', 'invalid')}", "input",
-                       "invalid_value") from None
+    return chat_request(fields, "input")
 
 
 def output_items(rid: str, message: dict[str, Any], status: str) -> list[dict[str, Any]]:

@@ -147,13 +147,7 @@ async def delete_response(response_id: str, request: Request, owner: Owner) -> A
     """Delete a stored response and its state (409 while its reply still runs)."""
     svc = _svc(request)
     await stored.load(svc, response_id, owner)
-    _, token = await svc.lock_session(response_id, owner)
-    try:
-        await svc.store.delete(response_id, owner)
-    except SessionUnavailable as exc:
-        raise APIError(503, "session store unavailable", "response_id") from exc
-    finally:
-        await svc.store.release(response_id, token)
+    await svc.delete_session(response_id, owner, "response_id")
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 

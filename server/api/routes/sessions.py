@@ -67,14 +67,7 @@ async def get_session(session_id: str, request: Request, owner: Owner) -> Sessio
 async def delete_session(session_id: str, request: Request, owner: Owner) -> dict[str, object]:
     """Delete a session: 409 while a request is running on it (cancel that request first),
     so an in-flight save can never bring a deleted session back."""
-    svc = _svc(request)
-    _, token = await svc.lock_session(session_id, owner)
-    try:
-        await svc.store.delete(session_id, owner)
-    except SessionUnavailable as exc:
-        raise APIError(503, "session store unavailable", "session_id") from exc
-    finally:
-        await svc.store.release(session_id, token)
+    await _svc(request).delete_session(session_id, owner)
     return {"id": session_id, "object": "session.deleted", "deleted": True}
 
 
