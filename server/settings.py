@@ -100,6 +100,11 @@ class Settings(BaseSettings):
     prefix_cache_bytes: int = Field(
         1 << 30, ge=0, description="byte budget of the automatic prefix-state cache for "
         "requests without a session_id (LRU; 0 turns it off)")
+    next_turn_cache: bool = Field(
+        True, description="after a stateless chat reply with a checkpoint's template, "
+        "prefill the conversation as the template renders it for the next turn into the "
+        "prefix cache, so a client that resends the whole conversation prefills only its "
+        "new messages")
     prefix_cache_interval: int = Field(
         1024, ge=0, description="also keep a prefix state every this many tokens inside a "
         "long prefill, so a prompt that diverges inside it resumes nearby (0: off)")

@@ -110,7 +110,7 @@ class GenerationService:
                                      self.prompt_tokens.encode, self._prefill, self._spawn,
                                      settings.max_prompt_tokens)
                            if self.chat is not None and settings.prefix_cache_bytes > 0
-                           else None)
+                           and settings.next_turn_cache else None)
 
     # ---- validation --------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | list[str], param: str = "prompt"
