@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,9 @@ def plot(result: dict[str, Any]) -> None:
     style_axes(left, "turn", "TTFT (ms)", "Time to first token by turn", logy=False)
     style_axes(right, "turn", "share of the prompt not prefilled",
                "Prompt served from state or cache", logy=False)
+    for ax in (left, right):
+        ax.set_xscale("linear")  # turns, not sizes
+        ax.set_xticks(range(1, TURNS + 1))
     left.legend(fontsize=8)
     left.set_ylim(bottom=0)
     save_figure(fig, "agent_apis.png")
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3.5-0.8b-shapes"),
                    help="a Qwen3.5 folder (python -m bench.hf --make builds the 0.8B shapes)")
-    p.add_argument("--server-args", nargs="*", default=["--engine-stall-seconds", "120"],
+    p.add_argument("--server-args", type=shlex.split, default=["--engine-stall-seconds", "120"],
                    help="more server flags (a 512-token prefill step of the 0.8B shapes in "
                    "fp32 takes over the default 10 s watchdog on a 2-core AVX2 CPU)")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
