@@ -107,7 +107,7 @@ class GenerationService:
         self.remote: RemotePrefixes | None = None  # prefix states shared through Redis
         self._grammars: GrammarCompiler | None = None  # validates grammars before the engine
         self.next_turns = (NextTurns(self.chat, self.tok.special_tokens(),
-                                     self.prompt_tokens.encode, self._prefill, self._spawn,
+                                     self.prompt_tokens.encode, self._prefill, self.spawn,
                                      settings.max_prompt_tokens)
                            if self.chat is not None and settings.prefix_cache_bytes > 0
                            and settings.next_turn_cache else None)
@@ -273,7 +273,7 @@ class GenerationService:
             await self.store.release(sid, token)
             raise
         handle.saved = asyncio.get_running_loop().create_future()
-        handle.on_finish(lambda out: self._spawn(self._save(sess, token, out, handle, prep)))
+        handle.on_finish(lambda out: self.spawn(self._save(sess, token, out, handle, prep)))
         return handle
 
     async def lock_session(self, sid: str, owner: str) -> tuple[Session, str]:
@@ -314,7 +314,7 @@ class GenerationService:
             raise APIError(503, f"the engine is unavailable ({exc}); retry shortly", None,
                            "engine_unavailable", OVERLOADED_HEADERS) from exc
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -404,9 +404,9 @@ class GenerationService:
         self._check_context(0, len(prompt_ids), 0)
         state, pending = await self.build_state(prompt_ids)
         sess = Session(new_session_id(), owner, state, pending, len(prompt_ids))
-        return await self._put_new(sess)
+        return await self.put_new(sess)
 
-    async def _put_new(self, sess: Session) -> Session:
+    async def put_new(self, sess: Session) -> Session:
         try:
             return await self.store.put(sess)
         except SessionUnavailable as exc:

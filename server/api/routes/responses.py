@@ -72,7 +72,7 @@ async def _open_session(svc: GenerationService, rid: str, owner: str, prev: Sess
     else:
         state, pending = await svc.build_state([])
         sess = Session(rid, owner, state, pending, 0, meta=meta)
-    return await svc._put_new(sess)
+    return await svc.put_new(sess)
 
 
 @router.post("/v1/responses", responses={**ERRORS, 200: SSE_RESPONSE})
@@ -104,7 +104,7 @@ async def create_response(body: ResponsesRequest, request: Request, owner: Owner
         raise
     builder.shape, builder.prompt_tokens = run.shape, len(run.prompt_ids)
     if session_id is not None and not body.store:
-        svc._spawn(_forget_after(svc, run, rid, owner))
+        svc.spawn(_forget_after(svc, run, rid, owner))
     if not body.stream:
         out = await collect_reply(svc, run.handles[0], request)
         return JSONResponse(builder.finished(run.handles[0].text, out))

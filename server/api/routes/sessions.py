@@ -80,7 +80,7 @@ async def fork_session(session_id: str, request: Request, owner: Owner) -> Sessi
     # sharing the tensors is an exact, free copy.
     fork = Session(new_session_id(), owner, src.state, list(src.pending), src.tokens,
                    chat=src.chat)
-    fork = await svc._put_new(fork)
+    fork = await svc.put_new(fork)
     return _info(fork, request.app.state.model_name)
 
 
@@ -120,5 +120,5 @@ async def import_session(request: Request, owner: Owner) -> SessionInfo:
         raise APIError(400, f"invalid state: {problem}", "body", "invalid_state")
     sess = Session(new_session_id(), owner, state, pending, tokens, time.time(), time.time(),
                    chat=chat)
-    sess = await svc._put_new(sess)
+    sess = await svc.put_new(sess)
     return _info(sess, request.app.state.model_name)
