@@ -124,7 +124,8 @@ def release(module: nn.Module) -> None:
     """Keep only the packed GEMM weights built so far under ``module`` (from now on they
     are used whatever the mode), and free the ``nn.Linear`` weights they were packed from:
     each becomes a stride-0 view of one element with its shape (so ``n_params`` still counts
-    it). Weights of other modules (a tied embedding table) are kept. For a served model
+    it). A tied embedding table is freed too when the kernels can read its rows from the
+    packed head (:func:`embed`): it is then held once. For a served model
     whose every GEMM weight has been built (a warm-up), so the weights are not held twice."""
     linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
     for owner in module.modules():
@@ -132,10 +133,41 @@ def release(module: nn.Module) -> None:
         if cached is None:
             continue
         owner.__dict__["_invariant_wt"] = (_FROZEN, cached[1], ())
+        tied = isinstance(owner, nn.Embedding) and kernels.available()
         for p in cached[2]:
-            if id(p) in linear:
-                p.data = torch.zeros((), dtype=p.dtype).expand(p.shape)
-                p.__dict__["_linserve_released"] = True
+            if id(p) in linear or tied:
+                _free(p)
+
+
+def _free(p: torch.Tensor) -> None:
+    """Replace a parameter's data by a stride-0 view of one element with its shape."""
+    p.data = torch.zeros((), dtype=p.dtype).expand(p.shape)
+    p.__dict__["_linserve_released"] = True
+
+
+def embed(embedding: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+    """``embedding(tokens)`` ``[..., d]`` in the table's dtype. A tied table whose head
+    :func:`release` kept is held once, as that head: rows are then read from it
+    (``head_rows``, ``model/kernels/embed.h``; a quantized head gives its dequantized
+    values, as llama.cpp's quantized ``token_embd``)."""
+    head = _tied_head(embedding)
+    if head is None:
+        return embedding(tokens)
+    rows = torch.ops.linserve.head_rows(head, tokens.reshape(-1), embedding.embedding_dim)
+    return rows.view(*tokens.shape, -1).to(embedding.weight.dtype)
+
+
+def embedding_table(embedding: nn.Embedding) -> torch.Tensor:
+    """What a fused step reads token embeddings from: the table, or for a table held once
+    (:func:`embed`) the very head tensor (the kernels see it is the head and gather)."""
+    head = _tied_head(embedding)
+    return embedding.weight.detach() if head is None else head
+
+
+def _tied_head(embedding: nn.Embedding) -> torch.Tensor | None:
+    if not getattr(embedding.weight, "_linserve_released", False):
+        return None
+    return frozen(embedding)
 
 
 def strip(module: nn.Module) -> None:

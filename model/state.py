@@ -7,8 +7,8 @@ consumed (the position of its next token). An entry is one of:
 - :class:`RecurrentEntry`: a matrix state per head, s ``[B, H, F, M]``, and where the model
   normalises by it z ``[B, H, F]``; constant size, fp32.
 - :class:`ConvEntry`: a short causal convolution's window, ``[B, K-1, C]`` fp32.
-- :class:`KVEntry`: keys and values ``[B, H, C, D]`` in C slots that grow by doubling up to a
-  limit; with ``window = W`` a ring of W slots that never grows past W.
+- :class:`KVEntry`: keys and values ``[B, H, C, D]`` in C slots that grow in blocks of 256 up to
+  a limit; with ``window = W`` a ring of W slots that never grows past W.
 
 A model may mix entry types across layers (a hybrid keeps recurrent and conv entries in most
 layers and a KV cache in a few). Every entry selects, copies, concatenates, writes and moves
@@ -27,6 +27,14 @@ from typing import Any, ClassVar
 import torch
 
 Index = torch.Tensor | Sequence[int] | slice
+
+
+KV_BLOCK = 256  # slots a KV cache grows by
+
+
+def _blocks(positions: int) -> int:
+    """``positions`` rounded up to whole :data:`KV_BLOCK` blocks."""
+    return -(-positions // KV_BLOCK) * KV_BLOCK
 
 
 class StateError(ValueError):
@@ -145,9 +153,10 @@ class ConvEntry(Entry):
 
 @dataclass
 class KVEntry(Entry):
-    """Keys and values ``[B, H, C, D]``, written at each row's own position. C grows by
-    doubling, never per step, up to ``max_context``. With ``window = W > 0`` it is a ring of
-    at most W slots: position p lives in slot p mod W."""
+    """Keys and values ``[B, H, C, D]``, written at each row's own position. C grows in
+    blocks of :data:`KV_BLOCK` slots, never per step, up to ``max_context`` (as llama.cpp's
+    cache and vLLM's pages grow: doubling held up to twice what was used). With
+    ``window = W > 0`` it is a ring of at most W slots: position p lives in slot p mod W."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -191,8 +200,17 @@ class KVEntry(Entry):
                              f"{self.max_context}")
         if positions <= self.capacity:
             return
-        pow2 = 1 << (positions - 1).bit_length()
-        self.resize(min(max(2 * self.capacity, pow2), self.slot_limit), live)
+        self.resize(min(_blocks(positions), self.slot_limit), live)
+
+    def fit(self, lengths: torch.Tensor, live: int) -> bool:
+        """Give back the slots past the longest of the first ``live`` rows (plus a block),
+        once they are more than half the cache; whether it was reallocated."""
+        used = int(self.slots_used(lengths[:live]).max()) if live else 0
+        want = min(_blocks(used + 1), self.slot_limit)
+        if want * 2 > self.capacity:
+            return False
+        self.resize(want, live)
+        return True
 
     def resize(self, capacity: int, live: int | None = None) -> None:
         """Reallocate to exactly ``capacity`` slots, copying. A ring only wraps once it holds
@@ -220,7 +238,7 @@ class KVEntry(Entry):
     def select(self, idx: Index, lengths: torch.Tensor) -> KVEntry:
         """A copy of rows ``idx``, trimmed to the capacity they need."""
         used = int(self.slots_used(lengths).max()) if lengths.numel() else 0
-        cap = max(min(max(16, 1 << max(used - 1, 0).bit_length()), self.slot_limit), used)
+        cap = max(min(-(-max(used, 1) // 16) * 16, self.slot_limit), used)
         return KVEntry(_rows(self.k[:, :, :cap], idx), _rows(self.v[:, :, :cap], idx),
                        self.max_context, self.window)
 
@@ -349,6 +367,11 @@ class State:
         before = [e.capacity for e in kvs]
         self.reserve(int(self.lengths[:live].max()) + 1, live)
         return [e.capacity for e in kvs] != before
+
+    def fit_kv(self, live: int) -> bool:
+        """Shrink KV caches to the first ``live`` rows' need (:meth:`KVEntry.fit`); whether
+        any tensor was reallocated (views of this state are then stale)."""
+        return any([e.fit(self.lengths, live) for e in self.kv_entries])
 
     @functools.cached_property
     def kv_entries(self) -> list[KVEntry]:

@@ -554,7 +554,7 @@ class Qwen35ForCausalLM(DecoderLM):
         emb = self.model.embed_tokens
         head = invariant.gemm_weight(emb, emb.weight) if self.lm_head is None \
             else _gemm(self.lm_head)
-        out = [emb.weight.detach(), head, _norm(self.model.norm)]
+        out = [invariant.embedding_table(emb), head, _norm(self.model.norm)]
         for layer in self.model.layers:
             out += _layer_weights(cast(DecoderLayer, layer), self.cfg)
         return out

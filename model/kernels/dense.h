@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include "embed.h"
 #include "fastmath.h"
 #include "gemm.h"
 

@@ -7,11 +7,14 @@
 //   says which).
 //   pack_quantized(q [K, N] int8, scales, int4) -> an int8 (fp32 scales [N]) or int4 (fp16
 //   scales [K/32, N]) weight in gemm_quant.h's formats, which invariant_mm also takes.
+//   head_rows(head, tokens [B], d) -> [B, d] fp32: a tied model's embeddings read from its
+//   GEMM head in any stored format (embed.h), so the table is held once.
 //   set_batch_invariant(on): whether the fused steps' projections use it (dense.h).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "dense.h"
+#include "embed.h"
 #include "gemm.h"
 
 namespace {
@@ -29,6 +32,10 @@ at::Tensor pack_quantized_op(const at::Tensor& q, const at::Tensor& scales, bool
   return linserve::pack_quantized(q, scales, int4);
 }
 
+at::Tensor head_rows_op(const at::Tensor& head, const at::Tensor& tokens, int64_t dim) {
+  return linserve::embed_rows(head, tokens, dim, true);
+}
+
 bool has_bf16_dot() { return linserve::kHasBf16Dot; }
 
 void set_batch_invariant(bool on) { linserve::batch_invariant_flag() = on; }
@@ -41,6 +48,7 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("invariant_mm(Tensor a, Tensor w) -> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
   m.def("pack_quantized(Tensor q, Tensor scales, bool int4) -> Tensor");
+  m.def("head_rows(Tensor head, Tensor tokens, int dim) -> Tensor");
   m.def("has_bf16_dot() -> bool");
   m.def("set_batch_invariant(bool on) -> ()");
   m.def("get_batch_invariant() -> bool");
@@ -50,6 +58,7 @@ TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("invariant_mm", &invariant_mm_op);
   m.impl("pack_weight", &pack_weight_op);
   m.impl("pack_quantized", &pack_quantized_op);
+  m.impl("head_rows", &head_rows_op);
 }
 
 TORCH_LIBRARY_IMPL(linserve, CatchAll, m) {

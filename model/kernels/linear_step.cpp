@@ -203,7 +203,7 @@ at::Tensor linear_step(const at::Tensor& tokens, at::TensorList weights, at::Ten
                   static_cast<int64_t>(conv.size()) == layers,
               "state has the wrong number of layers");
   const at::Tensor& embed = w[0];
-  at::Tensor x = embed.index_select(0, tokens).to(at::kFloat).contiguous();
+  at::Tensor x = linserve::embed_rows(embed, tokens, w[2].size(0), embed.is_same(w[1]));
   for (int64_t l = 0; l < layers; ++l) {
     at::Tensor sl = s[l], zl = z[l], cl = conv[l];
     TORCH_CHECK(sl.scalar_type() == at::kFloat && zl.scalar_type() == at::kFloat &&

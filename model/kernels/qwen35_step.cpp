@@ -149,11 +149,6 @@ void attention_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& kc, at::Ten
   mlp_add(x, w + 5, m);
 }
 
-// The embeddings of the tokens as fp32 rows [B, d].
-at::Tensor embed(const at::Tensor& table, const at::Tensor& tokens) {
-  return table.index_select(0, tokens).to(at::kFloat).contiguous();
-}
-
 at::Tensor qwen35_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList state,
                        const at::Tensor& lengths, at::IntArrayRef kinds, at::IntArrayRef dims,
                        double eps) {
@@ -169,7 +164,7 @@ at::Tensor qwen35_step(const at::Tensor& tokens, at::TensorList weights, at::Ten
   for (const at::Tensor& t : state)
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() &&
                     t.size(0) == tokens.size(0), "qwen35_step: state is fp32 contiguous [B, ...]");
-  at::Tensor x = embed(weights[0], tokens);
+  at::Tensor x = linserve::embed_rows(weights[0], tokens, m.d, weights[0].is_same(weights[1]));
   const int64_t* len = lengths.data_ptr<int64_t>();
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + 3 + l * kLayerWeights;

@@ -125,7 +125,7 @@ at::Tensor softmax_step(const at::Tensor& tokens, at::TensorList weights, at::Te
   for (int64_t i = 0; i < dim / 2; ++i) {
     inv_freq[i] = 1.0 / std::pow(rope_base, static_cast<double>(2 * i) / dim);
   }
-  at::Tensor x = w[0].index_select(0, tokens).to(at::kFloat).contiguous();
+  at::Tensor x = linserve::embed_rows(w[0], tokens, w[2].size(0), w[0].is_same(w[1]));
   const int64_t rows = x.size(0), d = x.size(1);
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t base = 3 + kPerLayer * l;

@@ -105,7 +105,7 @@ class DecoderLM(nn.Module):
                      torch.zeros(batch, dtype=torch.long))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed_tokens(tokens)
+        x = invariant.embed(self.model.embed_tokens, tokens)
         return x * self.embedding_scale if self.embedding_scale != 1.0 else x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
