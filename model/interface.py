@@ -37,7 +37,8 @@ class ModelInfo:
     whether :meth:`ServedModel.prefill_ragged` takes prompts of different lengths in one pass.
     ``state_bytes``: one fresh session's state; ``state_grows``: whether that grows with the
     context (a KV cache), by ``state_bytes_per_token``. ``state_layout``: per layer, what it
-    holds. ``weight_bytes``: what the weights hold in memory as served (packed, quantized)."""
+    holds. ``weight_bytes``: what the weights hold in memory as served (packed, quantized),
+    of which ``embedding_bytes`` are an embedding table held beside the head."""
 
     architecture: str
     vocab_size: int
@@ -51,6 +52,7 @@ class ModelInfo:
     state_layout: list[dict[str, dict[str, Any]]] = field(default_factory=list)
     state_bytes_per_token: int = 0  # what each token adds (its KV entries); 0: constant
     weight_bytes: int = 0
+    embedding_bytes: int = 0
     quantization: str = "none"  # "int8" / "int4" GEMM weights (model.quantize), or none
     notes: tuple[str, ...] = ()
 

@@ -197,6 +197,14 @@ def resident_bytes(module: nn.Module, extra: Iterable[torch.Tensor] = ()) -> int
     return sum(seen.values())
 
 
+def embedding_bytes(module: nn.Module) -> int:
+    """Bytes of the embedding tables under ``module`` still held as tables (a tied table
+    held once as its head counts nothing here)."""
+    return sum(m.weight.untyped_storage().nbytes() for m in module.modules()
+               if isinstance(m, nn.Embedding) and not getattr(m.weight, "_linserve_released",
+                                                              False))
+
+
 def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [..., in] @ w`` for ``w`` from :func:`gemm_weight`: the invariant GEMM (fp32 out)
     for a packed weight or when :func:`active`, else ATen in x's dtype, as ``F.linear``

@@ -50,3 +50,7 @@ PREFIX_REMOTE_ERRORS = Counter("linserve_prefix_cache_remote_errors", "Redis cal
                                "prefix cache that failed or timed out (requests went on)")
 PREFIX_EVICTIONS = Counter("linserve_prefix_cache_evictions", "Prefix-cache entries evicted "
                            "(LRU, byte budget)")
+MEMORY = Gauge("linserve_memory_bytes", "Resident bytes by part: the engine's weights, "
+               "embeddings, slot_states, kv_cache, request_states and prefix_cache, the HTTP "
+               "process's sessions, and the runtime (both processes' RSS less the rest)",
+               ["part"])

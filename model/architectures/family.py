@@ -80,7 +80,8 @@ class HFFamily:
         self.check(path, dtype)
         cfg = self.read_config(path)
         tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
-        module = self._meta(cfg).to_empty(device="cpu").eval()
+        # in the served dtype from the start: a bf16 model never exists in fp32 as well
+        module = self._meta(cfg).to(dtype).to_empty(device="cpu").eval()
         unused = hf.load_weights(module, path, self.rename, dtype)
         other = [n for n in unused if not n.startswith("lm_head.")]
         if other:

@@ -233,6 +233,7 @@ class HFServedModel:
             ragged_prefill=True, state_bytes=empty.nbytes, state_grows=empty.grows,
             state_layout=empty.layout(), state_bytes_per_token=per_token,
             weight_bytes=invariant.resident_bytes(module),
+            embedding_bytes=invariant.embedding_bytes(module),
             quantization=invariant.quantization())
 
     def fingerprint(self) -> str:

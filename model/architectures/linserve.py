@@ -55,6 +55,7 @@ class OwnModel:
             state_bytes_per_token=0 if not empty.grows else
             2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 4,
             weight_bytes=invariant.resident_bytes(model, model.fused_weights),
+            embedding_bytes=invariant.embedding_bytes(model),
             quantization=invariant.quantization())
 
     @classmethod

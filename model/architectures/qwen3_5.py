@@ -645,7 +645,7 @@ def load(path: Path, dtype: torch.dtype, fused: bool) -> hf.HFServedModel:
     tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
     with torch.device("meta"):
         module = Qwen35ForCausalLM(cfg)
-    module = module.to_empty(device="cpu").eval()
+    module = module.to(dtype).to_empty(device="cpu").eval()  # never all of it in fp32
     unused = hf.load_weights(module, path, _rename, dtype)
     vision = sum(n.startswith("model.visual.") for n in unused)
     if vision:

@@ -23,11 +23,13 @@ import torch
 from model.interface import ServedModel, State
 from model.sampling import BatchParams, sample, top_logprobs
 from server import metrics
+from server.engine.memory import engine_parts
 from server.engine.pool import SlotPool
 from server.engine.replay import Replay, ReplayQueue
 from server.engine.sequence import Sequence, logprob_entries
 from server.engine.types import GenerationRequest, Output, TokenLogprob
 from server.grammar.engine_side import EngineGrammars, MaskResult, matcher_error
+from server.malloc import trim
 from server.prefix_cache.engine_side import EnginePrefixCache, Publish
 from server.sessions.transcript import (
     chat_next_turn_text,
@@ -85,6 +87,8 @@ class Engine:
         self._outbox: list[tuple[Sink, Output]] = []
         self._bp_cache: tuple[tuple[str, ...], BatchParams, bool] | None = None
         self.steps = 0
+        self._memory_reported = 0.0
+        self._busy = False
 
     # ---- thread-safe API -------------------------------------------------------------
     def submit(self, req: GenerationRequest, sink: Sink) -> None:
@@ -129,6 +133,9 @@ class Engine:
         """One scheduler iteration (blocks briefly on the inbox when idle)."""
         self.beat()
         idle = not (self.waiting or self.prefilling or self.running or self.replays)
+        if idle and self._busy:  # a burst just ended: its scratch goes back to the system
+            trim()
+        self._busy = not idle
         self._drain_inbox(block=idle)
         self._admit()
         self._prefill_some()
@@ -137,6 +144,24 @@ class Engine:
         self._flush()
         metrics.RUNNING.set(len(self.running) + len(self.prefilling))
         metrics.WAITING.set(len(self.waiting))
+        self._report_memory()
+
+    def memory_parts(self) -> dict[str, int]:
+        """Bytes the engine's tensors hold, by part (:mod:`server.engine.memory`)."""
+        held = [s.state for s in self.prefilling] + [s.snapshot for s in self.running]
+        held += [job.state for job in self.replays.jobs]
+        prefix = self.prefix.cache.states() if self.prefix is not None else []
+        return engine_parts(self.model.info, self.pool.state, [self.pool.counts,
+                                                                self.pool.seen], held, prefix)
+
+    def _report_memory(self) -> None:
+        """``linserve_memory_bytes`` for the engine's parts, at most once a second."""
+        now = time.monotonic()
+        if now - self._memory_reported < 1.0:
+            return
+        self._memory_reported = now
+        for part, nbytes in self.memory_parts().items():
+            metrics.MEMORY.labels(part=part).set(nbytes)
 
     def _drain_inbox(self, block: bool) -> None:
         try:

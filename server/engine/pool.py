@@ -31,7 +31,9 @@ class SlotPool:
         self.capacity = capacity
         self.n = 0
         self._view: State | None = None
-        self._allocate(0)
+        self.state: State = model.new_state(0)
+        self.counts = torch.zeros(0, model.info.vocab_size)
+        self.seen = torch.zeros(0, model.info.vocab_size, dtype=torch.bool)
 
     @property
     def rows(self) -> int:

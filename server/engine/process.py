@@ -64,7 +64,7 @@ class _Recorder:
 ENGINE_METRICS = ("RUNNING", "WAITING", "BATCH_SIZE", "STEP_TIME", "PREFILL_TIME",
                   "QUEUE_TIME", "PROMPT_TOKENS", "GENERATION_TOKENS", "REQUESTS", "PREFIX_QUERIES",
                   "PREFIX_HITS", "PREFIX_HIT_RATE", "PREFIX_BYTES", "PREFIX_ENTRIES",
-                  "PREFIX_EVICTIONS", "PREFIX_REMOTE_HITS")
+                  "PREFIX_EVICTIONS", "PREFIX_REMOTE_HITS", "MEMORY")
 
 
 def apply_metric_events(events: list[MetricEvent]) -> None:

@@ -64,6 +64,10 @@ class PrefixCache(Generic[S]):
     def __len__(self) -> int:
         return len(self.lru)
 
+    def states(self) -> list[S]:
+        """Every state held, least recently used first."""
+        return [node.state for node in self.lru if node.state is not None]
+
     def match(self, tokens: Sequence[int], limit: int) -> Match[S]:
         """The deepest entry whose prefix is ``tokens[:depth]`` with ``depth <= limit``, and
         how far ``tokens`` follow a path the tree has seen (``shared``: where this prompt

@@ -144,3 +144,41 @@ def test_a_kv_pool_grows_by_copying_its_live_rows_only(kind: str) -> None:
     small = other.layers[0]["kv"]
     assert isinstance(small, KVEntry)
     assert not torch.isnan(kv.k[2]).any() and not kv.k[2, :, small.capacity:].any()
+
+
+def test_a_pool_allocates_rows_as_sequences_join_and_gives_them_back() -> None:
+    """Rows come in blocks as sequences join and go back when fewer than half are live;
+    the live rows keep their state (and their KV cache shrinks to what they use) through
+    every reallocation."""
+    import torch
+
+    from model.state import KV_BLOCK, KVEntry
+    from server.engine.pool import ROW_BLOCK, SlotPool
+    from tests.model.helpers import served, tiny_model
+
+    model = tiny_model("softmax", max_context=4 * KV_BLOCK)
+    pool = SlotPool(served(model), 16)
+    assert pool.rows == 0
+    states = [model.prefill(torch.randint(0, 97, (1, 5 + i)))[1] for i in range(10)]
+    _, long = model.prefill(torch.randint(0, 97, (1, KV_BLOCK + 40)))
+    for st in [long, *states]:
+        pool.add(st, [], [1])
+    assert ROW_BLOCK * 2 < pool.rows <= 12 and pool.n == 11
+    kv = pool.state.layers[0]["kv"]
+    assert isinstance(kv, KVEntry) and kv.capacity == 2 * KV_BLOCK
+    pool.remove(0)  # the long row leaves: the last row moves into slot 0
+    for _ in range(6):
+        pool.remove(pool.n - 1)
+    assert pool.n == 4 and pool.rows == ROW_BLOCK
+    kv = pool.state.layers[0]["kv"]
+    assert isinstance(kv, KVEntry) and kv.capacity == KV_BLOCK
+    for slot, st in zip(range(4), [states[9], *states[:3]], strict=True):
+        row = pool.take(slot)
+        want = st.layers[0]["kv"]
+        got = row.layers[0]["kv"]
+        assert isinstance(want, KVEntry) and isinstance(got, KVEntry)
+        n = int(st.lengths[0])
+        assert int(row.lengths[0]) == n and torch.equal(got.k[..., :n, :], want.k[..., :n, :])
+    for _ in range(4):
+        pool.remove(pool.n - 1)
+    assert pool.rows == 0

@@ -13,6 +13,7 @@ from server.api.chat_template import render_chat
 from server.api.errors import APIError
 from server.api.protocol import DetokenizeRequest, TokenizeRequest, now
 from server.api.routes.docs import ERRORS
+from server.memory_report import report as memory_report
 
 router = APIRouter()
 
@@ -89,7 +90,8 @@ async def health(request: Request) -> Response:
             "dtype": st.dtype[0], "dtype_reason": st.dtype[1],
             "quantization": st.model.info.quantization,
             "weight_bytes": st.model.info.weight_bytes,
-            "batch_invariant": st.batch_invariant}
+            "batch_invariant": st.batch_invariant,
+            "memory": memory_report(st.client.health.pid)}
     return _json(body, 200 if ready else 503)
 
 
@@ -117,5 +119,6 @@ async def readiness(request: Request) -> Response:
 
 
 @router.get("/metrics", tags=["health"])
-async def metrics_endpoint() -> Response:
+async def metrics_endpoint(request: Request) -> Response:
+    memory_report(request.app.state.client.health.pid)  # the sessions and runtime gauges
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
