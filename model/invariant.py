@@ -15,7 +15,8 @@ default. Training and autograd never use it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import cast
 
 import torch
@@ -114,7 +115,26 @@ def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
         w = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
         cached = (key, pack(w.t()), parts)
         owner.__dict__["_invariant_wt"] = cached
+        if _packing_once[0] is not None:
+            _freeze(owner, _packing_once[0])
     return cast(torch.Tensor, cached[1])
+
+
+_packing_once: list[set[int] | None] = [None]
+
+
+@contextlib.contextmanager
+def packing_once(module: nn.Module) -> Iterator[None]:
+    """Inside, each GEMM weight under ``module`` is frozen (as :func:`release` does) the
+    moment it is packed and its original freed, so that packing a loaded checkpoint (a
+    warm-up that builds every packed weight) never holds the model twice; :func:`release`
+    after, for what was packed before."""
+    _packing_once[0] = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
+    try:
+        yield
+    finally:
+        _packing_once[0] = None
+    release(module)
 
 
 _FROZEN = object()
@@ -129,14 +149,20 @@ def release(module: nn.Module) -> None:
     whose every GEMM weight has been built (a warm-up), so the weights are not held twice."""
     linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
     for owner in module.modules():
-        cached = owner.__dict__.get("_invariant_wt")
-        if cached is None:
-            continue
-        owner.__dict__["_invariant_wt"] = (_FROZEN, cached[1], ())
-        tied = isinstance(owner, nn.Embedding) and kernels.available()
-        for p in cached[2]:
-            if id(p) in linear or tied:
-                _free(p)
+        _freeze(owner, linear)
+
+
+def _freeze(owner: object, linear: set[int]) -> None:
+    """Keep ``owner``'s packed weight whatever the mode, and free the ``nn.Linear`` weights
+    (ids in ``linear``) or the tied embedding table it was packed from."""
+    cached = owner.__dict__.get("_invariant_wt")
+    if cached is None or cached[0] is _FROZEN:
+        return
+    owner.__dict__["_invariant_wt"] = (_FROZEN, cached[1], ())
+    tied = isinstance(owner, nn.Embedding) and kernels.available()
+    for p in cached[2]:
+        if id(p) in linear or tied:
+            _free(p)
 
 
 def _free(p: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ class Family:
 
     name: str
     recognise: Callable[[Path], bool]
-    load: Callable[[Path, torch.dtype, bool], ServedModel]
+    load: Callable[[Path, torch.dtype, bool, bool], ServedModel]
     max_state_bytes: Callable[[Path], int]
     check: Callable[[Path, torch.dtype], None]
 
@@ -85,11 +85,15 @@ def pick_dtype(requested: str, flags: frozenset[str] | None = None) -> tuple[str
 
 
 def load(path: Path, dtype: str = "auto", fused: bool = True,
-         batch_invariant: bool = True, quantization: str = "none") -> ServedModel:
+         batch_invariant: bool = True, quantization: str = "none",
+         weights: bool = True) -> ServedModel:
     """Load the checkpoint at ``path`` with weights in ``dtype`` (see :func:`pick_dtype`),
     the native fused step where the architecture has one, batch-invariant kernels
     (:mod:`model.invariant`) unless turned off, and GEMM weights quantized to
-    ``quantization`` (:mod:`model.quantize`)."""
+    ``quantization`` (:mod:`model.quantize`). ``weights=False``: the model described
+    without reading its weights (config, tokenizer, template, fingerprint, states and their
+    codec; it cannot run, and ``info.weight_bytes`` is 0): what the HTTP process needs
+    beside an engine process."""
     fam = family(path)
     kernels.load()  # the invariant GEMM and the native sampler serve every architecture
     if quantization != "none" and not kernels.available():
@@ -98,7 +102,7 @@ def load(path: Path, dtype: str = "auto", fused: bool = True,
     invariant.set_enabled(batch_invariant)
     invariant.set_quantization(quantization)
     try:
-        return fam.load(path, getattr(torch, pick_dtype(dtype)[0]), fused)
+        return fam.load(path, getattr(torch, pick_dtype(dtype)[0]), fused, weights)
     except OSError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
 

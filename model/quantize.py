@@ -1,8 +1,8 @@
 """Weight quantization at load time (``--quantization int8|int4``).
 
-Every GEMM weight (the projections, the MLP and the output head; not the embedding table, not
-the norms) is replaced by small integers and scales, and multiplied by
-``model/kernels/gemm_quant.h`` without ever being dequantized in memory. The products are
+Every GEMM weight (the projections, the MLP and the output head, which a tied model's token
+embeddings are read from too; not an untied embedding table, not the norms) is replaced by
+small integers and scales, and multiplied by ``model/kernels/gemm_quant.h`` without ever being dequantized in memory. The products are
 integer dot products: a GEMM's input is quantized on the fly, per row and block of
 :data:`GROUP` inputs, to int8 (:func:`quantize_activations`, llama.cpp's Q8_0 rule, which
 its Q8_0 and Q4_0 dot products use too); the sums of blocks are fp32. Everything between
@@ -31,6 +31,10 @@ GROUP = 32  # int4 group size along the input features (llama.cpp Q4_0's block)
 # Weights with fewer input features stay unquantized: low-rank factors (the gated models'
 # rank-4 gate_up, [4, 64]) whose bytes do not matter, and which the fused steps read as fp32.
 MIN_INPUTS = 32
+# A wide weight (a 250k-vocabulary head) is quantized and packed this many output columns at
+# a time (a multiple of every build's column panel), then assembled: quantizing it whole
+# took fp32 and int32 copies of all of it, 2.5 GB beside a 0.5 GB head at load's peak.
+CHUNK = 8192
 
 
 def check_mode(mode: str) -> None:
@@ -98,8 +102,24 @@ def pack(w: torch.Tensor, mode: str) -> torch.Tensor:
     if not kernels.load():
         raise RuntimeError("quantized weights need the native kernels, which did not load "
                            f"({kernels.load_error() or 'unavailable'})")
-    q, scale = quantize(w.detach(), mode)
-    return torch.ops.linserve.pack_quantized(q, scale, scale.dim() == 2)
+    k, n = w.shape
+    if n <= CHUNK:
+        q, scale = quantize(w.detach(), mode)
+        return torch.ops.linserve.pack_quantized(q, scale, scale.dim() == 2)
+    parts = [pack(w[:, c : c + CHUNK], mode) for c in range(0, n, CHUNK)]
+    int4 = parts[0].dtype == torch.uint8
+    out = torch.zeros(parts[0].shape[0], n, 4, dtype=parts[0].dtype)
+    flat, at_scales = out.view(-1), (k + GROUP - 1) // GROUP * GROUP * n
+    for c, part in zip(range(0, n, CHUNK), parts, strict=True):
+        width, bytes_ = part.shape[1], part.view(-1)
+        if int4:  # every column's panels in order: one contiguous stretch a chunk
+            body = (k // GROUP) * 18 * width
+            flat[(k // GROUP) * 18 * c :][:body] = bytes_[:body]
+        else:  # the panels, then fp32 scales [N] after all of them
+            panels = (k + GROUP - 1) // GROUP * GROUP * width
+            flat[panels // width * c :][:panels] = bytes_[:panels]
+            flat[at_scales + 4 * c :][: 4 * width] = bytes_[panels : panels + 4 * width]
+    return out
 
 
 def mode_of(packed: torch.Tensor) -> str:

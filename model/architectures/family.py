@@ -73,22 +73,26 @@ class HFFamily:
         hf.plan(module, path, self.rename)
         hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
 
-    def load(self, path: Path, dtype: torch.dtype, fused: bool) -> hf.HFServedModel:
+    def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
+             ) -> hf.HFServedModel:
         """Build the module from ``path``'s config, load its weights, tokenizer and chat
-        template, pack every GEMM weight and free the originals."""
+        template, pack every GEMM weight and free the originals (``weights=False``: the
+        module stays on the meta device, see :func:`model.loader.load`)."""
         del fused  # these families step layer by layer (no whole-model native step yet)
         self.check(path, dtype)
         cfg = self.read_config(path)
         tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
         # in the served dtype from the start: a bf16 model never exists in fp32 as well
-        module = self._meta(cfg).to(dtype).to_empty(device="cpu").eval()
-        unused = hf.load_weights(module, path, self.rename, dtype)
-        other = [n for n in unused if not n.startswith("lm_head.")]
-        if other:
-            log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other),
-                        other[0])
-        module.pack_weights()
-        invariant.release(module)
+        module = self._meta(cfg).to(dtype).eval()
+        if weights:
+            module = module.to_empty(device="cpu")
+            unused = hf.load_weights(module, path, self.rename, dtype)
+            other = [n for n in unused if not n.startswith("lm_head.")]
+            if other:
+                log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other),
+                            other[0])
+            with invariant.packing_once(module):
+                module.pack_weights()
         per_token = state_sizes(module, cfg.max_position_embeddings)[1]
         return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path),
                                 self.describe(cfg), cfg.max_position_embeddings, per_token,

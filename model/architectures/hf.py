@@ -223,7 +223,8 @@ class HFServedModel:
         self.chunk = chunk
         self.context_limit = context_limit
         empty = module.new_state(1, context_limit)
-        dtype = next(module.parameters()).dtype
+        first = next(module.parameters())
+        dtype, described = first.dtype, first.is_meta  # described: no weights were read
         self.info = ModelInfo(
             architecture=architecture, vocab_size=module.cfg.vocab_size,
             context_limit=context_limit, params=module.n_params(),
@@ -232,8 +233,8 @@ class HFServedModel:
                                         if kernels.available() else "eager"),
             ragged_prefill=True, state_bytes=empty.nbytes, state_grows=empty.grows,
             state_layout=empty.layout(), state_bytes_per_token=per_token,
-            weight_bytes=invariant.resident_bytes(module),
-            embedding_bytes=invariant.embedding_bytes(module),
+            weight_bytes=0 if described else invariant.resident_bytes(module),
+            embedding_bytes=0 if described else invariant.embedding_bytes(module),
             quantization=invariant.quantization())
 
     def fingerprint(self) -> str:

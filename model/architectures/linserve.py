@@ -59,7 +59,9 @@ class OwnModel:
             quantization=invariant.quantization())
 
     @classmethod
-    def load(cls, path: Path, dtype: torch.dtype, fused: bool) -> OwnModel:
+    def load(cls, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
+             ) -> OwnModel:
+        """The checkpoint, weights included whatever ``weights`` says (a few MB)."""
         model = load_model(path, dtype, fused=fused)
         tok = Tokenizer.from_file(path / model.cfg.tokenizer)
         if tok.vocab_size != model.cfg.vocab_size:

@@ -637,15 +637,27 @@ def check(path: Path, dtype: torch.dtype) -> None:
     hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
 
 
-def load(path: Path, dtype: torch.dtype, fused: bool) -> hf.HFServedModel:
+def load(path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
+         ) -> hf.HFServedModel:
     """Build the text model from ``path``'s config and load its weights (the text part only
-    of a ``Qwen3_5ForConditionalGeneration``), tokenizer and chat template."""
+    of a ``Qwen3_5ForConditionalGeneration``), tokenizer and chat template (``weights``:
+    see :func:`model.loader.load`)."""
     check(path, dtype)
     cfg = _config(path)
     tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
     with torch.device("meta"):
-        module = Qwen35ForCausalLM(cfg)
-    module = module.to(dtype).to_empty(device="cpu").eval()  # never all of it in fp32
+        module = Qwen35ForCausalLM(cfg).to(dtype).eval()  # never all of it in fp32
+    if weights:
+        _load_weights(module.to_empty(device="cpu"), path, dtype)
+    arch = "qwen3_5 (Gated DeltaNet + gated attention, "
+    arch += f"{sum(t == 'full_attention' for t in cfg.layer_types)} of {len(cfg.layer_types)} "
+    arch += "layers full attention)"
+    return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path), arch,
+                            cfg.max_position_embeddings, state_bytes_per_token(cfg))
+
+
+def _load_weights(module: Qwen35ForCausalLM, path: Path, dtype: torch.dtype) -> None:
+    """Fill, pack and release the module's weights from ``path``."""
     unused = hf.load_weights(module, path, _rename, dtype)
     vision = sum(n.startswith("model.visual.") for n in unused)
     if vision:
@@ -654,10 +666,5 @@ def load(path: Path, dtype: torch.dtype, fused: bool) -> hf.HFServedModel:
     other = [n for n in unused if not n.startswith(("model.visual.", "mtp.", "lm_head."))]
     if other:
         log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other), other[0])
-    module.fused_weights()  # every GEMM weight packed (quantized), then the originals freed
-    invariant.release(module)
-    arch = "qwen3_5 (Gated DeltaNet + gated attention, "
-    arch += f"{sum(t == 'full_attention' for t in cfg.layer_types)} of {len(cfg.layer_types)} "
-    arch += "layers full attention)"
-    return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path), arch,
-                            cfg.max_position_embeddings, state_bytes_per_token(cfg))
+    with invariant.packing_once(module):  # each original freed as soon as it is packed
+        module.fused_weights()

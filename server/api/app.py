@@ -22,14 +22,13 @@ from server.api.service import GenerationService
 from server.engine.client import EngineBackend, EngineClient
 from server.engine.engine import Engine, EngineLimits
 from server.engine.loading import (
-    TRIM_ABOVE,
+    describe_model,
     load_engine_model,
     pick_dtype,
     state_budget,
     warm_up,
 )
 from server.engine.process import ProcessEngineClient
-from server.malloc import trim
 from server.playground.routes import install_playground
 from server.prefix_cache.remote import RemotePrefixes
 from server.sessions.store import MemorySessionStore, SessionStore
@@ -154,14 +153,13 @@ def wrap(app: FastAPI, settings: Settings, state_limit: int) -> ASGIApp:
 
 async def startup(app: FastAPI, settings: Settings) -> None:
     t0 = time.monotonic()
-    model = await asyncio.to_thread(load_engine_model, settings)
+    process = settings.engine_mode == "process"
+    # with an engine process, only that process reads the weights; this one describes the
+    # model (tokenizer, template, states and their codec)
+    model = await asyncio.to_thread(describe_model if process else load_engine_model, settings)
     info = model.info
     client: EngineBackend
-    if settings.engine_mode == "process":
-        # the engine process loads its own copy; this one only reads and writes states
-        model.drop_weights()
-        if info.weight_bytes >= TRIM_ABOVE:
-            trim()
+    if process:
         client = ProcessEngineClient(settings, model)
     else:
         await asyncio.to_thread(warm_up, model)
@@ -172,6 +170,8 @@ async def startup(app: FastAPI, settings: Settings) -> None:
         client = EngineClient(lambda deliver, beat: Engine(model, limits, deliver, beat),
                               settings.engine_stall_seconds)
     await client.start_async()
+    if isinstance(client, ProcessEngineClient):
+        model.info = info = client.engine_info  # what the weights hold as the engine packed them
     store = make_store(settings)
     bind = getattr(store, "bind_model", None)
     if bind is not None:

@@ -38,6 +38,14 @@ def load_engine_model(settings: Settings) -> ServedModel:
     return model
 
 
+def describe_model(settings: Settings) -> ServedModel:
+    """The model without its weights (:func:`model.loader.load` with ``weights=False``):
+    what the HTTP process needs beside an engine process that holds the weights. Its
+    ``info`` is replaced by the engine's once that has loaded."""
+    return load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
+                settings.quantization, weights=False)
+
+
 def state_budget(settings: Settings, info: ModelInfo) -> int:
     """Bytes the engine's growing states (KV caches) may take: ``--max-memory`` less the
     weights, the slot pool's fixed part (a fresh state per row) and the prefix cache. 0 when

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from model.interface import ServedModel, State
+from model.interface import ModelInfo, ServedModel, State
 from server import metrics
 from server.engine.client import EngineHealth, EngineUnavailable, RequestHandle
 from server.engine.engine import Engine, EngineLimits, Overloaded
@@ -135,6 +135,7 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
             if pending:
                 outbox.put(([], pending, []))
 
+    outbox.put(model.info)  # the first message: the parent describes the model without weights
     pump_thread.start()
     threading.Thread(target=flush_metrics, daemon=True).start()
     ready.set()
@@ -228,6 +229,7 @@ class ProcessEngineClient:
         if not await asyncio.to_thread(ready.wait, 300.0):
             self.proc.kill()
             raise RuntimeError("the engine process did not start within 300 s")
+        self.engine_info: ModelInfo = await asyncio.to_thread(outbox.get, True, 60.0)
         self.heartbeat.value = time.monotonic()
         self.health.pid = self.proc.pid
         threading.Thread(target=self._read, name="engine-reader", daemon=True,

@@ -234,3 +234,17 @@ def test_each_instruction_set(aten: str, march: str) -> None:
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          "-k", "gemm or fused_step"], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("k", [64, 96])
+def test_a_wide_weight_packs_in_chunks_to_the_same_bytes(mode: str, k: int) -> None:
+    """Past ``CHUNK`` output columns a weight is quantized and packed a chunk at a time (a
+    250k-vocabulary head without fp32 and int32 copies of all of it): the bytes are those of
+    packing it whole."""
+    if not kernels.load():
+        pytest.skip("native kernels unavailable")
+    w = torch.randn(k, 2 * quantize.CHUNK + 48)
+    q, scale = quantize.quantize(w, mode)
+    whole = torch.ops.linserve.pack_quantized(q, scale, scale.dim() == 2)
+    assert torch.equal(quantize.pack(w, mode), whole)

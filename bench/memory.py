@@ -1,0 +1,135 @@
+"""``python -m bench.memory``: resident memory against llama-server on the same weights, as a
+new user would see it, with this server's own account of where its bytes go.
+
+For each weight type (bf16, int8 against Q8_0, int4 against Q4_0) on ``bench.hf``'s
+checkpoint of the published Qwen3.5-0.8B shapes, both servers are started at once:
+
+- this server as a user starts it: ``python -m server --model DIR --threads 2`` (its
+  default ``--max-running``), with ``--quantization``;
+- ``llama-server -t 2 --parallel 16 -c 32768`` on the GGUF of the same weights
+  (``bash bench/llamacpp.sh build`` first; GGUFs are made once by ``bench.llamacpp_compare``).
+
+Then, alternating between the two with the same client (``bench.loadtest`` over HTTP):
+one stream alone (batch-1 decode), then ``--streams`` concurrent streams of ``--tokens``
+tokens after prompts of 128. Recorded for each server: the peak resident memory while it
+loaded (``VmHWM``, each process; summed over this server's two processes, whose peaks
+come one after the other), its resident memory idle and after the streams, and output
+tokens/s; for this server also ``/health``'s memory report after the streams.
+
+Writes ``bench/results/memory.json`` and ``memory.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import llamacpp_compare as lc
+from bench import loadtest
+from bench.common import RESULTS, child_pids, machine, save_figure, write_json
+from bench.quant import GGUF, TYPES, rss_bytes
+
+
+def peak_bytes(pid: int) -> int:
+    """The most each process of ``pid``'s tree held at once (``VmHWM``), summed."""
+    total = 0
+    for p in [pid, *child_pids(pid)]:
+        with contextlib.suppress(OSError, StopIteration):
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(next(ln.split()[1] for ln in status.splitlines()
+                              if ln.startswith("VmHWM:"))) * 1024
+    return total
+
+
+def _load(url: str, streams: int, requests: int, tokens: int) -> dict[str, Any]:
+    report = loadtest.main(["--url", url, "--concurrency", str(streams), "--requests",
+                            str(requests), "--prompt-tokens", "128", "--max-tokens",
+                            str(tokens), "--ignore-eos", "--temperature", "0.8"])
+    return {k: report.get(k) for k in ("output_tokens_per_s", "tpot_ms", "ttft_ms", "errors")}
+
+
+def one_kind(args: argparse.Namespace, kind: str) -> dict[str, Any]:
+    """Both servers up at once for one weight type; figures as the module docstring says."""
+    port = lc.free_port()
+    ours_cmd = [sys.executable, "-m", "server", "--model", str(args.checkpoint), "--dtype",
+                "bfloat16", "--quantization", TYPES[kind], "--port", str(port), "--threads",
+                "2", "--engine-stall-seconds", "600"]
+    theirs_cmd, theirs_port = lc.llama_server_cmd(lc.gguf(args.checkpoint, GGUF[kind]), 16,
+                                                  2048)
+    theirs_cmd += ["-t", "2"]
+    out: dict[str, Any] = {"ours": {}, "llama_server": {}}
+    with lc.running(ours_cmd, port, RESULTS / f"memory-ours-{kind}.log") as ours_pid, \
+            lc.running(theirs_cmd, theirs_port, RESULTS / f"memory-llama-{kind}.log") as theirs:
+        servers = {"ours": (ours_pid, f"http://127.0.0.1:{port}"),
+                   "llama_server": (theirs, f"http://127.0.0.1:{theirs_port}")}
+        for who, (pid, _) in servers.items():
+            out[who]["load_peak_bytes"] = peak_bytes(pid)
+            out[who]["idle_bytes"] = rss_bytes(pid)
+        for who, (_, url) in servers.items():  # alternately: batch 1, then the streams
+            out[who]["batch1"] = _load(url, 1, 2, args.tokens)
+        for who, (pid, url) in servers.items():
+            out[who]["streams"] = _load(url, args.streams, args.streams, args.tokens)
+            time.sleep(2.0)
+            out[who]["after_streams_bytes"] = rss_bytes(pid)
+        out["ours"]["report"] = httpx.get(servers["ours"][1] + "/health",
+                                          timeout=30).json()["memory"]
+    ours, theirs_ = out["ours"], out["llama_server"]
+    out["ratios"] = {
+        "after_streams": ours["after_streams_bytes"] / theirs_["after_streams_bytes"],
+        "idle": ours["idle_bytes"] / theirs_["idle_bytes"],
+        "load_peak_over_final": ours["load_peak_bytes"] / ours["after_streams_bytes"],
+        "batch1_tok_s": ours["batch1"]["output_tokens_per_s"]
+        / theirs_["batch1"]["output_tokens_per_s"],
+        "streams_tok_s": ours["streams"]["output_tokens_per_s"]
+        / theirs_["streams"]["output_tokens_per_s"]}
+    return out
+
+
+def plot(result: dict[str, Any]) -> None:
+    """Stacked bars of this server's parts beside llama-server's total, per weight type."""
+    import matplotlib.pyplot as plt
+
+    kinds = list(result["types"])
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    parts = list(result["types"][kinds[0]]["ours"]["report"]["parts"])
+    for i, kind in enumerate(kinds):
+        rep = result["types"][kind]["ours"]["report"]["parts"]
+        bottom = 0.0
+        for j, part in enumerate(parts):
+            gb = rep[part] / 1e9
+            ax.bar(2 * i, gb, bottom=bottom, color=f"C{j}", label=part if i == 0 else None)
+            bottom += gb
+        ax.bar(2 * i + 0.8, result["types"][kind]["llama_server"]["after_streams_bytes"] / 1e9,
+               color="grey", label="llama-server" if i == 0 else None)
+    ax.set_xticks([2 * i + 0.4 for i in range(len(kinds))], kinds)
+    ax.set_ylabel("resident after 16 streams (GB)")
+    ax.set_title("Resident memory: this server's parts against llama-server")
+    ax.legend(fontsize=8)
+    save_figure(fig, "memory")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3.5-0.8b-shapes"))
+    p.add_argument("--kinds", nargs="+", default=list(TYPES), choices=list(TYPES))
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=128)
+    args = p.parse_args(argv)
+    result: dict[str, Any] = {"machine": machine(), "types": {}}
+    for kind in args.kinds:
+        result["types"][kind] = one_kind(args, kind)
+        print(kind, result["types"][kind]["ratios"], flush=True)
+        write_json("memory", {"command": "python -m bench.memory " + " ".join(argv or
+                                                                              sys.argv[1:]),
+                              "result": result})
+    plot(result)
+
+
+if __name__ == "__main__":
+    main()
