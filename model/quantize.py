@@ -2,7 +2,8 @@
 
 Every GEMM weight (the projections, the MLP and the output head, which a tied model's token
 embeddings are read from too; not an untied embedding table, not the norms) is replaced by
-small integers and scales, and multiplied by ``model/kernels/gemm_quant.h`` without ever being dequantized in memory. The products are
+small integers and scales, and multiplied by ``model/kernels/gemm_quant.h`` without ever
+being dequantized in memory. The products are
 integer dot products: a GEMM's input is quantized on the fly, per row and block of
 :data:`GROUP` inputs, to int8 (:func:`quantize_activations`, llama.cpp's Q8_0 rule, which
 its Q8_0 and Q4_0 dot products use too); the sums of blocks are fp32. Everything between
