@@ -35,6 +35,9 @@
 #pragma once
 
 #include <cmath>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "fastmath.h"
 #include "gemm.h"
@@ -165,6 +168,69 @@ inline void store_out(float* out, vfloat v, bool accumulate) {
   std::memcpy(out, &v, sizeof(v));
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// ---- AVX2: one block's integer dot products with vpmaddubsw + vpmaddwd --------------------
+// What vpdpbusd does in one instruction, in three or four, for the generic tile below (its
+// float arithmetic unchanged). Exact, like every path: vpmaddubsw sums u8 x s8 pairs into
+// int16 with saturation, so no pair may pass 2^15. int8's stored bytes (q + 128) would, so
+// they are taken signed (q, in [-127, 127]) against |x| with x's sign moved onto q
+// (llama.cpp's trick): a pair is at most 2 x 127 x 127, and the offset's correction is not
+// needed (the dot starts at 0, not at -128 Σ x). int4's nibbles (0..15) stay unsigned: a
+// block's four stored rows of pairs sum to at most 8 x 15 x 127 < 2^15 before vpmaddwd.
+constexpr bool kAvx2Dot = true;
+
+template <bool INT4, int64_t ROWS, int64_t NV>
+inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int64_t b,
+                           vi32 (*dot)[NV]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int32_t* xq[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) xq[r] = reinterpret_cast<const int32_t*>(a.block(r0 + r, b));
+  __m256i sum[ROWS][NV];
+  for (auto& row : sum) for (auto& v : row) v = _mm256_setzero_si256();
+  if (INT4) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t t = 0; t < kBlock / 8; ++t) {
+      for (int64_t j = 0; j < NV; ++j) {
+        const __m256i v = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(col[j].q + b * col[j].block + t * col[j].ld));
+        const __m256i lo = _mm256_and_si256(v, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int64_t r = 0; r < ROWS; ++r)
+          sum[r][j] = _mm256_add_epi16(sum[r][j], _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[r][2 * t])),
+              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[r][2 * t + 1]))));
+      }
+    }
+    for (int64_t r = 0; r < ROWS; ++r)
+      for (int64_t j = 0; j < NV; ++j)
+        dot[r][j] += reinterpret_cast<const vi32&>(sum[r][j] = _mm256_madd_epi16(sum[r][j], ones));
+    return;
+  }
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t t = 0; t < kBlock / 4; ++t) {
+    __m256i xb[ROWS], ax[ROWS];
+    for (int64_t r = 0; r < ROWS; ++r) {
+      xb[r] = _mm256_set1_epi32(xq[r][t]);
+      ax[r] = _mm256_sign_epi8(xb[r], xb[r]);
+    }
+    for (int64_t j = 0; j < NV; ++j) {
+      const __m256i q = _mm256_xor_si256(flip, _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(col[j].q + b * col[j].block + t * col[j].ld)));
+      for (int64_t r = 0; r < ROWS; ++r)
+        sum[r][j] = _mm256_add_epi32(sum[r][j], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(ax[r], _mm256_sign_epi8(q, xb[r])), ones));
+    }
+  }
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t j = 0; j < NV; ++j) dot[r][j] += reinterpret_cast<const vi32&>(sum[r][j]);
+}
+#else
+constexpr bool kAvx2Dot = false;
+
+template <bool INT4, int64_t ROWS, int64_t NV>  // never called: tile_q's generic loop runs
+inline void block_dot_avx2(const QuantActs&, int64_t, const QCol*, int64_t, vi32 (*)[NV]) {}
+#endif
+
 // ---- The generic path (any -march): ROWS rows x NV vectors of kLanes columns from c -------
 template <bool INT4, int64_t ROWS, int64_t NV>
 inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int64_t c) {
@@ -175,8 +241,10 @@ inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int
   for (int64_t b = 0; b < a.blocks; ++b) {
     vi32 dot[ROWS][NV];
     for (int64_t r = 0; r < ROWS; ++r)
-      for (int64_t j = 0; j < NV; ++j) dot[r][j] = vi32{} + a.d0(s.r0 + r, b);
-    for (int64_t t = 0; t < kSteps; ++t) {
+      for (int64_t j = 0; j < NV; ++j)
+        dot[r][j] = vi32{} + (kAvx2Dot && !INT4 ? 0 : a.d0(s.r0 + r, b));
+    if constexpr (kAvx2Dot) block_dot_avx2<INT4, ROWS, NV>(a, s.r0, col, b, dot);
+    for (int64_t t = 0; t < (kAvx2Dot ? 0 : kSteps); ++t) {
       vu32 v[NV];
       for (int64_t j = 0; j < NV; ++j)
         v[j] = *reinterpret_cast<const vu32_ua*>(col[j].q + b * col[j].block + t * col[j].ld);

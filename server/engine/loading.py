@@ -42,8 +42,10 @@ def describe_model(settings: Settings) -> ServedModel:
     """The model without its weights (:func:`model.loader.load` with ``weights=False``):
     what the HTTP process needs beside an engine process that holds the weights. Its
     ``info`` is replaced by the engine's once that has loaded."""
-    return load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
-                settings.quantization, weights=False)
+    model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
+                 settings.quantization, weights=False)
+    trim()  # reading the tokenizer (twice: checked, then loaded) leaves ~100 MB of free heap
+    return model
 
 
 def state_budget(settings: Settings, info: ModelInfo) -> int:
