@@ -107,11 +107,12 @@ def pack(w: torch.Tensor, mode: str) -> torch.Tensor:
     if n <= CHUNK:
         q, scale = quantize(w.detach(), mode)
         return torch.ops.linserve.pack_quantized(q, scale, scale.dim() == 2)
-    parts = [pack(w[:, c : c + CHUNK], mode) for c in range(0, n, CHUNK)]
-    int4 = parts[0].dtype == torch.uint8
-    out = torch.zeros(parts[0].shape[0], n, 4, dtype=parts[0].dtype)
+    first = pack(w[:, :CHUNK], mode)
+    int4 = first.dtype == torch.uint8
+    out = torch.zeros(first.shape[0], n, 4, dtype=first.dtype)
     flat, at_scales = out.view(-1), (k + GROUP - 1) // GROUP * GROUP * n
-    for c, part in zip(range(0, n, CHUNK), parts, strict=True):
+    for c in range(0, n, CHUNK):  # one chunk's packed copy at a time beside the whole
+        part = first if c == 0 else pack(w[:, c : c + CHUNK], mode)
         width, bytes_ = part.shape[1], part.view(-1)
         if int4:  # every column's panels in order: one contiguous stretch a chunk
             body = (k // GROUP) * 18 * width
