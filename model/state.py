@@ -202,6 +202,18 @@ class KVEntry(Entry):
             return
         self.resize(min(_blocks(positions), self.slot_limit), live)
 
+    def trim(self, lengths: torch.Tensor) -> None:
+        """Keep only the slots the rows use (rounded up to 16), as :meth:`select` does: for
+        a state that is kept (a prefix-cache entry), not grown."""
+        cap = self._trimmed(lengths)
+        if cap < self.capacity:
+            self.resize(cap)
+
+    def _trimmed(self, lengths: torch.Tensor) -> int:
+        """The slots rows of ``lengths`` use, rounded up to 16."""
+        used = int(self.slots_used(lengths).max()) if lengths.numel() else 0
+        return max(min(-(-max(used, 1) // 16) * 16, self.slot_limit), used)
+
     def fit(self, lengths: torch.Tensor, live: int) -> bool:
         """Give back the slots past the longest of the first ``live`` rows (plus a block),
         once they are more than half the cache; whether it was reallocated."""
@@ -237,8 +249,7 @@ class KVEntry(Entry):
 
     def select(self, idx: Index, lengths: torch.Tensor) -> KVEntry:
         """A copy of rows ``idx``, trimmed to the capacity they need."""
-        used = int(self.slots_used(lengths).max()) if lengths.numel() else 0
-        cap = max(min(-(-max(used, 1) // 16) * 16, self.slot_limit), used)
+        cap = self._trimmed(lengths)
         return KVEntry(_rows(self.k[:, :, :cap], idx), _rows(self.v[:, :, :cap], idx),
                        self.max_context, self.window)
 
@@ -367,6 +378,11 @@ class State:
         before = [e.capacity for e in kvs]
         self.reserve(int(self.lengths[:live].max()) + 1, live)
         return [e.capacity for e in kvs] != before
+
+    def trim_kv(self) -> None:
+        """Cut every KV cache down to the slots its rows use (:meth:`KVEntry.trim`)."""
+        for e in self.kv_entries:
+            e.trim(self.lengths)
 
     def fit_kv(self, live: int) -> bool:
         """Shrink KV caches to the first ``live`` rows' need (:meth:`KVEntry.fit`); whether

@@ -83,6 +83,7 @@ class EnginePrefixCache:
         self._insert(tokens, state)
 
     def _insert(self, tokens: list[int], state: State, publish: bool = True) -> None:
+        state.trim_kv()  # a prompt's state has KV room for its growth, which an entry never uses
         if self.cache.insert(tokens, state, state.nbytes) and publish and self.publish:
             self.publish(tokens, state)
         self._update_metrics()

@@ -180,3 +180,18 @@ def test_layers_may_mix_entry_types() -> None:
                                       torch.zeros(1, dtype=torch.long)), "fp")
     assert all(torch.equal(a, b) for a, b in zip(back.tensors().values(),
                                                  state.tensors().values(), strict=True))
+
+
+def test_a_kept_state_gives_back_its_kv_room() -> None:
+    """A prompt's state has KV room for growth (blocks of 256 slots); kept as a prefix-cache
+    entry it is cut to what its rows use, rounded to 16, with its keys and values intact."""
+    from model.state import KV_BLOCK
+
+    kv = KVEntry.empty(2, 2, 8, 4096)
+    st = State([{"kv": kv}], torch.tensor([20, 7]))
+    st.reserve(21)
+    assert kv.capacity == KV_BLOCK
+    kv.k[:, :, :20] = torch.randn(2, 2, 20, 8)
+    before = kv.k[:, :, :20].clone()
+    st.trim_kv()
+    assert kv.capacity == 32 and torch.equal(kv.k[:, :, :20], before)
