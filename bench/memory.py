@@ -32,7 +32,7 @@ import httpx
 
 from bench import llamacpp_compare as lc
 from bench import loadtest
-from bench.common import RESULTS, child_pids, machine, save_figure, write_json
+from bench.common import RESULTS, child_pids, machine, read_json, save_figure, write_json
 from bench.quant import GGUF, TYPES, rss_bytes
 
 
@@ -106,11 +106,12 @@ def plot(result: dict[str, Any]) -> None:
             ax.bar(2 * i, gb, bottom=bottom, color=f"C{j}", label=part if i == 0 else None)
             bottom += gb
         ax.bar(2 * i + 0.8, result["types"][kind]["llama_server"]["after_streams_bytes"] / 1e9,
-               color="grey", label="llama-server" if i == 0 else None)
+               color="black", label="llama-server (total)" if i == 0 else None)
     ax.set_xticks([2 * i + 0.4 for i in range(len(kinds))], kinds)
     ax.set_ylabel("resident after 16 streams (GB)")
     ax.set_title("Resident memory: this server's parts against llama-server")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncol=3, loc="upper left")
+    ax.set_ylim(0, 1.3 * ax.get_ylim()[1])
     save_figure(fig, "memory")
 
 
@@ -120,7 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kinds", nargs="+", default=list(TYPES), choices=list(TYPES))
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--plot-only", action="store_true", help="redraw memory.png from memory.json")
     args = p.parse_args(argv)
+    if args.plot_only:
+        plot(read_json("memory")["result"])
+        return
     result: dict[str, Any] = {"machine": machine(), "types": {}}
     for kind in args.kinds:
         result["types"][kind] = one_kind(args, kind)
