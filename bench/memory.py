@@ -14,7 +14,9 @@ one stream alone (batch-1 decode), then ``--streams`` concurrent streams of ``--
 tokens after prompts of 128. Recorded for each server: the peak resident memory while it
 loaded (``VmHWM``, each process; summed over this server's two processes, whose peaks
 come one after the other), its resident memory idle and after the streams, and output
-tokens/s; for this server also ``/health``'s memory report after the streams.
+tokens/s; for this server also ``/health``'s memory report after the streams. After the
+streams each tree's PSS is recorded too: this server is two processes, and summed RSS
+counts the libraries both map (torch's) twice.
 
 Writes ``bench/results/memory.json`` and ``memory.png``.
 """
@@ -44,6 +46,19 @@ def peak_bytes(pid: int) -> int:
             status = Path(f"/proc/{p}/status").read_text()
             total += int(next(ln.split()[1] for ln in status.splitlines()
                               if ln.startswith("VmHWM:"))) * 1024
+    return total
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of ``pid``'s tree: a page shared by n processes (a library both
+    of this server's processes map, as torch's) counts 1/n in each, so the sum counts it
+    once, where summed RSS counts it in every process."""
+    total = 0
+    for p in [pid, *child_pids(pid)]:
+        with contextlib.suppress(OSError, StopIteration):
+            rollup = Path(f"/proc/{p}/smaps_rollup").read_text()
+            total += int(next(ln.split()[1] for ln in rollup.splitlines()
+                              if ln.startswith("Pss:"))) * 1024
     return total
 
 
@@ -77,11 +92,14 @@ def one_kind(args: argparse.Namespace, kind: str) -> dict[str, Any]:
             out[who]["streams"] = _load(url, args.streams, args.streams, args.tokens)
             time.sleep(2.0)
             out[who]["after_streams_bytes"] = rss_bytes(pid)
+            out[who]["after_streams_pss_bytes"] = pss_bytes(pid)
         out["ours"]["report"] = httpx.get(servers["ours"][1] + "/health",
                                           timeout=30).json()["memory"]
     ours, theirs_ = out["ours"], out["llama_server"]
     out["ratios"] = {
         "after_streams": ours["after_streams_bytes"] / theirs_["after_streams_bytes"],
+        "after_streams_pss": ours["after_streams_pss_bytes"]
+        / theirs_["after_streams_pss_bytes"],
         "idle": ours["idle_bytes"] / theirs_["idle_bytes"],
         "load_peak_over_final": ours["load_peak_bytes"] / ours["after_streams_bytes"],
         "batch1_tok_s": ours["batch1"]["output_tokens_per_s"]

@@ -86,13 +86,13 @@ class HFFamily:
         module = self._meta(cfg).to(dtype).eval()
         if weights:
             module = module.to_empty(device="cpu")
-            unused = hf.load_weights(module, path, self.rename, dtype)
+            with invariant.packing_once(module):  # packed layer by layer as it is read
+                unused = hf.load_weights(module, path, self.rename, dtype, module)
+                module.pack_weights()  # anything the layers alone did not build
             other = [n for n in unused if not n.startswith("lm_head.")]
             if other:
                 log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other),
                             other[0])
-            with invariant.packing_once(module):
-                module.pack_weights()
         per_token = state_sizes(module, cfg.max_position_embeddings)[1]
         return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path),
                                 self.describe(cfg), cfg.max_position_embeddings, per_token,

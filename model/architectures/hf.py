@@ -14,9 +14,10 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -141,15 +142,39 @@ def _by_file(wanted: dict[str, tuple[Path, str]]) -> dict[Path, list[tuple[str, 
 
 
 def load_weights(module: nn.Module, path: Path, rename: Callable[[str], str | None],
-                 dtype: torch.dtype) -> list[str]:
+                 dtype: torch.dtype, packer: LayerPacker | None = None) -> list[str]:
     """Fill ``module``'s parameters from the checkpoint (see :func:`plan`), then cast them to
-    ``dtype``. Returns the checkpoint names left unused."""
+    ``dtype``. Returns the checkpoint names left unused.
+
+    With a ``packer`` (a served model, inside :func:`invariant.packing_once`), everything
+    outside ``model.layers`` is read first and the head packed, then each layer is read and
+    packed in turn, each original freed as it is packed: loading never holds the checkpoint
+    whole beside its packed copy."""
     wanted, unused = plan(module, path, rename)
-    ours = module.state_dict()
-    for file, pairs in _by_file(wanted).items():
-        read_into(file, [(ours[target], name) for target, name in pairs])
+    groups: dict[int, dict[str, tuple[Path, str]]] = {}
+    for target, where in wanted.items():
+        hit = _LAYER.match(target) if packer is not None else None
+        groups.setdefault(int(hit.group(1)) if hit else -1, {})[target] = where
+    for index in sorted(groups):
+        ours = module.state_dict()  # not held across packing: it would keep the originals
+        for file, pairs in _by_file(groups[index]).items():
+            read_into(file, [(ours[target], name) for target, name in pairs])
+        del ours
+        if packer is not None:
+            packer.pack_head() if index < 0 else packer.pack_layer(index)
     module.to(dtype)
     return unused
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class LayerPacker(Protocol):
+    """A module that packs its head, and each layer alone (:class:`DecoderLM`)."""
+
+    def pack_head(self) -> None: ...
+
+    def pack_layer(self, i: int) -> None: ...
 
 
 # safetensors' dtype names, for the ones read directly (others go through safe_open)

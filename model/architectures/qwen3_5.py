@@ -501,6 +501,10 @@ class Qwen35ForCausalLM(DecoderLM):
 
     step_eager = DecoderLM.step  # layer by layer in PyTorch: the native step's reference
 
+    def pack_layer(self, i: int) -> None:
+        """Build layer ``i``'s packed weights as the native step reads them."""
+        _layer_weights(cast(DecoderLayer, self.model.layers[i]), self.cfg)
+
     def new_state(self, batch: int = 1, max_context: int | None = None) -> State:
         cfg = self.cfg
         layers: list[dict[str, Any]] = []
@@ -657,8 +661,10 @@ def load(path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
 
 
 def _load_weights(module: Qwen35ForCausalLM, path: Path, dtype: torch.dtype) -> None:
-    """Fill, pack and release the module's weights from ``path``."""
-    unused = hf.load_weights(module, path, _rename, dtype)
+    """Fill, pack and release the module's weights from ``path``, layer by layer."""
+    with invariant.packing_once(module):  # each original freed as soon as it is packed
+        unused = hf.load_weights(module, path, _rename, dtype, module)
+        module.fused_weights()
     vision = sum(n.startswith("model.visual.") for n in unused)
     if vision:
         log.info("%s: a vision-language checkpoint; loaded its text model only (%d vision "
@@ -666,5 +672,3 @@ def _load_weights(module: Qwen35ForCausalLM, path: Path, dtype: torch.dtype) -> 
     other = [n for n in unused if not n.startswith(("model.visual.", "mtp.", "lm_head."))]
     if other:
         log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other), other[0])
-    with invariant.packing_once(module):  # each original freed as soon as it is packed
-        module.fused_weights()

@@ -177,6 +177,23 @@ class DecoderLM(nn.Module):
         _, state = self.prefill(torch.zeros(1, 2, dtype=torch.long))
         self.step(torch.zeros(1, dtype=torch.long), state)
 
+    @torch.inference_mode()
+    def pack_head(self) -> None:
+        """Build the head's packed weight (a tied table is then read from it)."""
+        emb = self.model.embed_tokens
+        self.head(torch.zeros(1, emb.embedding_dim, dtype=emb.weight.dtype))
+
+    @torch.inference_mode()
+    def pack_layer(self, i: int) -> None:
+        """Build layer ``i``'s packed GEMM weights alone (its prefill and its step on zeros),
+        so that a checkpoint is packed layer by layer as it is read."""
+        emb = self.model.embed_tokens
+        entries = self.new_state(1, 64).layers[i]
+        x = torch.zeros(1, 2, emb.embedding_dim, dtype=emb.weight.dtype)
+        layer = self.model.layers[i]
+        layer(x, entries, torch.zeros(1, dtype=torch.long))
+        layer(x[:, 0], entries, torch.full((1,), 2), one_token=True)
+
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
