@@ -13,7 +13,7 @@ import torch
 from model.interface import ModelInfo, ServedModel
 from model.loader import batch_invariant_active, load, pick_dtype
 from server.cpus import available_cpus
-from server.malloc import loading_heap, trim
+from server.malloc import trim
 from server.settings import Settings
 
 log = logging.getLogger("linserve")
@@ -24,10 +24,8 @@ TRIM_ABOVE = 256 << 20
 def load_engine_model(settings: Settings) -> ServedModel:
     """The served model, with the engine's thread count set first."""
     torch.set_num_threads(settings.threads or max(1, available_cpus() - 1))
-    shared = settings.engine_mode == "thread"  # the HTTP process's malloc setting holds
-    with loading_heap(settings.malloc_mmap_threshold if shared else 0):
-        model = load(settings.weights, settings.dtype, settings.fused_step,
-                     settings.batch_invariant, settings.quantization)
+    model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
+                 settings.quantization)
     info = model.info
     if info.weight_bytes >= TRIM_ABOVE:
         trim()

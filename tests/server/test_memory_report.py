@@ -75,7 +75,6 @@ def test_rss_falls_back_after_a_burst(qwen: ServerProcess) -> None:
     def scratch(m: dict[str, Any]) -> int:
         return int(m["rss"]["total"]) - sum(int(m["parts"][p]) for p in LIVE)
 
-    assert after["parts"]["slot_states"] == 0  # every pool row was given back
     assert scratch(after) <= 1.1 * scratch(before), (before, after)
 
 
