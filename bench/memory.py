@@ -38,28 +38,27 @@ from bench.common import RESULTS, child_pids, machine, read_json, save_figure, w
 from bench.quant import GGUF, TYPES, rss_bytes
 
 
-def peak_bytes(pid: int) -> int:
-    """The most each process of ``pid``'s tree held at once (``VmHWM``), summed."""
+def _tree_sum(pid: int, file: str, field: str) -> int:
+    """``field`` (kB) of ``/proc/P/file`` summed over ``pid`` and its children, in bytes."""
     total = 0
     for p in [pid, *child_pids(pid)]:
         with contextlib.suppress(OSError, StopIteration):
-            status = Path(f"/proc/{p}/status").read_text()
-            total += int(next(ln.split()[1] for ln in status.splitlines()
-                              if ln.startswith("VmHWM:"))) * 1024
+            text = Path(f"/proc/{p}/{file}").read_text()
+            total += int(next(ln.split()[1] for ln in text.splitlines()
+                              if ln.startswith(field))) * 1024
     return total
+
+
+def peak_bytes(pid: int) -> int:
+    """The most each process of ``pid``'s tree held at once (``VmHWM``), summed."""
+    return _tree_sum(pid, "status", "VmHWM:")
 
 
 def pss_bytes(pid: int) -> int:
     """Proportional set size of ``pid``'s tree: a page shared by n processes (a library both
     of this server's processes map, as torch's) counts 1/n in each, so the sum counts it
     once, where summed RSS counts it in every process."""
-    total = 0
-    for p in [pid, *child_pids(pid)]:
-        with contextlib.suppress(OSError, StopIteration):
-            rollup = Path(f"/proc/{p}/smaps_rollup").read_text()
-            total += int(next(ln.split()[1] for ln in rollup.splitlines()
-                              if ln.startswith("Pss:"))) * 1024
-    return total
+    return _tree_sum(pid, "smaps_rollup", "Pss:")
 
 
 def _load(url: str, streams: int, requests: int, tokens: int) -> dict[str, Any]:
