@@ -214,16 +214,6 @@ class KVEntry(Entry):
         used = int(self.slots_used(lengths).max()) if lengths.numel() else 0
         return max(min(-(-max(used, 1) // 16) * 16, self.slot_limit), used)
 
-    def fit(self, lengths: torch.Tensor, live: int) -> bool:
-        """Give back the slots past the longest of the first ``live`` rows (plus a block),
-        once they are more than half the cache; whether it was reallocated."""
-        used = int(self.slots_used(lengths[:live]).max()) if live else 0
-        want = min(_blocks(used + 1), self.slot_limit)
-        if want * 2 > self.capacity:
-            return False
-        self.resize(want, live)
-        return True
-
     def resize(self, capacity: int, live: int | None = None) -> None:
         """Reallocate to exactly ``capacity`` slots, copying. A ring only wraps once it holds
         W slots, so growing it never reorders anything.
@@ -383,11 +373,6 @@ class State:
         """Cut every KV cache down to the slots its rows use (:meth:`KVEntry.trim`)."""
         for e in self.kv_entries:
             e.trim(self.lengths)
-
-    def fit_kv(self, live: int) -> bool:
-        """Shrink KV caches to the first ``live`` rows' need (:meth:`KVEntry.fit`); whether
-        any tensor was reallocated (views of this state are then stale)."""
-        return any([e.fit(self.lengths, live) for e in self.kv_entries])
 
     @functools.cached_property
     def kv_entries(self) -> list[KVEntry]:
