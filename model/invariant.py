@@ -71,16 +71,18 @@ def chunk_len(chunk_size: int, t: int) -> int:
     return chunk_size if active() else min(chunk_size, t)
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
+def pack(w: torch.Tensor, quantized: bool = True) -> torch.Tensor:
     """A GEMM weight stored ``[in, out]`` in the layout the projections run on in this mode:
     column panels that a GEMV reads front to back (``model/kernels/gemm.h``), shaped
     ``[in, out, 1]``, or ``[in/2, out, 2]`` bf16 pairs for the bf16 dot-product path
     (AVX512-BF16); quantized (:func:`set_quantization`, ``model/kernels/gemm_quant.h``) when
-    a quantization is set. Only ``invariant_mm`` and the fused steps read it. Outside the
-    mode, or for anything but a 2-d fp32 / bf16 tensor, ``w`` is returned contiguous."""
+    a quantization is set, unless not ``quantized`` (a router keeps its dtype). Only
+    ``invariant_mm`` and the fused steps read it. Outside the mode, or for anything but a
+    2-d fp32 / bf16 tensor, ``w`` is returned contiguous."""
     w = w.detach()
     usable = w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float32)
-    if usable and _quantization[0] != "none" and w.shape[0] >= quantize.MIN_INPUTS:
+    if usable and quantized and _quantization[0] != "none" and \
+            w.shape[0] >= quantize.MIN_INPUTS:
         return quantize.pack(w, _quantization[0])
     w = w.contiguous()
     if _enabled[0] and usable and kernels.load():
@@ -103,7 +105,7 @@ def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
     ``owner`` until a weight changes (a dtype cast or a load replaces the tensor) or the mode
     flips. Each output column is computed alone, so a stacked product gives every part's
     columns exactly as its own product would. After :func:`release`, the packed weight is
-    all there is."""
+    all there is. An owner whose class sets ``keep_dtype`` (a router) is never quantized."""
     cached = owner.__dict__.get("_invariant_wt")
     if cached is not None and cached[0] is _FROZEN:
         return cast(torch.Tensor, cached[1])
@@ -113,7 +115,7 @@ def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
     key = (_enabled[0], _quantization[0], *((p.data_ptr(), p.dtype, _version(p)) for p in parts))
     if cached is None or cached[0] != key:
         w = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
-        cached = (key, pack(w.t()), parts)
+        cached = (key, pack(w.t(), not getattr(owner, "keep_dtype", False)), parts)
         owner.__dict__["_invariant_wt"] = cached
         if _packing_once[0] is not None:
             _freeze(owner, _packing_once[0])

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from model import invariant, kernels
-from model.architectures import falcon_h1, granite_hybrid, hf, lfm2, nemotron_h, qwen3_5
+from model.architectures import falcon_h1, granite_hybrid, hf, lfm2, lfm2_moe, nemotron_h, qwen3_5
 from model.architectures.family import HFFamily
 from model.architectures.linserve import OwnModel, is_own_checkpoint
 from model.architectures.linserve import max_state_bytes as own_max_state_bytes
@@ -44,8 +44,8 @@ FAMILIES = [
     Family("qwen3_5", qwen3_5.recognise, qwen3_5.load, qwen3_5.max_state_bytes,
            qwen3_5.check),
 ]
-HF_FAMILIES: list[HFFamily] = [lfm2.FAMILY, granite_hybrid.FAMILY, nemotron_h.FAMILY,
-                               falcon_h1.FAMILY]
+HF_FAMILIES: list[HFFamily] = [lfm2.FAMILY, lfm2_moe.FAMILY, granite_hybrid.FAMILY,
+                               nemotron_h.FAMILY, falcon_h1.FAMILY]
 FAMILIES += [Family(f.name, f.recognise, f.load, f.max_state_bytes, f.check)
              for f in HF_FAMILIES]
 

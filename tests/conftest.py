@@ -65,3 +65,17 @@ def server(linear_weights: Path) -> Iterator[ServerProcess]:
 def softmax_server(softmax_weights: Path) -> Iterator[ServerProcess]:
     with ServerProcess(softmax_weights) as srv:
         yield srv
+
+
+@pytest.fixture(autouse=True)
+def _process_modes() -> Iterator[None]:
+    """Restore the process-wide inference modes after every test: ``loader.load`` sets the
+    quantization for the whole process (as the engine does once at start), and a test that
+    loaded an int8 model would otherwise leave every later in-process model quantized."""
+    from model import invariant
+
+    before = invariant.enabled(), invariant.quantization()
+    yield
+    if invariant.enabled() != before[0]:
+        invariant.set_enabled(before[0])
+    invariant.set_quantization(before[1])

@@ -29,8 +29,10 @@ log = logging.getLogger("linserve")
 class HFFamily:
     """``config``: the parsed config from ``config.json``'s dict (raises KeyError,
     TypeError or ValueError naming what is wrong). ``build``: the module for a config.
-    ``rename``: a checkpoint tensor's name in that module (None: not ours). ``describe``:
-    one line for ``/v1/models`` and the startup log."""
+    ``rename``: a checkpoint tensor's name in that module (None: not ours), or
+    ``rename_for``: that mapping for a config (where it depends on one, as Granite's shared
+    MLP does on whether there are experts). ``describe``: one line for ``/v1/models`` and
+    the startup log."""
 
     name: str
     model_types: tuple[str, ...]
@@ -38,6 +40,10 @@ class HFFamily:
     build: Callable[[Any], DecoderLM]
     rename: Callable[[str], str | None]
     describe: Callable[[Any], str]
+    rename_for: Callable[[Any], Callable[[str], str | None]] | None = None
+
+    def renames(self, cfg: Any) -> Callable[[str], str | None]:
+        return self.rename if self.rename_for is None else self.rename_for(cfg)
 
     def recognise(self, path: Path) -> bool:
         try:
@@ -70,7 +76,7 @@ class HFFamily:
             raise CheckpointError(f"{path}: the weights need {need / 2**30:.1f} GiB in "
                                   f"{str(dtype).removeprefix('torch.')}, "
                                   f"{have / 2**30:.1f} GiB is available")
-        hf.plan(module, path, self.rename)
+        hf.plan(module, path, self.renames(cfg))
         hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
 
     def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
@@ -83,11 +89,11 @@ class HFFamily:
         cfg = self.read_config(path)
         tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
         # in the served dtype from the start: a bf16 model never exists in fp32 as well
-        module = self._meta(cfg).to(dtype).eval()
+        module = hf.cast(self._meta(cfg), dtype).eval()
         if weights:
             module = module.to_empty(device="cpu")
             with invariant.packing_once(module):  # packed layer by layer as it is read
-                unused = hf.load_weights(module, path, self.rename, dtype, module)
+                unused = hf.load_weights(module, path, self.renames(cfg), dtype, module)
                 module.pack_weights()  # anything the layers alone did not build
             other = [n for n in unused if not n.startswith("lm_head.")]
             if other:

@@ -1,6 +1,8 @@
-"""Granite-4.0-H, dense (``granitemoehybrid`` with ``num_local_experts: 0``: H-Micro and the
-dense H models): Mamba2 layers (:mod:`model.layers.mamba2`) and grouped-query attention
-layers as ``layer_types`` orders them, each followed by the shared SwiGLU MLP; Granite's
+"""Granite-4.0-H (``granitemoehybrid``): Mamba2 layers (:mod:`model.layers.mamba2`) and
+grouped-query attention layers as ``layer_types`` orders them, each followed by the shared
+SwiGLU MLP, plus, with ``num_local_experts > 0`` (H-Tiny, H-Small), a sparse mixture of
+SwiGLU experts (:mod:`model.layers.moe`: the top ``num_experts_per_tok`` router logits,
+softmaxed over those) whose output is added to the shared MLP's; Granite's
 multipliers (``embedding_multiplier``, ``residual_multiplier``, ``attention_multiplier`` as the
 score scale, ``logits_scaling``); RoPE or none, per ``position_embedding_type``. State: the
 Mamba2 layers' SSM state and conv window (constant) and a KV cache per attention layer.
@@ -8,14 +10,18 @@ Mamba2 layers' SSM state and conv window (constant) and a KV cache per attention
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from torch import nn
 
 from model.architectures.family import HFFamily, renamer
 from model.layers.attention import Attention, AttentionShape
 from model.layers.decoder import Block, DecoderLM
 from model.layers.mamba2 import Mamba2, Mamba2Shape
 from model.layers.mlp import SwiGLU
+from model.layers.moe import RouterSpec, SparseMoE
 from model.layers.norms import RMSNorm
 
 MAMBA, ATTENTION = ("mamba", "linear_attention"), ("attention", "full_attention")
@@ -35,12 +41,12 @@ class GraniteHybridConfig:
     logits_scaling: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    router: RouterSpec | None  # None: dense
+    expert_size: int
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> GraniteHybridConfig:
-        if int(c.get("num_local_experts", 0) or 0) > 0:
-            raise NotImplementedError("granitemoehybrid with experts (num_local_experts > 0) "
-                                      "is not served yet; the dense models are")
+        experts = int(c.get("num_local_experts", 0) or 0)
         d, n = int(c["hidden_size"]), int(c["num_hidden_layers"])
         types = c.get("layer_types") or c.get("layers_block_type") or ["mamba"] * n
         if len(types) != n or set(types) - {*MAMBA, *ATTENTION}:
@@ -77,7 +83,10 @@ class GraniteHybridConfig:
             residual_multiplier=float(c.get("residual_multiplier", 1.0)),
             logits_scaling=float(c.get("logits_scaling", 1.0)),
             max_position_embeddings=int(c.get("max_position_embeddings", 131_072)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            router=RouterSpec(experts, int(c["num_experts_per_tok"]), scoring="softmax_topk")
+            if experts else None,
+            expert_size=int(c.get("intermediate_size") or 0))
 
 
 def json_float(value: Any) -> float:
@@ -90,10 +99,15 @@ def json_float(value: Any) -> float:
 
 def build(cfg: GraniteHybridConfig) -> DecoderLM:
     d = cfg.hidden_size
-    mlp = cfg.shared_intermediate_size
+    shared = cfg.shared_intermediate_size
+
+    def mlp() -> nn.Module:
+        if cfg.router is None:
+            return SwiGLU(d, shared, fused=True)
+        return SparseMoE(d, cfg.expert_size, cfg.router, shared=shared, shared_fused=True)
+
     layers = [Block(Mamba2(cfg.mamba) if kind == "mamba" else Attention(cfg.attention),
-                    SwiGLU(d, mlp, fused=True), RMSNorm, d, cfg.rms_norm_eps,
-                    cfg.residual_multiplier)
+                    mlp(), RMSNorm, d, cfg.rms_norm_eps, cfg.residual_multiplier)
               for kind in cfg.layer_types]
     return DecoderLM(cfg, cfg.vocab_size, d, layers, RMSNorm(d, cfg.rms_norm_eps),
                      cfg.tie_word_embeddings, cfg.embedding_multiplier, cfg.logits_scaling)
@@ -104,16 +118,36 @@ RENAMES = [
     (r"^(model\.layers\.\d+)\.shared_mlp\.input_linear\.", r"\1.mlp.gate_up_proj."),
     (r"^(model\.layers\.\d+)\.shared_mlp\.output_linear\.", r"\1.mlp.down_proj."),
 ]
+# with experts: the shared MLP sits beside them, and the experts are stacked
+MOE_RENAMES = [
+    (r"^(model\.layers\.\d+)\.(?:mamba|self_attn)\.", r"\1.mixer."),
+    (r"^(model\.layers\.\d+)\.shared_mlp\.input_linear\.",
+     r"\1.mlp.shared_expert.gate_up_proj."),
+    (r"^(model\.layers\.\d+)\.shared_mlp\.output_linear\.",
+     r"\1.mlp.shared_expert.down_proj."),
+    (r"^(model\.layers\.\d+)\.block_sparse_moe\.input_linear\.weight$",
+     r"\1.mlp.experts.gate_up_proj"),
+    (r"^(model\.layers\.\d+)\.block_sparse_moe\.output_linear\.weight$",
+     r"\1.mlp.experts.down_proj"),
+    (r"^(model\.layers\.\d+)\.block_sparse_moe\.router\.layer\.", r"\1.mlp.gate."),
+]
 
 
 rename = renamer(RENAMES)
+_moe_rename = renamer(MOE_RENAMES)
+
+
+def rename_for(cfg: GraniteHybridConfig) -> Callable[[str], str | None]:
+    return rename if cfg.router is None else _moe_rename
 
 
 def describe(cfg: GraniteHybridConfig) -> str:
     attn = sum(t == "attention" for t in cfg.layer_types)
-    return (f"granitemoehybrid (dense: Mamba2 + GQA attention, {attn} of "
+    r = cfg.router
+    kind = "dense" if r is None else f"{r.experts} experts, top {r.top_k}"
+    return (f"granitemoehybrid ({kind}: Mamba2 + GQA attention, {attn} of "
             f"{len(cfg.layer_types)} layers attention)")
 
 
 FAMILY = HFFamily("granite_hybrid", ("granitemoehybrid",), GraniteHybridConfig.from_hf, build,
-                  rename, describe)
+                  rename, describe, rename_for)

@@ -17,7 +17,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -25,6 +25,7 @@ from torch import nn
 
 from model import invariant, kernels
 from model.interface import CheckpointError, ModelInfo
+from model.layers import moe
 from model.state import State
 from model.state_blob import state_from_bytes, state_to_bytes
 from model.tokenizer import Tokenizer
@@ -102,42 +103,61 @@ def tensor_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
 
 
+Index = tuple[int | slice, ...] | None  # a part of a checkpoint tensor (None: all of it)
+Wanted = dict[str, tuple[Path, str, Index]]  # parameter -> (file, tensor name, part)
+
+
 def plan(module: nn.Module, path: Path, rename: Callable[[str], str | None]
-         ) -> tuple[dict[str, tuple[Path, str]], list[str]]:
+         ) -> tuple[Wanted, list[str]]:
     """Which checkpoint tensor fills each of ``module``'s parameters (``rename`` maps a
     checkpoint name to the module's; None: not ours), read from the safetensors headers
-    alone: every parameter present, with its shape. Returns {parameter: (file, name)} and the
-    checkpoint names left unused."""
+    alone: every parameter present, with its shape. A tensor that stacks every expert of a
+    layer fills each expert's parameters with its parts (:func:`moe.split_stacked`).
+    Returns {parameter: (file, name, part)} and the checkpoint names left unused."""
     files = tensor_files(path)
+    shapes = _shapes(files)
     ours = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    wanted: dict[str, tuple[Path, str]] = {}
+    wanted: Wanted = {}
     unused = []
     for name, file in files.items():
         target = rename(name)
-        if target is None or target not in ours:
+        pieces: list[tuple[str, Index]] = [] if target is None else \
+            [(target, None)] if target in ours else \
+            list(moe.split_stacked(target, shapes[name]) or [])
+        if not pieces or any(t not in ours for t, _ in pieces):
             unused.append(name)
-        else:
-            wanted[target] = (file, name)
+            continue
+        for t, index in pieces:
+            wanted[t] = (file, name, index)
+            shape = shapes[name] if index is None else \
+                tuple(torch.empty(shapes[name], device="meta")[index].shape)
+            if shape != ours[t]:
+                raise CheckpointError(f"{path}: tensor {name} has shape {shapes[name]}, the "
+                                      f"config implies {ours[t]}"
+                                      + ("" if index is None else " for each part"))
     missing = sorted(set(ours) - set(wanted))
     if missing:
         raise CheckpointError(f"{path}: tensor {missing[0]} is missing"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    for file, pairs in _by_file(wanted).items():
-        with safe_open(str(file), "pt") as f:
-            for target, name in pairs:
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != ours[target]:
-                    raise CheckpointError(f"{path}: tensor {name} has shape {shape}, the "
-                                          f"config implies {ours[target]}")
     return wanted, unused
 
 
-def _by_file(wanted: dict[str, tuple[Path, str]]) -> dict[Path, list[tuple[str, str]]]:
-    """{parameter: (file, name)} regrouped as {file: [(parameter, name)]}, so each shard is
-    opened once."""
-    groups: dict[Path, list[tuple[str, str]]] = {}
-    for target, (file, name) in wanted.items():
-        groups.setdefault(file, []).append((target, name))
+def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the safetensors headers."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _by_file(wanted: Wanted) -> dict[Path, list[tuple[str, str, Index]]]:
+    """{parameter: (file, name, part)} regrouped as {file: [(parameter, name, part)]}, so
+    each shard is opened once."""
+    groups: dict[Path, list[tuple[str, str, Index]]] = {}
+    for target, (file, name, index) in wanted.items():
+        groups.setdefault(file, []).append((target, name, index))
     return groups
 
 
@@ -151,19 +171,36 @@ def load_weights(module: nn.Module, path: Path, rename: Callable[[str], str | No
     packed in turn, each original freed as it is packed: loading never holds the checkpoint
     whole beside its packed copy."""
     wanted, unused = plan(module, path, rename)
-    groups: dict[int, dict[str, tuple[Path, str]]] = {}
+    groups: dict[int, Wanted] = {}
     for target, where in wanted.items():
         hit = _LAYER.match(target) if packer is not None else None
         groups.setdefault(int(hit.group(1)) if hit else -1, {})[target] = where
     for index in sorted(groups):
         ours = module.state_dict()  # not held across packing: it would keep the originals
         for file, pairs in _by_file(groups[index]).items():
-            read_into(file, [(ours[target], name) for target, name in pairs])
+            read_into(file, [(ours[target], name, part) for target, name, part in pairs])
         del ours
         if packer is not None:
             packer.pack_head() if index < 0 else packer.pack_layer(index)
-    module.to(dtype)
+    cast(module, dtype)
     return unused
+
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def cast(module: ModuleT, dtype: torch.dtype) -> ModuleT:
+    """``module.to(dtype)``, except for the floating tensors of a submodule that sets
+    ``fp32_weights`` (a router): those stay or become fp32, as llama.cpp keeps
+    ``ffn_gate_inp``. A bf16 router moves near-ties between experts, and a token then reads
+    other experts than the fp32 model's."""
+    for m in module.modules():
+        want = torch.float32 if getattr(m, "fp32_weights", False) else dtype
+        for tensors in (m._parameters, m._buffers):
+            for t in tensors.values():
+                if t is not None and t.is_floating_point() and t.dtype != want:
+                    t.data = t.data.to(want)
+    return module
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -183,36 +220,47 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def read_into(file: Path, pairs: list[tuple[torch.Tensor, str]]) -> None:
-    """Copy each named tensor of the safetensors ``file`` into its destination, by plain
-    reads: a tensor of the destination's dtype lands in it directly, another is read into a
-    buffer of its own size and cast. ``safe_open`` maps the whole file, and every page it
-    has touched counts as resident while it is open: loading a 1.5 GB checkpoint showed
-    3.3 GB at its peak, against 1.8 GB this way."""
+def read_into(file: Path, pairs: list[tuple[torch.Tensor, str, Index]]) -> None:
+    """Copy each named tensor of the safetensors ``file`` (or the given part of it) into its
+    destination, by plain reads: a whole tensor of the destination's dtype lands in it
+    directly, another is read once into a buffer of its own size, then cast or split among
+    its destinations. ``safe_open`` maps the whole file, and every page it has touched
+    counts as resident while it is open: loading a 1.5 GB checkpoint showed 3.3 GB at its
+    peak, against 1.8 GB this way."""
+    by_name: dict[str, list[tuple[torch.Tensor, Index]]] = {}
+    for dest, name, index in pairs:
+        by_name.setdefault(name, []).append((dest, index))
     with file.open("rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
         header = json.loads(fh.read(size))
         start = 8 + size
         odd = []
-        for dest, name in pairs:
+        for name, dests in by_name.items():
             info = header[name]
             dtype = _DTYPES.get(info["dtype"])
             if dtype is None:
-                odd.append((dest, name))
+                odd.append(name)
                 continue
             begin, end = info["data_offsets"]
             fh.seek(start + begin)
-            direct = dest.dtype == dtype and dest.is_contiguous()
-            buf = dest if direct else torch.empty(info["shape"], dtype=dtype)
+            first = dests[0][0]
+            direct = len(dests) == 1 and dests[0][1] is None and first.dtype == dtype \
+                and first.is_contiguous()
+            buf = first if direct else torch.empty(info["shape"], dtype=dtype)
             view: Any = buf.view(-1).view(torch.uint8).numpy()  # a writable buffer
             if fh.readinto(view) != end - begin:
                 raise CheckpointError(f"{file}: {name} is cut short")
             if not direct:
-                dest.copy_(buf)
+                _scatter(buf, dests)
     if odd:
         with safe_open(str(file), "pt") as f:
-            for dest, name in odd:
-                dest.copy_(f.get_tensor(name))
+            for name in odd:
+                _scatter(f.get_tensor(name), by_name[name])
+
+
+def _scatter(t: torch.Tensor, dests: list[tuple[torch.Tensor, Index]]) -> None:
+    for dest, index in dests:
+        dest.copy_(t if index is None else t[index])
 
 
 def fingerprint(path: Path) -> str:

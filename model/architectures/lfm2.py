@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from model.architectures.family import HFFamily, renamer
 from model.layers.attention import Attention, AttentionShape
 from model.layers.decoder import Block, DecoderLM
@@ -79,6 +81,13 @@ def ff_size(c: dict[str, Any]) -> int:
 
 
 def build(cfg: Lfm2Config) -> DecoderLM:
+    return build_with(cfg, cfg, [SwiGLU(cfg.hidden_size, cfg.ff_size)
+                                 for _ in cfg.layer_types])
+
+
+def build_with(cfg: Lfm2Config, whole: Any, mlps: list[nn.Module]) -> DecoderLM:
+    """LFM2's stack with the given feed-forward block per layer (LFM2-MoE's experts);
+    ``whole`` is the config the module keeps."""
     d = cfg.hidden_size
     head_dim = d // cfg.num_attention_heads
     shape = AttentionShape(d, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
@@ -86,9 +95,9 @@ def build(cfg: Lfm2Config) -> DecoderLM:
                            eps=cfg.norm_eps)
     layers = [Block(Attention(shape) if kind == "full_attention"
                     else ShortConv(d, cfg.conv_width, cfg.conv_bias),
-                    SwiGLU(d, cfg.ff_size), RMSNorm, d, cfg.norm_eps)
-              for kind in cfg.layer_types]
-    return DecoderLM(cfg, cfg.vocab_size, d, layers, RMSNorm(d, cfg.norm_eps),
+                    mlp, RMSNorm, d, cfg.norm_eps)
+              for kind, mlp in zip(cfg.layer_types, mlps, strict=True)]
+    return DecoderLM(whole, cfg.vocab_size, d, layers, RMSNorm(d, cfg.norm_eps),
                      cfg.tie_word_embeddings)
 
 
@@ -99,6 +108,15 @@ RENAMES = [
     (r"^(model\.layers\.\d+)\.feed_forward\.w1\.", r"\1.mlp.gate_proj."),
     (r"^(model\.layers\.\d+)\.feed_forward\.w3\.", r"\1.mlp.up_proj."),
     (r"^(model\.layers\.\d+)\.feed_forward\.w2\.", r"\1.mlp.down_proj."),
+    # LFM2-MoE's experts, one by one (the stacked form is split by the loader)
+    (r"^(model\.layers\.\d+)\.feed_forward\.experts\.(\d+)\.w1\.",
+     r"\1.mlp.experts.\2.gate_proj."),
+    (r"^(model\.layers\.\d+)\.feed_forward\.experts\.(\d+)\.w3\.",
+     r"\1.mlp.experts.\2.up_proj."),
+    (r"^(model\.layers\.\d+)\.feed_forward\.experts\.(\d+)\.w2\.",
+     r"\1.mlp.experts.\2.down_proj."),
+    (r"^(model\.layers\.\d+)\.feed_forward\.expert_bias$", r"\1.mlp.gate.expert_bias"),
+    (r"^(model\.layers\.\d+)\.feed_forward\.", r"\1.mlp."),
     (r"^(model\.layers\.\d+)\.self_attn\.out_proj\.", r"\1.mixer.o_proj."),
     (r"^(model\.layers\.\d+)\.self_attn\.q_layernorm\.", r"\1.mixer.q_norm."),
     (r"^(model\.layers\.\d+)\.self_attn\.k_layernorm\.", r"\1.mixer.k_norm."),

@@ -650,7 +650,7 @@ def load(path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
     cfg = _config(path)
     tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
     with torch.device("meta"):
-        module = Qwen35ForCausalLM(cfg).to(dtype).eval()  # never all of it in fp32
+        module = hf.cast(Qwen35ForCausalLM(cfg), dtype).eval()  # never all of it in fp32
     if weights:
         _load_weights(module.to_empty(device="cpu"), path, dtype)
     arch = "qwen3_5 (Gated DeltaNet + gated attention, "

@@ -34,6 +34,16 @@ class Mixer(Protocol):
     def new_entries(self, batch: int, max_context: int) -> dict[str, Any]: ...
 
 
+@torch.inference_mode()
+def build_weights(module: nn.Module) -> None:
+    """Build the packed weights a warm-up on one input does not reach: those of every
+    submodule with a ``build_weights`` method (the experts a router did not choose)."""
+    for m in module.modules():
+        build = getattr(m, "build_weights", None)
+        if m is not module and callable(build):
+            build()
+
+
 class Block(nn.Module):
     """``x + r·mixer(norm(x))``, then ``x + r·mlp(norm(x))`` (either part may be absent, as
     in Nemotron-H's single-purpose blocks); r is Granite's ``residual_multiplier``.
@@ -176,6 +186,7 @@ class DecoderLM(nn.Module):
         :func:`invariant.release` can free the originals."""
         _, state = self.prefill(torch.zeros(1, 2, dtype=torch.long))
         self.step(torch.zeros(1, dtype=torch.long), state)
+        build_weights(self)
 
     @torch.inference_mode()
     def pack_head(self) -> None:
@@ -193,6 +204,7 @@ class DecoderLM(nn.Module):
         layer = self.model.layers[i]
         layer(x, entries, torch.zeros(1, dtype=torch.long))
         layer(x[:, 0], entries, torch.full((1,), 2), one_token=True)
+        build_weights(layer)
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -30,15 +30,33 @@ def _lfm2(shape: dict[str, Any]) -> Any:
     return t.Lfm2ForCausalLM(cfg)
 
 
+def _lfm2_moe(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    experts, top_k = shape["experts"]
+    cfg = t.Lfm2MoeConfig(vocab_size=VOCAB, hidden_size=shape["d"], intermediate_size=shape["ff"],
+                          moe_intermediate_size=shape["moe"],
+                          num_hidden_layers=len(shape["types"]), layer_types=shape["types"],
+                          num_attention_heads=shape["heads"][0],
+                          num_key_value_heads=shape["heads"][1],
+                          max_position_embeddings=4096, tie_word_embeddings=shape["tie"],
+                          num_dense_layers=shape["dense"], num_experts=experts,
+                          num_experts_per_tok=top_k, use_expert_bias=shape["bias"],
+                          norm_topk_prob=shape.get("norm", True),
+                          routed_scaling_factor=shape.get("scaling", 1.0))
+    return t.Lfm2MoeForCausalLM(cfg)
+
+
 def _granite(shape: dict[str, Any]) -> Any:
     t = pytest.importorskip("transformers")
     d = shape["d"]
+    experts, top_k = shape.get("experts", (0, 1))
     cfg = t.GraniteMoeHybridConfig(
-        vocab_size=VOCAB, hidden_size=d, intermediate_size=2 * d,
+        vocab_size=VOCAB, hidden_size=d, intermediate_size=shape.get("moe", 2 * d),
         shared_intermediate_size=shape["ff"], num_hidden_layers=len(shape["types"]),
         layer_types=shape["types"], num_attention_heads=shape["heads"][0],
         num_key_value_heads=shape["heads"][1], max_position_embeddings=4096,
-        tie_word_embeddings=shape["tie"], num_local_experts=0,
+        tie_word_embeddings=shape["tie"], num_local_experts=experts,
+        num_experts_per_tok=top_k,
         position_embedding_type=shape.get("pos"), mamba_n_heads=shape["mamba"][0],
         mamba_d_state=shape["mamba"][1], mamba_n_groups=shape["mamba"][2], mamba_d_conv=4,
         mamba_expand=2, mamba_chunk_size=32, embedding_multiplier=shape.get("emb", 1.0),
@@ -84,6 +102,15 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
         "a1-untied": {"d": 96, "ff": 256, "heads": (6, 1), "tie": False, "L": 4, "mult": 1.5,
                       "types": ["full_attention", "conv", "conv", "conv"]},
     },
+    "lfm2_moe": {  # experts: (experts, top k)
+        "e6k2-tied": {"d": 64, "ff": 128, "moe": 48, "heads": (4, 2), "tie": True,
+                      "experts": (6, 2), "dense": 1, "bias": True,
+                      "types": ["conv", "full_attention", "conv", "conv"]},
+        "e9k3-untied": {"d": 48, "ff": 96, "moe": 32, "heads": (6, 1), "tie": False,
+                        "experts": (9, 3), "dense": 2, "bias": False, "norm": False,
+                        "scaling": 1.5,
+                        "types": ["full_attention", "conv", "conv", "conv", "full_attention"]},
+    },
     "granitemoehybrid": {  # mamba: (heads, d_state, groups)
         "rope-g2": {"d": 64, "ff": 96, "heads": (4, 2), "tie": True, "pos": "rope",
                     "mamba": (8, 16, 2), "emb": 2.0, "res": 0.5, "logits": 2.0, "attn": 0.2,
@@ -92,6 +119,12 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
         "nope-g1": {"d": 48, "ff": 80, "heads": (6, 1), "tie": False, "pos": None,
                     "mamba": (4, 8, 1),
                     "types": ["attention", "linear_attention", "linear_attention"]},
+        "moe-e5k2": {"d": 64, "ff": 64, "moe": 48, "heads": (4, 2), "tie": True, "pos": "rope",
+                     "mamba": (8, 16, 2), "experts": (5, 2), "res": 0.5,
+                     "types": ["linear_attention", "attention", "linear_attention"]},
+        "moe-e8k3": {"d": 48, "ff": 80, "moe": 40, "heads": (6, 2), "tie": False, "pos": None,
+                     "mamba": (4, 8, 1), "experts": (8, 3),
+                     "types": ["attention", "linear_attention"]},
     },
     "nemotron_h": {  # mamba: (heads, head_dim, d_state, groups)
         "a-g2": {"d": 64, "ff": 128, "heads": (4, 2), "head_dim": 16, "tie": False,
@@ -114,8 +147,8 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
                     "mamba": (64, 4, 8, 1), "rms": False},
     },
 }
-BUILDERS = {"lfm2": _lfm2, "granitemoehybrid": _granite, "nemotron_h": _nemotron,
-            "falcon_h1": _falcon}
+BUILDERS = {"lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "granitemoehybrid": _granite,
+            "nemotron_h": _nemotron, "falcon_h1": _falcon}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 
 
@@ -124,9 +157,13 @@ def make(path: Path, family: str, name: str, seed: int = 0, scale: float = 3.0) 
     times transformers' initialisation (so layers matter), with the project's tokenizer."""
     torch.manual_seed(seed)
     model = BUILDERS[family](SHAPES[family][name])
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(scale if p.dim() > 1 else 1.0)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):  # zero at init: make it choose
+                b.copy_(torch.rand(b.shape, generator=gen) - 0.5)
     model.eval().save_pretrained(path)
     shutil.copy(TOKENIZER, path / "tokenizer.json")
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))

@@ -1,0 +1,169 @@
+"""A sparse mixture of SwiGLU experts: a router picks ``top_k`` of ``experts`` for each token,
+the chosen experts run on the tokens that chose them, and their outputs are summed with the
+router's weights; optionally a shared expert (Qwen's, gated by a sigmoid; Granite's shared
+MLP, ungated) runs on every token.
+
+Only the chosen experts' weights are read: the tokens of a step or a prompt are grouped by
+expert, so each chosen expert runs one product over its tokens (a grouped GEMM, expert after
+expert) and an expert nobody chose is never touched. Batch-invariant: a token's routing is its
+own row of the router's product; each expert's product is the invariant GEMM (a row's output
+does not depend on the rows beside it); and a token's outputs are added in ascending expert
+order, as transformers adds them, whatever the other tokens chose.
+
+Parameters, as the checkpoints name them after a family's renames: ``gate`` (the router,
+``[experts, d]``, never quantized), ``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``,
+``gate.expert_bias`` (LFM2-MoE's, for choosing only), ``shared_expert`` and
+``shared_expert_gate``.
+Checkpoints that stack the experts (``experts.gate_up_proj [E, 2I, d]``,
+``experts.down_proj [E, d, I]``) are split into these by :func:`split_stacked`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model import invariant
+from model.invariant import Linear
+from model.layers.mlp import SwiGLU
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a family routes. ``scoring``:
+
+    - ``"softmax"``: probabilities over all experts, then the top k (Qwen);
+    - ``"sigmoid"``: independent sigmoids, then the top k (LFM2-MoE), chosen by the scores
+      plus ``expert_bias`` when the family has one;
+    - ``"softmax_topk"``: the top k logits, then a softmax over those (Granite, Mixtral).
+
+    ``norm_topk``: the chosen weights divided by their sum (plus ``norm_eps``);
+    ``scaling``: then multiplied by ``routed_scaling_factor``."""
+
+    experts: int
+    top_k: int
+    scoring: str = "softmax"
+    norm_topk: bool = True
+    norm_eps: float = 0.0
+    scaling: float = 1.0
+    expert_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid", "softmax_topk"):
+            raise ValueError(f"unknown router scoring {self.scoring!r}")
+        if not 0 < self.top_k <= self.experts:
+            raise ValueError(f"top_k {self.top_k} is not in 1..{self.experts} experts")
+
+
+class Router(Linear):
+    """The router's product ``[d] -> [experts]`` fp32: fp32 weights whatever the served
+    dtype (:func:`model.architectures.hf.cast`), never quantized (a few bits moved in a
+    router's logits change which experts a token reads). ``expert_bias`` ``[experts]``:
+    LFM2-MoE's bias for choosing, when the family has one."""
+
+    keep_dtype = True  # never quantized
+    fp32_weights = True
+
+    def __init__(self, dim: int, experts: int, expert_bias: bool = False) -> None:
+        super().__init__(dim, experts, bias=False)
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float())
+
+
+def softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension, fp32, batch-invariant (see
+    :func:`invariant.rowwise` and :func:`invariant.sum_last`)."""
+    x = x.float()
+    e = invariant.rowwise(torch.exp, x - x.amax(-1, keepdim=True))
+    return e / invariant.sum_last(e)
+
+
+class SparseMoE(nn.Module):
+    """``Σ_k w_k · expert_k(x) [+ shared(x) (· sigmoid(shared_gate(x)))]``.
+    ``[..., d] -> [..., d]`` in x's dtype."""
+
+    def __init__(self, dim: int, hidden: int, spec: RouterSpec, shared: int = 0,
+                 shared_gate: bool = False, shared_fused: bool = False) -> None:
+        super().__init__()
+        self.spec = spec
+        self.gate = Router(dim, spec.experts, spec.expert_bias)
+        self.experts = nn.ModuleList(SwiGLU(dim, hidden) for _ in range(spec.experts))
+        self.shared_expert = SwiGLU(dim, shared, fused=shared_fused) if shared else None
+        self.shared_expert_gate = Router(dim, 1) if shared and shared_gate else None
+
+    def build_weights(self) -> None:
+        """Build every expert's packed weights (a forward on one zero row each), so that a
+        load packs them all, layer by layer, not only the experts a warm-up chose."""
+        zero = torch.zeros(1, self.gate.in_features,
+                           dtype=next(self.experts.parameters()).dtype)
+        self.gate(zero)
+        for expert in self.experts:
+            expert(zero)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[N, d]`` -> (weights ``[N, k]`` in x's dtype, chosen experts ``[N, k]``)."""
+        spec = self.spec
+        logits = self.gate(x)
+        if spec.scoring == "softmax_topk":
+            top, chosen = logits.float().topk(spec.top_k, dim=-1)
+            return softmax_rows(top).to(x.dtype), chosen
+        if spec.scoring == "softmax":
+            scores = softmax_rows(logits)
+        else:
+            scores = invariant.rowwise(torch.sigmoid, logits)
+        if spec.expert_bias:
+            _, chosen = torch.topk(scores + self.gate.get_buffer("expert_bias"), spec.top_k, dim=-1)
+            top = scores.gather(1, chosen).to(logits.dtype)
+        else:
+            top, chosen = torch.topk(scores, spec.top_k, dim=-1)
+        if spec.norm_topk:
+            total = invariant.sum_last(top)
+            top = top / (total + spec.norm_eps if spec.norm_eps else total).to(top.dtype)
+        if spec.scaling != 1.0:
+            top = top * spec.scaling
+        return top.to(x.dtype), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, chosen = self.route(flat)
+        out = torch.zeros_like(flat)
+        # grouped by expert, in ascending order: each chosen expert's weights read once
+        for e in torch.unique(chosen).tolist():
+            rows, slot = torch.where(chosen == e)
+            y = self.experts[e](flat[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                gate = invariant.rowwise(torch.sigmoid, self.shared_expert_gate(flat))
+                shared = gate * shared
+            out = out + shared.to(out.dtype)
+        return out.view(shape)
+
+
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
+
+
+def split_stacked(name: str, shape: tuple[int, ...]
+                  ) -> list[tuple[str, tuple[int | slice, ...]]] | None:
+    """For a checkpoint tensor that stacks every expert (``….experts.gate_up_proj``
+    ``[E, 2I, d]``, gate rows first, or ``….experts.down_proj`` ``[E, d, I]``, as
+    transformers' fused layout and Granite's ``input_linear`` / ``output_linear`` store
+    them): each expert's parameter and the index of its part. None for any other name."""
+    hit = _STACKED.match(name)
+    if hit is None or len(shape) != 3:
+        return None
+    prefix, kind = hit.groups()
+    if kind == "down_proj":
+        return [(f"{prefix}.{e}.down_proj.weight", (e,)) for e in range(shape[0])]
+    half = shape[1] // 2
+    return [piece for e in range(shape[0]) for piece in (
+        (f"{prefix}.{e}.gate_proj.weight", (e, slice(0, half))),
+        (f"{prefix}.{e}.up_proj.weight", (e, slice(half, shape[1]))))]
