@@ -15,7 +15,16 @@ from pathlib import Path
 import torch
 
 from model import invariant, kernels
-from model.architectures import falcon_h1, granite_hybrid, hf, lfm2, lfm2_moe, nemotron_h, qwen3_5
+from model.architectures import (
+    falcon_h1,
+    granite_hybrid,
+    hf,
+    lfm2,
+    lfm2_moe,
+    nemotron_h,
+    qwen3_5,
+    qwen3_next,
+)
 from model.architectures.family import HFFamily
 from model.architectures.linserve import OwnModel, is_own_checkpoint
 from model.architectures.linserve import max_state_bytes as own_max_state_bytes
@@ -36,18 +45,22 @@ class Family:
     load: Callable[[Path, torch.dtype, bool, bool], ServedModel]
     max_state_bytes: Callable[[Path], int]
     check: Callable[[Path, torch.dtype], None]
+    params: Callable[[Path], int]
 
 
 FAMILIES = [
     Family("linserve", is_own_checkpoint, OwnModel.load, own_max_state_bytes,
-           lambda path, dtype: None),
-    Family("qwen3_5", qwen3_5.recognise, qwen3_5.load, qwen3_5.max_state_bytes,
-           qwen3_5.check),
+           lambda path, dtype: None, lambda path: hf.checkpoint_params(path)),
+    *(Family(v.name, v.recognise, v.load, v.max_state_bytes, v.check, v.params)
+      for v in (qwen3_5.QWEN3_5, qwen3_next.VARIANT)),
 ]
 HF_FAMILIES: list[HFFamily] = [lfm2.FAMILY, lfm2_moe.FAMILY, granite_hybrid.FAMILY,
                                nemotron_h.FAMILY, falcon_h1.FAMILY]
-FAMILIES += [Family(f.name, f.recognise, f.load, f.max_state_bytes, f.check)
+FAMILIES += [Family(f.name, f.recognise, f.load, f.max_state_bytes, f.check, f.params)
              for f in HF_FAMILIES]
+# Bytes a parameter takes as served under each quantization (int8: one fp32 scale per output
+# column, counted as nothing; int4: 4 bits and an fp16 scale per 32); None: the dtype's size.
+QUANTIZED_BYTES = {"int8": 1.0, "int4": 0.5625}
 
 
 def family(path: Path) -> Family:
@@ -65,7 +78,8 @@ def family(path: Path) -> Family:
 
 def known_model_types() -> list[str]:
     """Every Hugging Face ``model_type`` some family serves."""
-    return [*qwen3_5.MODEL_TYPES, *(t for f in HF_FAMILIES for t in f.model_types)]
+    return [*qwen3_5.MODEL_TYPES, *qwen3_next.VARIANT.model_types,
+            *(t for f in HF_FAMILIES for t in f.model_types)]
 
 
 def resolve(path_or_id: str | Path) -> Path:
@@ -107,10 +121,31 @@ def load(path: Path, dtype: str = "auto", fused: bool = True,
         raise CheckpointError(f"{path}: {exc}") from None
 
 
-def check(path: Path, dtype: str = "auto") -> None:
+def check(path: Path, dtype: str = "auto", quantization: str = "none", budget: int = 0
+          ) -> None:
     """Check the checkpoint at ``path`` as far as possible without loading its weights (the
-    server does this before it starts, so a bad checkpoint is one line, not a traceback)."""
-    family(path).check(path, getattr(torch, pick_dtype(dtype)[0]))
+    server does this before it starts, so a bad checkpoint is one line, not a traceback):
+    that its weights, as served, fit the memory available and the ``budget``
+    (``--max-memory``; 0: none), then the family's own checks (config, tensors, tokenizer).
+    """
+    fam = family(path)
+    dt = getattr(torch, pick_dtype(dtype)[0])
+    need = weight_bytes(fam.params(path), dt, quantization)
+    served = quantization if quantization != "none" else str(dt).removeprefix("torch.")
+    have = available_memory()
+    if need > 0.9 * have:
+        raise CheckpointError(f"{path}: the weights need {need / 2**30:.1f} GiB as {served}, "
+                              f"{have / 2**30:.1f} GiB is available")
+    if budget and need > budget:
+        raise CheckpointError(f"{path}: the weights need {need / 2**30:.1f} GiB as {served}, "
+                              f"more than --max-memory ({budget / 2**30:.1f} GiB)")
+    fam.check(path, dt)
+
+
+def weight_bytes(params: int, dtype: torch.dtype, quantization: str = "none") -> int:
+    """The bytes ``params`` parameters take as served (an estimate before loading)."""
+    per = QUANTIZED_BYTES.get(quantization) or torch.empty(0, dtype=dtype).element_size()
+    return int(params * per)
 
 
 def max_state_bytes(path: Path) -> int:

@@ -53,10 +53,11 @@ def main() -> None:
     try:
         if settings.model:  # a folder or a repo id: both processes load the resolved folder
             settings = settings.model_copy(update={"weights": loader.resolve(settings.model)})
-        loader.check(settings.weights, settings.dtype)
         if not settings.max_memory:  # resolved once, so both processes budget alike
             settings = settings.model_copy(
                 update={"max_memory": int(0.8 * loader.available_memory())})
+        loader.check(settings.weights, settings.dtype, settings.quantization,
+                     settings.max_memory)
         state_limit = max_state_bytes(settings.weights)
     except (loader.CheckpointError, OSError, ValueError) as exc:  # one line, no traceback
         raise SystemExit(f"linserve: cannot load {settings.model or settings.weights}: "

@@ -64,19 +64,17 @@ class HFFamily:
         cfg = self.read_config(path)
         return state_sizes(self._meta(cfg), cfg.max_position_embeddings)[0]
 
+    def params(self, path: Path) -> int:
+        """Parameters of the module ``path``'s config builds (read nothing else)."""
+        return self._meta(self.read_config(path)).n_params()
+
     def check(self, path: Path, dtype: torch.dtype) -> None:
-        """Everything that can be checked before reading weights: the config, that the
-        weights fit in memory, every tensor's presence and shape (from the safetensors
-        headers), and the tokenizer. Raises :class:`CheckpointError`."""
+        """Everything that can be checked before reading weights: the config, every
+        tensor's presence and shape (from the safetensors headers), and the tokenizer.
+        Raises :class:`CheckpointError`."""
+        del dtype  # the weights' memory is checked by model.loader.check, for every family
         cfg = self.read_config(path)
-        module = self._meta(cfg)
-        need = module.n_params() * torch.empty(0, dtype=dtype).element_size()
-        have = hf.available_memory()
-        if need > 0.9 * have:
-            raise CheckpointError(f"{path}: the weights need {need / 2**30:.1f} GiB in "
-                                  f"{str(dtype).removeprefix('torch.')}, "
-                                  f"{have / 2**30:.1f} GiB is available")
-        hf.plan(module, path, self.renames(cfg))
+        hf.plan(self._meta(cfg), path, self.renames(cfg))
         hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
 
     def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -22,6 +23,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
 from model import invariant, kernels
 from model.interface import CheckpointError, ModelInfo
@@ -103,17 +105,23 @@ def tensor_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
 
 
-Index = tuple[int | slice, ...] | None  # a part of a checkpoint tensor (None: all of it)
+# A part of a checkpoint tensor (None: all of it): indices, slices or a tensor of indices,
+# one per leading dimension.
+Index = tuple[int | slice | torch.Tensor, ...] | None
 Wanted = dict[str, tuple[Path, str, Index]]  # parameter -> (file, tensor name, part)
+# A checkpoint tensor (its renamed name and shape) that fills several parameters, each with
+# a part of it; None: not such a tensor.
+Split = Callable[[str, tuple[int, ...]], list[tuple[str, Index]] | None]
 
 
-def plan(module: nn.Module, path: Path, rename: Callable[[str], str | None]
-         ) -> tuple[Wanted, list[str]]:
+def plan(module: nn.Module, path: Path, rename: Callable[[str], str | None],
+         split: Split = moe.split_stacked) -> tuple[Wanted, list[str]]:
     """Which checkpoint tensor fills each of ``module``'s parameters (``rename`` maps a
     checkpoint name to the module's; None: not ours), read from the safetensors headers
-    alone: every parameter present, with its shape. A tensor that stacks every expert of a
-    layer fills each expert's parameters with its parts (:func:`moe.split_stacked`).
-    Returns {parameter: (file, name, part)} and the checkpoint names left unused."""
+    alone: every parameter present, with its shape. A tensor that is no parameter may fill
+    several with its parts (``split``; by default a tensor that stacks every expert of a
+    layer, :func:`moe.split_stacked`). Returns {parameter: (file, name, part)} and the
+    checkpoint names left unused."""
     files = tensor_files(path)
     shapes = _shapes(files)
     ours = {k: tuple(v.shape) for k, v in module.state_dict().items()}
@@ -122,15 +130,13 @@ def plan(module: nn.Module, path: Path, rename: Callable[[str], str | None]
     for name, file in files.items():
         target = rename(name)
         pieces: list[tuple[str, Index]] = [] if target is None else \
-            [(target, None)] if target in ours else \
-            list(moe.split_stacked(target, shapes[name]) or [])
+            [(target, None)] if target in ours else list(split(target, shapes[name]) or [])
         if not pieces or any(t not in ours for t, _ in pieces):
             unused.append(name)
             continue
         for t, index in pieces:
             wanted[t] = (file, name, index)
-            shape = shapes[name] if index is None else \
-                tuple(torch.empty(shapes[name], device="meta")[index].shape)
+            shape = shapes[name] if index is None else _part_shape(shapes[name], index)
             if shape != ours[t]:
                 raise CheckpointError(f"{path}: tensor {name} has shape {shapes[name]}, the "
                                       f"config implies {ours[t]}"
@@ -140,6 +146,29 @@ def plan(module: nn.Module, path: Path, rename: Callable[[str], str | None]
         raise CheckpointError(f"{path}: tensor {missing[0]} is missing"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     return wanted, unused
+
+
+def checkpoint_params(path: Path) -> int:
+    """Parameters stored in the checkpoint at ``path`` (from its safetensors headers)."""
+    total = 0
+    for shape in _shapes(tensor_files(path)).values():
+        n = 1
+        for size in shape:
+            n *= size
+        total += n
+    return total
+
+
+def _part_shape(shape: tuple[int, ...], index: tuple[int | slice | torch.Tensor, ...]
+                ) -> tuple[int, ...]:
+    """The shape of ``tensor[index]`` for a tensor of ``shape``."""
+    out: list[int] = []
+    for n, i in zip(shape, index, strict=False):
+        if isinstance(i, slice):
+            out.append(len(range(*i.indices(n))))
+        elif isinstance(i, torch.Tensor):
+            out.append(len(i))
+    return (*out, *shape[len(index):])
 
 
 def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
@@ -162,20 +191,25 @@ def _by_file(wanted: Wanted) -> dict[Path, list[tuple[str, str, Index]]]:
 
 
 def load_weights(module: nn.Module, path: Path, rename: Callable[[str], str | None],
-                 dtype: torch.dtype, packer: LayerPacker | None = None) -> list[str]:
+                 dtype: torch.dtype, packer: LayerPacker | None = None,
+                 split: Split = moe.split_stacked) -> list[str]:
     """Fill ``module``'s parameters from the checkpoint (see :func:`plan`), then cast them to
     ``dtype``. Returns the checkpoint names left unused.
 
     With a ``packer`` (a served model, inside :func:`invariant.packing_once`), everything
     outside ``model.layers`` is read first and the head packed, then each layer is read and
     packed in turn, each original freed as it is packed: loading never holds the checkpoint
-    whole beside its packed copy."""
-    wanted, unused = plan(module, path, rename)
+    whole beside its packed copy. A progress bar on stderr counts the layers (vLLM shows
+    its checkpoint shards the same way)."""
+    wanted, unused = plan(module, path, rename, split)
     groups: dict[int, Wanted] = {}
     for target, where in wanted.items():
         hit = _LAYER.match(target) if packer is not None else None
         groups.setdefault(int(hit.group(1)) if hit else -1, {})[target] = where
-    for index in sorted(groups):
+    order = sorted(groups)
+    progress = tqdm(order, desc=f"Loading {path.name}", unit="layer", file=sys.stderr,
+                    disable=packer is None, mininterval=0.5)
+    for index in progress:
         ours = module.state_dict()  # not held across packing: it would keep the originals
         for file, pairs in _by_file(groups[index]).items():
             read_into(file, [(ours[target], name, part) for target, name, part in pairs])

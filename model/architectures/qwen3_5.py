@@ -20,6 +20,7 @@ Layer types come from the checkpoint's ``layer_types`` (three ``linear_attention
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -34,11 +35,39 @@ from model.attention.delta import delta_rule_chunked, delta_rule_step, l2norm
 from model.interface import CheckpointError
 from model.invariant import Linear
 from model.layers.decoder import DecoderLM
+from model.layers.moe import RouterSpec, SparseMoE, split_stacked
 from model.layers.rope import inv_freq as rope_freqs
 from model.layers.rope import rope as shared_rope
 from model.state import ConvEntry, KVEntry, RecurrentEntry, State
 
 log = logging.getLogger("linserve")
+
+
+@dataclass(frozen=True)
+class QwenExperts:
+    """The sparse MLP of Qwen3.5-MoE and Qwen3-Next: a softmax router over ``num_experts``,
+    the top ``num_experts_per_tok`` renormalised (``norm_topk_prob``), SwiGLU experts of
+    ``moe_intermediate_size``, and a shared expert of ``shared_expert_intermediate_size``
+    gated by a sigmoid. ``sparse``: per layer, experts or the dense MLP (Qwen3-Next's
+    ``decoder_sparse_step`` and ``mlp_only_layers``)."""
+
+    router: RouterSpec
+    expert_size: int
+    shared_size: int
+    sparse: tuple[bool, ...]
+
+    @classmethod
+    def from_hf(cls, text: dict[str, Any], layers: int) -> QwenExperts | None:
+        experts = int(text.get("num_experts") or 0)
+        if experts == 0:
+            return None
+        step = int(text.get("decoder_sparse_step") or 1)
+        dense = {int(i) for i in text.get("mlp_only_layers") or []}
+        return cls(RouterSpec(experts, int(text["num_experts_per_tok"]),
+                              norm_topk=bool(text.get("norm_topk_prob", True))),
+                   int(text["moe_intermediate_size"]),
+                   int(text.get("shared_expert_intermediate_size") or 0),
+                   tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
 
 
 @dataclass(frozen=True)
@@ -62,13 +91,15 @@ class Qwen35Config:
     partial_rotary_factor: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    experts: QwenExperts | None = None  # None: every layer's MLP dense
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> Qwen35Config:
-        """Read a ``qwen3_5_text`` config, or the ``text_config`` of a ``qwen3_5`` one. Raises
-        ValueError (naming the field) for anything missing or inconsistent."""
-        text = config.get("text_config", config) if config.get("model_type") == "qwen3_5" \
-            else config
+        """Read a ``qwen3_5_text`` / ``qwen3_5_moe_text`` / ``qwen3_next`` config, or the
+        ``text_config`` of a ``qwen3_5`` / ``qwen3_5_moe`` one. Raises ValueError (naming
+        the field) for anything missing or inconsistent."""
+        text = config.get("text_config", config) \
+            if config.get("model_type") in ("qwen3_5", "qwen3_5_moe") else config
         tie = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
         rope = text.get("rope_parameters") or {}
         n = int(text["num_hidden_layers"])
@@ -77,7 +108,7 @@ class Qwen35Config:
             else "linear_attention" for i in range(n)]
         cfg = cls(
             vocab_size=int(text["vocab_size"]), hidden_size=int(text["hidden_size"]),
-            intermediate_size=int(text["intermediate_size"]), layer_types=tuple(types),
+            intermediate_size=int(text.get("intermediate_size") or 0), layer_types=tuple(types),
             num_attention_heads=int(text["num_attention_heads"]),
             num_key_value_heads=int(text["num_key_value_heads"]),
             head_dim=int(text.get("head_dim") or text["hidden_size"] //
@@ -92,7 +123,7 @@ class Qwen35Config:
             partial_rotary_factor=float(rope.get("partial_rotary_factor",
                                                  text.get("partial_rotary_factor", 0.25))),
             max_position_embeddings=int(text.get("max_position_embeddings", 262_144)),
-            tie_word_embeddings=tie)
+            tie_word_embeddings=tie, experts=QwenExperts.from_hf(text, n))
         cfg.check()
         return cfg
 
@@ -109,6 +140,9 @@ class Qwen35Config:
             raise ValueError("linear_num_value_heads is not a multiple of linear_num_key_heads")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError("partial_rotary_factor gives an odd or oversized rotary dimension")
+        dense = self.experts is None or not all(self.experts.sparse)
+        if dense and self.intermediate_size <= 0:
+            raise ValueError("intermediate_size is missing for the dense MLP layers")
 
     @property
     def rotary_dim(self) -> int:
@@ -437,8 +471,8 @@ def _layer_weights(layer: DecoderLayer, cfg: Qwen35Config) -> list[torch.Tensor]
     def f32(t: torch.Tensor) -> torch.Tensor:
         return t.detach().float().contiguous()
 
-    mlp = [_norm(layer.post_attention_layernorm), layer.mlp.gate_up(),
-           _gemm(layer.mlp.down_proj)]
+    dense = cast(MLP, layer.mlp)
+    mlp = [_norm(layer.post_attention_layernorm), dense.gate_up(), _gemm(dense.down_proj)]
     if layer.kind == "linear_attention":
         a = layer.linear_attn
         return [_norm(layer.input_layernorm), a.in_weight(), a.conv_weight(), f32(a.A_log),
@@ -456,14 +490,17 @@ def _step_tensors(entries: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen35Config, kind: str) -> None:
+    def __init__(self, cfg: Qwen35Config, kind: str, index: int) -> None:
         super().__init__()
         self.kind = kind
         if kind == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg)
         else:
             self.self_attn = GatedAttention(cfg)
-        self.mlp = MLP(cfg)
+        moe = cfg.experts
+        self.mlp: nn.Module = MLP(cfg) if moe is None or not moe.sparse[index] else SparseMoE(
+            cfg.hidden_size, moe.expert_size, moe.router, shared=moe.shared_size,
+            shared_gate=True)
         self.input_layernorm = QwenRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = QwenRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -495,14 +532,23 @@ class Qwen35ForCausalLM(DecoderLM):
 
     def __init__(self, cfg: Qwen35Config) -> None:
         super().__init__(cfg, cfg.vocab_size, cfg.hidden_size,
-                         [DecoderLayer(cfg, kind) for kind in cfg.layer_types],
+                         [DecoderLayer(cfg, kind, i) for i, kind in enumerate(cfg.layer_types)],
                          QwenRMSNorm(cfg.hidden_size, cfg.rms_norm_eps), cfg.tie_word_embeddings)
         self._fused: tuple[Any, list[torch.Tensor]] | None = None
 
     step_eager = DecoderLM.step  # layer by layer in PyTorch: the native step's reference
 
+    @property
+    def fused(self) -> bool:
+        """Whether the whole-model native step serves this shape (not with experts: those
+        step layer by layer, reading only the chosen experts)."""
+        return self.cfg.experts is None
+
     def pack_layer(self, i: int) -> None:
         """Build layer ``i``'s packed weights as the native step reads them."""
+        if not self.fused:
+            super().pack_layer(i)
+            return
         _layer_weights(cast(DecoderLayer, self.model.layers[i]), self.cfg)
 
     def new_state(self, batch: int = 1, max_context: int | None = None) -> State:
@@ -527,7 +573,7 @@ class Qwen35ForCausalLM(DecoderLM):
         kernels are built, else :meth:`step_eager`."""
         state.reserve(int(state.lengths.max()) + 1)
         tensors = [t for entries in state.layers for t in _step_tensors(entries)]
-        if kernels.available() and all(t.is_contiguous() for t in tensors):
+        if self.fused and kernels.available() and all(t.is_contiguous() for t in tensors):
             cfg = self.cfg
             logits = torch.ops.linserve.qwen35_step(
                 tokens.contiguous(), self.fused_weights(), tensors, state.lengths,
@@ -575,36 +621,9 @@ def state_bytes_per_token(cfg: Qwen35Config) -> int:
     return 2 * kv_layers * cfg.num_key_value_heads * cfg.head_dim * 4
 
 
-def param_count(cfg: Qwen35Config) -> int:
-    """Parameters of the text model, from its shape alone (for the memory estimate)."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    attn = d * 2 * cfg.num_attention_heads * cfg.head_dim + \
-        2 * d * cfg.num_key_value_heads * cfg.head_dim + cfg.num_attention_heads * cfg.head_dim * d
-    gdn = d * cfg.conv_dim + cfg.conv_dim * cfg.linear_conv_kernel_dim + \
-        2 * d * cfg.linear_num_value_heads * cfg.linear_value_head_dim + \
-        2 * d * cfg.linear_num_value_heads
-    per = [(gdn if t == "linear_attention" else attn) + 3 * d * f + 2 * d
-           for t in cfg.layer_types]
-    embed = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
-    return sum(per) + embed + d
-
-
 # ---- loading a Hugging Face checkpoint ------------------------------------------------------
 
-MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
-
-
-def recognise(path: Path) -> bool:
-    """A Qwen3.5 dense checkpoint: its config's model_type."""
-    try:
-        return hf.read_json(path / "config.json").get("model_type") in MODEL_TYPES
-    except CheckpointError:
-        return False
-
-
-def _config(path: Path) -> Qwen35Config:
-    cfg: Qwen35Config = hf.parse_config(path, Qwen35Config.from_hf)
-    return cfg
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def _rename(name: str) -> str | None:
@@ -616,59 +635,103 @@ def _rename(name: str) -> str | None:
     return name
 
 
-def max_state_bytes(path: Path) -> int:
-    """The largest one-session state: the constant GDN part plus a full-context KV cache."""
-    cfg = _config(path)
-    gdn = sum(t == "linear_attention" for t in cfg.layer_types) * 4 * (
-        cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-        + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim)
-    return gdn + state_bytes_per_token(cfg) * cfg.max_position_embeddings + 8
+def _stacked(cfg: Qwen35Config) -> hf.Split:
+    del cfg
+    return split_stacked
 
 
-def check(path: Path, dtype: torch.dtype) -> None:
-    """Everything that can be checked before reading weights: the config, that the weights
-    fit in memory, every tensor's presence and shape (from the safetensors headers), and the
-    tokenizer. Raises :class:`CheckpointError`."""
-    cfg = _config(path)
-    need = param_count(cfg) * torch.empty(0, dtype=dtype).element_size()
-    have = hf.available_memory()
-    if need > 0.9 * have:
-        raise CheckpointError(f"{path}: the weights need {need / 2**30:.1f} GiB in "
-                              f"{str(dtype).removeprefix('torch.')}, {have / 2**30:.1f} GiB "
-                              "is available")
-    with torch.device("meta"):
-        hf.plan(Qwen35ForCausalLM(cfg), path, _rename)
-    hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+@dataclass(frozen=True)
+class Variant:
+    """A checkpoint format this module serves: Qwen3.5 and Qwen3.5-MoE here, Qwen3-Next in
+    :mod:`model.architectures.qwen3_next`. ``split_for``: how its config's tensors that fill
+    several parameters are split (the stacked experts; Qwen3-Next's interleaved GDN
+    projections)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    split_for: Callable[[Qwen35Config], hf.Split] = _stacked
+
+    def recognise(self, path: Path) -> bool:
+        """A checkpoint of this variant: its config's model_type."""
+        try:
+            return hf.read_json(path / "config.json").get("model_type") in self.model_types
+        except CheckpointError:
+            return False
+
+    def config(self, path: Path) -> Qwen35Config:
+        cfg: Qwen35Config = hf.parse_config(path, Qwen35Config.from_hf)
+        return cfg
+
+    def max_state_bytes(self, path: Path) -> int:
+        """The largest one-session state: the constant GDN part plus a full-context KV
+        cache."""
+        cfg = self.config(path)
+        gdn = sum(t == "linear_attention" for t in cfg.layer_types) * 4 * (
+            cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+            + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim)
+        return gdn + state_bytes_per_token(cfg) * cfg.max_position_embeddings + 8
+
+    def params(self, path: Path) -> int:
+        """Parameters of the text model ``path``'s config builds."""
+        with torch.device("meta"):
+            return Qwen35ForCausalLM(self.config(path)).n_params()
+
+    def check(self, path: Path, dtype: torch.dtype) -> None:
+        """Everything that can be checked before reading weights: the config, every
+        tensor's presence and shape (from the safetensors headers), and the tokenizer.
+        Raises :class:`CheckpointError`."""
+        del dtype  # the weights' memory is checked by model.loader.check, for every family
+        cfg = self.config(path)
+        with torch.device("meta"):
+            module = Qwen35ForCausalLM(cfg)
+        hf.plan(module, path, _rename, self.split_for(cfg))
+        hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+
+    def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
+             ) -> hf.HFServedModel:
+        """Build the text model from ``path``'s config and load its weights (the text part
+        only of a vision-language checkpoint), tokenizer and chat template (``weights``:
+        see :func:`model.loader.load`)."""
+        del fused  # the whole-model native step serves every dense shape
+        self.check(path, dtype)
+        cfg = self.config(path)
+        tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+        with torch.device("meta"):
+            module = hf.cast(Qwen35ForCausalLM(cfg), dtype).eval()  # never all of it in fp32
+        if weights:
+            self._load_weights(module.to_empty(device="cpu"), path, dtype)
+        return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path),
+                                self.describe(cfg), cfg.max_position_embeddings,
+                                state_bytes_per_token(cfg),
+                                decode_step=None if module.fused else "eager (layer by layer)")
+
+    def describe(self, cfg: Qwen35Config) -> str:
+        attn = sum(t == "full_attention" for t in cfg.layer_types)
+        arch = f"{self.name} (Gated DeltaNet + gated attention, {attn} of "
+        arch += f"{len(cfg.layer_types)} layers full attention"
+        if cfg.experts is not None:
+            r = cfg.experts.router
+            arch += f"; {r.experts} experts, top {r.top_k} + a shared expert"
+        return arch + ")"
+
+    def _load_weights(self, module: Qwen35ForCausalLM, path: Path, dtype: torch.dtype
+                      ) -> None:
+        """Fill, pack and release the module's weights from ``path``, layer by layer."""
+        with invariant.packing_once(module):  # each original freed as soon as it is packed
+            unused = hf.load_weights(module, path, _rename, dtype, module,
+                                     self.split_for(module.cfg))
+            if module.fused:
+                module.fused_weights()
+            else:
+                module.pack_weights()
+        vision = sum(n.startswith("model.visual.") for n in unused)
+        if vision:
+            log.info("%s: a vision-language checkpoint; loaded its text model only (%d "
+                     "vision tensors skipped)", path, vision)
+        other = [n for n in unused if not n.startswith(("model.visual.", "mtp.", "lm_head."))]
+        if other:
+            log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other),
+                        other[0])
 
 
-def load(path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
-         ) -> hf.HFServedModel:
-    """Build the text model from ``path``'s config and load its weights (the text part only
-    of a ``Qwen3_5ForConditionalGeneration``), tokenizer and chat template (``weights``:
-    see :func:`model.loader.load`)."""
-    check(path, dtype)
-    cfg = _config(path)
-    tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
-    with torch.device("meta"):
-        module = hf.cast(Qwen35ForCausalLM(cfg), dtype).eval()  # never all of it in fp32
-    if weights:
-        _load_weights(module.to_empty(device="cpu"), path, dtype)
-    arch = "qwen3_5 (Gated DeltaNet + gated attention, "
-    arch += f"{sum(t == 'full_attention' for t in cfg.layer_types)} of {len(cfg.layer_types)} "
-    arch += "layers full attention)"
-    return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path), arch,
-                            cfg.max_position_embeddings, state_bytes_per_token(cfg))
-
-
-def _load_weights(module: Qwen35ForCausalLM, path: Path, dtype: torch.dtype) -> None:
-    """Fill, pack and release the module's weights from ``path``, layer by layer."""
-    with invariant.packing_once(module):  # each original freed as soon as it is packed
-        unused = hf.load_weights(module, path, _rename, dtype, module)
-        module.fused_weights()
-    vision = sum(n.startswith("model.visual.") for n in unused)
-    if vision:
-        log.info("%s: a vision-language checkpoint; loaded its text model only (%d vision "
-                 "tensors skipped)", path, vision)
-    other = [n for n in unused if not n.startswith(("model.visual.", "mtp.", "lm_head."))]
-    if other:
-        log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other), other[0])
+QWEN3_5 = Variant("qwen3_5", MODEL_TYPES)

@@ -151,8 +151,11 @@ class SparseMoE(nn.Module):
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
 
 
-def split_stacked(name: str, shape: tuple[int, ...]
-                  ) -> list[tuple[str, tuple[int | slice, ...]]] | None:
+# a part of a checkpoint tensor, as the loader takes it (model.architectures.hf.Index)
+Part = tuple[int | slice | torch.Tensor, ...] | None
+
+
+def split_stacked(name: str, shape: tuple[int, ...]) -> list[tuple[str, Part]] | None:
     """For a checkpoint tensor that stacks every expert (``….experts.gate_up_proj``
     ``[E, 2I, d]``, gate rows first, or ``….experts.down_proj`` ``[E, d, I]``, as
     transformers' fused layout and Granite's ``input_linear`` / ``output_linear`` store
@@ -164,6 +167,7 @@ def split_stacked(name: str, shape: tuple[int, ...]
     if kind == "down_proj":
         return [(f"{prefix}.{e}.down_proj.weight", (e,)) for e in range(shape[0])]
     half = shape[1] // 2
-    return [piece for e in range(shape[0]) for piece in (
+    pieces: list[tuple[str, Part]] = [piece for e in range(shape[0]) for piece in (
         (f"{prefix}.{e}.gate_proj.weight", (e, slice(0, half))),
         (f"{prefix}.{e}.up_proj.weight", (e, slice(half, shape[1]))))]
+    return pieces

@@ -7,6 +7,7 @@ engine process does not import the app that starts it.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -24,14 +25,17 @@ TRIM_ABOVE = 256 << 20
 def load_engine_model(settings: Settings) -> ServedModel:
     """The served model, with the engine's thread count set first."""
     torch.set_num_threads(settings.threads or max(1, available_cpus() - 1))
+    start = time.perf_counter()
     model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
                  settings.quantization)
     info = model.info
     if info.weight_bytes >= TRIM_ABOVE:
         trim()
-    log.info("model: %s, %s parameters, state %s bytes a session (%s); decode step %s; "
-             "weights %s (%s), quantization %s, %s MB resident; batch-invariant %s",
-             info.architecture, f"{info.params:,}", f"{info.state_bytes:,}",
+    log.info("model: %s, %s parameters, loaded in %.1f s, state %s bytes a session (%s); "
+             "decode step %s; weights %s (%s), quantization %s, %s MB resident; "
+             "batch-invariant %s",
+             info.architecture, f"{info.params:,}", time.perf_counter() - start,
+             f"{info.state_bytes:,}",
              "grows with context" if info.state_grows else "constant", info.decode_step,
              info.dtype, pick_dtype(settings.dtype)[1], info.quantization,
              f"{info.weight_bytes / 1e6:,.1f}", "on" if batch_invariant_active() else "off")

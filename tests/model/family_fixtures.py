@@ -46,6 +46,35 @@ def _lfm2_moe(shape: dict[str, Any]) -> Any:
     return t.Lfm2MoeForCausalLM(cfg)
 
 
+def _qwen_moe_fields(shape: dict[str, Any]) -> dict[str, Any]:
+    """The fields Qwen3.5-MoE's and Qwen3-Next's configs share."""
+    kq, kv, dk, dv = shape["linear"]
+    n = len(shape["types"])
+    experts, top_k = shape["experts"]
+    return {"vocab_size": VOCAB, "hidden_size": shape["d"], "num_hidden_layers": n,
+            "layer_types": shape["types"], "num_attention_heads": shape["heads"][0],
+            "num_key_value_heads": shape["heads"][1], "head_dim": shape["head_dim"],
+            "linear_num_key_heads": kq, "linear_num_value_heads": kv,
+            "linear_key_head_dim": dk, "linear_value_head_dim": dv,
+            "max_position_embeddings": 4096, "tie_word_embeddings": shape["tie"],
+            "num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": shape["moe"],
+            "shared_expert_intermediate_size": shape["shared"]}
+
+
+def _qwen3_5_moe(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    return t.Qwen3_5MoeForCausalLM(t.Qwen3_5MoeTextConfig(**_qwen_moe_fields(shape)))
+
+
+def _qwen3_next(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    return t.Qwen3NextForCausalLM(t.Qwen3NextConfig(
+        **_qwen_moe_fields(shape), intermediate_size=shape["ff"],
+        decoder_sparse_step=shape.get("step", 1), mlp_only_layers=shape.get("dense", []),
+        norm_topk_prob=shape.get("norm", True)))
+
+
 def _granite(shape: dict[str, Any]) -> Any:
     t = pytest.importorskip("transformers")
     d = shape["d"]
@@ -111,6 +140,27 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
                         "scaling": 1.5,
                         "types": ["full_attention", "conv", "conv", "conv", "full_attention"]},
     },
+    # linear: (key heads, value heads, key dim, value dim); shared: the shared expert's size
+    "qwen3_5_moe": {
+        "e8k2-tied": {"d": 64, "heads": (4, 2), "head_dim": 32, "linear": (2, 4, 16, 16),
+                      "tie": True, "experts": (8, 2), "moe": 32, "shared": 48,
+                      "types": ["linear_attention", "linear_attention", "full_attention"]},
+        "e5k3-untied": {"d": 48, "heads": (4, 1), "head_dim": 16, "linear": (1, 3, 24, 16),
+                        "tie": False, "experts": (5, 3), "moe": 40, "shared": 24,
+                        "types": ["linear_attention", "full_attention", "linear_attention",
+                                  "full_attention"]},
+    },
+    "qwen3_next": {
+        "e6k2-step2": {"d": 64, "ff": 96, "heads": (4, 2), "head_dim": 32,
+                       "linear": (2, 4, 16, 24), "tie": False, "experts": (6, 2), "moe": 32,
+                       "shared": 40, "step": 2, "dense": [3],
+                       "types": ["linear_attention", "linear_attention", "linear_attention",
+                                 "full_attention"]},
+        "e9k3-nonorm": {"d": 48, "ff": 64, "heads": (6, 3), "head_dim": 16,
+                        "linear": (3, 3, 16, 16), "tie": True, "experts": (9, 3), "moe": 24,
+                        "shared": 32, "norm": False,
+                        "types": ["full_attention", "linear_attention", "linear_attention"]},
+    },
     "granitemoehybrid": {  # mamba: (heads, d_state, groups)
         "rope-g2": {"d": 64, "ff": 96, "heads": (4, 2), "tie": True, "pos": "rope",
                     "mamba": (8, 16, 2), "emb": 2.0, "res": 0.5, "logits": 2.0, "attn": 0.2,
@@ -147,7 +197,8 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
                     "mamba": (64, 4, 8, 1), "rms": False},
     },
 }
-BUILDERS = {"lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "granitemoehybrid": _granite,
+BUILDERS = {"lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_moe": _qwen3_5_moe,
+            "qwen3_next": _qwen3_next, "granitemoehybrid": _granite,
             "nemotron_h": _nemotron, "falcon_h1": _falcon}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 

@@ -19,12 +19,13 @@ from tests.model.family_fixtures import SHAPES, make, reference
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("transformers")
-# one shape a family through HTTP (every shape is checked against transformers in
-# tests/model/test_families.py)
+# one shape a family through HTTP, and Granite both dense and with experts (every shape is
+# checked against transformers in tests/model/test_families.py)
 SERVED = [(family, sorted(shapes)[0]) for family, shapes in SHAPES.items()]
+SERVED.insert(SERVED.index(("granitemoehybrid", "moe-e5k2")) + 1, ("granitemoehybrid", "nope-g1"))
 
 
-@pytest.fixture(scope="module", params=SERVED, ids=[f for f, _ in SERVED])
+@pytest.fixture(scope="module", params=SERVED, ids=[f"{f}-{n}" for f, n in SERVED])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                ) -> Path:
     family, name = request.param
@@ -169,7 +170,8 @@ def test_quantized_weights_serve_batch_invariantly(checkpoint: Path, mode: str) 
 @pytest.mark.parametrize(("family", "change", "says"), [
     ("nemotron_h", {"layers_block_type": ["linear_attention", "moe"]},
      "mixture-of-experts blocks (moe) is not served yet"),
-    ("granitemoehybrid", {"num_local_experts": 4}, "with experts (num_local_experts > 0)"),
+    ("granitemoehybrid", {"num_local_experts": 7}, "the config implies"),
+    ("lfm2_moe", {"num_experts_per_tok": 12}, "top_k 12 is not in 1..6 experts"),
     ("lfm2", {"num_attention_heads": 5}, "hidden_size is not a multiple"),
     ("falcon_h1", {"mamba_n_heads": 5}, "mamba_n_heads"),
 ])

@@ -208,6 +208,18 @@ def test_a_bad_checkpoint_gets_one_line_and_a_nonzero_exit(checkpoint: Path, tmp
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_weights_over_max_memory_get_one_line(checkpoint: Path, quantization: str) -> None:
+    """Weights larger, as served, than ``--max-memory`` are refused at startup in one line
+    naming the size they would take (smaller with int4)."""
+    proc = _start(checkpoint, {"LINSERVE_MAX_MEMORY": "200000",
+                               "LINSERVE_QUANTIZATION": quantization})
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert "more than --max-memory" in lines[0]
+    assert ("as int4" in lines[0]) == (quantization == "int4")
+
+
 def test_a_repo_id_resolves_from_the_local_cache_offline(checkpoint: Path, tmp_path: Path
                                                         ) -> None:
     """A Hub cache laid out as huggingface_hub writes it (models--owner--name, a snapshot and

@@ -1,0 +1,199 @@
+"""The sparse mixture of experts (``model/layers/moe.py``): only the chosen experts run,
+rows that choose different experts are batch-invariant, ties go where transformers sends
+them, stacked expert tensors load like one-by-one ones, and the router stays fp32 and
+unquantized. Exactness against transformers per family is in ``test_families.py``."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import invariant, loader
+from model.architectures.hf import HFServedModel
+from model.layers.mlp import SwiGLU
+from model.layers.moe import RouterSpec, SparseMoE
+from model.state import State
+from tests.model.family_fixtures import VOCAB, make
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def qwen_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make(tmp_path_factory.mktemp("qwen-moe"), "qwen3_5_moe", "e8k2-tied")
+
+
+def _served(path: Path, dtype: str = "float32", quantization: str = "none") -> HFServedModel:
+    model = loader.load(path, dtype, quantization=quantization)
+    assert isinstance(model, HFServedModel)
+    return model
+
+
+class _Calls:
+    """Counts each expert's forward calls and the rows it ran on, per MoE layer."""
+
+    def __init__(self, model: HFServedModel) -> None:
+        self.rows: Counter[tuple[int, int]] = Counter()
+        self.calls: Counter[tuple[int, int]] = Counter()
+        self.chosen: dict[int, torch.Tensor] = {}
+        self._undo: list[tuple[SwiGLU, object]] = []
+        moes = [m for m in model.module.modules() if isinstance(m, SparseMoE)]
+        for li, moe in enumerate(moes):
+            for e, expert in enumerate(moe.experts):
+                self._wrap(expert, li, e)
+            self._wrap_route(moe, li)
+
+    def _wrap(self, expert: SwiGLU, li: int, e: int) -> None:
+        inner = expert.forward
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            self.calls[li, e] += 1
+            self.rows[li, e] += x.shape[0]
+            return inner(x)
+
+        expert.forward = forward  # type: ignore[method-assign]
+
+    def _wrap_route(self, moe: SparseMoE, li: int) -> None:
+        inner = moe.route
+
+        def route(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            w, c = inner(x)
+            self.chosen[li] = c
+            return w, c
+
+        moe.route = route  # type: ignore[method-assign]
+
+    def clear(self) -> None:
+        self.rows.clear()
+        self.calls.clear()
+
+
+@pytest.fixture
+def counted(qwen_moe: Path) -> Iterator[tuple[HFServedModel, _Calls]]:
+    model = _served(qwen_moe)
+    yield model, _Calls(model)
+
+
+def test_a_step_runs_only_the_chosen_experts_once_each(
+        counted: tuple[HFServedModel, _Calls]) -> None:
+    """Batch 1: top-k experts run per MoE layer, no other. Batch 4: every chosen expert
+    runs once, on all the rows that chose it (grouped by expert)."""
+    model, calls = counted
+    gen = torch.Generator().manual_seed(1)
+    _, state = model.prefill(torch.randint(0, VOCAB, (1, 9), generator=gen))
+    calls.clear()
+    model.step(torch.tensor([5]), state)
+    top_k = 2
+    layers = {li for li, _ in calls.calls}
+    assert layers and all(sum(n for (li, _), n in calls.calls.items() if li == layer) == top_k
+                          for layer in layers)
+    rows = [model.prefill(torch.randint(0, VOCAB, (1, n), generator=gen))[1]
+            for n in (3, 17, 40, 8)]
+    batch = State.cat(rows)
+    calls.clear()
+    model.step(torch.tensor([1, 2, 3, 4]), batch)
+    for li, chosen in calls.chosen.items():
+        used = Counter(chosen.flatten().tolist())
+        assert {e: calls.calls[li, e] for e in used} == dict.fromkeys(used, 1)
+        assert {e: calls.rows[li, e] for e in used} == dict(used)
+        assert sum(n for (layer, _), n in calls.calls.items() if layer == li) == len(used)
+
+
+def test_rows_choosing_different_experts_are_bit_equal_alone(
+        counted: tuple[HFServedModel, _Calls]) -> None:
+    model, calls = counted
+    gen = torch.Generator().manual_seed(2)
+    rows = [model.prefill(torch.randint(0, VOCAB, (1, n), generator=gen))[1]
+            for n in (5, 31, 64, 12)]
+    batch = State.cat([r.copy() for r in rows])
+    nxt = torch.randint(0, VOCAB, (4, 6), generator=gen)
+    differed = False
+    for t in range(6):
+        together = model.step(nxt[:, t], batch)
+        routes = {li: c.sort(-1).values for li, c in calls.chosen.items()}
+        differed |= any(len({tuple(r.tolist()) for r in c}) > 1 for c in routes.values())
+        for i, row in enumerate(rows):
+            assert torch.equal(together[i], model.step(nxt[i : i + 1, t], row)[0])
+    assert differed  # the rows did choose different experts
+
+
+def test_ties_go_to_the_experts_transformers_chooses() -> None:
+    """Two router rows equal (an exact tie between two experts in every token's scores):
+    the same experts chosen, and the same output, as transformers' block."""
+    t = pytest.importorskip("transformers")
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as ref_mod
+
+    cfg = t.Qwen3_5MoeTextConfig(hidden_size=32, num_experts=6, num_experts_per_tok=2,
+                                 moe_intermediate_size=24, shared_expert_intermediate_size=16)
+    torch.manual_seed(3)
+    ref = ref_mod.Qwen3_5MoeSparseMoeBlock(cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.5)
+        ref.gate.weight[4] = ref.gate.weight[1]  # experts 1 and 4 tie for every token
+    ours = SparseMoE(32, 24, RouterSpec(6, 2), shared=16, shared_gate=True).eval()
+    state = {"gate.weight": ref.gate.weight, "shared_expert_gate.weight":
+             ref.shared_expert_gate.weight,
+             **{f"shared_expert.{n}": p for n, p in ref.shared_expert.state_dict().items()}}
+    gu, down = ref.experts.gate_up_proj, ref.experts.down_proj
+    for e in range(6):
+        state[f"experts.{e}.gate_proj.weight"] = gu[e, :24]
+        state[f"experts.{e}.up_proj.weight"] = gu[e, 24:]
+        state[f"experts.{e}.down_proj.weight"] = down[e]
+    ours.load_state_dict({k: v.detach().clone() for k, v in state.items()})
+    x = torch.randn(1, 40, 32)
+    with torch.no_grad():
+        want = ref(x)
+        _, _, ref_chosen = ref.gate(x.view(-1, 32))
+    got = ours(x)
+    _, chosen = ours.route(x.view(-1, 32))
+    decided = (ref_chosen == 1).any(-1) ^ (ref_chosen == 4).any(-1)
+    assert decided.any()  # tokens where the tie decided which of the two was chosen
+    assert torch.equal(chosen, ref_chosen)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_stacked_experts_load_like_one_by_one(tmp_path: Path) -> None:
+    """The same LFM2-MoE weights with experts one by one (``experts.{e}.w1``) and stacked
+    (``experts.gate_up_proj [E, 2I, d]``, ``experts.down_proj [E, d, I]``): the same
+    logits, bit for bit."""
+    path = make(tmp_path / "one", "lfm2_moe", "e6k2-tied")
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    for f in path.iterdir():
+        if f.name != "model.safetensors":
+            (stacked / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(path / "model.safetensors"))
+    experts = json.loads((path / "config.json").read_text())["num_experts"]
+    out = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for prefix in sorted({k.split(".experts.")[0] for k in tensors if ".experts." in k}):
+        def w(e: int, n: str, p: str = prefix) -> torch.Tensor:
+            return tensors[f"{p}.experts.{e}.{n}.weight"]
+        out[f"{prefix}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([w(e, "w1"), w(e, "w3")]) for e in range(experts)])
+        out[f"{prefix}.experts.down_proj"] = torch.stack([w(e, "w2") for e in range(experts)])
+    save_file(out, str(stacked / "model.safetensors"))
+    tokens = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
+    a, _ = _served(path).prefill(tokens, all_logits=True)
+    b, _ = _served(stacked).prefill(tokens, all_logits=True)
+    assert torch.equal(a, b)
+
+
+def test_the_router_stays_fp32_and_unquantized(qwen_moe: Path) -> None:
+    bf16 = _served(qwen_moe, "bfloat16")
+    moe = next(m for m in bf16.module.modules() if isinstance(m, SparseMoE))
+    assert moe.gate.weight.dtype == torch.float32
+    assert next(moe.experts[0].parameters()).dtype == torch.bfloat16
+    int8 = _served(qwen_moe, quantization="int8")
+    moe = next(m for m in int8.module.modules() if isinstance(m, SparseMoE))
+    router = invariant.frozen(moe.gate)
+    assert router is not None and router.dtype == torch.float32
+    expert = invariant.frozen(moe.experts[3])  # packed though no warm-up token chose it
+    assert expert is not None and expert.dtype != torch.float32
+    assert moe.experts[3].gate_proj.weight.untyped_storage().nbytes() <= 4  # released
