@@ -45,8 +45,16 @@ case "${1:-}" in
   convert)
     fetch_source
     py=$(convert_venv)
-    # --no-mtp: the benchmark checkpoints carry no multi-token-prediction head
-    "$py" "$SRC/convert_hf_to_gguf.py" "$2" --outfile "$3" --outtype "$4" --no-mtp ;;
+    # --no-mtp: Qwen3.5's benchmark checkpoints carry no multi-token-prediction head (the
+    # flag exists for Qwen's families only).
+    # LINSERVE_GGUF_PRE=gpt-2: name the tokenizer's pre-tokenizer (bench/gguf_pre_shim.py)
+    extra=()
+    if grep -q '"model_type": "qwen3_5' "$2/config.json"; then extra=(--no-mtp); fi
+    if [ -n "${LINSERVE_GGUF_PRE:-}" ]; then
+      "$py" "$(dirname "$0")/gguf_pre_shim.py" "$SRC" "$2" --outfile "$3" --outtype "$4" "${extra[@]}"
+    else
+      "$py" "$SRC/convert_hf_to_gguf.py" "$2" --outfile "$3" --outtype "$4" "${extra[@]}"
+    fi ;;
   quantize) "$BUILD/bin/llama-quantize" "$2" "$3" "$4" ;;
   bin) echo "$BUILD/bin/$2" ;;
   *) sed -n '2,12p' "$0"; exit 2 ;;

@@ -36,6 +36,7 @@ WANTED = (
     "models/templates/LFM2-8B-A1B.jinja",
     "models/templates/ibm-granite-granite-4.0.jinja",
     "models/templates/NVIDIA-Nemotron-Nano-v2.jinja",
+    "models/templates/Qwen-Qwen3-0.6B.jinja",
 )
 
 # The pre-tokenizer regex of Qwen3.5's tokenizer.json, as llama.cpp's llama-vocab.cpp quotes it.

@@ -650,6 +650,7 @@ class Variant:
     name: str
     model_types: tuple[str, ...]
     split_for: Callable[[Qwen35Config], hf.Split] = _stacked
+    moe_name: str = ""  # the name of its checkpoints with experts, where it differs
 
     def recognise(self, path: Path) -> bool:
         """A checkpoint of this variant: its config's model_type."""
@@ -707,7 +708,8 @@ class Variant:
 
     def describe(self, cfg: Qwen35Config) -> str:
         attn = sum(t == "full_attention" for t in cfg.layer_types)
-        arch = f"{self.name} (Gated DeltaNet + gated attention, {attn} of "
+        name = self.moe_name if cfg.experts is not None and self.moe_name else self.name
+        arch = f"{name} (Gated DeltaNet + gated attention, {attn} of "
         arch += f"{len(cfg.layer_types)} layers full attention"
         if cfg.experts is not None:
             r = cfg.experts.router
@@ -734,4 +736,4 @@ class Variant:
                         other[0])
 
 
-QWEN3_5 = Variant("qwen3_5", MODEL_TYPES)
+QWEN3_5 = Variant("qwen3_5", MODEL_TYPES, moe_name="qwen3_5_moe")

@@ -134,11 +134,15 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, chosen = self.route(flat)
         out = torch.zeros_like(flat)
-        # grouped by expert, in ascending order: each chosen expert's weights read once
-        for e in torch.unique(chosen).tolist():
-            rows, slot = torch.where(chosen == e)
-            y = self.experts[e](flat[rows]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y.to(out.dtype))
+        if flat.shape[0] == 1:  # one token (a batch-1 step): its k experts, no grouping
+            for k, expert in sorted(enumerate(chosen[0].tolist()), key=lambda p: p[1]):
+                y = self.experts[expert](flat) * weights[:, k, None]
+                out += y.to(out.dtype)  # the same additions, in the same order, as below
+        else:  # grouped by expert, in ascending order: each chosen expert's weights read once
+            for e in torch.unique(chosen).tolist():
+                rows, slot = torch.where(chosen == e)
+                y = self.experts[e](flat[rows]) * weights[rows, slot, None]
+                out.index_add_(0, rows, y.to(out.dtype))
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:

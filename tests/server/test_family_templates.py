@@ -17,11 +17,15 @@ from server.api.chat_template import TemplateChat, string_content
 from server.api.protocol import ChatMessage
 from tests.server.test_tool_parsing import CONVERSATIONS, TOOLS
 
-TEMPLATES = {  # template -> (the parser it implies, whether it writes assistant tool calls)
+# template -> (the parser it implies, whether it writes assistant tool calls). Granite-4.0-H
+# with experts uses Granite's template; Qwen3-Next uses Qwen3's; Qwen3.5-MoE uses Qwen3.5's
+# (tests/server/test_chat_templates.py).
+TEMPLATES = {
     "LFM2.5-Instruct.jinja": ("lfm2", False),
     "LFM2-8B-A1B.jinja": ("lfm2", False),
     "ibm-granite-granite-4.0.jinja": ("hermes", True),
     "NVIDIA-Nemotron-Nano-v2.jinja": ("nemotron", True),
+    "Qwen-Qwen3-0.6B.jinja": ("hermes", True),
 }
 
 

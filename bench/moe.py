@@ -1,0 +1,222 @@
+"""``python -m bench.moe``: mixture-of-experts models against llama.cpp on the same weights
+(never run by CI; ``bash bench/llamacpp.sh build`` first).
+
+Checkpoints of published shapes with random weights, made with transformers (``--make``):
+
+- ``lfm2-8b-a1b``: LFM2-8B-A1B (hidden 2048, 24 layers of which 6 attention, 2 dense
+  layers, 32 experts of 1792, top 4, vocabulary 65,536): 8.3B parameters, about 1.5B read a
+  token;
+- ``qwen3.5-35b-a3b-8l``: Qwen3.5-35B-A3B's shapes with its first 8 of 40 layers (256
+  experts of 512, top 8, a shared expert, vocabulary 248,320): in bf16 the whole model
+  does not fit this disk.
+
+For each weight type (int8 against Q8_0, int4 against Q4_0) both servers are up at once
+(:func:`bench.memory.one_kind`: this server as a user starts it, ``llama-server -t 2
+--parallel 16``) and measured alternately with the same client: one stream alone, then 16
+concurrent streams; their resident memory too. The batch-1 figure is also set against the
+read roofline: the bytes a token reads (every weight outside the experts, plus the chosen
+experts of each MoE layer, as packed) times tokens/s, over one core's measured read
+bandwidth times the threads.
+
+Writes ``bench/results/moe.json`` and ``moe.png`` (decode tokens/s against active
+parameters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import memory
+from bench.common import machine, read_json, save_figure, write_json
+from bench.roofline import read_bandwidth_gbs
+
+LFM2_8B_A1B: dict[str, Any] = {
+    "model_type": "lfm2_moe", "vocab_size": 65536, "hidden_size": 2048,
+    "intermediate_size": 7168, "moe_intermediate_size": 1792, "num_hidden_layers": 24,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "num_dense_layers": 2,
+    "num_experts": 32, "num_experts_per_tok": 4, "use_expert_bias": True,
+    "norm_topk_prob": True, "tie_word_embeddings": True, "max_position_embeddings": 128000,
+    "layer_types": ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv"
+                    for i in range(24)]}
+QWEN35_35B_A3B_8L: dict[str, Any] = {
+    "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048,
+    "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 2,
+    "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "num_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
+    "max_position_embeddings": 262144,
+    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                    for i in range(8)]}
+MODELS = {"lfm2-8b-a1b": LFM2_8B_A1B, "qwen3.5-35b-a3b-8l": QWEN35_35B_A3B_8L}
+
+
+# the published checkpoints' names for one expert's projections: (gate, up, down)
+EXPERT_NAMES = {"lfm2_moe": ("w1", "w3", "w2"),
+                "qwen3_5_moe_text": ("gate_proj", "up_proj", "down_proj")}
+SHARD_BYTES = 2 << 30
+
+
+def make(name: str, path: Path) -> None:
+    """Save ``MODELS[name]`` as its published checkpoint is laid out (experts one by one,
+    in shards of 2 GiB with an index), with random bf16 weights (std 0.02; norms 1) and the
+    project's tokenizer. Tensor by tensor: the model is never in memory (transformers'
+    ``save_pretrained`` of LFM2-8B-A1B took more than this machine's 24 GB)."""
+    import json
+    import shutil
+
+    import transformers
+    from safetensors.torch import save_file
+
+    fields = dict(MODELS[name])
+    kind = fields.pop("model_type")
+    config = {"lfm2_moe": transformers.Lfm2MoeConfig,
+              "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig}[kind](**fields)
+    model_cls = {"lfm2_moe": transformers.Lfm2MoeForCausalLM,
+                 "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM}[kind]
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in model_cls(config).state_dict().items()}
+    path.mkdir(parents=True, exist_ok=True)
+    config.architectures = [model_cls.__name__]  # what llama.cpp's converter reads
+    config.save_pretrained(path)
+    shutil.copy(Path(__file__).resolve().parents[1] / "weights" / "tokenizer.json",
+                path / "tokenizer.json")
+    gen = torch.Generator().manual_seed(0)
+    shard: dict[str, torch.Tensor] = {}
+    index: dict[str, str] = {}
+    for tname, shape in shapes.items():
+        if tname == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the checkpoint holds the embedding table only
+        for out_name, out_shape in _published(tname, shape, EXPERT_NAMES[kind]):
+            shard[out_name] = _random(out_name, out_shape, gen)
+            if sum(t.numel() * 2 for t in shard.values()) >= SHARD_BYTES:
+                _write(path, shard, index, save_file)
+    if shard:
+        _write(path, shard, index, save_file)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+
+
+def _published(name: str, shape: tuple[int, ...], names: tuple[str, str, str]
+               ) -> list[tuple[str, tuple[int, ...]]]:
+    """A tensor of transformers' module as the published checkpoint names it: the stacked
+    experts one by one."""
+    if name.endswith(".experts.gate_up_proj"):
+        prefix, half = name.removesuffix(".gate_up_proj"), shape[1] // 2
+        return [(f"{prefix}.{e}.{n}.weight", (half, shape[2]))
+                for e in range(shape[0]) for n in names[:2]]
+    if name.endswith(".experts.down_proj"):
+        prefix = name.removesuffix(".down_proj")
+        return [(f"{prefix}.{e}.{names[2]}.weight", shape[1:]) for e in range(shape[0])]
+    return [(name, shape)]
+
+
+def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("expert_bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1:
+        fill = 0.0 if name.endswith(("A_log", "dt_bias")) else 1.0
+        return torch.full(shape, fill, dtype=torch.bfloat16)
+    return torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
+
+
+def _write(path: Path, shard: dict[str, torch.Tensor], index: dict[str, str],
+           save_file: Any) -> None:
+    file = f"model-{len(set(index.values())) + 1:05d}.safetensors"
+    save_file(shard, str(path / file), metadata={"format": "pt"})
+    index.update(dict.fromkeys(shard, file))
+    shard.clear()
+
+
+def active_bytes(path: Path, kind: str) -> dict[str, float]:
+    """Parameters, and bytes as served under ``kind`` (:func:`model.loader.weight_bytes`),
+    of the whole model and of what one batch-1 token reads: every weight outside the
+    experts plus ``top_k`` experts a MoE layer. From the config alone (a meta module)."""
+    from model import loader
+    from model.architectures.hf import HFServedModel
+    from model.layers.moe import SparseMoE
+
+    described = loader.family(path).load(path, torch.bfloat16, True, False)  # no weights
+    assert isinstance(described, HFServedModel)
+    module = described.module
+    moes = [m for m in module.modules() if isinstance(m, SparseMoE)]
+    experts = sum(p.numel() for m in moes for p in m.experts.parameters())
+    chosen = sum(m.spec.top_k * sum(p.numel() for p in m.experts[0].parameters())
+                 for m in moes)
+    total = module.n_params()
+    active = total - experts + chosen
+    return {"params": total, "active_params": active,
+            "active_bytes": loader.weight_bytes(active, torch.bfloat16, memory.TYPES[kind])}
+
+
+def plot(result: dict[str, Any]) -> None:
+    """Decode tokens/s against active parameters: both servers, each weight type, batch 1
+    and 16 streams."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, load in zip(axes, ("batch1", "streams"), strict=True):
+        for model, entry in result["models"].items():
+            x = entry["active_params"] / 1e9
+            for kind, row in entry["types"].items():
+                for who, marker in (("ours", "o"), ("llama_server", "s")):
+                    y = row[who][load]["output_tokens_per_s"]
+                    ax.scatter(x, y, marker=marker, color="C0" if kind == "int8" else "C1",
+                               edgecolors="black" if who == "ours" else "none")
+                    ax.annotate(f"{model} {kind} {'ours' if who == 'ours' else 'llama'}",
+                                (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("active parameters a token (B)")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title("one stream" if load == "batch1" else "16 streams (aggregate)")
+        ax.grid(alpha=0.3)
+    fig.suptitle("MoE decode: this server (circles) against llama-server (squares); "
+                 "int8/Q8_0 blue, int4/Q4_0 orange", fontsize=9)
+    save_figure(fig, "moe")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["lfm2-8b-a1b"], choices=list(MODELS))
+    p.add_argument("--root", type=Path, default=Path("/tmp"), help="where checkpoints live")
+    p.add_argument("--make", action="store_true", help="build missing checkpoints first")
+    p.add_argument("--kinds", nargs="+", default=["int8", "int4"], choices=["int8", "int4"])
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--plot-only", action="store_true")
+    args = p.parse_args(argv)
+    if args.plot_only:
+        plot(read_json("moe")["result"])
+        return
+    result: dict[str, Any] = {"machine": machine(), "read_gbs_one_thread": read_bandwidth_gbs(),
+                              "models": {}}
+    for name in args.models:
+        path = args.root / name
+        if not (path / "config.json").exists():
+            if not args.make:
+                raise SystemExit(f"{path} is missing: pass --make")
+            make(name, path)
+        entry: dict[str, Any] = {"types": {}}
+        for kind in args.kinds:
+            sizes = active_bytes(path, kind)
+            entry.update(params=sizes["params"], active_params=sizes["active_params"])
+            run = memory.one_kind(argparse.Namespace(checkpoint=path, streams=args.streams,
+                                                     tokens=args.tokens), kind)
+            tok_s = run["ours"]["batch1"]["output_tokens_per_s"]
+            run["active_bytes"] = sizes["active_bytes"]
+            run["roofline_fraction_batch1"] = sizes["active_bytes"] * tok_s / (
+                2 * result["read_gbs_one_thread"] * 1e9)
+            entry["types"][kind] = run
+            print(name, kind, run["ratios"], "roofline",
+                  round(run["roofline_fraction_batch1"], 3), flush=True)
+            result["models"][name] = entry
+            write_json("moe", {"command": "python -m bench.moe " + " ".join(
+                argv if argv is not None else sys.argv[1:]), "result": result})
+    plot(result)
+
+
+if __name__ == "__main__":
+    main()
