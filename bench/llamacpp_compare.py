@@ -71,7 +71,7 @@ def llama_bench(model: Path, threads: list[int], prompt: int, gen: int, reps: in
              "tokens_per_s": round(r["avg_ts"], 2)} for r in rows]
 
 
-def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
+def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 900.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:

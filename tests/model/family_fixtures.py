@@ -46,7 +46,7 @@ def _lfm2_moe(shape: dict[str, Any]) -> Any:
     return t.Lfm2MoeForCausalLM(cfg)
 
 
-def _qwen_moe_fields(shape: dict[str, Any]) -> dict[str, Any]:
+def qwen_moe_fields(shape: dict[str, Any]) -> dict[str, Any]:
     """The fields Qwen3.5-MoE's and Qwen3-Next's configs share."""
     kq, kv, dk, dv = shape["linear"]
     n = len(shape["types"])
@@ -64,13 +64,13 @@ def _qwen_moe_fields(shape: dict[str, Any]) -> dict[str, Any]:
 
 def _qwen3_5_moe(shape: dict[str, Any]) -> Any:
     t = pytest.importorskip("transformers")
-    return t.Qwen3_5MoeForCausalLM(t.Qwen3_5MoeTextConfig(**_qwen_moe_fields(shape)))
+    return t.Qwen3_5MoeForCausalLM(t.Qwen3_5MoeTextConfig(**qwen_moe_fields(shape)))
 
 
 def _qwen3_next(shape: dict[str, Any]) -> Any:
     t = pytest.importorskip("transformers")
     return t.Qwen3NextForCausalLM(t.Qwen3NextConfig(
-        **_qwen_moe_fields(shape), intermediate_size=shape["ff"],
+        **qwen_moe_fields(shape), intermediate_size=shape["ff"],
         decoder_sparse_step=shape.get("step", 1), mlp_only_layers=shape.get("dense", []),
         norm_topk_prob=shape.get("norm", True)))
 

@@ -197,3 +197,37 @@ def test_the_router_stays_fp32_and_unquantized(qwen_moe: Path) -> None:
     expert = invariant.frozen(moe.experts[3])  # packed though no warm-up token chose it
     assert expert is not None and expert.dtype != torch.float32
     assert moe.experts[3].gate_proj.weight.untyped_storage().nbytes() <= 4  # released
+
+
+def test_the_vision_language_wrapper_serves_its_text_model(tmp_path: Path) -> None:
+    """``Qwen3_5MoeForConditionalGeneration``: its text model's logits match transformers'
+    within 1e-4 (the vision tower is skipped)."""
+    t = pytest.importorskip("transformers")
+    from tests.model.family_fixtures import SHAPES, TOKENIZER, qwen_moe_fields
+
+    torch.manual_seed(0)
+    text = qwen_moe_fields(SHAPES["qwen3_5_moe"]["e8k2-tied"])
+    full = t.Qwen3_5MoeConfig(text_config=text, tie_word_embeddings=True,
+                              vision_config={"depth": 1, "hidden_size": 32,
+                                             "intermediate_size": 64, "num_heads": 2,
+                                             "out_hidden_size": text["hidden_size"]})
+    ref = t.Qwen3_5MoeForConditionalGeneration(full).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(3.0 if p.dim() > 1 else 1.0)
+    ref.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(TOKENIZER.read_bytes())
+    tokens = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = ref(input_ids=tokens).logits[0]
+    ours = _served(tmp_path)
+    assert ours.info.architecture.startswith("qwen3_5_moe")
+    got, _ = ours.prefill(tokens, all_logits=True)
+    assert (got[0] - want).abs().max().item() <= 1e-4
+
+
+def test_loading_shows_its_progress_on_stderr(qwen_moe: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    _served(qwen_moe)
+    err = capsys.readouterr().err
+    assert f"Loading {qwen_moe.name}" in err and "layer" in err
