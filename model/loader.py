@@ -2,8 +2,9 @@
 
 Each architecture family registers how to recognise its checkpoints and load them; the
 server calls :func:`load` and :func:`max_state_bytes` and never imports a family itself.
-Known: the project's own checkpoints (:mod:`model.architectures.linserve`) and Qwen3.5's
-dense Hugging Face checkpoints (:mod:`model.architectures.qwen3_5`).
+Known: the project's own checkpoints (:mod:`model.architectures.linserve`), Qwen3.5 and
+Qwen3.5-MoE (:mod:`model.architectures.qwen3_5`), Qwen3-Next, and the Hugging Face families
+of :data:`HF_FAMILIES` (LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H, Falcon-H1).
 """
 
 from __future__ import annotations
