@@ -105,7 +105,7 @@ def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
     ``owner`` until a weight changes (a dtype cast or a load replaces the tensor) or the mode
     flips. Each output column is computed alone, so a stacked product gives every part's
     columns exactly as its own product would. After :func:`release`, the packed weight is
-    all there is. An owner whose class sets ``keep_dtype`` (a router) is never quantized."""
+    all there is. An owner whose class sets ``fp32_weights`` (a router) is never quantized."""
     cached = owner.__dict__.get("_invariant_wt")
     if cached is not None and cached[0] is _FROZEN:
         return cast(torch.Tensor, cached[1])
@@ -115,7 +115,7 @@ def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
     key = (_enabled[0], _quantization[0], *((p.data_ptr(), p.dtype, _version(p)) for p in parts))
     if cached is None or cached[0] != key:
         w = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
-        cached = (key, pack(w.t(), not getattr(owner, "keep_dtype", False)), parts)
+        cached = (key, pack(w.t(), not getattr(owner, "fp32_weights", False)), parts)
         owner.__dict__["_invariant_wt"] = cached
         if _packing_once[0] is not None:
             _freeze(owner, _packing_once[0])

@@ -106,8 +106,9 @@ def tensor_files(path: Path) -> dict[str, Path]:
 
 
 # A part of a checkpoint tensor (None: all of it): indices, slices or a tensor of indices,
-# one per leading dimension.
-Index = tuple[int | slice | torch.Tensor, ...] | None
+# one per leading dimension (defined beside the stacked experts' split, which the layers
+# cannot import from here).
+Index = moe.Part
 Wanted = dict[str, tuple[Path, str, Index]]  # parameter -> (file, tensor name, part)
 # A checkpoint tensor (its renamed name and shape) that fills several parameters, each with
 # a part of it; None: not such a tensor.

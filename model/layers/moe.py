@@ -64,8 +64,7 @@ class Router(Linear):
     router's logits change which experts a token reads). ``expert_bias`` ``[experts]``:
     LFM2-MoE's bias for choosing, when the family has one."""
 
-    keep_dtype = True  # never quantized
-    fp32_weights = True
+    fp32_weights = True  # read by hf.cast (kept fp32) and invariant.gemm_weight (unquantized)
 
     def __init__(self, dim: int, experts: int, expert_bias: bool = False) -> None:
         super().__init__(dim, experts, bias=False)
@@ -119,12 +118,12 @@ class SparseMoE(nn.Module):
             scores = invariant.rowwise(torch.sigmoid, logits)
         if spec.expert_bias:
             _, chosen = torch.topk(scores + self.gate.get_buffer("expert_bias"), spec.top_k, dim=-1)
-            top = scores.gather(1, chosen).to(logits.dtype)
+            top = scores.gather(1, chosen)
         else:
             top, chosen = torch.topk(scores, spec.top_k, dim=-1)
         if spec.norm_topk:
             total = invariant.sum_last(top)
-            top = top / (total + spec.norm_eps if spec.norm_eps else total).to(top.dtype)
+            top = top / (total + spec.norm_eps if spec.norm_eps else total)
         if spec.scaling != 1.0:
             top = top * spec.scaling
         return top.to(x.dtype), chosen
