@@ -61,11 +61,23 @@ def pss_bytes(pid: int) -> int:
     return _tree_sum(pid, "smaps_rollup", "Pss:")
 
 
-def _load(url: str, streams: int, requests: int, tokens: int) -> dict[str, Any]:
+def _load(url: str, streams: int, requests: int, tokens: int, prompt: int = 128,
+          seed: int = 0) -> dict[str, Any]:
     report = loadtest.main(["--url", url, "--concurrency", str(streams), "--requests",
-                            str(requests), "--prompt-tokens", "128", "--max-tokens",
-                            str(tokens), "--ignore-eos", "--temperature", "0.8"])
-    return {k: report.get(k) for k in ("output_tokens_per_s", "tpot_ms", "ttft_ms", "errors")}
+                            str(requests), "--prompt-tokens", str(prompt), "--max-tokens",
+                            str(tokens), "--ignore-eos", "--temperature", "0.8", "--seed",
+                            str(seed)])
+    return {k: report.get(k) for k in ("output_tokens_per_s", "tpot_ms", "ttft_ms", "errors",
+                                       "mean_prompt_tokens")}
+
+
+def _prefill(url: str, prompt: int) -> dict[str, Any]:
+    """Prompt tokens/s of one request of about ``prompt`` tokens and one output token: the
+    prompt over the median time to the first token, of two prompts neither server has seen
+    (a seed of their own, so no prefix cache serves them)."""
+    run = _load(url, 1, 2, 1, prompt=prompt, seed=7)
+    run["prompt_tokens_per_s"] = run["mean_prompt_tokens"] / (run["ttft_ms"]["p50"] / 1e3)
+    return run
 
 
 def one_kind(args: argparse.Namespace, kind: str) -> dict[str, Any]:
@@ -77,6 +89,8 @@ def one_kind(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     theirs_cmd, theirs_port = lc.llama_server_cmd(lc.gguf(args.checkpoint, GGUF[kind]), 16,
                                                   2048)
     theirs_cmd += ["-t", "2"]
+    if getattr(args, "prefill", 0):
+        theirs_cmd += ["--kv-unified"]  # one pool of 16 x 2048: a slot may hold a long prompt
     out: dict[str, Any] = {"ours": {}, "llama_server": {}}
     with lc.running(ours_cmd, port, RESULTS / f"memory-ours-{kind}.log") as ours_pid, \
             lc.running(theirs_cmd, theirs_port, RESULTS / f"memory-llama-{kind}.log") as theirs:
@@ -87,6 +101,9 @@ def one_kind(args: argparse.Namespace, kind: str) -> dict[str, Any]:
             out[who]["idle_bytes"] = rss_bytes(pid)
         for who, (_, url) in servers.items():  # alternately: batch 1, then the streams
             out[who]["batch1"] = _load(url, 1, 2, args.tokens)
+        for who, (_, url) in servers.items():
+            if getattr(args, "prefill", 0):
+                out[who]["prefill"] = _prefill(url, args.prefill)
         for who, (pid, url) in servers.items():
             out[who]["streams"] = _load(url, args.streams, args.streams, args.tokens)
             time.sleep(2.0)
@@ -105,6 +122,9 @@ def one_kind(args: argparse.Namespace, kind: str) -> dict[str, Any]:
         / theirs_["batch1"]["output_tokens_per_s"],
         "streams_tok_s": ours["streams"]["output_tokens_per_s"]
         / theirs_["streams"]["output_tokens_per_s"]}
+    if "prefill" in ours:
+        out["ratios"]["prefill_tok_s"] = (ours["prefill"]["prompt_tokens_per_s"]
+                                          / theirs_["prefill"]["prompt_tokens_per_s"])
     return out
 
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 
@@ -26,6 +26,10 @@ def free_port() -> int:
 class ServerProcess:
     """A running server; ``url`` is its base URL. Use as a context manager."""
 
+    # for test reports: servers running, and those stopped since the last report
+    live: ClassVar[set[ServerProcess]] = set()
+    stopped: ClassVar[list[ServerProcess]] = []
+
     def __init__(self, weights: Path | str, env: dict[str, str] | None = None,
                  args: list[str] | None = None, port: int | None = None,
                  ready_timeout: float = 90.0) -> None:
@@ -38,6 +42,7 @@ class ServerProcess:
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self._log,
                                      stderr=subprocess.STDOUT)
+        ServerProcess.live.add(self)
         try:
             self.wait_healthy(ready_timeout)
         except BaseException:  # a server that never became healthy is not left running
@@ -78,6 +83,9 @@ class ServerProcess:
             self.proc.wait(10)
 
     def stop(self) -> None:
+        if self in ServerProcess.live:
+            ServerProcess.live.discard(self)
+            ServerProcess.stopped.append(self)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,26 @@ WEIGHTS = ROOT / "weights"
 # the default, --dtype auto, would pick bf16 on CPUs with native bf16. tests/server/
 # test_dtype.py starts servers with the default itself.
 os.environ.setdefault("LINSERVE_DTYPE", "float32")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, Any, None]:
+    """A failed test's report carries the log tail of every server still running or stopped
+    during the test: a flaky failure in CI can then be read from CI's own output."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call":
+        return
+    servers = [*ServerProcess.live, *ServerProcess.stopped]
+    ServerProcess.stopped.clear()
+    if report.failed:
+        for srv in servers:
+            try:
+                tail = srv.logs()[-6000:]
+            except OSError:
+                continue
+            report.sections.append((f"server log (port {srv.port}, last 6000 chars)", tail))
 
 
 def _tiny_checkpoint(path: Path, kind: str) -> Path:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from model import invariant
+from model import invariant, kernels
 from model.architectures import hf
 from model.interface import CheckpointError
 from model.layers.decoder import DecoderLM
@@ -82,17 +82,19 @@ class HFFamily:
         """Build the module from ``path``'s config, load its weights, tokenizer and chat
         template, pack every GEMM weight and free the originals (``weights=False``: the
         module stays on the meta device, see :func:`model.loader.load`)."""
-        del fused  # these families step layer by layer (no whole-model native step yet)
         self.check(path, dtype)
         cfg = self.read_config(path)
         tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
         # in the served dtype from the start: a bf16 model never exists in fp32 as well
         module = hf.cast(self._meta(cfg), dtype).eval()
+        module.native = fused
+        native = None
         if weights:
             module = module.to_empty(device="cpu")
             with invariant.packing_once(module):  # packed layer by layer as it is read
                 unused = hf.load_weights(module, path, self.renames(cfg), dtype, module)
                 module.pack_weights()  # anything the layers alone did not build
+                native = module.native_plan() if fused and kernels.available() else None
             other = [n for n in unused if not n.startswith("lm_head.")]
             if other:
                 log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other),
@@ -100,7 +102,8 @@ class HFFamily:
         per_token = state_sizes(module, cfg.max_position_embeddings)[1]
         return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path),
                                 self.describe(cfg), cfg.max_position_embeddings, per_token,
-                                decode_step="eager (layer by layer)")
+                                decode_step=None if native is not None
+                                else "eager (layer by layer)")
 
 
 def renamer(rules: list[tuple[str, str]]) -> Callable[[str], str]:

@@ -536,8 +536,6 @@ class Qwen35ForCausalLM(DecoderLM):
                          QwenRMSNorm(cfg.hidden_size, cfg.rms_norm_eps), cfg.tie_word_embeddings)
         self._fused: tuple[Any, list[torch.Tensor]] | None = None
 
-    step_eager = DecoderLM.step  # layer by layer in PyTorch: the native step's reference
-
     @property
     def fused(self) -> bool:
         """Whether the whole-model native step serves this shape (not with experts: those

@@ -29,6 +29,26 @@ inline void rms_norm(const float* x, const float* w, float* out, int64_t rows, i
   }
 }
 
+// x [n] = rmsnorm(x) * w, in place (one attention head's q or k norm).
+inline void rms_row(float* x, const float* w, int64_t n, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * r * w[i];
+}
+
+// Rotary position ``pos`` on the first ``rot`` dims of x (halves rotated), in place.
+inline void rotate_half(float* x, const float* inv_freq, int64_t rot, int64_t pos) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float angle = static_cast<float>(pos) * inv_freq[i];
+    const float c = std::cos(angle), sn = std::sin(angle);
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * c - x2 * sn;
+    x[i + half] = x2 * c + x1 * sn;
+  }
+}
+
 // lengths[b] += 1 for the first ``rows`` rows of an int64 [B] tensor (no dispatch).
 inline void advance(const at::Tensor& lengths, int64_t rows) {
   TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&

@@ -40,18 +40,32 @@ inline float silu(float x) {
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
-// out [C] = SiLU(sum_j w[j] x_j) for one token: x_j (j < K-1) the conv window's rows at
+// out [C] = sum_j w[j] x_j for one token: x_j (j < K-1) the conv window's rows at
 // rows + j C, x_{K-1} = last (the token's projections); w [K, C] the depthwise kernel
 // transposed. Loops over C that vectorise, the sum in j order.
-inline void conv_token(const float* rows, const float* last, const float* w, float* out,
-                       int64_t c_len, int64_t k) {
+inline void conv_sum(const float* rows, const float* last, const float* w, float* out,
+                     int64_t c_len, int64_t k) {
   for (int64_t c = 0; c < c_len; ++c) out[c] = 0.f;
   for (int64_t j = 0; j < k; ++j) {
     const float* wj = w + j * c_len;
     const float* xj = j + 1 < k ? rows + j * c_len : last;
     for (int64_t c = 0; c < c_len; ++c) out[c] += wj[c] * xj[c];
   }
+}
+
+// The same followed by SiLU.
+inline void conv_token(const float* rows, const float* last, const float* w, float* out,
+                       int64_t c_len, int64_t k) {
+  conv_sum(rows, last, w, out, c_len, k);
   for (int64_t c = 0; c < c_len; ++c) out[c] = silu(out[c]);
+}
+
+// A row's conv window [K-1, C] shifted by one token, ``mixed`` appended.
+inline void shift_window(float* window, const float* mixed, int64_t c_len, int64_t k) {
+  if (k > 1) {
+    std::memmove(window, window + c_len, (k - 2) * c_len * sizeof(float));
+    std::memcpy(window + (k - 2) * c_len, mixed, c_len * sizeof(float));
+  }
 }
 
 // The convolution + SiLU of one row into out [C] (w [K, C]); shifts the row's window
@@ -59,10 +73,7 @@ inline void conv_token(const float* rows, const float* last, const float* w, flo
 inline void conv_row(const float* mixed, float* window, const float* w, float* out,
                      int64_t c_len, int64_t k) {
   conv_token(window, mixed, w, out, c_len, k);
-  if (k > 1) {
-    std::memmove(window, window + c_len, (k - 2) * c_len * sizeof(float));
-    std::memcpy(window + (k - 2) * c_len, mixed, c_len * sizeof(float));
-  }
+  shift_window(window, mixed, c_len, k);
 }
 
 // x [n] /= sqrt(sum x^2 + 1e-6), times ``scale``.

@@ -75,26 +75,6 @@ void gdn_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& s, at::Tensor& wi
   mlp_add(x, w + 7, m);
 }
 
-// x [n] = rmsnorm(x) * w (w already 1 + the stored weight).
-void head_norm(float* x, const float* w, int64_t n, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * r * w[i];
-}
-
-// Rotary position ``pos`` on the first ``rot`` dims of x (halves rotated).
-void rotate(float* x, const float* inv_freq, int64_t rot, int64_t pos) {
-  const int64_t half = rot / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float angle = static_cast<float>(pos) * inv_freq[i];
-    const float c = std::cos(angle), sn = std::sin(angle);
-    const float x1 = x[i], x2 = x[i + half];
-    x[i] = x1 * c - x2 * sn;
-    x[i + half] = x2 * c + x1 * sn;
-  }
-}
-
 // q / k norms and rotary positions, the new key and value into the cache; qkv [B, ...] as
 // the stacked projection gives it: per query head [q D | gate D], then k [Hkv D], v [Hkv D].
 void write_kv(const at::Tensor& qkv, const at::Tensor* w, at::Tensor& kc, at::Tensor& vc,
@@ -107,16 +87,16 @@ void write_kv(const at::Tensor& qkv, const at::Tensor* w, at::Tensor& kc, at::Te
     for (int64_t h = 0; h < m.h; ++h) {
       float* qh = q.data() + (r * m.h + h) * dh;
       std::memcpy(qh, p + r * width + h * 2 * dh, dh * sizeof(float));
-      head_norm(qh, w[2].data_ptr<float>(), dh, m.eps);
-      rotate(qh, w[8].data_ptr<float>(), m.rot, pos);
+      linserve::rms_row(qh, w[2].data_ptr<float>(), dh, m.eps);
+      linserve::rotate_half(qh, w[8].data_ptr<float>(), m.rot, pos);
     }
     for (int64_t g = 0; g < m.hkv; ++g) {
       float* kd = kc.data_ptr<float>() + ((r * m.hkv + g) * cap + pos) * dh;
       float* vd = vc.data_ptr<float>() + ((r * m.hkv + g) * cap + pos) * dh;
       std::memcpy(kd, p + r * width + 2 * m.h * dh + g * dh, dh * sizeof(float));
       std::memcpy(vd, p + r * width + 2 * m.h * dh + m.hkv * dh + g * dh, dh * sizeof(float));
-      head_norm(kd, w[3].data_ptr<float>(), dh, m.eps);
-      rotate(kd, w[8].data_ptr<float>(), m.rot, pos);
+      linserve::rms_row(kd, w[3].data_ptr<float>(), dh, m.eps);
+      linserve::rotate_half(kd, w[8].data_ptr<float>(), m.rot, pos);
     }
   }
 }

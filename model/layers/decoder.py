@@ -19,8 +19,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from model import invariant
+from model import invariant, kernels
 from model.invariant import Linear
+from model.layers import native_step
 from model.state import State
 
 
@@ -107,6 +108,8 @@ class DecoderLM(nn.Module):
         self.model = Body(vocab, dim, layers, norm)
         self.lm_head = None if tie else Linear(dim, vocab, bias=False)
         self.embedding_scale, self.logits_scaling = embedding_scale, logits_scaling
+        self.native = True  # step in one native call where the layers allow (native_step)
+        self._plan: tuple[Any, native_step.Plan | None] | None = None
 
     def new_state(self, batch: int = 1, max_context: int | None = None) -> State:
         ctx = max_context or self.cfg.max_position_embeddings
@@ -169,11 +172,34 @@ class DecoderLM(nn.Module):
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
-        """tokens ``[B]`` -> logits ``[B, V]``; advances every row of ``state`` in place."""
+        """tokens ``[B]`` -> logits ``[B, V]``; advances every row of ``state`` in place. One
+        native call for the whole model where the kernels are built and every layer is one
+        it implements (:mod:`model.layers.native_step`), else :meth:`step_eager`."""
+        plan = self.native_plan() if self.native and kernels.available() else None
+        if plan is not None:
+            state.reserve(int(state.lengths.max()) + 1)
+            logits = native_step.step(plan, tokens, state)
+            if logits is not None:
+                state.lengths += 1
+                return logits
+        return self.step_eager(tokens, state)
+
+    @torch.inference_mode()
+    def step_eager(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
+        """:meth:`step` layer by layer in PyTorch (the native step's reference)."""
         state.reserve(int(state.lengths.max()) + 1)
         x = self._run(self.embed(tokens), state, one_token=True)
         state.lengths += 1
         return self.head(x)
+
+    def native_plan(self) -> native_step.Plan | None:
+        """The native step's arguments (None: a layer it does not implement); rebuilt when
+        the mode flips or the weights are replaced."""
+        emb = self.model.embed_tokens.weight
+        key = (invariant.enabled(), invariant.quantization(), emb.data_ptr(), emb.dtype)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, native_step.plan(self))
+        return self._plan[1]
 
     @property
     def split_invariant(self) -> bool:
@@ -211,4 +237,5 @@ class DecoderLM(nn.Module):
 
     def drop_weights(self) -> None:
         """Free every weight (states can still be built; the model cannot run)."""
+        self._plan = None
         invariant.strip(self)

@@ -62,13 +62,17 @@ def test_prefill_then_steps_equals_step_by_step_and_transformers(checkpoint: Pat
         one = ours.step(tokens[:, t], stepped)
         assert (one[0] - want[t]).abs().max().item() <= 1e-4
         if t >= 70:
-            assert _same(one, ours.step(tokens[:, t], state), ours)
+            assert _same(one, ours.step(tokens[:, t], state), ours, steps=True)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor, model: HFServedModel) -> bool:
+def _same(a: torch.Tensor, b: torch.Tensor, model: HFServedModel, steps: bool = False
+          ) -> bool:
     """Bit for bit where every mixer's arithmetic per token is independent of the call it
-    falls in; else (a chunked SSD against its recurrence) within fp32 rounding."""
-    if model.module.split_invariant:
+    falls in; else (a chunked SSD against its recurrence) within fp32 rounding. ``steps``:
+    states written by steps against states written by a prefill, which are bits apart when
+    the step is the native one (its own sums, cos and sin; ``test_native_step_*``)."""
+    native = steps and model.info.decode_step.startswith("fused")
+    if model.module.split_invariant and not native:
         return torch.equal(a, b)
     return (a - b).abs().max().item() <= 1e-4
 
@@ -158,3 +162,35 @@ def test_steps_on_views_of_a_pooled_state_update_the_pool(checkpoint: Path) -> N
         pool.reserve_step(2)
         via_view = ours.step(nxt[:, t], pool.rows(2))
         assert torch.equal(via_view, ours.step(nxt[:, t], direct))
+
+
+# families whose layers the whole-model native step implements (model/layers/native_step.py)
+NATIVE = {"lfm2", "nemotron_h", "granitemoehybrid"}
+
+
+def test_native_step_equals_the_eager_step(checkpoint: Path) -> None:
+    """The whole-model native step serves LFM2, Nemotron-H and dense Granite (not experts nor
+    Falcon-H1's parallel block), and agrees with the eager layer-by-layer step within fp32
+    rounding: logits and every state tensor, over ten steps of three rows at different
+    lengths (a ragged prefill first)."""
+    ours = _served(checkpoint)
+    module = ours.module
+    moe = any(isinstance(m, SparseMoE) for m in module.modules())
+    family = checkpoint.name.split("-")[0]
+    assert (module.native_plan() is not None) == (family in NATIVE and not moe)
+    if module.native_plan() is None:
+        assert ours.info.decode_step.startswith("eager")
+        return
+    assert ours.info.decode_step.startswith("fused")
+    prompts = [_ids(20 + i, n).tolist() for i, n in enumerate((9, 30, 17))]
+    _, rows = module.prefill_ragged(prompts, [None, None, None])
+    native, eager = State.cat(rows), State.cat(rows).copy()
+    for t in range(10):
+        tokens = _ids(40 + t, 3)
+        a, b = module.step(tokens, native), module.step_eager(tokens, eager)
+        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+    assert torch.equal(native.lengths, eager.lengths)
+    for x, y in zip(native.entries(), eager.entries(), strict=True):
+        for name, u in x.tensors().items():
+            v = y.tensors()[name]
+            assert (u - v).abs().max().item() <= 1e-4 * max(1.0, v.abs().max().item())

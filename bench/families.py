@@ -1,8 +1,13 @@
-"""``python -m bench.moe``: mixture-of-experts models against llama.cpp on the same weights
-(never run by CI; ``bash bench/llamacpp.sh build`` first).
+"""``python -m bench.families``: the constant-state families against llama.cpp on the same
+weights (never run by CI; ``bash bench/llamacpp.sh build`` first).
 
 Checkpoints of published shapes with random weights, made with transformers (``--make``):
 
+- ``lfm2-1.2b``: LFM2-1.2B (hidden 2048, 16 layers of which 6 attention, SwiGLU of 8192,
+  vocabulary 65,536, tied): 1.17B parameters;
+- ``granite-4.0-h-micro``: Granite-4.0-H-Micro (hidden 2048, 40 layers: 36 Mamba2 of 64
+  heads x 64 with a state of 128, 4 attention without RoPE; a shared SwiGLU of 8192;
+  vocabulary 100,352, tied): 3.2B parameters;
 - ``lfm2-8b-a1b``: LFM2-8B-A1B (hidden 2048, 24 layers of which 6 attention, 2 dense
   layers, 32 experts of 1792, top 4, vocabulary 65,536): 8.3B parameters, about 1.5B read a
   token;
@@ -10,21 +15,22 @@ Checkpoints of published shapes with random weights, made with transformers (``-
   experts of 512, top 8, a shared expert, vocabulary 248,320): in bf16 the whole model
   does not fit this disk.
 
-For each weight type (int8 against Q8_0, int4 against Q4_0) both servers are up at once
-(:func:`bench.memory.one_kind`: this server as a user starts it, ``llama-server -t 2
---parallel 16``) and measured alternately with the same client: one stream alone, then 16
-concurrent streams; their resident memory too. The batch-1 figure is also set against the
-read roofline: the bytes a token reads (every weight outside the experts, plus the chosen
-experts of each MoE layer, as packed) times tokens/s, over one core's measured read
-bandwidth times the threads.
+For each weight type (bf16, int8 against Q8_0, int4 against Q4_0) both servers are up at
+once (:func:`bench.memory.one_kind`: this server as a user starts it, ``llama-server -t 2
+--parallel 16``) and measured alternately with the same client: one stream alone, then
+(``--prefill``) a prompt of about 2,048 tokens, then 16 concurrent streams; their resident
+memory too. The batch-1 figure is also set against the read roofline: the bytes a token
+reads (every weight outside the experts, plus the chosen experts of each MoE layer, as
+packed) times tokens/s, over one core's measured read bandwidth times the threads.
 
-Writes ``bench/results/moe.json`` and ``moe.png`` (decode tokens/s against active
-parameters).
+Writes ``bench/results/families.json`` (each model's entry kept until it is run again) and
+``families.png`` (decode tokens/s against active parameters).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -53,13 +59,38 @@ QWEN35_35B_A3B_8L: dict[str, Any] = {
     "max_position_embeddings": 262144,
     "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
                     for i in range(8)]}
-MODELS = {"lfm2-8b-a1b": LFM2_8B_A1B, "qwen3.5-35b-a3b-8l": QWEN35_35B_A3B_8L}
+LFM2_1_2B: dict[str, Any] = {
+    "model_type": "lfm2", "vocab_size": 65536, "hidden_size": 2048, "intermediate_size": 12288,
+    "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0,
+    "block_multiple_of": 256, "num_hidden_layers": 16, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "conv_L_cache": 3, "tie_word_embeddings": True,
+    "max_position_embeddings": 128000,
+    "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv"
+                    for i in range(16)]}
+GRANITE_4_H_MICRO: dict[str, Any] = {
+    "model_type": "granitemoehybrid", "vocab_size": 100352, "hidden_size": 2048,
+    "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "shared_intermediate_size": 8192, "intermediate_size": 8192, "num_local_experts": 0,
+    "num_experts_per_tok": 0,
+    "mamba_n_heads": 64, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
+    "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
+    "position_embedding_type": "nope", "embedding_multiplier": 12.0,
+    "residual_multiplier": 0.22, "attention_multiplier": 0.015625, "logits_scaling": 8.0,
+    "tie_word_embeddings": True, "max_position_embeddings": 131072,
+    "layer_types": ["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)]}
+MODELS = {"lfm2-1.2b": LFM2_1_2B, "granite-4.0-h-micro": GRANITE_4_H_MICRO,
+          "lfm2-8b-a1b": LFM2_8B_A1B, "qwen3.5-35b-a3b-8l": QWEN35_35B_A3B_8L}
+CLASSES = {"lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
+           "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM"),
+           "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+           "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}
 
 
 # the published checkpoints' names for one expert's projections: (gate, up, down)
 EXPERT_NAMES = {"lfm2_moe": ("w1", "w3", "w2"),
                 "qwen3_5_moe_text": ("gate_proj", "up_proj", "down_proj")}
 SHARD_BYTES = 2 << 30
+COLORS = {"bf16": "C2", "int8": "C0", "int4": "C1"}
 
 
 def make(name: str, path: Path) -> None:
@@ -75,10 +106,9 @@ def make(name: str, path: Path) -> None:
 
     fields = dict(MODELS[name])
     kind = fields.pop("model_type")
-    config = {"lfm2_moe": transformers.Lfm2MoeConfig,
-              "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig}[kind](**fields)
-    model_cls = {"lfm2_moe": transformers.Lfm2MoeForCausalLM,
-                 "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM}[kind]
+    config_name, model_name = CLASSES[kind]
+    config = getattr(transformers, config_name)(**fields)
+    model_cls = getattr(transformers, model_name)
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in model_cls(config).state_dict().items()}
     path.mkdir(parents=True, exist_ok=True)
@@ -92,7 +122,7 @@ def make(name: str, path: Path) -> None:
     for tname, shape in shapes.items():
         if tname == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the checkpoint holds the embedding table only
-        for out_name, out_shape in _published(tname, shape, EXPERT_NAMES[kind]):
+        for out_name, out_shape in _published(tname, shape, EXPERT_NAMES.get(kind)):
             shard[out_name] = _random(out_name, out_shape, gen)
             if sum(t.numel() * 2 for t in shard.values()) >= SHARD_BYTES:
                 _write(path, shard, index, save_file)
@@ -101,10 +131,12 @@ def make(name: str, path: Path) -> None:
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
 
 
-def _published(name: str, shape: tuple[int, ...], names: tuple[str, str, str]
+def _published(name: str, shape: tuple[int, ...], names: tuple[str, str, str] | None
                ) -> list[tuple[str, tuple[int, ...]]]:
     """A tensor of transformers' module as the published checkpoint names it: the stacked
-    experts one by one."""
+    experts one by one (``names``: a family's names for one expert's projections)."""
+    if names is None:
+        return [(name, shape)]
     if name.endswith(".experts.gate_up_proj"):
         prefix, half = name.removesuffix(".gate_up_proj"), shape[1] // 2
         return [(f"{prefix}.{e}.{n}.weight", (half, shape[2]))
@@ -143,7 +175,7 @@ def active_bytes(path: Path, kind: str) -> dict[str, float]:
     described = loader.family(path).load(path, torch.bfloat16, True, False)  # no weights
     assert isinstance(described, HFServedModel)
     module = described.module
-    moes = [m for m in module.modules() if isinstance(m, SparseMoE)]
+    moes = [m for m in module.modules() if isinstance(m, SparseMoE)]  # none in dense models
     experts = sum(p.numel() for m in moes for p in m.experts.parameters())
     chosen = sum(m.spec.top_k * sum(p.numel() for p in m.experts[0].parameters())
                  for m in moes)
@@ -165,7 +197,7 @@ def plot(result: dict[str, Any]) -> None:
             for kind, row in entry["types"].items():
                 for who, marker in (("ours", "o"), ("llama_server", "s")):
                     y = row[who][load]["output_tokens_per_s"]
-                    ax.scatter(x, y, marker=marker, color="C0" if kind == "int8" else "C1",
+                    ax.scatter(x, y, marker=marker, color=COLORS[kind],
                                edgecolors="black" if who == "ours" else "none")
                     ax.annotate(f"{model} {kind} {'ours' if who == 'ours' else 'llama'}",
                                 (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
@@ -173,48 +205,53 @@ def plot(result: dict[str, Any]) -> None:
         ax.set_ylabel("decode tokens/s")
         ax.set_title("one stream" if load == "batch1" else "16 streams (aggregate)")
         ax.grid(alpha=0.3)
-    fig.suptitle("MoE decode: this server (circles) against llama-server (squares); "
-                 "int8/Q8_0 blue, int4/Q4_0 orange", fontsize=9)
-    save_figure(fig, "moe")
+    fig.suptitle("Decode: this server (circles) against llama-server (squares); "
+                 "bf16 green, int8/Q8_0 blue, int4/Q4_0 orange", fontsize=9)
+    save_figure(fig, "families")
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["lfm2-8b-a1b"], choices=list(MODELS))
+    p.add_argument("--models", nargs="+", default=["lfm2-1.2b"], choices=list(MODELS))
     p.add_argument("--root", type=Path, default=Path("/tmp"), help="where checkpoints live")
     p.add_argument("--make", action="store_true", help="build missing checkpoints first")
-    p.add_argument("--kinds", nargs="+", default=["int8", "int4"], choices=["int8", "int4"])
+    p.add_argument("--kinds", nargs="+", default=list(memory.TYPES), choices=list(memory.TYPES))
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prefill", type=int, default=0,
+                   help="also time a prompt of about this many tokens (0: not)")
     p.add_argument("--plot-only", action="store_true")
     args = p.parse_args(argv)
+    command = "python -m bench.families " + " ".join(argv if argv is not None else sys.argv[1:])
+    result: dict[str, Any] = {"models": {}}
+    with contextlib.suppress(FileNotFoundError):
+        result = read_json("families")["result"]
     if args.plot_only:
-        plot(read_json("moe")["result"])
+        plot(result)
         return
-    result: dict[str, Any] = {"machine": machine(), "read_gbs_one_thread": read_bandwidth_gbs(),
-                              "models": {}}
+    read_gbs = read_bandwidth_gbs()
     for name in args.models:
         path = args.root / name
         if not (path / "config.json").exists():
             if not args.make:
                 raise SystemExit(f"{path} is missing: pass --make")
             make(name, path)
-        entry: dict[str, Any] = {"types": {}}
+        entry: dict[str, Any] = {"command": command, "machine": machine(),
+                                 "read_gbs_one_thread": read_gbs, "types": {}}
         for kind in args.kinds:
             sizes = active_bytes(path, kind)
             entry.update(params=sizes["params"], active_params=sizes["active_params"])
-            run = memory.one_kind(argparse.Namespace(checkpoint=path, streams=args.streams,
-                                                     tokens=args.tokens), kind)
+            run = memory.one_kind(argparse.Namespace(
+                checkpoint=path, streams=args.streams, tokens=args.tokens,
+                prefill=args.prefill), kind)
             tok_s = run["ours"]["batch1"]["output_tokens_per_s"]
             run["active_bytes"] = sizes["active_bytes"]
-            run["roofline_fraction_batch1"] = sizes["active_bytes"] * tok_s / (
-                2 * result["read_gbs_one_thread"] * 1e9)
+            run["roofline_fraction_batch1"] = sizes["active_bytes"] * tok_s / (2 * read_gbs * 1e9)
             entry["types"][kind] = run
             print(name, kind, run["ratios"], "roofline",
                   round(run["roofline_fraction_batch1"], 3), flush=True)
             result["models"][name] = entry
-            write_json("moe", {"command": "python -m bench.moe " + " ".join(
-                argv if argv is not None else sys.argv[1:]), "result": result})
+            write_json("families", {"result": result})
     plot(result)
 
 

@@ -1,0 +1,198 @@
+"""The whole-model native decode step of a :class:`model.layers.decoder.DecoderLM` built from
+the shared layers (``model/kernels/decoder_step.cpp``): LFM2, Granite-4.0-H and Nemotron-H
+step in one call instead of ~20 dispatched operators a layer part.
+
+:func:`plan` describes a model to the kernel: per layer its norms and two parts (mixer, MLP),
+each a kind code, its weights (the very packed GEMM tensors the eager forms use, so nothing
+is held twice) and its parameters. A model with any layer the kernel does not implement
+(experts, Falcon-H1's parallel block, biases, multipliers on projections) gets None and
+steps layer by layer. The eager step is the reference the native one is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from model import invariant
+from model.layers.attention import Attention
+from model.layers.mamba2 import Mamba2
+from model.layers.mlp import ReluSquaredMLP, SwiGLU
+from model.layers.norms import RMSNorm
+from model.layers.short_conv import ShortConv
+from model.state import ConvEntry, KVEntry, RecurrentEntry, State
+
+ATTENTION, SHORT_CONV, MAMBA2, SWIGLU, RELU_SQUARED = 1, 2, 3, 4, 5
+PART_SLOTS = 8  # decoder_step.cpp's kPart
+EMPTY = torch.empty(0)
+
+
+@dataclass
+class Part:
+    """One part of a layer as the kernel takes it: a kind, up to :data:`PART_SLOTS` weights,
+    two ints and three floats (their meaning per kind: decoder_step.cpp's header)."""
+
+    kind: int
+    weights: list[torch.Tensor]
+    ints: tuple[int, int] = (0, 0)
+    floats: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+
+@dataclass
+class Plan:
+    """The kernel's arguments that do not change from step to step."""
+
+    weights: list[torch.Tensor]
+    ints: list[int]
+    floats: list[float]
+    dims: list[int]
+    scalars: list[float]
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float().contiguous()
+
+
+def _gemm(linear: nn.Module) -> torch.Tensor:
+    return invariant.gemm_weight(linear, cast(nn.Linear, linear).weight)
+
+
+def _attention(m: Attention) -> tuple[Part, tuple[int, ...]] | None:
+    s = m.shape
+    if s.bias or s.out_bias or s.head_dim % 16:
+        return None
+    norms = [m.q_norm.scale().contiguous(), m.k_norm.scale().contiguous()] if s.qk_norm \
+        else [EMPTY, EMPTY]
+    eps = float(m.q_norm.eps) if s.qk_norm else 0.0
+    freqs = EMPTY if m.freqs is None else m.freqs.contiguous()
+    part = Part(ATTENTION, [m.qkv_weight(), *norms, _gemm(m.o_proj), freqs],
+                floats=(m.q_scale, s.key_multiplier, eps))
+    return part, (s.heads, s.kv_heads, s.head_dim, s.rotary_dim)
+
+
+def _short_conv(m: ShortConv) -> tuple[Part, tuple[int, ...]] | None:
+    if m.conv.bias is not None or m.in_proj.bias is not None:
+        return None
+    return Part(SHORT_CONV, [_gemm(m.in_proj), m.conv_weight(), _gemm(m.out_proj)]), ()
+
+
+def _mamba2(m: Mamba2) -> tuple[Part, tuple[int, ...]] | None:
+    s = m.shape
+    if s.proj_bias or s.in_multiplier != 1.0 or s.proj_multipliers is not None:
+        return None
+    bias = EMPTY if m.conv1d.bias is None else _f32(m.conv1d.bias)
+    norm = _f32(m.norm.weight) if s.gated_norm else EMPTY
+    eps = float(m.norm.eps) if s.gated_norm else 0.0
+    part = Part(MAMBA2, [_gemm(m.in_proj), m.conv_weight(), bias, _f32(m.A_log),
+                         _f32(m.dt_bias), _f32(m.D), norm, _gemm(m.out_proj)],
+                ints=(int(s.norm_before_gate), int(s.gated_norm)),
+                floats=(float(s.dt_limit[0]), float(s.dt_limit[1]), eps))
+    return part, (s.heads, s.head_dim, s.d_state, s.groups)
+
+
+def _swiglu(m: SwiGLU) -> tuple[Part, tuple[int, ...]] | None:
+    if m.multipliers != (1.0, 1.0) or any(p.bias is not None for p in m._parts()):
+        return None
+    return Part(SWIGLU, [m.gate_up(), _gemm(m.down_proj)],
+                ints=(m.down_proj.in_features, 0)), ()
+
+
+def _relu_squared(m: ReluSquaredMLP) -> tuple[Part, tuple[int, ...]] | None:
+    if m.up_proj.bias is not None or m.down_proj.bias is not None:
+        return None
+    return Part(RELU_SQUARED, [_gemm(m.up_proj), _gemm(m.down_proj)],
+                ints=(m.up_proj.out_features, 0)), ()
+
+
+DESCRIBE: dict[type, Any] = {Attention: _attention, ShortConv: _short_conv, Mamba2: _mamba2,
+                             SwiGLU: _swiglu, ReluSquaredMLP: _relu_squared}
+SHAPE_OF = {ATTENTION: "attention", MAMBA2: "mamba2"}
+
+
+def _part(module: nn.Module | None, norm: nn.Module | None, shapes: dict[str, tuple[int, ...]]
+          ) -> tuple[list[torch.Tensor], list[int], list[float]] | None:
+    """A layer part's slots (norm first), ints (kind first) and floats (eps first); None if
+    the kernel cannot run it. Records the part's shape in ``shapes`` (one per kind)."""
+    if module is None:
+        return [EMPTY] * (1 + PART_SLOTS), [0, 0, 0], [0.0] * 4
+    describe = DESCRIBE.get(type(module))
+    if describe is None or type(norm) is not RMSNorm:
+        return None
+    found = describe(module)
+    if found is None:
+        return None
+    part, shape = found
+    name = SHAPE_OF.get(part.kind)
+    if name is not None and shapes.setdefault(name, shape) != shape:
+        return None  # one shape per kind: the kernel takes them as dims
+    assert norm is not None
+    slots = [norm.scale().contiguous(), *part.weights]
+    slots += [EMPTY] * (1 + PART_SLOTS - len(slots))
+    return slots, [part.kind, *part.ints], [float(norm.eps), *part.floats]
+
+
+def plan(model: Any) -> Plan | None:
+    """The kernel's arguments for ``model`` (a DecoderLM), or None if a layer is not one the
+    kernel implements."""
+    from model.layers.decoder import Block
+
+    if type(model.model.norm) is not RMSNorm:
+        return None
+    emb = model.model.embed_tokens
+    head = invariant.gemm_weight(emb, emb.weight) if model.lm_head is None \
+        else _gemm(model.lm_head)
+    out = Plan([invariant.embedding_table(emb), head, model.model.norm.scale().contiguous()],
+               [], [], [], [])
+    for layer in model.model.layers:
+        if type(layer) is not Block:
+            return None
+        parts = [_part(layer.mixer if layer.has_mixer else None,
+                       layer.input_layernorm if layer.has_mixer else None, out.shapes),
+                 _part(layer.mlp if layer.has_mlp else None,
+                       layer.post_attention_layernorm if layer.has_mlp else None, out.shapes)]
+        described = [p for p in parts if p is not None]
+        if len(described) < 2:
+            return None
+        out.floats.append(float(layer.residual_scale))
+        for slots, ints, floats in described:
+            out.weights += slots
+            out.ints += ints
+            out.floats += floats
+    attn = out.shapes.get("attention", (1, 1, 16, 0))
+    out.dims = [emb.embedding_dim, *attn, *out.shapes.get("mamba2", (1, 1, 1, 1))]
+    out.scalars = [float(model.model.norm.eps), float(model.embedding_scale),
+                   float(model.logits_scaling)]
+    return out
+
+
+def state_tensors(state: State) -> list[torch.Tensor] | None:
+    """Each layer's two state tensors as the kernel takes them (None: a layout it does not
+    take, as a sliding window's ring of keys)."""
+    out: list[torch.Tensor] = []
+    for entries in state.layers:
+        kv, rec, conv = entries.get("kv"), entries.get("recurrent"), entries.get("conv")
+        if isinstance(kv, KVEntry) and not kv.window:
+            out += [kv.k, kv.v]
+        elif isinstance(rec, RecurrentEntry) and isinstance(conv, ConvEntry):
+            out += [rec.s, conv.window]
+        elif isinstance(conv, ConvEntry) and len(entries) == 1:
+            out += [conv.window, EMPTY]
+        elif not entries:
+            out += [EMPTY, EMPTY]
+        else:
+            return None
+    return out if all(t.is_contiguous() for t in out) else None
+
+
+def step(p: Plan, tokens: torch.Tensor, state: State) -> torch.Tensor | None:
+    """One native step (tokens ``[B]`` -> logits ``[B, V]``, the state advanced in place but
+    for its lengths), or None if the state's tensors are not laid out for it."""
+    tensors = state_tensors(state)
+    if tensors is None:
+        return None
+    return torch.ops.linserve.decoder_step(tokens.contiguous(), p.weights, tensors,
+                                           state.lengths, p.ints, p.floats, p.dims, p.scalars)
