@@ -114,6 +114,8 @@ def make(name: str, path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     config.architectures = [model_cls.__name__]  # what llama.cpp's converter reads
     config.save_pretrained(path)
+    if kind == "granitemoehybrid":  # transformers saves its own names; llama.cpp reads these
+        _publish_layer_types(path / "config.json", fields["layer_types"])
     shutil.copy(Path(__file__).resolve().parents[1] / "weights" / "tokenizer.json",
                 path / "tokenizer.json")
     gen = torch.Generator().manual_seed(0)
@@ -129,6 +131,15 @@ def make(name: str, path: Path) -> None:
     if shard:
         _write(path, shard, index, save_file)
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+
+
+def _publish_layer_types(config: Path, types: list[str]) -> None:
+    """Write the layer types as the published config names them."""
+    import json
+
+    data = json.loads(config.read_text())
+    data["layer_types"] = types
+    config.write_text(json.dumps(data, indent=2))
 
 
 def _published(name: str, shape: tuple[int, ...], names: tuple[str, str, str] | None
@@ -220,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prefill", type=int, default=0,
                    help="also time a prompt of about this many tokens (0: not)")
+    p.add_argument("--prefill-requests", type=int, default=2,
+                   help="prompts timed for --prefill (the median is kept)")
     p.add_argument("--plot-only", action="store_true")
     args = p.parse_args(argv)
     command = "python -m bench.families " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -243,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
             entry.update(params=sizes["params"], active_params=sizes["active_params"])
             run = memory.one_kind(argparse.Namespace(
                 checkpoint=path, streams=args.streams, tokens=args.tokens,
-                prefill=args.prefill), kind)
+                prefill=args.prefill, prefill_requests=args.prefill_requests), kind)
             tok_s = run["ours"]["batch1"]["output_tokens_per_s"]
             run["active_bytes"] = sizes["active_bytes"]
             run["roofline_fraction_batch1"] = sizes["active_bytes"] * tok_s / (2 * read_gbs * 1e9)

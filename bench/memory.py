@@ -71,11 +71,11 @@ def _load(url: str, streams: int, requests: int, tokens: int, prompt: int = 128,
                                        "mean_prompt_tokens")}
 
 
-def _prefill(url: str, prompt: int) -> dict[str, Any]:
-    """Prompt tokens/s of one request of about ``prompt`` tokens and one output token: the
-    prompt over the median time to the first token, of two prompts neither server has seen
-    (a seed of their own, so no prefix cache serves them)."""
-    run = _load(url, 1, 2, 1, prompt=prompt, seed=7)
+def _prefill(url: str, prompt: int, requests: int = 2) -> dict[str, Any]:
+    """Prompt tokens/s of ``requests`` requests of about ``prompt`` tokens and one output
+    token each: the prompt over the median time to the first token, of prompts neither
+    server has seen (a seed of their own, so no prefix cache serves them)."""
+    run = _load(url, 1, requests, 1, prompt=prompt, seed=7)
     run["prompt_tokens_per_s"] = run["mean_prompt_tokens"] / (run["ttft_ms"]["p50"] / 1e3)
     return run
 
@@ -103,7 +103,8 @@ def one_kind(args: argparse.Namespace, kind: str) -> dict[str, Any]:
             out[who]["batch1"] = _load(url, 1, 2, args.tokens)
         for who, (_, url) in servers.items():
             if getattr(args, "prefill", 0):
-                out[who]["prefill"] = _prefill(url, args.prefill)
+                out[who]["prefill"] = _prefill(url, args.prefill,
+                                               getattr(args, "prefill_requests", 2))
         for who, (pid, url) in servers.items():
             out[who]["streams"] = _load(url, args.streams, args.streams, args.tokens)
             time.sleep(2.0)
