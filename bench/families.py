@@ -249,8 +249,8 @@ def main(argv: list[str] | None = None) -> None:
             if not args.make:
                 raise SystemExit(f"{path} is missing: pass --make")
             make(name, path)
-        entry: dict[str, Any] = {"command": command, "machine": machine(),
-                                 "read_gbs_one_thread": read_gbs, "types": {}}
+        entry: dict[str, Any] = result["models"].get(name) or {"types": {}}
+        entry.update(command=command, machine=machine(), read_gbs_one_thread=read_gbs)
         for kind in args.kinds:
             sizes = active_bytes(path, kind)
             entry.update(params=sizes["params"], active_params=sizes["active_params"])
@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
                 prefill=args.prefill, prefill_requests=args.prefill_requests), kind)
             tok_s = run["ours"]["batch1"]["output_tokens_per_s"]
             run["active_bytes"] = sizes["active_bytes"]
+            run["command"], run["machine"] = command, machine()  # weight types of other runs stay
             run["roofline_fraction_batch1"] = sizes["active_bytes"] * tok_s / (2 * read_gbs * 1e9)
             entry["types"][kind] = run
             print(name, kind, run["ratios"], "roofline",
