@@ -108,6 +108,15 @@ class Entry:
         for t in self.tensors().values():
             t[dst].copy_(t[src])
 
+    def resize_rows(self, rows: int, live: int) -> None:
+        """Reallocate to ``rows`` rows (dim 0), copying rows ``[0, live)``; the others are
+        left unwritten until :meth:`write_rows` fills one whole (a slot pool growing or
+        giving memory back)."""
+        for name, old in self.tensors().items():
+            new = old.new_empty(rows, *old.shape[1:])
+            new[:live] = old[:live]
+            setattr(self, name, new)
+
     def reserve(self, positions: int, live: int | None = None) -> None:
         """Make room for ``positions`` tokens per row (only a KV cache needs any)."""
 
@@ -346,6 +355,15 @@ class State:
         for e in self.entries():
             e.move_row(src, dst)
         self.lengths[dst] = self.lengths[src]
+
+    def resize_rows(self, rows: int, live: int) -> None:
+        """Reallocate every entry to ``rows`` rows keeping rows ``[0, live)``
+        (:meth:`Entry.resize_rows`); new rows have length 0."""
+        for e in self.entries():
+            e.resize_rows(rows, live)
+        lengths = self.lengths.new_zeros(rows)
+        lengths[:live] = self.lengths[:live]
+        self.lengths = lengths
 
     def reserve(self, positions: int, live: int | None = None) -> None:
         """Room for ``positions`` tokens per row in every entry that needs it (KV caches);

@@ -1,5 +1,5 @@
 // The whole decode step of a model built from the shared layers (model/layers/decoder.py's
-// DecoderLM of Blocks: LFM2, Granite-4.0-H, Nemotron-H) in one native call: one token per
+// DecoderLM of Blocks: LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H) in one native call: one token per
 // row through every layer, then the final norm and the LM head. The eager step dispatches
 // ~20 PyTorch operators per layer part; at batch 1 of LFM2-1.2B in int4 that was a third of
 // the step on top of the weight reads.
@@ -15,7 +15,10 @@
 //   3 Mamba2: in [d, inner + conv + Hm] to z, xBC, dt; conv [K, conv] (+ bias) and SiLU over
 //     xBC; dt = softplus(dt + dt_bias) clamped; S = exp(dt A) S + dt x B^T per head,
 //     y = S C + D x; the gated RMSNorm grouped by G (or y silu(z)); out [inner, d];
-//   4 SwiGLU: gate_up [d, 2f], down [f, d];  5 squared ReLU: up [d, f], down [f, d].
+//   4 SwiGLU: gate_up [d, 2f], down [f, d];  5 squared ReLU: up [d, f], down [f, d];
+//   6 sparse experts (moe.h): router [d, E] fp32, expert bias [E] (or empty), the shared
+//     expert's gate_up and down (or empty) and its sigmoid gate [d, 1] (or empty); the
+//     experts' own weights are in ``experts``.
 // Activations stay fp32 between layers; weights are as model/invariant.py packs them (fp32,
 // bf16, int8, int4), projected by dense.h. Every row is computed by its own loops in a fixed
 // order, so a row's logits do not depend on the rows beside it (batch invariance).
@@ -27,11 +30,13 @@
 //   state: per layer two tensors: attention (k, v [B, Hkv, cap, D]); short conv (window
 //     [B, K-1, d], empty); Mamba2 (S [B, Hm, P, N], window [B, K-1, conv]); else empty;
 //     updated in place (lengths are not: the caller advances them);
-//   ints, per layer 6: (kind, i0, i1) of the mixer then of the MLP (SwiGLU / ReLU^2: i0 = f;
-//     Mamba2: i0 = norm before gate, i1 = gated norm);
+//   experts: every MoE layer's experts, (gate_up, down) per expert, layer after layer;
+//   ints, per layer 8: (kind, i0, i1, i2) of the mixer then of the MLP (SwiGLU / ReLU^2:
+//     i0 = f; Mamba2: i0 = norm before gate, i1 = gated norm; experts: i0 = the layer's first
+//     tensor in ``experts``, i1 = top k, i2 = scoring (moe.h's Router) + 4 if norm_topk);
 //   floats, per layer 9: the residual scale, then (eps of the part's norm, f0, f1, f2) of each
 //     part (attention: q scale, key multiplier, q/k norm eps; Mamba2: dt min, dt max, the
-//     gated norm's eps);
+//     gated norm's eps; experts: the top-k norm's eps, the routed scaling factor);
 //   dims: d, H, Hkv, D, rot, Hm, P, N, G;
 //   scalars: final norm eps, embedding scale, logits scale (logits are divided by it).
 // Returns logits [B, V] fp32.
@@ -45,6 +50,7 @@
 #include "fastmath.h"
 #include "gdn.h"
 #include "gemm.h"
+#include "moe.h"
 
 #include <algorithm>
 #include <cmath>
@@ -56,17 +62,17 @@ namespace {
 
 constexpr int64_t kPart = 8;
 constexpr int64_t kSlots = 2 + 2 * kPart;
-constexpr int64_t kInts = 6;
+constexpr int64_t kInts = 8;
 constexpr int64_t kFloats = 9;
 
-enum Kind : int64_t { kNone = 0, kAttention, kShortConv, kMamba2, kSwiGLU, kReluSquared };
+enum Kind : int64_t { kNone = 0, kAttention, kShortConv, kMamba2, kSwiGLU, kReluSquared, kExperts };
 
 struct Dims {
   int64_t d, h, hkv, head, rot, mh, mp, mn, mg;
 };
 
 struct Part {
-  int64_t kind, i0, i1;
+  int64_t kind, i0, i1, i2;
   float eps, f0, f1, f2;
 };
 
@@ -229,43 +235,60 @@ at::Tensor mamba2(const at::Tensor& h, const at::Tensor* w, at::Tensor& s, at::T
   const float* norm_w = w[6].numel() > 0 ? w[6].data_ptr<float>() : nullptr;
   for (int64_t r = 0; r < rows; ++r)
     gated_norm(y.data_ptr<float>() + r * inner, proj.data_ptr<float>() + r * width, norm_w, m,
-               Part{p.kind, p.i0, norm_w != nullptr ? p.i1 : 0, p.eps, p.f0, p.f1, p.f2});
+               Part{p.kind, p.i0, norm_w != nullptr ? p.i1 : 0, p.i2, p.eps, p.f0, p.f1, p.f2});
   return linserve::project(y, w[7]);
 }
 
 // Weights: (SwiGLU) gate_up [d, 2f], down; (ReLU^2) up [d, f], down. h [B, d] -> [B, d].
 at::Tensor mlp(const at::Tensor& h, const at::Tensor* w, const Part& p) {
-  const int64_t rows = h.size(0), f = p.i0;
-  const at::Tensor up = linserve::project(h, w[0]);
-  at::Tensor act = at::empty({rows, f}, h.options());
-  const float* u = up.data_ptr<float>();
-  float* a = act.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < f; ++i) {
-      if (p.kind == kSwiGLU) {
-        a[r * f + i] = linserve::gdn::silu(u[r * 2 * f + i]) * u[r * 2 * f + f + i];
-      } else {
-        const float v = std::max(u[r * f + i], 0.f);
-        a[r * f + i] = v * v;
-      }
-    }
-  return linserve::project(act, w[1]);
+  at::Tensor up = linserve::project(h, w[0]);
+  if (p.kind == kSwiGLU) return linserve::project(linserve::moe::swiglu(up), w[1]);
+  float* u = up.data_ptr<float>();
+  for (int64_t i = 0; i < up.numel(); ++i) {
+    const float v = std::max(u[i], 0.f);
+    u[i] = v * v;
+  }
+  return linserve::project(up, w[1]);
+}
+
+// Weights: router, expert bias, shared gate_up, shared down, shared gate (moe.h); the
+// experts from ``experts[p.i0]`` on. h [B, d] -> [B, d].
+at::Tensor sparse_experts(const at::Tensor& h, const at::Tensor* w, const at::Tensor* experts,
+                          const Part& p) {
+  const linserve::moe::Router r{p.i1, p.i2 & 3, (p.i2 & 4) != 0, p.f0, p.f1};
+  at::Tensor out = linserve::moe::experts(h, w[0], w[1], experts + p.i0, r);
+  if (w[2].numel() == 0) return out;
+  const at::Tensor shared = linserve::project(linserve::moe::swiglu(
+      linserve::project(h, w[2])), w[3]);
+  const int64_t rows = h.size(0), d = h.size(1);
+  const bool gated = w[4].numel() > 0;
+  const at::Tensor gate = gated ? linserve::project(h, w[4]) : at::Tensor();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float g = gated ? 1.f / (1.f + std::exp(-gate.data_ptr<float>()[r])) : 1.f;
+    float* o = out.data_ptr<float>() + r * d;
+    const float* s = shared.data_ptr<float>() + r * d;
+    for (int64_t c = 0; c < d; ++c) o[c] += gated ? g * s[c] : s[c];
+  }
+  return out;
 }
 
 // One part of a layer on h = norm(x): the mixer or MLP it is.
-at::Tensor run_part(const at::Tensor& h, const at::Tensor* w, at::Tensor& a, at::Tensor& b,
-                    const int64_t* lengths, const Dims& m, const Part& p) {
+at::Tensor run_part(const at::Tensor& h, const at::Tensor* w, const at::Tensor* experts,
+                    at::Tensor& a, at::Tensor& b, const int64_t* lengths, const Dims& m,
+                    const Part& p) {
   switch (p.kind) {
     case kAttention: return attention(h, w, a, b, lengths, m, p);
     case kShortConv: return short_conv(h, w, a, m);
     case kMamba2: return mamba2(h, w, a, b, m, p);
     case kSwiGLU:
     case kReluSquared: return mlp(h, w, p);
+    case kExperts: return sparse_experts(h, w, experts, p);
     default: TORCH_CHECK(false, "decoder_step: unknown part kind ", p.kind);
   }
 }
 
-at::Tensor decoder_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList state,
+at::Tensor decoder_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList experts,
+                        at::TensorList state,
                         const at::Tensor& lengths, at::IntArrayRef ints,
                         at::ArrayRef<double> floats, at::IntArrayRef dims,
                         at::ArrayRef<double> scalars) {
@@ -290,13 +313,14 @@ at::Tensor decoder_step(const at::Tensor& tokens, at::TensorList weights, at::Te
     const double* f = floats.data() + l * kFloats;
     at::Tensor a = state[2 * l], b = state[2 * l + 1];
     for (int64_t part = 0; part < 2; ++part) {
-      const int64_t* i = ints.data() + l * kInts + 3 * part;
+      const int64_t* i = ints.data() + l * kInts + 4 * part;
       const double* pf = f + 1 + 4 * part;
-      const Part p{i[0], i[1], i[2], static_cast<float>(pf[0]), static_cast<float>(pf[1]),
+      const Part p{i[0], i[1], i[2], i[3], static_cast<float>(pf[0]), static_cast<float>(pf[1]),
                    static_cast<float>(pf[2]), static_cast<float>(pf[3])};
       if (p.kind == kNone) continue;
       const at::Tensor* pw = w + part * (1 + kPart);
-      const at::Tensor y = run_part(linserve::normed(x, pw[0], p.eps), pw + 1, a, b, len, m, p);
+      const at::Tensor y = run_part(linserve::normed(x, pw[0], p.eps), pw + 1, experts.data(), a,
+                                    b, len, m, p);
       add_scaled(x, y, static_cast<float>(f[0]));
     }
   }
@@ -309,7 +333,8 @@ at::Tensor decoder_step(const at::Tensor& tokens, at::TensorList weights, at::Te
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def(
-      "decoder_step(Tensor tokens, Tensor[] weights, Tensor(a!)[] state, Tensor lengths, "
+      "decoder_step(Tensor tokens, Tensor[] weights, Tensor[] experts, Tensor(a!)[] state, "
+      "Tensor lengths, "
       "int[] ints, float[] floats, int[] dims, float[] scalars) -> Tensor");
 }
 

@@ -8,7 +8,9 @@ expert, so each chosen expert runs one product over its tokens (a grouped GEMM, 
 expert) and an expert nobody chose is never touched. Batch-invariant: a token's routing is its
 own row of the router's product; each expert's product is the invariant GEMM (a row's output
 does not depend on the rows beside it); and a token's outputs are added in ascending expert
-order, as transformers adds them, whatever the other tokens chose.
+order, as transformers adds them, whatever the other tokens chose. The whole-model native
+step (``model/kernels/moe.h``) computes the same thing for the families built on
+:mod:`model.layers.decoder`.
 
 Parameters, as the checkpoints name them after a family's renames: ``gate`` (the router,
 ``[experts, d]``, never quantized), ``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``,

@@ -1,11 +1,12 @@
 """The whole-model native decode step of a :class:`model.layers.decoder.DecoderLM` built from
-the shared layers (``model/kernels/decoder_step.cpp``): LFM2, Granite-4.0-H and Nemotron-H
-step in one call instead of ~20 dispatched operators a layer part.
+the shared layers (``model/kernels/decoder_step.cpp``): LFM2, LFM2-MoE, Granite-4.0-H (dense
+or with experts) and Nemotron-H step in one call instead of ~20 dispatched operators a layer
+part (an MoE layer: a router, a top-k and three products per chosen expert).
 
 :func:`plan` describes a model to the kernel: per layer its norms and two parts (mixer, MLP),
 each a kind code, its weights (the very packed GEMM tensors the eager forms use, so nothing
 is held twice) and its parameters. A model with any layer the kernel does not implement
-(experts, Falcon-H1's parallel block, biases, multipliers on projections) gets None and
+(Falcon-H1's parallel block, biases, multipliers on projections) gets None and
 steps layer by layer. The eager step is the reference the native one is tested against.
 """
 
@@ -21,24 +22,29 @@ from model import invariant
 from model.layers.attention import Attention
 from model.layers.mamba2 import Mamba2
 from model.layers.mlp import ReluSquaredMLP, SwiGLU
+from model.layers.moe import SparseMoE
 from model.layers.norms import RMSNorm
 from model.layers.short_conv import ShortConv
 from model.state import ConvEntry, KVEntry, RecurrentEntry, State
 
-ATTENTION, SHORT_CONV, MAMBA2, SWIGLU, RELU_SQUARED = 1, 2, 3, 4, 5
+ATTENTION, SHORT_CONV, MAMBA2, SWIGLU, RELU_SQUARED, EXPERTS = 1, 2, 3, 4, 5, 6
 PART_SLOTS = 8  # decoder_step.cpp's kPart
+PART_INTS = 3  # ints a part takes after its kind
+SCORING = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}  # moe.h's Router::scoring
 EMPTY = torch.empty(0)
 
 
 @dataclass
 class Part:
     """One part of a layer as the kernel takes it: a kind, up to :data:`PART_SLOTS` weights,
-    two ints and three floats (their meaning per kind: decoder_step.cpp's header)."""
+    up to three ints and three floats (their meaning per kind: decoder_step.cpp's header),
+    and for experts, each expert's (gate_up, down) GEMM weights, in order."""
 
     kind: int
     weights: list[torch.Tensor]
-    ints: tuple[int, int] = (0, 0)
+    ints: tuple[int, ...] = ()
     floats: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    experts: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +57,7 @@ class Plan:
     dims: list[int]
     scalars: list[float]
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    experts: list[torch.Tensor] = field(default_factory=list)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -108,17 +115,36 @@ def _relu_squared(m: ReluSquaredMLP) -> tuple[Part, tuple[int, ...]] | None:
                 ints=(m.up_proj.out_features, 0)), ()
 
 
+def _experts(m: SparseMoE) -> tuple[Part, tuple[int, ...]] | None:
+    """The router and the shared expert in the slots, the experts beside them; ``ints[0]``
+    (where the layer's experts start in the plan's list) is set by :func:`plan`."""
+    spec, shared = m.spec, m.shared_expert
+    experts = [cast(SwiGLU, e) for e in m.experts]
+    if any(_swiglu(e) is None for e in [*experts, *([shared] if shared is not None else [])]):
+        return None
+    bias = _f32(m.gate.get_buffer("expert_bias")) if spec.expert_bias else EMPTY
+    shared_w = [shared.gate_up(), _gemm(shared.down_proj)] if shared is not None \
+        else [EMPTY, EMPTY]
+    gate = _gemm(m.shared_expert_gate) if m.shared_expert_gate is not None else EMPTY
+    flags = SCORING[spec.scoring] + 4 * int(spec.norm_topk)
+    return Part(EXPERTS, [_gemm(m.gate), bias, *shared_w, gate], ints=(0, spec.top_k, flags),
+                floats=(spec.norm_eps, spec.scaling, 0.0),
+                experts=[w for e in experts for w in (e.gate_up(), _gemm(e.down_proj))]), ()
+
+
 DESCRIBE: dict[type, Any] = {Attention: _attention, ShortConv: _short_conv, Mamba2: _mamba2,
-                             SwiGLU: _swiglu, ReluSquaredMLP: _relu_squared}
+                             SwiGLU: _swiglu, ReluSquaredMLP: _relu_squared,
+                             SparseMoE: _experts}
 SHAPE_OF = {ATTENTION: "attention", MAMBA2: "mamba2"}
 
 
-def _part(module: nn.Module | None, norm: nn.Module | None, shapes: dict[str, tuple[int, ...]]
+def _part(module: nn.Module | None, norm: nn.Module | None, out: Plan
           ) -> tuple[list[torch.Tensor], list[int], list[float]] | None:
     """A layer part's slots (norm first), ints (kind first) and floats (eps first); None if
-    the kernel cannot run it. Records the part's shape in ``shapes`` (one per kind)."""
+    the kernel cannot run it. Records the part's shape in ``out.shapes`` (one per kind) and
+    appends its experts to ``out.experts``."""
     if module is None:
-        return [EMPTY] * (1 + PART_SLOTS), [0, 0, 0], [0.0] * 4
+        return [EMPTY] * (1 + PART_SLOTS), [0] * (1 + PART_INTS), [0.0] * 4
     describe = DESCRIBE.get(type(module))
     if describe is None or type(norm) is not RMSNorm:
         return None
@@ -127,12 +153,16 @@ def _part(module: nn.Module | None, norm: nn.Module | None, shapes: dict[str, tu
         return None
     part, shape = found
     name = SHAPE_OF.get(part.kind)
-    if name is not None and shapes.setdefault(name, shape) != shape:
+    if name is not None and out.shapes.setdefault(name, shape) != shape:
         return None  # one shape per kind: the kernel takes them as dims
     assert norm is not None
     slots = [norm.scale().contiguous(), *part.weights]
     slots += [EMPTY] * (1 + PART_SLOTS - len(slots))
-    return slots, [part.kind, *part.ints], [float(norm.eps), *part.floats]
+    ints = list(part.ints) + [0] * (PART_INTS - len(part.ints))
+    if part.experts:
+        ints[0] = len(out.experts)
+        out.experts += part.experts
+    return slots, [part.kind, *ints], [float(norm.eps), *part.floats]
 
 
 def plan(model: Any) -> Plan | None:
@@ -151,9 +181,9 @@ def plan(model: Any) -> Plan | None:
         if type(layer) is not Block:
             return None
         parts = [_part(layer.mixer if layer.has_mixer else None,
-                       layer.input_layernorm if layer.has_mixer else None, out.shapes),
+                       layer.input_layernorm if layer.has_mixer else None, out),
                  _part(layer.mlp if layer.has_mlp else None,
-                       layer.post_attention_layernorm if layer.has_mlp else None, out.shapes)]
+                       layer.post_attention_layernorm if layer.has_mlp else None, out)]
         described = [p for p in parts if p is not None]
         if len(described) < 2:
             return None
@@ -194,5 +224,5 @@ def step(p: Plan, tokens: torch.Tensor, state: State) -> torch.Tensor | None:
     tensors = state_tensors(state)
     if tensors is None:
         return None
-    return torch.ops.linserve.decoder_step(tokens.contiguous(), p.weights, tensors,
+    return torch.ops.linserve.decoder_step(tokens.contiguous(), p.weights, p.experts, tensors,
                                            state.lengths, p.ints, p.floats, p.dims, p.scalars)

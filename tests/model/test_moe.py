@@ -231,3 +231,30 @@ def test_loading_shows_its_progress_on_stderr(qwen_moe: Path,
     _served(qwen_moe)
     err = capsys.readouterr().err
     assert f"Loading {qwen_moe.name}" in err and "layer" in err
+
+
+@pytest.mark.parametrize("family, shape", [("lfm2_moe", "e9k3-untied"),
+                                           ("granitemoehybrid", "moe-e5k2")])
+def test_the_native_step_breaks_ties_as_the_eager_step(tmp_path: Path, family: str,
+                                                       shape: str) -> None:
+    """Two router rows equal in every MoE layer (a tie between experts 1 and 4 in every
+    token's scores): the whole-model native step (decoder_step.cpp, moe.h) chooses as the
+    eager step does, so their logits agree within fp32 rounding."""
+    path = make(tmp_path, family, shape)
+    weights = load_file(path / "model.safetensors")
+    routers = [n for n in weights if n.endswith(("feed_forward.gate.weight",
+                                                 "router.layer.weight"))]
+    assert routers
+    for name in routers:
+        weights[name][4] = weights[name][1]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    module = _served(path).module
+    assert module.native_plan() is not None
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (7, 19, 11, 30)]
+    _, rows = module.prefill_ragged(prompts, [None] * 4)
+    native, eager = State.cat(rows), State.cat(rows).copy()
+    for t in range(6):
+        tokens = torch.randint(0, VOCAB, (4,), generator=torch.Generator().manual_seed(50 + t))
+        a, b = module.step(tokens, native), module.step_eager(tokens, eager)
+        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5

@@ -145,3 +145,36 @@ def test_a_kv_pool_grows_by_copying_its_live_rows_only(kind: str) -> None:
     assert isinstance(small, KVEntry)
     assert not torch.isnan(kv.k[2]).any() and not kv.k[2, :, small.capacity:].any()
 
+
+
+@pytest.mark.parametrize("kind", ["linear", "softmax"])
+def test_the_pool_allocates_rows_as_sequences_join_and_gives_them_back(kind: str) -> None:
+    """Rows are allocated as sequences join (doubling from 4) and given back when three
+    quarters stand empty; live rows, their penalty counts and their next logits survive
+    every reallocation."""
+    import torch
+
+    from server.engine.pool import SlotPool
+    from tests.model.helpers import served, tiny_model
+
+    model = tiny_model(kind, max_context=512)
+    pool = SlotPool(served(model), 16)
+    assert pool.rows == 4
+    prompts = [torch.randint(0, 97, (1, 5 + i)) for i in range(11)]
+    alone = []
+    for i, p in enumerate(prompts):
+        _, st = model.prefill(p)
+        alone.append(model.step(torch.tensor([i]), st.copy()))
+        pool.add(st, [], [i])
+    assert pool.rows == 16 and pool.n == 11
+    for _ in range(7):  # the last row moves into slot 0 each time
+        pool.remove(0)
+    assert pool.n == 4 and pool.rows == 8  # 4 ≤ 16 // 4: halved, and not again
+    left = [4, 1, 2, 3]  # the sequence each slot now holds
+    assert all(int(pool.counts[s, i]) == 1 for s, i in enumerate(left))
+    logits = model.step(torch.tensor(left), pool.view())
+    for slot, i in enumerate(left):
+        assert torch.allclose(logits[slot], alone[i][0], atol=1e-5)
+    while pool.n:
+        pool.remove(0)
+    assert pool.rows == 4

@@ -1,0 +1,134 @@
+// A sparse mixture of SwiGLU experts on fp32 rows, as model/layers/moe.py's SparseMoE
+// computes it: a router picks top_k of E experts per row, the chosen experts run on the rows
+// that chose them, and each row adds their outputs times the router's weights.
+//
+// Only the chosen experts' weights are read: rows are grouped by expert, so each chosen
+// expert is one product over its rows (a grouped GEMM, expert after expert), and an expert no
+// row chose is never touched. Batch-invariant: a row's routing is its own row of the router's
+// product; each expert's product is the invariant GEMM (dense.h's project: a row's output
+// does not depend on the rows beside it); and a row adds its experts' outputs in ascending
+// expert order whatever the other rows chose.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "dense.h"
+#include "gdn.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace linserve::moe {
+
+// How a family routes (moe.py's RouterSpec). scoring: 0 softmax over all experts then the
+// top k (Qwen); 1 sigmoid then the top k (LFM2-MoE; chosen by score + bias where a bias is
+// given); 2 the top k logits then a softmax over them (Granite, Mixtral).
+struct Router {
+  int64_t top_k;
+  int64_t scoring;
+  bool norm_topk;   // the chosen weights divided by their sum (+ eps)
+  float norm_eps;
+  float scaling;    // then times routed_scaling_factor
+};
+
+// Each row's routing: logits [B, E] fp32 (bias [E] or empty) -> chosen [B, k] int64 and
+// their weights [B * k]. The top k are at::topk's, so ties go to the experts transformers'
+// torch.topk chooses, whatever the scores' arithmetic.
+inline at::Tensor route(const at::Tensor& logits, const at::Tensor& bias, const Router& r,
+                        std::vector<float>& weight) {
+  const int64_t rows = logits.size(0), n = logits.size(1), k = r.top_k;
+  weight.assign(rows * k, 0.f);
+  if (r.scoring == 2) {  // the top k logits, a softmax over them
+    const auto [top_raw, chosen] = at::topk(logits, k);
+    const at::Tensor top = top_raw.contiguous();
+    for (int64_t row = 0; row < rows; ++row) {
+      const float* v = top.data_ptr<float>() + row * k;
+      float* w = weight.data() + row * k;
+      float sum = 0.f;
+      for (int64_t j = 0; j < k; ++j) sum += w[j] = std::exp(v[j] - v[0]);
+      for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+    }
+    return chosen.contiguous();
+  }
+  at::Tensor scores = logits.clone();
+  for (int64_t row = 0; row < rows; ++row) {
+    float* s = scores.data_ptr<float>() + row * n;
+    if (r.scoring == 0) {
+      float top = -std::numeric_limits<float>::infinity(), sum = 0.f;
+      for (int64_t e = 0; e < n; ++e) top = std::max(top, s[e]);
+      for (int64_t e = 0; e < n; ++e) sum += s[e] = std::exp(s[e] - top);
+      for (int64_t e = 0; e < n; ++e) s[e] /= sum;
+    } else {
+      for (int64_t e = 0; e < n; ++e) s[e] = 1.f / (1.f + std::exp(-s[e]));
+    }
+  }
+  const at::Tensor chosen =
+      std::get<1>(at::topk(bias.numel() > 0 ? scores + bias : scores, k)).contiguous();
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t* c = chosen.data_ptr<int64_t>() + row * k;
+    float* w = weight.data() + row * k;
+    float sum = 0.f;
+    for (int64_t j = 0; j < k; ++j) sum += w[j] = scores.data_ptr<float>()[row * n + c[j]];
+    for (int64_t j = 0; j < k; ++j) {
+      if (r.norm_topk) w[j] /= sum + r.norm_eps;
+      w[j] *= r.scaling;
+    }
+  }
+  return chosen;
+}
+
+// silu(gate) * up of gate_up [rows, 2f] (gate first) -> [rows, f].
+inline at::Tensor swiglu(const at::Tensor& gate_up) {
+  const int64_t rows = gate_up.size(0), f = gate_up.size(1) / 2;
+  at::Tensor act = at::empty({rows, f}, gate_up.options());
+  const float* u = gate_up.data_ptr<float>();
+  float* a = act.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < f; ++i)
+      a[r * f + i] = gdn::silu(u[r * 2 * f + i]) * u[r * 2 * f + f + i];
+  return act;
+}
+
+// Σ_k weight_k · expert_k(h) per row, h [B, d] fp32 -> [B, d] fp32. router: the GEMM weight
+// [d, E] (fp32); bias [E] or empty; experts: for expert e, gate_up [d, 2f] at experts[2e]
+// and down [f, d] at experts[2e + 1], packed as dense.h's project takes them.
+inline at::Tensor experts(const at::Tensor& h, const at::Tensor& router, const at::Tensor& bias,
+                          const at::Tensor* experts, const Router& r) {
+  const int64_t rows = h.size(0), d = h.size(1), k = r.top_k;
+  const at::Tensor logits = project(h, router);
+  const int64_t n = logits.size(1);
+  std::vector<float> weight;
+  const at::Tensor picked = route(logits, bias, r, weight);
+  const int64_t* chosen = picked.data_ptr<int64_t>();
+  at::Tensor out = at::zeros({rows, d}, h.options());
+  std::vector<int64_t> members;
+  std::vector<float> scale;
+  for (int64_t e = 0; e < n; ++e) {  // ascending: each row adds its experts in order
+    members.clear();
+    scale.clear();
+    for (int64_t j = 0; j < rows * k; ++j)
+      if (chosen[j] == e) {
+        members.push_back(j / k);
+        scale.push_back(weight[j]);
+      }
+    if (members.empty()) continue;
+    const int64_t m = static_cast<int64_t>(members.size());
+    at::Tensor x = rows == m ? h : at::empty({m, d}, h.options());
+    if (rows != m)
+      for (int64_t i = 0; i < m; ++i)
+        std::memcpy(x.data_ptr<float>() + i * d, h.data_ptr<float>() + members[i] * d,
+                    d * sizeof(float));
+    const at::Tensor y = project(swiglu(project(x, experts[2 * e])), experts[2 * e + 1]);
+    for (int64_t i = 0; i < m; ++i) {
+      float* o = out.data_ptr<float>() + members[i] * d;
+      const float* yi = y.data_ptr<float>() + i * d;
+      for (int64_t c = 0; c < d; ++c) o[c] += yi[c] * scale[i];
+    }
+  }
+  return out;
+}
+
+}  // namespace linserve::moe
