@@ -34,6 +34,7 @@ from model.architectures import hf
 from model.attention.delta import delta_rule_chunked, delta_rule_step, l2norm
 from model.interface import CheckpointError
 from model.invariant import Linear
+from model.layers import native_step
 from model.layers.decoder import DecoderLM
 from model.layers.moe import RouterSpec, SparseMoE, split_stacked
 from model.layers.rope import inv_freq as rope_freqs
@@ -466,20 +467,51 @@ def _gemm(linear: nn.Module) -> torch.Tensor:
     return invariant.gemm_weight(linear, cast(nn.Linear, linear).weight)
 
 
-def _layer_weights(layer: DecoderLayer, cfg: Qwen35Config) -> list[torch.Tensor]:
-    """One layer's part of the native step's weight list (``qwen35_step.cpp``'s order)."""
+def _native_mlp(layer: DecoderLayer) -> bool:
+    """Whether the native step takes the layer's MLP: dense, or experts whose router
+    renormalises without an eps and does not rescale (Qwen's); reads no weight."""
+    if isinstance(layer.mlp, SparseMoE):
+        spec = layer.mlp.spec
+        return not spec.norm_eps and spec.scaling == 1.0
+    return True
+
+
+def _mlp_weights(layer: DecoderLayer) -> native_step.Part | None:
+    """The MLP's part of the native step's lists: a dense MLP's (gate_up, down), or the
+    experts' part (:func:`native_step.describe_experts`); None: one it does not take."""
+    if not _native_mlp(layer):
+        return None
+    if isinstance(layer.mlp, SparseMoE):
+        found = native_step.describe_experts(layer.mlp)
+        return None if found is None else found[0]
+    dense = cast(MLP, layer.mlp)
+    return native_step.Part(0, [dense.gate_up(), _gemm(dense.down_proj)])
+
+
+def _layer_weights(layer: DecoderLayer, cfg: Qwen35Config, experts: list[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor], list[int]] | None:
+    """One layer's part of the native step's weight list and ints (``qwen35_step.cpp``'s
+    order); its experts are appended to ``experts``. None: a layer the step does not take."""
     def f32(t: torch.Tensor) -> torch.Tensor:
         return t.detach().float().contiguous()
 
-    dense = cast(MLP, layer.mlp)
-    mlp = [_norm(layer.post_attention_layernorm), dense.gate_up(), _gemm(dense.down_proj)]
+    mlp = _mlp_weights(layer)
+    if mlp is None:
+        return None
+    empty = torch.empty(0)
+    ints = [int(layer.kind != "linear_attention"), int(bool(mlp.experts)), 0, 0, 0]
+    if mlp.experts:
+        ints[2:] = [len(experts), *mlp.ints[1:]]
+        experts += mlp.experts
+    tail = [_norm(layer.post_attention_layernorm), *mlp.weights]
+    tail += [empty] * (6 - len(tail))
     if layer.kind == "linear_attention":
         a = layer.linear_attn
         return [_norm(layer.input_layernorm), a.in_weight(), a.conv_weight(), f32(a.A_log),
-                f32(a.dt_bias), f32(a.norm.weight), _gemm(a.out_proj), *mlp]
+                f32(a.dt_bias), f32(a.norm.weight), _gemm(a.out_proj), *tail], ints
     at = layer.self_attn
     return [_norm(layer.input_layernorm), at.qkv_weight(), _norm(at.q_norm), _norm(at.k_norm),
-            _gemm(at.o_proj), *mlp, inv_freq(cfg), torch.empty(0)]
+            _gemm(at.o_proj), inv_freq(cfg), empty, *tail], ints
 
 
 def _step_tensors(entries: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -524,6 +556,15 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@dataclass
+class FusedArgs:
+    """The native step's arguments that do not change from step to step."""
+
+    weights: list[torch.Tensor]
+    experts: list[torch.Tensor]
+    ints: list[int]
+
+
 class Qwen35ForCausalLM(DecoderLM):
     """The whole text model on the shared decoder body (:class:`DecoderLM`: embeddings,
     prefill whole, chunked and ragged, the head), with its own layers and state, and a step
@@ -534,20 +575,19 @@ class Qwen35ForCausalLM(DecoderLM):
         super().__init__(cfg, cfg.vocab_size, cfg.hidden_size,
                          [DecoderLayer(cfg, kind, i) for i, kind in enumerate(cfg.layer_types)],
                          QwenRMSNorm(cfg.hidden_size, cfg.rms_norm_eps), cfg.tie_word_embeddings)
-        self._fused: tuple[Any, list[torch.Tensor]] | None = None
+        self._fused: tuple[Any, FusedArgs | None] | None = None
 
     @property
     def fused(self) -> bool:
-        """Whether the whole-model native step serves this shape (not with experts: those
-        step layer by layer, reading only the chosen experts)."""
-        return self.cfg.experts is None
+        """Whether the whole-model native step serves this shape (with or without experts)."""
+        return all(_native_mlp(cast(DecoderLayer, layer)) for layer in self.model.layers)
 
     def pack_layer(self, i: int) -> None:
         """Build layer ``i``'s packed weights as the native step reads them."""
         if not self.fused:
             super().pack_layer(i)
             return
-        _layer_weights(cast(DecoderLayer, self.model.layers[i]), self.cfg)
+        _layer_weights(cast(DecoderLayer, self.model.layers[i]), self.cfg, [])
 
     def new_state(self, batch: int = 1, max_context: int | None = None) -> State:
         cfg = self.cfg
@@ -571,12 +611,11 @@ class Qwen35ForCausalLM(DecoderLM):
         kernels are built, else :meth:`step_eager`."""
         state.reserve(int(state.lengths.max()) + 1)
         tensors = [t for entries in state.layers for t in _step_tensors(entries)]
-        if self.fused and kernels.available() and all(t.is_contiguous() for t in tensors):
-            cfg = self.cfg
+        args = self.fused_args() if kernels.available() else None
+        if args is not None and all(t.is_contiguous() for t in tensors):
             logits = torch.ops.linserve.qwen35_step(
-                tokens.contiguous(), self.fused_weights(), tensors, state.lengths,
-                [int(k == "full_attention") for k in cfg.layer_types], self._dims(),
-                cfg.rms_norm_eps)
+                tokens.contiguous(), args.weights, args.experts, tensors, state.lengths,
+                args.ints, self._dims(), self.cfg.rms_norm_eps)
             state.lengths += 1
             return logits
         return self.step_eager(tokens, state)
@@ -589,22 +628,30 @@ class Qwen35ForCausalLM(DecoderLM):
                 cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim]
 
     def fused_weights(self) -> list[torch.Tensor]:
-        """The native step's weight list (its order: ``qwen35_step.cpp``'s header). GEMM
-        weights are the very tensors the eager forms use (:func:`invariant.gemm_weight`), so
-        nothing is stored twice; rebuilt when the mode flips or the weights are replaced."""
-        emb = self.model.embed_tokens.weight
-        key = (invariant.enabled(), invariant.quantization(), emb.data_ptr(), emb.dtype)
+        """The native step's weight list (its order: ``qwen35_step.cpp``'s header)."""
+        args = self.fused_args()
+        return [] if args is None else args.weights
+
+    def fused_args(self) -> FusedArgs | None:
+        """The native step's weights, experts and ints (None: a layer it does not take).
+        GEMM weights are the very tensors the eager forms use (:func:`invariant.gemm_weight`),
+        so nothing is stored twice; rebuilt when the mode flips or the weights are replaced."""
+        key = self.weights_key()
         if self._fused is None or self._fused[0] != key:
             self._fused = (key, self._pack_fused())
         return self._fused[1]
 
-    def _pack_fused(self) -> list[torch.Tensor]:
+    def _pack_fused(self) -> FusedArgs | None:
         emb = self.model.embed_tokens
         head = invariant.gemm_weight(emb, emb.weight) if self.lm_head is None \
             else _gemm(self.lm_head)
-        out = [invariant.embedding_table(emb), head, _norm(self.model.norm)]
+        out = FusedArgs([invariant.embedding_table(emb), head, _norm(self.model.norm)], [], [])
         for layer in self.model.layers:
-            out += _layer_weights(cast(DecoderLayer, layer), self.cfg)
+            found = _layer_weights(cast(DecoderLayer, layer), self.cfg, out.experts)
+            if found is None:
+                return None
+            out.weights += found[0]
+            out.ints += found[1]
         return out
 
     def drop_weights(self) -> None:

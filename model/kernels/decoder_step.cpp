@@ -251,25 +251,12 @@ at::Tensor mlp(const at::Tensor& h, const at::Tensor* w, const Part& p) {
   return linserve::project(up, w[1]);
 }
 
-// Weights: router, expert bias, shared gate_up, shared down, shared gate (moe.h); the
-// experts from ``experts[p.i0]`` on. h [B, d] -> [B, d].
+// Weights: router, expert bias, shared gate_up, shared down, shared gate (moe.h's forward);
+// the experts from ``experts[p.i0]`` on. h [B, d] -> [B, d].
 at::Tensor sparse_experts(const at::Tensor& h, const at::Tensor* w, const at::Tensor* experts,
                           const Part& p) {
-  const linserve::moe::Router r{p.i1, p.i2 & 3, (p.i2 & 4) != 0, p.f0, p.f1};
-  at::Tensor out = linserve::moe::experts(h, w[0], w[1], experts + p.i0, r);
-  if (w[2].numel() == 0) return out;
-  const at::Tensor shared = linserve::project(linserve::moe::swiglu(
-      linserve::project(h, w[2])), w[3]);
-  const int64_t rows = h.size(0), d = h.size(1);
-  const bool gated = w[4].numel() > 0;
-  const at::Tensor gate = gated ? linserve::project(h, w[4]) : at::Tensor();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float g = gated ? 1.f / (1.f + std::exp(-gate.data_ptr<float>()[r])) : 1.f;
-    float* o = out.data_ptr<float>() + r * d;
-    const float* s = shared.data_ptr<float>() + r * d;
-    for (int64_t c = 0; c < d; ++c) o[c] += gated ? g * s[c] : s[c];
-  }
-  return out;
+  return linserve::moe::forward(h, w, experts + p.i0,
+                                linserve::moe::Router{p.i1, p.i2 & 3, (p.i2 & 4) != 0, p.f0, p.f1});
 }
 
 // One part of a layer on h = norm(x): the mixer or MLP it is.

@@ -131,4 +131,24 @@ inline at::Tensor experts(const at::Tensor& h, const at::Tensor& router, const a
   return out;
 }
 
+// The sparse MLP, h [B, d] -> [B, d]: the experts (experts(), with w[0] the router and w[1]
+// its bias), plus where w[2] is given the shared expert down(swiglu(gate_up(h))) (w[2], w[3]),
+// times sigmoid(w[4] h) where w[4] [d, 1] is given.
+inline at::Tensor forward(const at::Tensor& h, const at::Tensor* w, const at::Tensor* expert_w,
+                          const Router& r) {
+  at::Tensor out = experts(h, w[0], w[1], expert_w, r);
+  if (w[2].numel() == 0) return out;
+  const at::Tensor shared = project(swiglu(project(h, w[2])), w[3]);
+  const int64_t rows = h.size(0), d = h.size(1);
+  const bool gated = w[4].numel() > 0;
+  const at::Tensor gate = gated ? project(h, w[4]) : at::Tensor();
+  for (int64_t row = 0; row < rows; ++row) {
+    const float g = gated ? 1.f / (1.f + std::exp(-gate.data_ptr<float>()[row])) : 1.f;
+    float* o = out.data_ptr<float>() + row * d;
+    const float* s = shared.data_ptr<float>() + row * d;
+    for (int64_t c = 0; c < d; ++c) o[c] += gated ? g * s[c] : s[c];
+  }
+  return out;
+}
+
 }  // namespace linserve::moe

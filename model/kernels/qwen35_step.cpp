@@ -12,15 +12,21 @@
 // dims; GDN shapes as gdn.h; V vocabulary):
 //   tokens [B] int64, lengths [B] int64 (each row's position before this token);
 //   weights: embed [V, d], head [d, V] (packed), final norm [d] (as 1 + w), then per layer
-//     Gated DeltaNet (10): norm_in [d], in [d, C + Hv Dv + 2 Hv], conv_w [K, C], a_log [Hv],
-//       dt_bias [Hv], gated-norm w [Dv], out [Hv Dv, d], norm_post [d], gate_up [d, 2f],
-//       down [f, d];
-//     attention (10): norm_in [d], qkv [d, 2 H D + 2 Hkv D], q_norm [D], k_norm [D],
-//       o [H D, d], norm_post [d], gate_up [d, 2f], down [f, d], inv_freq [rot / 2], unused;
+//     kLayerWeights: the mixer's 7, then the MLP's 6:
+//     Gated DeltaNet: norm_in [d], in [d, C + Hv Dv + 2 Hv], conv_w [K, C], a_log [Hv],
+//       dt_bias [Hv], gated-norm w [Dv], out [Hv Dv, d];
+//     attention: norm_in [d], qkv [d, 2 H D + 2 Hkv D], q_norm [D], k_norm [D], o [H D, d],
+//       inv_freq [rot / 2], unused;
+//     dense MLP: norm_post [d], gate_up [d, 2f], down [f, d], 3 unused;
+//     experts (Qwen3.5-MoE, Qwen3-Next): norm_post [d], then moe.h's forward's five (router
+//       [d, E] fp32, no bias, shared gate_up and down, shared gate [d, 1]);
+//   experts: every sparse layer's experts, (gate_up, down) per expert, layer after layer;
 //   state: per layer two tensors, (s [B, Hv, Dk, Dv], window [B, K-1, C]) or
 //     (k, v [B, Hkv, capacity, D]); updated in place (lengths are not: the caller advances
 //     them);
-//   kinds [layers]: 0 Gated DeltaNet, 1 attention;
+//   ints, per layer 5: the mixer (0 Gated DeltaNet, 1 attention), the MLP (0 dense,
+//     1 experts), and for experts the layer's first tensor in ``experts``, top k, and
+//     moe.h's scoring + 4 if the top k are renormalised;
 //   dims: d, f, H, Hkv, D, rot, Hk, Hv, Dk, Dv, K.
 // Returns logits [B, V] fp32.
 #include <ATen/ATen.h>
@@ -32,6 +38,7 @@
 #include "fastmath.h"
 #include "gdn.h"
 #include "gemm.h"
+#include "moe.h"
 
 #include <cmath>
 #include <cstdint>
@@ -39,26 +46,29 @@
 
 namespace {
 
-constexpr int64_t kLayerWeights = 10;
+constexpr int64_t kMixerWeights = 7;
+constexpr int64_t kLayerWeights = kMixerWeights + 6;
+constexpr int64_t kInts = 5;
 
 struct Dims {
   int64_t d, f, h, hkv, head, rot, hk, hv, dk, dv, k;
   float eps;
 };
 
-// x [B, d] += down(silu(gate) * up) of the RMSNorm of x.
-void mlp_add(at::Tensor& x, const at::Tensor* w, const Dims& m) {
-  at::Tensor gu = linserve::project(linserve::normed(x, w[0], m.eps), w[1]);  // [B, 2f]
-  at::Tensor act = at::empty({x.size(0), m.f}, x.options());
-  const float* g = gu.data_ptr<float>();
-  float* a = act.data_ptr<float>();
-  for (int64_t r = 0; r < x.size(0); ++r)
-    for (int64_t i = 0; i < m.f; ++i)
-      a[r * m.f + i] = linserve::gdn::silu(g[r * 2 * m.f + i]) * g[r * 2 * m.f + m.f + i];
-  linserve::project_add(x, act, w[2]);
+// x [B, d] += the MLP of the RMSNorm of x: down(silu(gate) * up), or the experts (ints:
+// the layer's five, see the header).
+void mlp_add(at::Tensor& x, const at::Tensor* w, const at::Tensor* experts, const int64_t* ints,
+             const Dims& m) {
+  const at::Tensor h = linserve::normed(x, w[0], m.eps);
+  if (ints[1] == 0) {
+    linserve::project_add(x, linserve::moe::swiglu(linserve::project(h, w[1])), w[2]);
+    return;
+  }
+  const linserve::moe::Router r{ints[3], ints[4] & 3, (ints[4] & 4) != 0, 0.f, 1.f};
+  x.add_(linserve::moe::forward(h, w + 1, experts + ints[2], r));
 }
 
-// x += out(gdn(in(norm(x)))), then the MLP.
+// x += out(gdn(in(norm(x)))).
 void gdn_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& s, at::Tensor& window,
                const Dims& m) {
   const int64_t rows = x.size(0), c_len = 2 * m.hk * m.dk + m.hv * m.dv;
@@ -72,7 +82,6 @@ void gdn_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& s, at::Tensor& wi
                       w[4].data_ptr<float>(), s.data_ptr<float>(), w[5].data_ptr<float>(),
                       out.data_ptr<float>(), rows, sh);
   linserve::project_add(x, out, w[6]);
-  mlp_add(x, w + 7, m);
 }
 
 // q / k norms and rotary positions, the new key and value into the cache; qkv [B, ...] as
@@ -88,7 +97,7 @@ void write_kv(const at::Tensor& qkv, const at::Tensor* w, at::Tensor& kc, at::Te
       float* qh = q.data() + (r * m.h + h) * dh;
       std::memcpy(qh, p + r * width + h * 2 * dh, dh * sizeof(float));
       linserve::rms_row(qh, w[2].data_ptr<float>(), dh, m.eps);
-      linserve::rotate_half(qh, w[8].data_ptr<float>(), m.rot, pos);
+      linserve::rotate_half(qh, w[5].data_ptr<float>(), m.rot, pos);
     }
     for (int64_t g = 0; g < m.hkv; ++g) {
       float* kd = kc.data_ptr<float>() + ((r * m.hkv + g) * cap + pos) * dh;
@@ -96,12 +105,12 @@ void write_kv(const at::Tensor& qkv, const at::Tensor* w, at::Tensor& kc, at::Te
       std::memcpy(kd, p + r * width + 2 * m.h * dh + g * dh, dh * sizeof(float));
       std::memcpy(vd, p + r * width + 2 * m.h * dh + m.hkv * dh + g * dh, dh * sizeof(float));
       linserve::rms_row(kd, w[3].data_ptr<float>(), dh, m.eps);
-      linserve::rotate_half(kd, w[8].data_ptr<float>(), m.rot, pos);
+      linserve::rotate_half(kd, w[5].data_ptr<float>(), m.rot, pos);
     }
   }
 }
 
-// x += o(attention(norm(x)) * sigmoid(gate)), then the MLP.
+// x += o(attention(norm(x)) * sigmoid(gate)).
 void attention_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& kc, at::Tensor& vc,
                      const int64_t* lengths, const Dims& m) {
   const int64_t rows = x.size(0), dh = m.head, rep = m.h / m.hkv, cap = kc.size(2);
@@ -126,16 +135,15 @@ void attention_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& kc, at::Ten
     }
   });
   linserve::project_add(x, o, w[4]);
-  mlp_add(x, w + 5, m);
 }
 
-at::Tensor qwen35_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList state,
-                       const at::Tensor& lengths, at::IntArrayRef kinds, at::IntArrayRef dims,
-                       double eps) {
+at::Tensor qwen35_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList experts,
+                       at::TensorList state, const at::Tensor& lengths, at::IntArrayRef ints,
+                       at::IntArrayRef dims, double eps) {
   TORCH_CHECK(dims.size() == 11, "qwen35_step: 11 dims");
   const Dims m{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8],
                dims[9], dims[10], static_cast<float>(eps)};
-  const int64_t layers = static_cast<int64_t>(kinds.size());
+  const int64_t layers = static_cast<int64_t>(ints.size()) / kInts;
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 3 + kLayerWeights * layers &&
                   static_cast<int64_t>(state.size()) == 2 * layers,
               "qwen35_step: weights or state do not match the layer kinds");
@@ -149,11 +157,13 @@ at::Tensor qwen35_step(const at::Tensor& tokens, at::TensorList weights, at::Ten
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + 3 + l * kLayerWeights;
     at::Tensor a = state[2 * l], b = state[2 * l + 1];
-    if (kinds[l] == 0) {
+    const int64_t* li = ints.data() + l * kInts;
+    if (li[0] == 0) {
       gdn_layer(x, w, a, b, m);
     } else {
       attention_layer(x, w, a, b, len, m);
     }
+    mlp_add(x, w + kMixerWeights, experts.data(), li, m);
   }
   return linserve::project(linserve::normed(x, weights[2], m.eps), weights[1]);
 }
@@ -162,8 +172,8 @@ at::Tensor qwen35_step(const at::Tensor& tokens, at::TensorList weights, at::Ten
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def(
-      "qwen35_step(Tensor tokens, Tensor[] weights, Tensor(a!)[] state, Tensor lengths, "
-      "int[] kinds, int[] dims, float eps) -> Tensor");
+      "qwen35_step(Tensor tokens, Tensor[] weights, Tensor[] experts, Tensor(a!)[] state, "
+      "Tensor lengths, int[] ints, int[] dims, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("qwen35_step", &qwen35_step); }

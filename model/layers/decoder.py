@@ -192,11 +192,16 @@ class DecoderLM(nn.Module):
         state.lengths += 1
         return self.head(x)
 
+    def weights_key(self) -> tuple[Any, ...]:
+        """What a native step's arguments depend on: the batch-invariant mode, the
+        quantization, and the weights (a cast or a load replaces the embedding table)."""
+        emb = self.model.embed_tokens.weight
+        return (invariant.enabled(), invariant.quantization(), emb.data_ptr(), emb.dtype)
+
     def native_plan(self) -> native_step.Plan | None:
         """The native step's arguments (None: a layer it does not implement); rebuilt when
         the mode flips or the weights are replaced."""
-        emb = self.model.embed_tokens.weight
-        key = (invariant.enabled(), invariant.quantization(), emb.data_ptr(), emb.dtype)
+        key = self.weights_key()
         if self._plan is None or self._plan[0] != key:
             self._plan = (key, native_step.plan(self))
         return self._plan[1]

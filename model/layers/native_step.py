@@ -115,9 +115,10 @@ def _relu_squared(m: ReluSquaredMLP) -> tuple[Part, tuple[int, ...]] | None:
                 ints=(m.up_proj.out_features, 0)), ()
 
 
-def _experts(m: SparseMoE) -> tuple[Part, tuple[int, ...]] | None:
+def describe_experts(m: SparseMoE) -> tuple[Part, tuple[int, ...]] | None:
     """The router and the shared expert in the slots, the experts beside them; ``ints[0]``
-    (where the layer's experts start in the plan's list) is set by :func:`plan`."""
+    (where the layer's experts start in the plan's list) is set by :func:`plan`. Qwen's
+    whole-model step (``qwen35_step.cpp``) takes the same part."""
     spec, shared = m.spec, m.shared_expert
     experts = [cast(SwiGLU, e) for e in m.experts]
     if any(_swiglu(e) is None for e in [*experts, *([shared] if shared is not None else [])]):
@@ -134,7 +135,7 @@ def _experts(m: SparseMoE) -> tuple[Part, tuple[int, ...]] | None:
 
 DESCRIBE: dict[type, Any] = {Attention: _attention, ShortConv: _short_conv, Mamba2: _mamba2,
                              SwiGLU: _swiglu, ReluSquaredMLP: _relu_squared,
-                             SparseMoE: _experts}
+                             SparseMoE: describe_experts}
 SHAPE_OF = {ATTENTION: "attention", MAMBA2: "mamba2"}
 
 

@@ -164,24 +164,25 @@ def test_steps_on_views_of_a_pooled_state_update_the_pool(checkpoint: Path) -> N
         assert torch.equal(via_view, ours.step(nxt[:, t], direct))
 
 
-# families whose layers the whole-model native step implements (model/layers/native_step.py)
-NATIVE = {"lfm2", "lfm2_moe", "nemotron_h", "granitemoehybrid"}
+# families whose layers a whole-model native step implements: decoder_step.cpp
+# (model/layers/native_step.py) or, for the Qwen families, qwen35_step.cpp
+NATIVE = {"lfm2", "lfm2_moe", "nemotron_h", "granitemoehybrid", "qwen3_5_moe", "qwen3_next"}
 
 
 def test_native_step_equals_the_eager_step(checkpoint: Path) -> None:
-    """The whole-model native step serves LFM2, LFM2-MoE, Nemotron-H and Granite, dense or
-    with experts (not Falcon-H1's parallel block, nor the Qwen families, which have their own
-    step), and agrees with the eager layer-by-layer step within fp32 rounding: logits and
-    every state tensor, over ten steps of three rows at different lengths (a ragged prefill
-    first), rows choosing different experts."""
+    """A whole-model native step serves every family but Falcon-H1 (its parallel block):
+    LFM2, LFM2-MoE, Nemotron-H and Granite, dense or with experts, through decoder_step.cpp,
+    and the Qwen MoE families through qwen35_step.cpp. It agrees with the eager
+    layer-by-layer step within fp32 rounding: logits and every state tensor, over ten steps
+    of three rows at different lengths (a ragged prefill first), rows choosing different
+    experts."""
     ours = _served(checkpoint)
     module = ours.module
     family = checkpoint.name.split("-")[0]
-    assert (module.native_plan() is not None) == (family in NATIVE)
-    if module.native_plan() is None:
-        assert ours.info.decode_step.startswith("eager")
+    assert ours.info.decode_step.startswith("fused") == (family in NATIVE)
+    if family not in NATIVE:
+        assert module.native_plan() is None
         return
-    assert ours.info.decode_step.startswith("fused")
     prompts = [_ids(20 + i, n).tolist() for i, n in enumerate((9, 30, 17))]
     _, rows = module.prefill_ragged(prompts, [None, None, None])
     native, eager = State.cat(rows), State.cat(rows).copy()

@@ -82,13 +82,15 @@ def counted(qwen_moe: Path) -> Iterator[tuple[HFServedModel, _Calls]]:
 
 def test_a_step_runs_only_the_chosen_experts_once_each(
         counted: tuple[HFServedModel, _Calls]) -> None:
-    """Batch 1: top-k experts run per MoE layer, no other. Batch 4: every chosen expert
-    runs once, on all the rows that chose it (grouped by expert)."""
+    """The eager step (the native one's reference, and the step without the kernels).
+    Batch 1: top-k experts run per MoE layer, no other. Batch 4: every chosen expert runs
+    once, on all the rows that chose it (grouped by expert)."""
     model, calls = counted
+    step = model.module.step_eager
     gen = torch.Generator().manual_seed(1)
     _, state = model.prefill(torch.randint(0, VOCAB, (1, 9), generator=gen))
     calls.clear()
-    model.step(torch.tensor([5]), state)
+    step(torch.tensor([5]), state)
     top_k = 2
     layers = {li for li, _ in calls.calls}
     assert layers and all(sum(n for (li, _), n in calls.calls.items() if li == layer) == top_k
@@ -97,7 +99,7 @@ def test_a_step_runs_only_the_chosen_experts_once_each(
             for n in (3, 17, 40, 8)]
     batch = State.cat(rows)
     calls.clear()
-    model.step(torch.tensor([1, 2, 3, 4]), batch)
+    step(torch.tensor([1, 2, 3, 4]), batch)
     for li, chosen in calls.chosen.items():
         used = Counter(chosen.flatten().tolist())
         assert {e: calls.calls[li, e] for e in used} == dict.fromkeys(used, 1)
@@ -107,20 +109,25 @@ def test_a_step_runs_only_the_chosen_experts_once_each(
 
 def test_rows_choosing_different_experts_are_bit_equal_alone(
         counted: tuple[HFServedModel, _Calls]) -> None:
+    """Both steps, eager (whose routes show the rows chose differently) and native."""
     model, calls = counted
     gen = torch.Generator().manual_seed(2)
     rows = [model.prefill(torch.randint(0, VOCAB, (1, n), generator=gen))[1]
             for n in (5, 31, 64, 12)]
-    batch = State.cat([r.copy() for r in rows])
     nxt = torch.randint(0, VOCAB, (4, 6), generator=gen)
+    assert model.info.decode_step.startswith("fused")
     differed = False
-    for t in range(6):
-        together = model.step(nxt[:, t], batch)
-        routes = {li: c.sort(-1).values for li, c in calls.chosen.items()}
-        differed |= any(len({tuple(r.tolist()) for r in c}) > 1 for c in routes.values())
-        for i, row in enumerate(rows):
-            assert torch.equal(together[i], model.step(nxt[i : i + 1, t], row)[0])
-    assert differed  # the rows did choose different experts
+    for step in (model.module.step_eager, model.module.step):
+        alone = [r.copy() for r in rows]
+        batch = State.cat([r.copy() for r in rows])
+        for t in range(6):
+            calls.chosen.clear()
+            together = step(nxt[:, t], batch)
+            routes = {li: c.sort(-1).values for li, c in calls.chosen.items()}
+            differed |= any(len({tuple(r.tolist()) for r in c}) > 1 for c in routes.values())
+            for i, row in enumerate(alone):
+                assert torch.equal(together[i], step(nxt[i : i + 1, t], row)[0])
+    assert differed  # the rows did choose different experts (the eager step's routes)
 
 
 def test_ties_go_to_the_experts_transformers_chooses() -> None:
