@@ -39,5 +39,12 @@ class RedisProcess:
         raise RuntimeError("redis-server did not start")
 
     def stop(self) -> None:
+        """Stop the server, keeping its data directory (a test may start it again)."""
         self.proc.terminate()
         self.proc.wait(10)
+
+    def close(self) -> None:
+        """Stop the server and delete its data directory."""
+        if self.proc.poll() is None:
+            self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)

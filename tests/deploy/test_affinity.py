@@ -85,7 +85,7 @@ def test_affinity_keeps_hits_local_and_outputs_exact(linear_weights: Path,
         hashed = run(linear_weights, rds, tmp_path / "hash", affinity=True)
         spread = run(linear_weights, rds, tmp_path / "rr", affinity=False)
     finally:
-        rds.stop()
+        rds.close()
     print({k: v for k, v in hashed.items() if k != "replies"},
           {k: v for k, v in spread.items() if k != "replies"})
     assert hashed["replies"] == spread["replies"]  # exact, whichever replica served a turn

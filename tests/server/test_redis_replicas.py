@@ -22,7 +22,7 @@ PROMPT = "MACBETH.\nIs this a dagger which I see before me,\n"
 def redis_server() -> Iterator[RedisProcess]:
     proc = RedisProcess()
     yield proc
-    proc.stop()
+    proc.close()
 
 
 def replica(weights: Path, rds: RedisProcess) -> ServerProcess:
