@@ -164,13 +164,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot_only:
         plot(read_json("memory")["result"])
         return
+    command = "python -m bench.memory " + " ".join(argv or sys.argv[1:])
     result: dict[str, Any] = {"machine": machine(), "types": {}}
+    with contextlib.suppress(FileNotFoundError, KeyError):  # other weight types' runs stay
+        result["types"] = read_json("memory")["result"]["types"]
     for kind in args.kinds:
-        result["types"][kind] = one_kind(args, kind)
-        print(kind, result["types"][kind]["ratios"], flush=True)
-        write_json("memory", {"command": "python -m bench.memory " + " ".join(argv or
-                                                                              sys.argv[1:]),
-                              "result": result})
+        run = one_kind(args, kind)
+        run["command"], run["machine"] = command, machine()
+        result["types"][kind] = run
+        print(kind, run["ratios"], flush=True)
+        write_json("memory", {"command": command, "result": result})
     plot(result)
 
 
