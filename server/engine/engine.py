@@ -591,6 +591,7 @@ class Engine:
             self._finish(seq, st, target[-1:])
 
         def failed(exc: Exception) -> None:
+            log.warning("session state of %s not rebuilt: %s", seq.req.request_id, exc)
             seq.fail(f"the session state could not be rebuilt: {exc}")
             self._finish(seq, None, [])
 
@@ -642,6 +643,8 @@ class Engine:
                 seq.finish_reason = "cancelled"
                 self._retire(seq, sent)
                 return
+        log.info("cancel of %s (%s tokens sent): not queued, prefilling or running", request_id,
+                 sent)
 
     def _finish_everything(self) -> None:
         for seq in [*self.waiting, *self.prefilling]:
