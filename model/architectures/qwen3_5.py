@@ -622,7 +622,7 @@ class Qwen35ForCausalLM(DecoderLM):
 
     def _dims(self) -> list[int]:
         cfg = self.cfg
-        return [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+        return [cfg.hidden_size, cfg.num_attention_heads,
                 cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim,
                 cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                 cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim]

@@ -27,7 +27,7 @@
 //   ints, per layer 5: the mixer (0 Gated DeltaNet, 1 attention), the MLP (0 dense,
 //     1 experts), and for experts the layer's first tensor in ``experts``, top k, and
 //     moe.h's scoring + 4 if the top k are renormalised;
-//   dims: d, f, H, Hkv, D, rot, Hk, Hv, Dk, Dv, K.
+//   dims: d, H, Hkv, D, rot, Hk, Hv, Dk, Dv, K (the MLP widths come from its weights).
 // Returns logits [B, V] fp32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -51,7 +51,7 @@ constexpr int64_t kLayerWeights = kMixerWeights + 6;
 constexpr int64_t kInts = 5;
 
 struct Dims {
-  int64_t d, f, h, hkv, head, rot, hk, hv, dk, dv, k;
+  int64_t d, h, hkv, head, rot, hk, hv, dk, dv, k;
   float eps;
 };
 
@@ -140,9 +140,9 @@ void attention_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& kc, at::Ten
 at::Tensor qwen35_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList experts,
                        at::TensorList state, const at::Tensor& lengths, at::IntArrayRef ints,
                        at::IntArrayRef dims, double eps) {
-  TORCH_CHECK(dims.size() == 11, "qwen35_step: 11 dims");
+  TORCH_CHECK(dims.size() == 10, "qwen35_step: 10 dims");
   const Dims m{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8],
-               dims[9], dims[10], static_cast<float>(eps)};
+               dims[9], static_cast<float>(eps)};
   const int64_t layers = static_cast<int64_t>(ints.size()) / kInts;
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 3 + kLayerWeights * layers &&
                   static_cast<int64_t>(state.size()) == 2 * layers,
