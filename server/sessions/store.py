@@ -123,6 +123,15 @@ class SessionStore(abc.ABC):
     async def stats(self) -> tuple[int, int]:
         """(number of sessions, bytes of state)."""
 
+    async def status(self, session_id: str, owner: str) -> tuple[Session | None, bool]:
+        """The session and whether a request holds it, as one consistent answer.
+
+        The lock is read first: a request saves its session and then releases the lock, so
+        a session read after "not busy" is the saved one. Read the other way round, a save
+        that lands between the two reads reports the old session as free."""
+        busy = await self.busy(session_id)
+        return await self.get(session_id, owner), busy
+
     async def healthy(self) -> bool:
         return True
 

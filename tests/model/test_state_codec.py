@@ -65,3 +65,34 @@ def test_memory_store_holds_compressed_bytes_and_returns_the_exact_state() -> No
         assert torch.equal(again.state.tensors()["0.recurrent.s"], state.tensors()["0.recurrent.s"])
 
     asyncio.run(scenario())
+
+
+def test_a_session_read_as_free_is_the_saved_one() -> None:
+    """``status`` never reports a session free while holding what it held before a save:
+    here a request saves and releases it in the middle of the status read (CI saw a
+    hang-up's session read as free with none of the tokens sent)."""
+    state = tiny_model("linear").prefill(torch.randint(0, 97, (1, 8)))[1]
+
+    class SavingMidRead(MemorySessionStore):
+        save: Session | None = None
+
+        async def get(self, session_id: str, owner: str) -> Session | None:
+            got = await super().get(session_id, owner)
+            if self.save is not None:  # the request's save lands while this read is out
+                save, self.save = self.save, None
+                await self.put(save)
+                await self.release(session_id, lock)
+            return got
+
+    async def scenario() -> tuple[Session | None, bool]:
+        store = SavingMidRead(max_bytes=1 << 30, ttl=60)
+        old = await store.put(Session("s", "", state, [], 8))
+        nonlocal lock
+        lock = await store.acquire("s") or ""
+        store.save = Session("s", "", state, [], 10, version=old.version)
+        return await store.status("s", "")
+
+    lock = ""
+    sess, busy = asyncio.run(scenario())
+    assert sess is not None
+    assert busy or sess.tokens == 10, "read as free, holding the state from before the save"

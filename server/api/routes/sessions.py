@@ -54,12 +54,12 @@ async def create_session(request: Request, owner: Owner,
 
 @router.get("/v1/sessions/{session_id}", response_model=SessionInfo, responses=ERRORS)
 async def get_session(session_id: str, request: Request, owner: Owner) -> SessionInfo:
-    svc = _svc(request)
-    sess = await _get(svc, session_id, owner)
     try:
-        busy = await svc.store.busy(session_id)
+        sess, busy = await _svc(request).store.status(session_id, owner)
     except SessionUnavailable as exc:
         raise APIError(503, "session store unavailable", "session_id") from exc
+    if sess is None:
+        raise APIError(404, f"session {session_id!r} not found", "session_id")
     return _info(sess, request.app.state.model_name, busy)
 
 
