@@ -5,7 +5,13 @@ published ``hybrid_override_pattern``: M, *, -) orders them. The Mamba2 time ste
 below at ``time_step_min``, as transformers' mixer does. Tensors are named ``backbone.*``
 in the published checkpoints and ``model.*`` in transformers' own.
 
-Mixture-of-experts blocks (``E`` / ``moe``) are refused at startup with one line.
+Mixture-of-experts blocks (``E`` / ``moe``; Nemotron-3-Nano-30B-A3B) are
+:class:`model.layers.moe.SparseMoE` in the mixer's place: squared-ReLU experts of
+``moe_intermediate_size`` (optionally at ``moe_latent_size``), a sigmoid router choosing the
+top ``num_experts_per_tok`` by score plus ``e_score_correction_bias`` within the best
+``topk_group`` of ``n_group`` groups, the chosen weights normalised (``norm_topk_prob``) and
+scaled by ``routed_scaling_factor``, and a squared-ReLU shared expert of
+``moe_shared_expert_intermediate_size`` on every token.
 """
 
 from __future__ import annotations
@@ -18,9 +24,33 @@ from model.layers.attention import Attention, AttentionShape
 from model.layers.decoder import Block, DecoderLM
 from model.layers.mamba2 import Mamba2, Mamba2Shape
 from model.layers.mlp import ReluSquaredMLP
+from model.layers.moe import ExpertsSpec, RouterSpec, SparseMoE
 from model.layers.norms import RMSNorm
 
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """The ``moe`` blocks: routing, the experts' width and form, the shared expert's width."""
+
+    router: RouterSpec
+    hidden: int
+    form: ExpertsSpec
+    shared: int
+
+    @classmethod
+    def from_hf(cls, c: dict[str, Any]) -> MoeShape:
+        experts = int(c.get("n_routed_experts") or c.get("num_local_experts") or 0)
+        router = RouterSpec(experts, int(c["num_experts_per_tok"]), scoring="sigmoid",
+                            norm_topk=bool(c.get("norm_topk_prob", True)), norm_eps=1e-20,
+                            scaling=float(c.get("routed_scaling_factor") or 1.0),
+                            expert_bias=True, groups=int(c.get("n_group") or 1),
+                            topk_groups=int(c.get("topk_group") or 1))
+        form = ExpertsSpec("relu2", int(c.get("moe_latent_size") or 0),
+                           bool(c.get("mlp_bias", False)))
+        return cls(router, int(c["moe_intermediate_size"]), form,
+                   int(c.get("moe_shared_expert_intermediate_size") or 0))
 
 
 @dataclass(frozen=True)
@@ -35,6 +65,7 @@ class NemotronHConfig:
     eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    moe: MoeShape | None = None
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> NemotronHConfig:
@@ -48,9 +79,9 @@ class NemotronHConfig:
             types = [PATTERN[ch] for ch in pattern]
         if set(types) - {"linear_attention", "full_attention", "mlp", "moe"}:
             raise ValueError(f"unknown layers_block_type {sorted(set(types))}")
-        if "moe" in types:
-            raise NotImplementedError("nemotron_h with mixture-of-experts blocks (moe) is not "
-                                      "served yet")
+        if c.get("mlp_hidden_act", "relu2") != "relu2":
+            raise NotImplementedError(f"nemotron_h with mlp_hidden_act "
+                                      f"{c['mlp_hidden_act']!r} is not served (relu2 is)")
         heads = int(c["num_attention_heads"])
         head_dim = int(c.get("head_dim") or d // heads)
         eps = float(c.get("layer_norm_epsilon", 1e-5))
@@ -71,7 +102,8 @@ class NemotronHConfig:
             intermediate_size=int(c["intermediate_size"]),
             mlp_bias=bool(c.get("mlp_bias", False)), eps=eps,
             max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=False)  # never tied: transformers' class ties nothing
+            tie_word_embeddings=False,  # never tied: transformers' class ties nothing
+            moe=MoeShape.from_hf(c) if "moe" in types else None)
 
 
 def build(cfg: NemotronHConfig) -> DecoderLM:
@@ -81,6 +113,11 @@ def build(cfg: NemotronHConfig) -> DecoderLM:
         if kind == "mlp":
             return Block(ReluSquaredMLP(d, cfg.intermediate_size, cfg.mlp_bias), None, RMSNorm,
                          d, cfg.eps)
+        if kind == "moe":
+            assert cfg.moe is not None
+            m = cfg.moe
+            return Block(SparseMoE(d, m.hidden, m.router, m.shared, form=m.form), None,
+                         RMSNorm, d, cfg.eps)
         mixer = Mamba2(cfg.mamba) if kind == "linear_attention" else Attention(cfg.attention)
         return Block(mixer, None, RMSNorm, d, cfg.eps)
 
@@ -92,6 +129,10 @@ RENAMES = [
     (r"^(?:backbone|model)\.embeddings\.", "model.embed_tokens."),
     (r"^(?:backbone|model)\.norm_f\.", "model.norm."),
     (r"^(?:backbone|model)\.(layers\.\d+)\.norm\.", r"model.\1.input_layernorm."),
+    (r"^(?:backbone|model)\.(layers\.\d+)\.mixer\.shared_experts\.",
+     r"model.\1.mixer.shared_expert."),
+    (r"^(?:backbone|model)\.(layers\.\d+)\.mixer\.gate\.e_score_correction_bias$",
+     r"model.\1.mixer.gate.expert_bias"),
     (r"^(?:backbone|model)\.(layers\.\d+)\.mixer\.", r"model.\1.mixer."),
 ]
 
@@ -100,9 +141,13 @@ rename = renamer(RENAMES)
 
 
 def describe(cfg: NemotronHConfig) -> str:
-    counts = {k: cfg.layer_types.count(k) for k in ("linear_attention", "full_attention", "mlp")}
+    counts = {k: cfg.layer_types.count(k)
+              for k in ("linear_attention", "full_attention", "mlp", "moe")}
+    moe = "" if cfg.moe is None else (f", MoE {counts['moe']} blocks of "
+                                      f"{cfg.moe.router.experts} experts, top "
+                                      f"{cfg.moe.router.top_k}")
     return (f"nemotron_h (Mamba2 {counts['linear_attention']}, attention "
-            f"{counts['full_attention']}, MLP {counts['mlp']} blocks)")
+            f"{counts['full_attention']}, MLP {counts['mlp']} blocks{moe})")
 
 
 FAMILY = HFFamily("nemotron_h", ("nemotron_h",), NemotronHConfig.from_hf, build, rename,

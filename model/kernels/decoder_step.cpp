@@ -17,8 +17,9 @@
 //     y = S C + D x; the gated RMSNorm grouped by G (or y silu(z)); out [inner, d];
 //   4 SwiGLU: gate_up [d, 2f], down [f, d];  5 squared ReLU: up [d, f], down [f, d];
 //   6 sparse experts (moe.h): router [d, E] fp32, expert bias [E] (or empty), the shared
-//     expert's gate_up and down (or empty) and its sigmoid gate [d, 1] (or empty); the
-//     experts' own weights are in ``experts``.
+//     expert's gate_up (or up) and down (or empty), its sigmoid gate [d, 1] (or empty), and
+//     the latent projections in and out (or empty); the experts' own weights are in
+//     ``experts``.
 // Activations stay fp32 between layers; weights are as model/invariant.py packs them (fp32,
 // bf16, int8, int4), projected by dense.h. Every row is computed by its own loops in a fixed
 // order, so a row's logits do not depend on the rows beside it (batch invariance).
@@ -30,10 +31,10 @@
 //   state: per layer two tensors: attention (k, v [B, Hkv, cap, D]); short conv (window
 //     [B, K-1, d], empty); Mamba2 (S [B, Hm, P, N], window [B, K-1, conv]); else empty;
 //     updated in place (lengths are not: the caller advances them);
-//   experts: every MoE layer's experts, (gate_up, down) per expert, layer after layer;
+//   experts: every MoE layer's experts, (gate_up or up, down) per expert, layer after layer;
 //   ints, per layer 8: (kind, i0, i1, i2) of the mixer then of the MLP (SwiGLU / ReLU^2:
 //     i0 = f; Mamba2: i0 = norm before gate, i1 = gated norm; experts: i0 = the layer's first
-//     tensor in ``experts``, i1 = top k, i2 = scoring (moe.h's Router) + 4 if norm_topk);
+//     tensor in ``experts``, i1 = top k, i2 = moe.h's Router in bits (sparse_experts));
 //   floats, per layer 9: the residual scale, then (eps of the part's norm, f0, f1, f2) of each
 //     part (attention: q scale, key multiplier, q/k norm eps; Mamba2: dt min, dt max, the
 //     gated norm's eps; experts: the top-k norm's eps, the routed scaling factor);
@@ -241,22 +242,22 @@ at::Tensor mamba2(const at::Tensor& h, const at::Tensor* w, at::Tensor& s, at::T
 
 // Weights: (SwiGLU) gate_up [d, 2f], down; (ReLU^2) up [d, f], down. h [B, d] -> [B, d].
 at::Tensor mlp(const at::Tensor& h, const at::Tensor* w, const Part& p) {
-  at::Tensor up = linserve::project(h, w[0]);
-  if (p.kind == kSwiGLU) return linserve::project(linserve::moe::swiglu(up), w[1]);
-  float* u = up.data_ptr<float>();
-  for (int64_t i = 0; i < up.numel(); ++i) {
-    const float v = std::max(u[i], 0.f);
-    u[i] = v * v;
-  }
-  return linserve::project(up, w[1]);
+  const at::Tensor up = linserve::project(h, w[0]);
+  return linserve::project(
+      p.kind == kSwiGLU ? linserve::moe::swiglu(up) : linserve::moe::relu_squared(up), w[1]);
 }
 
-// Weights: router, expert bias, shared gate_up, shared down, shared gate (moe.h's forward);
-// the experts from ``experts[p.i0]`` on. h [B, d] -> [B, d].
+// Weights: router, expert bias, shared gate_up (or up), shared down, shared gate, latent in,
+// latent out (moe.h's forward); the experts from ``experts[p.i0]`` on. p.i2's bits: scoring
+// (0-1), norm_topk (2), relu2 (3), latent (4), groups (8-15), topk_groups (16-23).
+// h [B, d] -> [B, d].
 at::Tensor sparse_experts(const at::Tensor& h, const at::Tensor* w, const at::Tensor* experts,
                           const Part& p) {
-  return linserve::moe::forward(h, w, experts + p.i0,
-                                linserve::moe::Router{p.i1, p.i2 & 3, (p.i2 & 4) != 0, p.f0, p.f1});
+  const linserve::moe::Router r{p.i1, p.i2 & 3, (p.i2 & 4) != 0, p.f0, p.f1,
+                                std::max<int64_t>((p.i2 >> 8) & 255, 1),
+                                std::max<int64_t>((p.i2 >> 16) & 255, 1), (p.i2 & 8) != 0,
+                                (p.i2 & 16) != 0};
+  return linserve::moe::forward(h, w, experts + p.i0, r);
 }
 
 // One part of a layer on h = norm(x): the mixer or MLP it is.

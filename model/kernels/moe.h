@@ -1,6 +1,7 @@
-// A sparse mixture of SwiGLU experts on fp32 rows, as model/layers/moe.py's SparseMoE
-// computes it: a router picks top_k of E experts per row, the chosen experts run on the rows
-// that chose them, and each row adds their outputs times the router's weights.
+// A sparse mixture of experts on fp32 rows, as model/layers/moe.py's SparseMoE computes it: a
+// router picks top_k of E experts per row, the chosen experts (SwiGLU, or Nemotron-H's
+// squared-ReLU MLPs, optionally between latent projections) run on the rows that chose them,
+// and each row adds their outputs times the router's weights.
 //
 // Only the chosen experts' weights are read: rows are grouped by expert, so each chosen
 // expert is one product over its rows (a grouped GEMM, expert after expert), and an expert no
@@ -24,15 +25,53 @@
 namespace linserve::moe {
 
 // How a family routes (moe.py's RouterSpec). scoring: 0 softmax over all experts then the
-// top k (Qwen); 1 sigmoid then the top k (LFM2-MoE; chosen by score + bias where a bias is
-// given); 2 the top k logits then a softmax over them (Granite, Mixtral).
+// top k (Qwen); 1 sigmoid then the top k (LFM2-MoE, Nemotron-H; chosen by score + bias where
+// a bias is given); 2 the top k logits then a softmax over them (Granite, Mixtral). groups > 1:
+// only the experts of the best topk_groups groups (a group scored by its two best) may be
+// chosen (Nemotron-H's n_group). relu2: the experts are down(relu(up(x))^2), else SwiGLU.
+// latent: the experts run between forward()'s w[5] and w[6] projections.
 struct Router {
   int64_t top_k;
   int64_t scoring;
   bool norm_topk;   // the chosen weights divided by their sum (+ eps)
   float norm_eps;
   float scaling;    // then times routed_scaling_factor
+  int64_t groups = 1;
+  int64_t topk_groups = 1;
+  bool relu2 = false;
+  bool latent = false;
 };
+
+// choice [B, E] with the experts outside each row's topk_groups best groups set to -inf, as
+// moe.py's keep_top_groups (the groups picked by at::topk, as torch picks them).
+inline at::Tensor keep_top_groups(const at::Tensor& choice, const Router& r) {
+  const int64_t rows = choice.size(0), n = choice.size(1), per = n / r.groups;
+  at::Tensor score = at::empty({rows, r.groups}, choice.options());
+  for (int64_t row = 0; row < rows; ++row)
+    for (int64_t g = 0; g < r.groups; ++g) {
+      const float* c = choice.data_ptr<float>() + row * n + g * per;
+      float best = -std::numeric_limits<float>::infinity(), second = best;
+      for (int64_t e = 0; e < per; ++e) {
+        if (c[e] > best) {
+          second = best;
+          best = c[e];
+        } else if (c[e] > second) {
+          second = c[e];
+        }
+      }
+      score.data_ptr<float>()[row * r.groups + g] = best + second;
+    }
+  const at::Tensor kept =
+      std::get<1>(at::topk(score, r.topk_groups, -1, true, false)).contiguous();
+  at::Tensor out = at::full_like(choice, -std::numeric_limits<float>::infinity());
+  for (int64_t row = 0; row < rows; ++row)
+    for (int64_t j = 0; j < r.topk_groups; ++j) {
+      const int64_t g = kept.data_ptr<int64_t>()[row * r.topk_groups + j];
+      std::memcpy(out.data_ptr<float>() + row * n + g * per,
+                  choice.data_ptr<float>() + row * n + g * per, per * sizeof(float));
+    }
+  return out;
+}
 
 // Each row's routing: logits [B, E] fp32 (bias [E] or empty) -> chosen [B, k] int64 and
 // their weights [B * k]. The top k are at::topk's, so ties go to the experts transformers'
@@ -65,8 +104,9 @@ inline at::Tensor route(const at::Tensor& logits, const at::Tensor& bias, const 
       for (int64_t e = 0; e < n; ++e) s[e] = 1.f / (1.f + std::exp(-s[e]));
     }
   }
-  const at::Tensor chosen =
-      std::get<1>(at::topk(bias.numel() > 0 ? scores + bias : scores, k)).contiguous();
+  at::Tensor choice = bias.numel() > 0 ? scores + bias : scores;
+  if (r.groups > 1) choice = keep_top_groups(choice.contiguous(), r);
+  const at::Tensor chosen = std::get<1>(at::topk(choice, k)).contiguous();
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t* c = chosen.data_ptr<int64_t>() + row * k;
     float* w = weight.data() + row * k;
@@ -92,18 +132,36 @@ inline at::Tensor swiglu(const at::Tensor& gate_up) {
   return act;
 }
 
-// Σ_k weight_k · expert_k(h) per row, h [B, d] fp32 -> [B, d] fp32. router: the GEMM weight
-// [d, E] (fp32); bias [E] or empty; experts: for expert e, gate_up [d, 2f] at experts[2e]
-// and down [f, d] at experts[2e + 1], packed as dense.h's project takes them.
-inline at::Tensor experts(const at::Tensor& h, const at::Tensor& router, const at::Tensor& bias,
-                          const at::Tensor* experts, const Router& r) {
-  const int64_t rows = h.size(0), d = h.size(1), k = r.top_k;
+// relu(up)^2 in place, up [rows, f].
+inline at::Tensor relu_squared(at::Tensor up) {
+  float* u = up.data_ptr<float>();
+  for (int64_t i = 0; i < up.numel(); ++i) {
+    const float v = std::max(u[i], 0.f);
+    u[i] = v * v;
+  }
+  return up;
+}
+
+// An expert or shared expert on rows x: down(act(up(x))), SwiGLU (up = gate_up) or relu^2.
+inline at::Tensor expert(const at::Tensor& x, const at::Tensor& up, const at::Tensor& down,
+                         const Router& r) {
+  const at::Tensor u = project(x, up);
+  return project(r.relu2 ? relu_squared(u) : swiglu(u), down);
+}
+
+// Σ_k weight_k · expert_k(x) per row, routed by h [B, d] fp32; x [B, d'] (h itself, or its
+// latent projection) -> [B, d'] fp32. router: the GEMM weight [d, E] (fp32); bias [E] or
+// empty; experts: for expert e, gate_up [d', 2f] (or up [d', f]) at experts[2e] and down
+// [f, d'] at experts[2e + 1], packed as dense.h's project takes them.
+inline at::Tensor experts(const at::Tensor& h, const at::Tensor& xs, const at::Tensor& router,
+                          const at::Tensor& bias, const at::Tensor* experts, const Router& r) {
+  const int64_t rows = h.size(0), d = xs.size(1), k = r.top_k;
   const at::Tensor logits = project(h, router);
   const int64_t n = logits.size(1);
   std::vector<float> weight;
   const at::Tensor picked = route(logits, bias, r, weight);
   const int64_t* chosen = picked.data_ptr<int64_t>();
-  at::Tensor out = at::zeros({rows, d}, h.options());
+  at::Tensor out = at::zeros({rows, d}, xs.options());
   std::vector<int64_t> members;
   std::vector<float> scale;
   for (int64_t e = 0; e < n; ++e) {  // ascending: each row adds its experts in order
@@ -116,12 +174,12 @@ inline at::Tensor experts(const at::Tensor& h, const at::Tensor& router, const a
       }
     if (members.empty()) continue;
     const int64_t m = static_cast<int64_t>(members.size());
-    at::Tensor x = rows == m ? h : at::empty({m, d}, h.options());
+    at::Tensor x = rows == m ? xs : at::empty({m, d}, xs.options());
     if (rows != m)
       for (int64_t i = 0; i < m; ++i)
-        std::memcpy(x.data_ptr<float>() + i * d, h.data_ptr<float>() + members[i] * d,
+        std::memcpy(x.data_ptr<float>() + i * d, xs.data_ptr<float>() + members[i] * d,
                     d * sizeof(float));
-    const at::Tensor y = project(swiglu(project(x, experts[2 * e])), experts[2 * e + 1]);
+    const at::Tensor y = expert(x, experts[2 * e], experts[2 * e + 1], r);
     for (int64_t i = 0; i < m; ++i) {
       float* o = out.data_ptr<float>() + members[i] * d;
       const float* yi = y.data_ptr<float>() + i * d;
@@ -132,13 +190,15 @@ inline at::Tensor experts(const at::Tensor& h, const at::Tensor& router, const a
 }
 
 // The sparse MLP, h [B, d] -> [B, d]: the experts (experts(), with w[0] the router and w[1]
-// its bias), plus where w[2] is given the shared expert down(swiglu(gate_up(h))) (w[2], w[3]),
-// times sigmoid(w[4] h) where w[4] [d, 1] is given.
+// its bias; for a latent router, on w[5] h and then projected back by w[6]), plus where w[2]
+// is given the shared expert down(act(up(h))) (w[2], w[3]), times sigmoid(w[4] h) where
+// w[4] [d, 1] is given.
 inline at::Tensor forward(const at::Tensor& h, const at::Tensor* w, const at::Tensor* expert_w,
                           const Router& r) {
-  at::Tensor out = experts(h, w[0], w[1], expert_w, r);
+  at::Tensor out = r.latent ? project(experts(h, project(h, w[5]), w[0], w[1], expert_w, r), w[6])
+                            : experts(h, h, w[0], w[1], expert_w, r);
   if (w[2].numel() == 0) return out;
-  const at::Tensor shared = project(swiglu(project(h, w[2])), w[3]);
+  const at::Tensor shared = expert(h, w[2], w[3], r);
   const int64_t rows = h.size(0), d = h.size(1);
   const bool gated = w[4].numel() > 0;
   const at::Tensor gate = gated ? project(h, w[4]) : at::Tensor();

@@ -47,7 +47,9 @@ def build_weights(module: nn.Module) -> None:
 
 class Block(nn.Module):
     """``x + r·mixer(norm(x))``, then ``x + r·mlp(norm(x))`` (either part may be absent, as
-    in Nemotron-H's single-purpose blocks); r is Granite's ``residual_multiplier``.
+    in Nemotron-H's single-purpose blocks); r is Granite's ``residual_multiplier``. A
+    feed-forward may stand in the mixer's place (Nemotron-H's MLP and MoE blocks): a module
+    without ``new_entries`` is called on the normed rows alone and holds no state.
     Parameter names: ``input_layernorm``, ``mixer``, ``post_attention_layernorm``, ``mlp``."""
 
     def __init__(self, mixer: nn.Module | None, mlp: nn.Module | None,
@@ -63,10 +65,11 @@ class Block(nn.Module):
             self.post_attention_layernorm = norm(dim, eps)
             self.mlp = mlp
         self.has_mixer, self.has_mlp = mixer is not None, mlp is not None
+        self.stateful = hasattr(mixer, "new_entries")
         self.residual_scale = residual_scale
 
     def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
-        return self.mixer.new_entries(batch, max_context) if self.has_mixer else {}
+        return self.mixer.new_entries(batch, max_context) if self.stateful else {}
 
     def _residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x + y * self.residual_scale if self.residual_scale != 1.0 else x + y
@@ -75,8 +78,12 @@ class Block(nn.Module):
                 one_token: bool = False, new: torch.Tensor | None = None) -> torch.Tensor:
         if self.has_mixer:
             h = self.input_layernorm(x)
-            h = self.mixer.step(h, entries, lengths) if one_token else \
-                self.mixer(h, entries, lengths, new)
+            if not self.stateful:
+                h = self.mixer(h)
+            elif one_token:
+                h = self.mixer.step(h, entries, lengths)
+            else:
+                h = self.mixer(h, entries, lengths, new)
             x = self._residual(x, h)
         if self.has_mlp:
             x = self._residual(x, self.mlp(self.post_attention_layernorm(x)))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,25 +49,13 @@ class SwiGLU(nn.Module):
 
 
 class ReluSquaredMLP(nn.Module):
-    """Nemotron-H's MLP: ``down(relu(up(x))²)``. ``[..., d] -> [..., d]``. It also serves as a
-    block's stateless *mixer* (:mod:`model.layers.decoder`): Nemotron-H's MLP blocks are
-    ``x + mlp(norm(x))`` in the mixer's place."""
+    """Nemotron-H's MLP: ``down(relu(up(x))²)``. ``[..., d] -> [..., d]``. Nemotron-H's MLP
+    blocks are ``x + mlp(norm(x))``, it in the mixer's place (``decoder.Block``)."""
 
     def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
         super().__init__()
         self.up_proj = Linear(dim, hidden, bias=bias)
         self.down_proj = Linear(hidden, dim, bias=bias)
 
-    def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
-        del batch, max_context
-        return {}
-
-    def forward(self, x: torch.Tensor, entries: dict[str, Any] | None = None,
-                lengths: torch.Tensor | None = None, new: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        del entries, lengths, new
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(invariant.rowwise(torch.relu, self.up_proj(x)).square())
-
-    def step(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor
-             ) -> torch.Tensor:
-        return self.forward(x)

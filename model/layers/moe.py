@@ -1,7 +1,9 @@
 """A sparse mixture of SwiGLU experts: a router picks ``top_k`` of ``experts`` for each token,
 the chosen experts run on the tokens that chose them, and their outputs are summed with the
 router's weights; optionally a shared expert (Qwen's, gated by a sigmoid; Granite's shared
-MLP, ungated) runs on every token.
+MLP and Nemotron-H's shared expert, ungated) runs on every token. Experts are SwiGLU, or
+Nemotron-H's squared-ReLU MLPs (``act="relu2"``), optionally between a latent down- and
+up-projection (Nemotron-H's ``moe_latent_size``).
 
 Only the chosen experts' weights are read: the tokens of a step or a prompt are grouped by
 expert, so each chosen expert runs one product over its tokens (a grouped GEMM, expert after
@@ -14,10 +16,11 @@ step (``model/kernels/moe.h``) computes the same thing for the families built on
 
 Parameters, as the checkpoints name them after a family's renames: ``gate`` (the router,
 ``[experts, d]``, never quantized), ``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``,
-``gate.expert_bias`` (LFM2-MoE's, for choosing only), ``shared_expert`` and
-``shared_expert_gate``.
+``gate.expert_bias`` (LFM2-MoE's and Nemotron-H's correction bias, for choosing only),
+``shared_expert``, ``shared_expert_gate`` and ``fc1_latent_proj`` / ``fc2_latent_proj``.
 Checkpoints that stack the experts (``experts.gate_up_proj [E, 2I, d]``,
-``experts.down_proj [E, d, I]``) are split into these by :func:`split_stacked`.
+``experts.up_proj [E, I, d]``, ``experts.down_proj [E, d, I]``) are split into these by
+:func:`split_stacked`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from torch import nn
 
 from model import invariant
 from model.invariant import Linear
-from model.layers.mlp import SwiGLU
+from model.layers.mlp import ReluSquaredMLP, SwiGLU
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,11 @@ class RouterSpec:
     - ``"softmax_topk"``: the top k logits, then a softmax over those (Granite, Mixtral).
 
     ``norm_topk``: the chosen weights divided by their sum (plus ``norm_eps``);
-    ``scaling``: then multiplied by ``routed_scaling_factor``."""
+    ``scaling``: then multiplied by ``routed_scaling_factor``.
+
+    ``groups`` > 1 (Nemotron-H's ``n_group``, DeepSeek-V3's group-limited routing): the
+    experts fall in equal groups, each scored by the sum of its two best choosing scores,
+    and only the ``topk_groups`` best groups' experts may be chosen."""
 
     experts: int
     top_k: int
@@ -52,12 +59,31 @@ class RouterSpec:
     norm_eps: float = 0.0
     scaling: float = 1.0
     expert_bias: bool = False
+    groups: int = 1
+    topk_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.scoring not in ("softmax", "sigmoid", "softmax_topk"):
             raise ValueError(f"unknown router scoring {self.scoring!r}")
         if not 0 < self.top_k <= self.experts:
             raise ValueError(f"top_k {self.top_k} is not in 1..{self.experts} experts")
+        if self.groups > 1 and (self.experts % self.groups or self.experts // self.groups < 2
+                                or not 0 < self.topk_groups <= self.groups
+                                or self.scoring == "softmax_topk"):
+            raise ValueError(f"cannot route {self.experts} experts in {self.groups} groups, "
+                             f"top {self.topk_groups} groups")
+
+
+def keep_top_groups(choice: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
+    """``choice`` ``[N, E]`` with every expert outside each row's ``keep`` best groups set to
+    -inf; a group's score is the sum of its two best experts' (as transformers' Nemotron-H
+    and DeepSeek-V3 routers score them)."""
+    rows, n = choice.shape
+    grouped = choice.view(rows, groups, n // groups)
+    score = grouped.topk(2, dim=-1).values.sum(-1)
+    best = torch.topk(score, keep, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(score, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(rows, n)
 
 
 class Router(Linear):
@@ -85,18 +111,46 @@ def softmax_rows(x: torch.Tensor) -> torch.Tensor:
     return e / invariant.sum_last(e)
 
 
+def _mlp(act: str, dim: int, hidden: int, bias: bool = False, fused: bool = False
+         ) -> SwiGLU | ReluSquaredMLP:
+    if act == "relu2":
+        return ReluSquaredMLP(dim, hidden, bias)
+    if act != "swiglu":
+        raise ValueError(f"unknown expert activation {act!r}")
+    return SwiGLU(dim, hidden, bias, fused=fused)
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """The experts' form: ``act`` ``"swiglu"`` or ``"relu2"`` (``down(relu(up(x))²)``), for
+    the routed and the shared experts alike; ``latent``: the width the routed experts run
+    at between ``fc1_latent_proj`` and ``fc2_latent_proj`` (0: the model's);
+    ``bias``: biases on the shared expert and the latent projections."""
+
+    act: str = "swiglu"
+    latent: int = 0
+    bias: bool = False
+
+
 class SparseMoE(nn.Module):
-    """``Σ_k w_k · expert_k(x) [+ shared(x) (· sigmoid(shared_gate(x)))]``.
-    ``[..., d] -> [..., d]`` in x's dtype."""
+    """``fc2(Σ_k w_k · expert_k(fc1(x))) [+ shared(x) (· sigmoid(shared_gate(x)))]``, the
+    router reading x itself. ``[..., d] -> [..., d]`` in x's dtype."""
 
     def __init__(self, dim: int, hidden: int, spec: RouterSpec, shared: int = 0,
-                 shared_gate: bool = False, shared_fused: bool = False) -> None:
+                 shared_gate: bool = False, shared_fused: bool = False,
+                 form: ExpertsSpec = ExpertsSpec()) -> None:
         super().__init__()
-        self.spec = spec
+        self.spec, self.form = spec, form
+        inner = form.latent or dim
         self.gate = Router(dim, spec.experts, spec.expert_bias)
-        self.experts = nn.ModuleList(SwiGLU(dim, hidden) for _ in range(spec.experts))
-        self.shared_expert = SwiGLU(dim, shared, fused=shared_fused) if shared else None
+        self.experts = nn.ModuleList(_mlp(form.act, inner, hidden)
+                                     for _ in range(spec.experts))
+        self.shared_expert = _mlp(form.act, dim, shared, form.bias, shared_fused) \
+            if shared else None
         self.shared_expert_gate = Router(dim, 1) if shared and shared_gate else None
+        if form.latent:
+            self.fc1_latent_proj = Linear(dim, inner, bias=form.bias)
+            self.fc2_latent_proj = Linear(inner, dim, bias=form.bias)
 
     def build_weights(self) -> None:
         """Build every expert's packed weights (a forward on one zero row each), so that a
@@ -104,8 +158,9 @@ class SparseMoE(nn.Module):
         zero = torch.zeros(1, self.gate.in_features,
                            dtype=next(self.experts.parameters()).dtype)
         self.gate(zero)
+        inner = self.fc1_latent_proj(zero) if self.form.latent else zero
         for expert in self.experts:
-            expert(zero)
+            expert(inner)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[N, d]`` -> (weights ``[N, k]`` in x's dtype, chosen experts ``[N, k]``)."""
@@ -118,8 +173,12 @@ class SparseMoE(nn.Module):
             scores = softmax_rows(logits)
         else:
             scores = invariant.rowwise(torch.sigmoid, logits)
-        if spec.expert_bias:
-            _, chosen = torch.topk(scores + self.gate.get_buffer("expert_bias"), spec.top_k, dim=-1)
+        if spec.expert_bias or spec.groups > 1:
+            choice = scores + self.gate.get_buffer("expert_bias") if spec.expert_bias \
+                else scores
+            if spec.groups > 1:
+                choice = keep_top_groups(choice, spec.groups, spec.topk_groups)
+            _, chosen = torch.topk(choice, spec.top_k, dim=-1)
             top = scores.gather(1, chosen)
         else:
             top, chosen = torch.topk(scores, spec.top_k, dim=-1)
@@ -134,16 +193,10 @@ class SparseMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, chosen = self.route(flat)
-        out = torch.zeros_like(flat)
-        if flat.shape[0] == 1:  # one token (a batch-1 step): its k experts, no grouping
-            for k, expert in sorted(enumerate(chosen[0].tolist()), key=lambda p: p[1]):
-                y = self.experts[expert](flat) * weights[:, k, None]
-                out += y.to(out.dtype)  # the same additions, in the same order, as below
-        else:  # grouped by expert, in ascending order: each chosen expert's weights read once
-            for e in torch.unique(chosen).tolist():
-                rows, slot = torch.where(chosen == e)
-                y = self.experts[e](flat[rows]) * weights[rows, slot, None]
-                out.index_add_(0, rows, y.to(out.dtype))
+        out = self._routed(self.fc1_latent_proj(flat) if self.form.latent else flat,
+                           weights, chosen)
+        if self.form.latent:
+            out = self.fc2_latent_proj(out)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:
@@ -152,8 +205,23 @@ class SparseMoE(nn.Module):
             out = out + shared.to(out.dtype)
         return out.view(shape)
 
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+                ) -> torch.Tensor:
+        """``Σ_k w_k · expert_k(x)``, x ``[N, d']``, weights and chosen ``[N, k]``."""
+        out = torch.zeros_like(x)
+        if x.shape[0] == 1:  # one token (a batch-1 step): its k experts, no grouping
+            for k, expert in sorted(enumerate(chosen[0].tolist()), key=lambda p: p[1]):
+                y = self.experts[expert](x) * weights[:, k, None]
+                out += y.to(out.dtype)  # the same additions, in the same order, as below
+        else:  # grouped by expert, in ascending order: each chosen expert's weights read once
+            for e in torch.unique(chosen).tolist():
+                rows, slot = torch.where(chosen == e)
+                y = self.experts[e](x[rows]) * weights[rows, slot, None]
+                out.index_add_(0, rows, y.to(out.dtype))
+        return out
 
-_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
+
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|up_proj|down_proj)(?:\.weight)?$")
 
 
 # a part of a checkpoint tensor, as the loader takes it (model.architectures.hf.Index)
@@ -164,13 +232,14 @@ def split_stacked(name: str, shape: tuple[int, ...]) -> list[tuple[str, Part]] |
     """For a checkpoint tensor that stacks every expert (``….experts.gate_up_proj``
     ``[E, 2I, d]``, gate rows first, or ``….experts.down_proj`` ``[E, d, I]``, as
     transformers' fused layout and Granite's ``input_linear`` / ``output_linear`` store
-    them): each expert's parameter and the index of its part. None for any other name."""
+    them; or ``….experts.up_proj`` ``[E, I, d]``, Nemotron-H's squared-ReLU experts): each
+    expert's parameter and the index of its part. None for any other name."""
     hit = _STACKED.match(name)
     if hit is None or len(shape) != 3:
         return None
     prefix, kind = hit.groups()
-    if kind == "down_proj":
-        return [(f"{prefix}.{e}.down_proj.weight", (e,)) for e in range(shape[0])]
+    if kind != "gate_up_proj":
+        return [(f"{prefix}.{e}.{kind}.weight", (e,)) for e in range(shape[0])]
     half = shape[1] // 2
     pieces: list[tuple[str, Part]] = [piece for e in range(shape[0]) for piece in (
         (f"{prefix}.{e}.gate_proj.weight", (e, slice(0, half))),

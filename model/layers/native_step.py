@@ -115,22 +115,34 @@ def _relu_squared(m: ReluSquaredMLP) -> tuple[Part, tuple[int, ...]] | None:
                 ints=(m.up_proj.out_features, 0)), ()
 
 
+def _expert(m: nn.Module) -> list[torch.Tensor] | None:
+    """An expert's (gate_up or up, down) GEMM weights; None: a form the kernel lacks."""
+    if isinstance(m, SwiGLU):
+        return None if _swiglu(m) is None else [m.gate_up(), _gemm(m.down_proj)]
+    found = _relu_squared(cast(ReluSquaredMLP, m))
+    return None if found is None else found[0].weights
+
+
 def describe_experts(m: SparseMoE) -> tuple[Part, tuple[int, ...]] | None:
-    """The router and the shared expert in the slots, the experts beside them; ``ints[0]``
-    (where the layer's experts start in the plan's list) is set by :func:`plan`. Qwen's
-    whole-model step (``qwen35_step.cpp``) takes the same part."""
-    spec, shared = m.spec, m.shared_expert
-    experts = [cast(SwiGLU, e) for e in m.experts]
-    if any(_swiglu(e) is None for e in [*experts, *([shared] if shared is not None else [])]):
+    """The router, the shared expert and the latent projections in the slots, the experts
+    beside them; ``ints[0]`` (where the layer's experts start in the plan's list) is set by
+    :func:`plan`; ``ints[2]``: moe.h's Router in bits (decoder_step.cpp's sparse_experts).
+    Qwen's whole-model step (``qwen35_step.cpp``) takes the same part (its first five
+    slots: Qwen has no latent experts)."""
+    spec, form = m.spec, m.form
+    experts = [_expert(e) for e in m.experts]
+    shared = [EMPTY, EMPTY] if m.shared_expert is None else _expert(m.shared_expert)
+    if shared is None or any(e is None for e in experts) or spec.groups > 255 or (
+            form.latent and form.bias):
         return None
     bias = _f32(m.gate.get_buffer("expert_bias")) if spec.expert_bias else EMPTY
-    shared_w = [shared.gate_up(), _gemm(shared.down_proj)] if shared is not None \
-        else [EMPTY, EMPTY]
     gate = _gemm(m.shared_expert_gate) if m.shared_expert_gate is not None else EMPTY
-    flags = SCORING[spec.scoring] + 4 * int(spec.norm_topk)
-    return Part(EXPERTS, [_gemm(m.gate), bias, *shared_w, gate], ints=(0, spec.top_k, flags),
-                floats=(spec.norm_eps, spec.scaling, 0.0),
-                experts=[w for e in experts for w in (e.gate_up(), _gemm(e.down_proj))]), ()
+    latent = [_gemm(m.fc1_latent_proj), _gemm(m.fc2_latent_proj)] if form.latent else []
+    flags = (SCORING[spec.scoring] + 4 * int(spec.norm_topk) + 8 * int(form.act == "relu2")
+             + 16 * int(bool(form.latent)) + (spec.groups << 8) + (spec.topk_groups << 16))
+    return Part(EXPERTS, [_gemm(m.gate), bias, *shared, gate, *latent],
+                ints=(0, spec.top_k, flags), floats=(spec.norm_eps, spec.scaling, 0.0),
+                experts=[w for e in experts if e is not None for w in e]), ()
 
 
 DESCRIBE: dict[type, Any] = {Attention: _attention, ShortConv: _short_conv, Mamba2: _mamba2,

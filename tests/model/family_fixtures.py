@@ -104,8 +104,21 @@ def _nemotron(shape: dict[str, Any]) -> Any:
         mamba_head_dim=shape["mamba"][1], ssm_state_size=shape["mamba"][2],
         n_groups=shape["mamba"][3], conv_kernel=4, chunk_size=32,
         time_step_min=shape.get("dt_min", 0.001), max_position_embeddings=4096,
-        tie_word_embeddings=shape["tie"], n_routed_experts=0)
+        tie_word_embeddings=shape["tie"], **_nemotron_moe(shape))
     return t.NemotronHForCausalLM(cfg)
+
+
+def _nemotron_moe(shape: dict[str, Any]) -> dict[str, Any]:
+    """A Nemotron-H shape's MoE fields (none: no experts)."""
+    if "experts" not in shape:
+        return {"n_routed_experts": 0}
+    (experts, top_k), (groups, topk_groups) = shape["experts"], shape["groups"]
+    return {"n_routed_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": shape["moe"],
+            "moe_shared_expert_intermediate_size": shape["shared"],
+            "moe_latent_size": shape.get("latent"), "n_group": groups,
+            "topk_group": topk_groups, "norm_topk_prob": shape.get("norm", True),
+            "routed_scaling_factor": shape.get("scaling", 1.0)}
 
 
 def _falcon(shape: dict[str, Any]) -> Any:
@@ -184,6 +197,16 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
         "b-g1": {"d": 48, "ff": 96, "heads": (6, 3), "head_dim": 32, "tie": True,
                  "mamba": (4, 24, 8, 1),
                  "types": ["full_attention", "linear_attention", "mlp", "linear_attention"]},
+        # experts: (experts, top k); groups: (n_group, topk_group)
+        "moe-e8k2-g4": {"d": 64, "ff": 96, "heads": (4, 2), "head_dim": 16, "tie": False,
+                        "mamba": (8, 16, 16, 2), "experts": (8, 2), "groups": (4, 2),
+                        "moe": 32, "shared": 48,
+                        "types": ["linear_attention", "moe", "full_attention", "moe"]},
+        "moe-e6k3-latent": {"d": 48, "ff": 64, "heads": (3, 1), "head_dim": 16, "tie": False,
+                            "mamba": (4, 24, 8, 1), "experts": (6, 3), "groups": (1, 1),
+                            "moe": 24, "shared": 40, "latent": 32, "norm": False,
+                            "scaling": 2.5,
+                            "types": ["moe", "linear_attention", "full_attention", "mlp"]},
     },
     "falcon_h1": {  # mamba: (d_ssm, heads, d_state, groups)
         "norm-g2": {"d": 64, "ff": 96, "layers": 3, "heads": (4, 2), "tie": False,
@@ -213,7 +236,7 @@ def make(path: Path, family: str, name: str, seed: int = 0, scale: float = 3.0) 
         for p in model.parameters():
             p.mul_(scale if p.dim() > 1 else 1.0)
         for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):  # zero at init: make it choose
+            if name.endswith(("expert_bias", "correction_bias")):  # zero at init: choose
                 b.copy_(torch.rand(b.shape, generator=gen) - 0.5)
     model.eval().save_pretrained(path)
     shutil.copy(TOKENIZER, path / "tokenizer.json")

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from model import invariant, loader
 from model.architectures.hf import HFServedModel
 from model.layers.mlp import SwiGLU
-from model.layers.moe import RouterSpec, SparseMoE
+from model.layers.moe import ExpertsSpec, RouterSpec, SparseMoE
 from model.state import State
 from tests.model.family_fixtures import VOCAB, make
 
@@ -166,30 +166,68 @@ def test_ties_go_to_the_experts_transformers_chooses() -> None:
     assert (got - want).abs().max().item() <= 1e-5
 
 
-def test_stacked_experts_load_like_one_by_one(tmp_path: Path) -> None:
-    """The same LFM2-MoE weights with experts one by one (``experts.{e}.w1``) and stacked
-    (``experts.gate_up_proj [E, 2I, d]``, ``experts.down_proj [E, d, I]``): the same
-    logits, bit for bit."""
-    path = make(tmp_path / "one", "lfm2_moe", "e6k2-tied")
+@pytest.mark.parametrize("family, shape, stacks, count", [
+    ("lfm2_moe", "e6k2-tied", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)},
+     "num_experts"),
+    ("nemotron_h", "moe-e6k3-latent", {"up_proj": ("up_proj",), "down_proj": ("down_proj",)},
+     "n_routed_experts")])
+def test_stacked_experts_load_like_one_by_one(tmp_path: Path, family: str, shape: str,
+                                              stacks: dict[str, tuple[str, ...]],
+                                              count: str) -> None:
+    """The same weights with experts one by one (``experts.{e}.w1``; Nemotron-H's published
+    ``experts.{e}.up_proj``) and stacked (``experts.gate_up_proj [E, 2I, d]`` or
+    ``experts.up_proj [E, I, d]``, and ``experts.down_proj [E, d, I]``): the same logits,
+    bit for bit."""
+    path = make(tmp_path / "one", family, shape)
     stacked = tmp_path / "stacked"
     stacked.mkdir()
     for f in path.iterdir():
         if f.name != "model.safetensors":
             (stacked / f.name).write_bytes(f.read_bytes())
     tensors = load_file(str(path / "model.safetensors"))
-    experts = json.loads((path / "config.json").read_text())["num_experts"]
+    experts = json.loads((path / "config.json").read_text())[count]
     out = {k: v for k, v in tensors.items() if ".experts." not in k}
     for prefix in sorted({k.split(".experts.")[0] for k in tensors if ".experts." in k}):
-        def w(e: int, n: str, p: str = prefix) -> torch.Tensor:
-            return tensors[f"{p}.experts.{e}.{n}.weight"]
-        out[f"{prefix}.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([w(e, "w1"), w(e, "w3")]) for e in range(experts)])
-        out[f"{prefix}.experts.down_proj"] = torch.stack([w(e, "w2") for e in range(experts)])
+        for name, parts in stacks.items():
+            out[f"{prefix}.experts.{name}"] = torch.stack([torch.cat(
+                [tensors[f"{prefix}.experts.{e}.{part}.weight"] for part in parts])
+                for e in range(experts)])
     save_file(out, str(stacked / "model.safetensors"))
     tokens = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
     a, _ = _served(path).prefill(tokens, all_logits=True)
     b, _ = _served(stacked).prefill(tokens, all_logits=True)
     assert torch.equal(a, b)
+
+
+def test_group_limited_routing_chooses_as_transformers() -> None:
+    """Nemotron-H's router (sigmoid, a correction bias, the best 2 of 4 groups of experts):
+    the same experts and weights as transformers' for 200 tokens, among which some whose
+    ungrouped top k would have differed (so the groups decided)."""
+    t = pytest.importorskip("transformers")
+    from transformers.models.nemotron_h import modeling_nemotron_h as ref_mod
+
+    cfg = t.NemotronHConfig(hidden_size=32, n_routed_experts=12, num_experts_per_tok=3,
+                            n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                            layers_block_type=["moe"])
+    torch.manual_seed(5)
+    ref = ref_mod.NemotronHTopkRouter(cfg).eval()
+    with torch.no_grad():
+        ref.weight.normal_(0, 0.5)
+        ref.e_score_correction_bias.uniform_(-0.3, 0.3)
+    spec = RouterSpec(12, 3, scoring="sigmoid", norm_eps=1e-20, scaling=2.5, expert_bias=True,
+                      groups=4, topk_groups=2)
+    ours = SparseMoE(32, 8, spec, form=ExpertsSpec("relu2")).eval()
+    ours.gate.weight.data.copy_(ref.weight)
+    ours.gate.get_buffer("expert_bias").copy_(ref.e_score_correction_bias)
+    x = torch.randn(200, 32)
+    with torch.no_grad():
+        _, want_w, want = ref(x)
+    got_w, got = ours.route(x)
+    order, want_order = got.argsort(-1), want.argsort(-1)
+    assert torch.equal(got.gather(1, order), want.gather(1, want_order))
+    assert (got_w.gather(1, order) - want_w.gather(1, want_order)).abs().max() <= 1e-6
+    ungrouped = torch.topk(torch.sigmoid(x @ ref.weight.T) + ref.e_score_correction_bias, 3)[1]
+    assert (ungrouped.sort(-1).values != got.sort(-1).values).any(-1).sum() > 0
 
 
 def test_the_router_stays_fp32_and_unquantized(qwen_moe: Path) -> None:
@@ -241,7 +279,8 @@ def test_loading_shows_its_progress_on_stderr(qwen_moe: Path,
 
 
 @pytest.mark.parametrize("family, shape", [("lfm2_moe", "e9k3-untied"),
-                                           ("granitemoehybrid", "moe-e5k2")])
+                                           ("granitemoehybrid", "moe-e5k2"),
+                                           ("nemotron_h", "moe-e8k2-g4")])
 def test_the_native_step_breaks_ties_as_the_eager_step(tmp_path: Path, family: str,
                                                        shape: str) -> None:
     """Two router rows equal in every MoE layer (a tie between experts 1 and 4 in every
@@ -250,7 +289,7 @@ def test_the_native_step_breaks_ties_as_the_eager_step(tmp_path: Path, family: s
     path = make(tmp_path, family, shape)
     weights = load_file(path / "model.safetensors")
     routers = [n for n in weights if n.endswith(("feed_forward.gate.weight",
-                                                 "router.layer.weight"))]
+                                                 "router.layer.weight", "mixer.gate.weight"))]
     assert routers
     for name in routers:
         weights[name][4] = weights[name][1]

@@ -19,10 +19,11 @@ from tests.model.family_fixtures import SHAPES, make, reference
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("transformers")
-# one shape a family through HTTP, and Granite both dense and with experts (every shape is
-# checked against transformers in tests/model/test_families.py)
+# one shape a family through HTTP, and Granite and Nemotron-H both dense and with experts
+# (every shape is checked against transformers in tests/model/test_families.py)
 SERVED = [(family, sorted(shapes)[0]) for family, shapes in SHAPES.items()]
 SERVED.insert(SERVED.index(("granitemoehybrid", "moe-e5k2")) + 1, ("granitemoehybrid", "nope-g1"))
+SERVED.insert(SERVED.index(("nemotron_h", "a-g2")) + 1, ("nemotron_h", "moe-e8k2-g4"))
 
 
 @pytest.fixture(scope="module", params=SERVED, ids=[f"{f}-{n}" for f, n in SERVED])
@@ -169,8 +170,9 @@ def test_quantized_weights_serve_batch_invariantly(checkpoint: Path, mode: str) 
 
 
 @pytest.mark.parametrize(("family", "change", "says"), [
-    ("nemotron_h", {"layers_block_type": ["linear_attention", "moe"]},
-     "mixture-of-experts blocks (moe) is not served yet"),
+    ("nemotron_h", {"mlp_hidden_act": "gelu"}, "mlp_hidden_act 'gelu' is not served"),
+    ("nemotron_h", {"layers_block_type": ["linear_attention", "moe"], "n_routed_experts": 6,
+                    "n_group": 4}, "cannot route 6 experts in 4 groups"),
     ("granitemoehybrid", {"num_local_experts": 7}, "the config implies"),
     ("lfm2_moe", {"num_experts_per_tok": 12}, "top_k 12 is not in 1..6 experts"),
     ("lfm2", {"num_attention_heads": 5}, "hidden_size is not a multiple"),
