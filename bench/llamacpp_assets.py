@@ -36,6 +36,7 @@ WANTED = (
     "models/templates/LFM2-8B-A1B.jinja",
     "models/templates/ibm-granite-granite-4.0.jinja",
     "models/templates/NVIDIA-Nemotron-Nano-v2.jinja",
+    "models/templates/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
     "models/templates/Qwen-Qwen3-0.6B.jinja",
 )
 

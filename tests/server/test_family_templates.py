@@ -19,12 +19,14 @@ from tests.server.test_tool_parsing import CONVERSATIONS, TOOLS
 
 # template -> (the parser it implies, whether it writes assistant tool calls). Granite-4.0-H
 # with experts uses Granite's template; Qwen3-Next uses Qwen3's; Qwen3.5-MoE uses Qwen3.5's
-# (tests/server/test_chat_templates.py).
+# (tests/server/test_chat_templates.py); Nemotron-3-Nano (Nemotron-H with experts) writes
+# Qwen3.5's XML calls.
 TEMPLATES = {
     "LFM2.5-Instruct.jinja": ("lfm2", False),
     "LFM2-8B-A1B.jinja": ("lfm2", False),
     "ibm-granite-granite-4.0.jinja": ("hermes", True),
     "NVIDIA-Nemotron-Nano-v2.jinja": ("nemotron", True),
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja": ("qwen3_xml", True),
     "Qwen-Qwen3-0.6B.jinja": ("hermes", True),
 }
 
