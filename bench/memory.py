@@ -85,7 +85,7 @@ def one_kind(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     port = lc.free_port()
     ours_cmd = [sys.executable, "-m", "server", "--model", str(args.checkpoint), "--dtype",
                 "bfloat16", "--quantization", TYPES[kind], "--port", str(port), "--threads",
-                "2", "--engine-stall-seconds", "600"]
+                "2", "--engine-stall-seconds", "600", *getattr(args, "ours_args", [])]
     theirs_cmd, theirs_port = lc.llama_server_cmd(lc.gguf(args.checkpoint, GGUF[kind]), 16,
                                                   2048)
     theirs_cmd += ["-t", "2"]
@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kinds", nargs="+", default=list(TYPES), choices=list(TYPES))
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--ours-args", nargs="*", default=[],
+                   help="more arguments for this server, each as --ours-args=--flag=value")
+    p.add_argument("--label", default="",
+                   help="record the run under KIND-LABEL (a variant beside the default run)")
     p.add_argument("--plot-only", action="store_true", help="redraw memory.png from memory.json")
     args = p.parse_args(argv)
     if args.plot_only:
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     for kind in args.kinds:
         run = one_kind(args, kind)
         run["command"], run["machine"] = command, machine()
-        result["types"][kind] = run
+        result["types"][f"{kind}-{args.label}" if args.label else kind] = run
         print(kind, run["ratios"], flush=True)
         write_json("memory", {"command": command, "result": result})
     plot(result)
