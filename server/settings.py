@@ -98,7 +98,7 @@ class Settings(BaseSettings):
     step_token_budget: int = Field(
         512, ge=1, description="prompt tokens prefilled per engine iteration")
     prefix_cache_bytes: int = Field(
-        1 << 30, ge=0, description="byte budget of the automatic prefix-state cache for "
+        512 << 20, ge=0, description="byte budget of the automatic prefix-state cache for "
         "requests without a session_id (LRU; 0 turns it off)")
     next_turn_cache: bool = Field(
         True, description="after a stateless chat reply with a checkpoint's template, "
