@@ -42,35 +42,18 @@ struct Router {
   bool latent = false;
 };
 
-// choice [B, E] with the experts outside each row's topk_groups best groups set to -inf, as
-// moe.py's keep_top_groups (the groups picked by at::topk, as torch picks them).
+// choice [B, E] with the experts outside each row's topk_groups best groups set to -inf: the
+// same ATen operations as moe.py's keep_top_groups (a group scored by its two best).
 inline at::Tensor keep_top_groups(const at::Tensor& choice, const Router& r) {
-  const int64_t rows = choice.size(0), n = choice.size(1), per = n / r.groups;
-  at::Tensor score = at::empty({rows, r.groups}, choice.options());
-  for (int64_t row = 0; row < rows; ++row)
-    for (int64_t g = 0; g < r.groups; ++g) {
-      const float* c = choice.data_ptr<float>() + row * n + g * per;
-      float best = -std::numeric_limits<float>::infinity(), second = best;
-      for (int64_t e = 0; e < per; ++e) {
-        if (c[e] > best) {
-          second = best;
-          best = c[e];
-        } else if (c[e] > second) {
-          second = c[e];
-        }
-      }
-      score.data_ptr<float>()[row * r.groups + g] = best + second;
-    }
-  const at::Tensor kept =
-      std::get<1>(at::topk(score, r.topk_groups, -1, true, false)).contiguous();
-  at::Tensor out = at::full_like(choice, -std::numeric_limits<float>::infinity());
-  for (int64_t row = 0; row < rows; ++row)
-    for (int64_t j = 0; j < r.topk_groups; ++j) {
-      const int64_t g = kept.data_ptr<int64_t>()[row * r.topk_groups + j];
-      std::memcpy(out.data_ptr<float>() + row * n + g * per,
-                  choice.data_ptr<float>() + row * n + g * per, per * sizeof(float));
-    }
-  return out;
+  const int64_t rows = choice.size(0), n = choice.size(1);
+  const at::Tensor grouped = choice.view({rows, r.groups, n / r.groups});
+  const at::Tensor score = std::get<0>(grouped.topk(2, -1)).sum(-1);
+  const at::Tensor best = std::get<1>(at::topk(score, r.topk_groups, -1, true, false));
+  const at::Tensor keep = at::zeros_like(score, score.options().dtype(at::kBool))
+                              .scatter_(1, best, true);
+  return grouped.masked_fill(keep.logical_not().unsqueeze(-1),
+                             -std::numeric_limits<float>::infinity())
+      .view({rows, n});
 }
 
 // Each row's routing: logits [B, E] fp32 (bias [E] or empty) -> chosen [B, k] int64 and

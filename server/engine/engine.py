@@ -591,7 +591,6 @@ class Engine:
             self._finish(seq, st, target[-1:])
 
         def failed(exc: Exception) -> None:
-            log.warning("session state of %s not rebuilt: %s", seq.req.request_id, exc)
             seq.fail(f"the session state could not be rebuilt: {exc}")
             self._finish(seq, None, [])
 
