@@ -32,7 +32,7 @@ from bench.common import (
     write_json,
 )
 from bench.serverproc import ServerProcess
-from model.transformer import load_model
+from model.architectures.linserve import load_model
 from server.engine.loading import pick_dtype
 
 

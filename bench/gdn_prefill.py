@@ -23,7 +23,7 @@ import torch
 
 from bench.common import machine, print_table, write_json
 from model import loader
-from model.architectures.qwen3_5 import GatedDeltaNet
+from model.layers.gated_delta import GatedDeltaNet
 
 SHAPES = [(16, 128), (1, 2048)]
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from bench.common import machine, print_table, time_ms, write_json
+from model.architectures.linserve import LanguageModel, load_model
 from model.state import State
-from model.transformer import LanguageModel, load_model
 
 
 def gemm_ms(model: LanguageModel, tokens: int, dtype: torch.dtype,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from model.architectures.linserve import LanguageModel, load_model
 from model.sampling import BatchParams, SamplingParams, make_generator, sample
 from model.tokenizer import Tokenizer
-from model.transformer import LanguageModel, load_model
 
 
 def generate(model: LanguageModel, tok: Tokenizer, prompt: str, params: SamplingParams

@@ -44,8 +44,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
 
 
 def _tiny_checkpoint(path: Path, kind: str) -> Path:
+    from model.architectures.linserve import LanguageModel
     from model.config import ModelConfig
-    from model.transformer import LanguageModel
     from tests.model.helpers import VARIANTS
 
     torch.manual_seed(0)

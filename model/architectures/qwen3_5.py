@@ -3,14 +3,11 @@
 Layer types come from the checkpoint's ``layer_types`` (three ``linear_attention`` to one
 ``full_attention`` in the published models). Module and parameter names follow Hugging Face's
 ``Qwen3_5ForCausalLM``, so its ``model.safetensors`` loads as it is (see
-:mod:`model.architectures.hf_checkpoint`). Shapes: B rows, T tokens, d = hidden_size.
+:mod:`model.architectures.hf`). Shapes: B rows, T tokens, d = hidden_size.
 
-- Gated DeltaNet (:class:`GatedDeltaNet`): q, k, v from one projection through a causal
-  depthwise convolution (width K) and SiLU; L2-normalised q and k; per value head a decay
-  g = −exp(A_log)·softplus(a + dt_bias) and a write strength β = sigmoid(b); the gated delta
-  rule (:mod:`model.attention.delta`); a per-head RMSNorm gated by SiLU(z); the output
-  projection. State per layer: a :class:`RecurrentEntry` S ``[B, Hv, Dk, Dv]`` and a
-  :class:`ConvEntry` of the last K−1 projections.
+- Gated DeltaNet: the shared layer of :mod:`model.layers.gated_delta`. State per layer: a
+  :class:`RecurrentEntry` S ``[B, Hv, Dk, Dv]`` and a :class:`ConvEntry` of the last K−1
+  projections.
 - Gated attention (:class:`GatedAttention`): q (with an output gate per head), k, v; RMSNorm
   on q and k per head; rotary positions on the first ``partial_rotary_factor`` of each head;
   grouped-query attention; output × sigmoid(gate). State: a :class:`KVEntry`.
@@ -26,17 +23,18 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model import invariant, kernels
 from model.architectures import hf
-from model.attention.delta import delta_rule_chunked, delta_rule_step, l2norm
 from model.interface import CheckpointError
 from model.invariant import Linear
 from model.layers import native_step
 from model.layers.decoder import DecoderLM
+from model.layers.gated_delta import DeltaShape, GatedDeltaNet
+from model.layers.mlp import SwiGLU
 from model.layers.moe import RouterSpec, SparseMoE, split_stacked
+from model.layers.norms import RMSNorm
 from model.layers.rope import inv_freq as rope_freqs
 from model.layers.rope import rope as shared_rope
 from model.state import ConvEntry, KVEntry, RecurrentEntry, State
@@ -150,220 +148,17 @@ class Qwen35Config:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
-    def conv_dim(self) -> int:
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
-            self.linear_num_value_heads * self.linear_value_head_dim
+    def delta(self) -> DeltaShape:
+        """The Gated DeltaNet layers' shape."""
+        return DeltaShape(self.hidden_size, self.linear_num_key_heads,
+                          self.linear_num_value_heads, self.linear_key_head_dim,
+                          self.linear_value_head_dim, self.linear_conv_kernel_dim,
+                          self.rms_norm_eps)
 
 
-class QwenRMSNorm(nn.Module):
-    """RMSNorm whose weight is stored as w − 1: x / rms(x) · (1 + w), in fp32."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(invariant.sum_last(xf * xf) / x.shape[-1] + self.eps)
-        return (out * (1.0 + self.weight.float())).to(x.dtype)
-
-
-class GatedRMSNorm(nn.Module):
-    """Per-head RMSNorm of the delta rule's output, times SiLU(z): ``[..., Dv]``."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(invariant.sum_last(xf * xf) / x.shape[-1] + self.eps)
-        return (self.weight.float() * out) * invariant.rowwise(F.silu, gate.float())
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) · up(x))."""
-
-    def __init__(self, cfg: Qwen35Config) -> None:
-        super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def gate_up(self) -> torch.Tensor:
-        """gate and up as one GEMM weight ``[d, 2f]`` (:func:`invariant.gemm_weight`)."""
-        return invariant.gemm_weight(self, self.gate_proj.weight, self.up_proj.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = invariant.project(x, self.gate_up()).to(x.dtype).chunk(2, dim=-1)
-        return self.down_proj(invariant.rowwise(F.silu, gate) * up)
-
-
-class GatedDeltaNet(nn.Module):
-    """A Gated DeltaNet layer (see the module docstring)."""
-
-    # Prefill the delta rule natively in its recurrent form where the kernels are built
-    # (False: the chunked WY form in PyTorch, the reference; ``bench.gdn_prefill`` compares)
-    native_scan = True
-
-    def __init__(self, cfg: Qwen35Config) -> None:
-        super().__init__()
-        self.cfg = cfg
-        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.key_dim, self.value_dim = hk * dk, hv * dv
-        self.in_proj_qkv = Linear(cfg.hidden_size, cfg.conv_dim, bias=False)
-        self.in_proj_z = Linear(cfg.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = Linear(cfg.hidden_size, hv, bias=False)
-        self.in_proj_a = Linear(cfg.hidden_size, hv, bias=False)
-        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.linear_conv_kernel_dim,
-                                groups=cfg.conv_dim, bias=False)
-        self.dt_bias = nn.Parameter(torch.ones(hv))
-        self.A_log = nn.Parameter(torch.zeros(hv))
-        self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
-        self._conv: tuple[int, torch.Tensor] | None = None
-
-    def _causal_conv(self, full: torch.Tensor) -> torch.Tensor:
-        """The depthwise causal convolution of ``full [B, K-1+T, C]`` -> ``[B, T, C]`` fp32
-        (the native pass of ``prefill_ops.cpp`` where built: no transposes)."""
-        if kernels.available() and not torch.is_grad_enabled():
-            return torch.ops.linserve.causal_conv(full.contiguous(),
-                                                  self.conv_weight())
-        return F.conv1d(full.transpose(1, 2), self.conv1d.weight.float(),
-                        groups=full.shape[2]).transpose(1, 2)
-
-    def in_weight(self) -> torch.Tensor:
-        """The four input projections (qkv, z, b, a) as one GEMM weight
-        ``[d, C + Hv·Dv + 2·Hv]`` (:func:`invariant.gemm_weight`)."""
-        return invariant.gemm_weight(self, self.in_proj_qkv.weight, self.in_proj_z.weight,
-                                     self.in_proj_b.weight, self.in_proj_a.weight)
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x ``[..., d]`` -> the projections mixed ``[..., C]``, z ``[..., Hv·Dv]``, b and a
-        ``[..., Hv]`` (one GEMM; each in x's dtype, as separate layers would give them)."""
-        hv = self.cfg.linear_num_value_heads
-        proj = invariant.project(x, self.in_weight()).to(x.dtype)
-        return proj.split([self.cfg.conv_dim, self.value_dim, hv, hv], dim=-1)
-
-    def _heads(self, mixed: torch.Tensor, b_in: torch.Tensor, a_in: torch.Tensor
-               ) -> tuple[torch.Tensor, ...]:
-        """Convolved projections ``[B, T, conv_dim]`` and the gate inputs b, a
-        ``[B, T, Hv]`` -> q, k ``[B, Hv, T, Dk]`` (normalised, q scaled), v
-        ``[B, Hv, T, Dv]``, g and β ``[B, Hv, T]``, all fp32."""
-        cfg = self.cfg
-        b, t, _ = mixed.shape
-        q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        rep = cfg.linear_num_value_heads // cfg.linear_num_key_heads
-        q, k = (y.reshape(b, t, cfg.linear_num_key_heads, -1).repeat_interleave(rep, dim=2)
-                for y in (q, k))
-        v = v.reshape(b, t, cfg.linear_num_value_heads, -1)
-        beta = invariant.rowwise(torch.sigmoid, b_in.float())
-        g = -self.A_log.float().exp() * invariant.rowwise(
-            F.softplus, a_in.float() + self.dt_bias.float())
-        q, k, v, g, beta = (y.transpose(1, 2) for y in (q, k, v, g, beta))
-        q = l2norm(q) * cfg.linear_key_head_dim ** -0.5
-        return q, l2norm(k), v.contiguous(), g.contiguous(), beta.contiguous()
-
-    def _finish(self, o: torch.Tensor, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o ``[B, Hv, T, Dv]`` -> gated norm with z ``[B, T, Hv·Dv]``, output projection
-        ``[B, T, d]``."""
-        b, _, t, dv = o.shape
-        out = self.norm(o.transpose(1, 2), z.reshape(b, t, -1, dv)).reshape(b, t, -1)
-        return self.out_proj(out.to(x.dtype))
-
-    def forward(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry,
-                new: torch.Tensor | None = None) -> torch.Tensor:
-        """T new tokens ``[B, T, d]``; replaces the entries' tensors. The delta rule runs
-        natively in its recurrent form where the kernels are built (:meth:`_scan_native`),
-        else in the chunked WY form (tested equal). ``new [B]``: how many of the T are real
-        per row (a right-padded ragged batch); the padding then writes nothing (β = 0, no
-        decay, zero q, k, v, as the chunked form's own padding) and the conv window keeps
-        each row's last real inputs."""
-        mixed, z, b_in, a_in = self._project(x)
-        k1 = conv.window.shape[1]
-        full = conv.window.new_empty(x.shape[0], k1 + x.shape[1], mixed.shape[-1])
-        full[:, :k1] = conv.window  # [B, K-1+T, C]: the window, then the new projections
-        full[:, k1:] = mixed
-        ends = [full.shape[1] - k1] * full.shape[0] if new is None else new.tolist()
-        conv.window = torch.stack([full[i, n : n + k1] for i, n in enumerate(ends)]
-                                  ).contiguous()
-        if self.native_scan and kernels.available() and not torch.is_grad_enabled():
-            return self._scan_native(full, (z, b_in, a_in), rec, new, x)
-        mixed = invariant.rowwise(F.silu, self._causal_conv(full))
-        q, k, v, g, beta = self._heads(mixed, b_in, a_in)
-        if new is not None:
-            valid = torch.arange(x.shape[1])[None] < new[:, None]  # [B, T]
-            q, k, v = (torch.where(valid[:, None, :, None], y, 0.0) for y in (q, k, v))
-            g, beta = (torch.where(valid[:, None], y, 0.0) for y in (g, beta))
-        o, s = delta_rule_chunked(q, k, v, g, beta, rec.s)
-        rec.s = s.contiguous()
-        return self._finish(o, z, x)
-
-    def _scan_native(self, full: torch.Tensor, gates: tuple[torch.Tensor, ...],
-                     rec: RecurrentEntry, new: torch.Tensor | None, x: torch.Tensor
-                     ) -> torch.Tensor:
-        """The delta rule over the prompt in its recurrent form, natively
-        (``gdn_scan``): each head's state stays in cache over all T tokens, where the chunked
-        form's small matrix products, triangular solves and transposes cost 3× more on a
-        CPU (``BENCHMARKS.md`` §22); the convolution, SiLU and q/k norms in the same native
-        call. ``full [B, K-1+T, C]`` the conv windows and new projections; ``gates`` z, b, a
-        (in x's dtype); replaces ``rec.s``."""
-        cfg = self.cfg
-        b = full.shape[0]
-        t = full.shape[1] - cfg.linear_conv_kernel_dim + 1
-        zba = torch.cat([y.float() for y in gates], dim=-1).contiguous()
-        lengths = new if new is not None else torch.full((b,), t, dtype=torch.long)
-        s = rec.s.clone(memory_format=torch.contiguous_format)
-        out = torch.ops.linserve.gdn_scan(
-            full.contiguous(), self.conv_weight(), zba,
-            self.A_log.float().contiguous(), self.dt_bias.float().contiguous(), s,
-            self.norm.weight.float().contiguous(),
-            lengths, cfg.linear_num_key_heads, cfg.rms_norm_eps)
-        rec.s = s
-        return self.out_proj(out.to(x.dtype))
-
-    def step_fused(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry
-                   ) -> torch.Tensor:
-        """:meth:`step` through ``model/kernels/gdn_step.cpp`` (one GEMM for the four input
-        projections, then convolution, delta rule and gated norm in one native pass)."""
-        cfg = self.cfg
-        mixed, z, b, a = (y.float() for y in self._project(x))
-        out = torch.ops.linserve.gdn_step(
-            mixed.contiguous(), conv.window, self.conv_weight(), a.contiguous(), b.contiguous(),
-            self.A_log.float().contiguous(), self.dt_bias.float().contiguous(), rec.s,
-            z.contiguous(), self.norm.weight.float().contiguous(), cfg.linear_num_key_heads,
-            cfg.rms_norm_eps)
-        return self.out_proj(out.to(x.dtype))
-
-    def conv_weight(self) -> torch.Tensor:
-        """The depthwise kernel transposed, ``[K, C]`` fp32 (cached with the stacked weights):
-        the native kernels' loops run over C."""
-        if self._conv is None or self._conv[0] != self.conv1d.weight.data_ptr():
-            self._conv = (self.conv1d.weight.data_ptr(),
-                          self.conv1d.weight.detach().float().squeeze(1).t().contiguous())
-        return self._conv[1]
-
-    def step(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry) -> torch.Tensor:
-        """One token per row ``[B, d]``; updates the entries in place."""
-        if kernels.available() and not torch.is_grad_enabled() and rec.s.is_contiguous():
-            return self.step_fused(x, rec, conv)
-        return self.step_eager(x, rec, conv)
-
-    def step_eager(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry
-                   ) -> torch.Tensor:
-        """:meth:`step` in eager PyTorch (the reference the fused step is tested against)."""
-        mixed, z, b_in, a_in = self._project(x)
-        mixed = mixed.float()  # [B, C]
-        window = torch.cat([conv.window, mixed.unsqueeze(1)], dim=1)  # [B, K, C]
-        conv.window.copy_(window[:, 1:])
-        w = self.conv1d.weight.float().squeeze(1)  # [C, K]
-        mixed = invariant.rowwise(F.silu, (window * w.T).sum(1))
-        q, k, v, g, beta = self._heads(mixed.unsqueeze(1), b_in.unsqueeze(1), a_in.unsqueeze(1))
-        o = delta_rule_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], rec.s)
-        return self._finish(o.unsqueeze(2), z.unsqueeze(1), x.unsqueeze(1)).squeeze(1)
+def qwen_norm(dim: int, eps: float) -> RMSNorm:
+    """Qwen's RMSNorm, its weight stored as w − 1 (it scales by 1 + w)."""
+    return RMSNorm(dim, eps, offset=1.0)
 
 
 def inv_freq(cfg: Qwen35Config) -> torch.Tensor:
@@ -388,8 +183,8 @@ class GatedAttention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, hkv * d, bias=False)
         self.v_proj = Linear(cfg.hidden_size, hkv * d, bias=False)
         self.o_proj = Linear(h * d, cfg.hidden_size, bias=False)
-        self.q_norm = QwenRMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = QwenRMSNorm(d, cfg.rms_norm_eps)
+        self.q_norm = qwen_norm(d, cfg.rms_norm_eps)
+        self.k_norm = qwen_norm(d, cfg.rms_norm_eps)
 
     def qkv_weight(self) -> torch.Tensor:
         """q (with its gate), k and v as one GEMM weight ``[d, 2·H·D + 2·Hkv·D]``."""
@@ -460,7 +255,7 @@ class GatedAttention(nn.Module):
 
 def _norm(n: nn.Module) -> torch.Tensor:
     """A Qwen RMSNorm's weight as the native step takes it: 1 + w, fp32."""
-    return (1.0 + cast(QwenRMSNorm, n).weight.detach().float()).contiguous()
+    return cast(RMSNorm, n).scale().detach().contiguous()
 
 
 def _gemm(linear: nn.Module) -> torch.Tensor:
@@ -484,7 +279,7 @@ def _mlp_weights(layer: DecoderLayer) -> native_step.Part | None:
     if isinstance(layer.mlp, SparseMoE):
         found = native_step.describe_experts(layer.mlp)
         return None if found is None else found[0]
-    dense = cast(MLP, layer.mlp)
+    dense = cast(SwiGLU, layer.mlp)
     return native_step.Part(0, [dense.gate_up(), _gemm(dense.down_proj)])
 
 
@@ -526,15 +321,18 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.kind = kind
         if kind == "linear_attention":
-            self.linear_attn = GatedDeltaNet(cfg)
+            self.linear_attn = GatedDeltaNet(cfg.delta)
         else:
             self.self_attn = GatedAttention(cfg)
         moe = cfg.experts
-        self.mlp: nn.Module = MLP(cfg) if moe is None or not moe.sparse[index] else SparseMoE(
-            cfg.hidden_size, moe.expert_size, moe.router, shared=moe.shared_size,
-            shared_gate=True)
-        self.input_layernorm = QwenRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = QwenRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module
+        if moe is not None and moe.sparse[index]:
+            self.mlp = SparseMoE(cfg.hidden_size, moe.expert_size, moe.router,
+                                 shared=moe.shared_size, shared_gate=True)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = qwen_norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = qwen_norm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def _mix(self, h: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
              one_token: bool, new: torch.Tensor | None) -> torch.Tensor:
@@ -574,7 +372,7 @@ class Qwen35ForCausalLM(DecoderLM):
     def __init__(self, cfg: Qwen35Config) -> None:
         super().__init__(cfg, cfg.vocab_size, cfg.hidden_size,
                          [DecoderLayer(cfg, kind, i) for i, kind in enumerate(cfg.layer_types)],
-                         QwenRMSNorm(cfg.hidden_size, cfg.rms_norm_eps), cfg.tie_word_embeddings)
+                         qwen_norm(cfg.hidden_size, cfg.rms_norm_eps), cfg.tie_word_embeddings)
         self._fused: tuple[Any, FusedArgs | None] | None = None
 
     @property
@@ -598,7 +396,7 @@ class Qwen35ForCausalLM(DecoderLM):
                     "recurrent": RecurrentEntry.empty(batch, cfg.linear_num_value_heads,
                                                       cfg.linear_key_head_dim,
                                                       cfg.linear_value_head_dim, with_z=False),
-                    "conv": ConvEntry.empty(batch, cfg.linear_conv_kernel_dim, cfg.conv_dim)})
+                    "conv": ConvEntry.empty(batch, cfg.linear_conv_kernel_dim, cfg.delta.conv_dim)})
             else:
                 layers.append({"kv": KVEntry.empty(batch, cfg.num_key_value_heads, cfg.head_dim,
                                                    max_context or cfg.max_position_embeddings)})
@@ -714,7 +512,7 @@ class Variant:
         cfg = self.config(path)
         gdn = sum(t == "linear_attention" for t in cfg.layer_types) * 4 * (
             cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-            + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim)
+            + (cfg.linear_conv_kernel_dim - 1) * cfg.delta.conv_dim)
         return gdn + state_bytes_per_token(cfg) * cfg.max_position_embeddings + 8
 
     def params(self, path: Path) -> int:

@@ -13,16 +13,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import kernels
-from model.attention.features import draw_orthogonal_features, elu_feature, favor_features
-from model.attention.gated import (
+from model.config import ModelConfig
+from model.invariant import Linear
+from model.layers.ops.features import draw_orthogonal_features, elu_feature, favor_features
+from model.layers.ops.gated import (
     GATE_TEMPERATURE,
     LOG_GATE_MIN,
     gated_linear_parallel,
     gated_linear_step,
     log_gate,
 )
-from model.attention.linear import causal_linear_parallel, causal_linear_step
-from model.attention.softmax import (
+from model.layers.ops.linear import causal_linear_parallel, causal_linear_step
+from model.layers.ops.softmax import (
     apply_rope,
     rope_at,
     rope_tables,
@@ -30,8 +32,6 @@ from model.attention.softmax import (
     softmax_step,
     window_parallel,
 )
-from model.config import ModelConfig
-from model.invariant import Linear
 from model.state import ConvEntry, KVEntry, RecurrentEntry, State
 
 
@@ -236,7 +236,7 @@ class LinearAttention(nn.Module):
 class SoftmaxAttention(nn.Module):
     """Multi-head softmax attention with rotary positions, for the KV-cache baselines: full
     causal attention, or with ``window = W`` local attention over the last W tokens whose cache
-    is a ring of W slots (see :mod:`model.attention.softmax`)."""
+    is a ring of W slots (see :mod:`model.layers.ops.softmax`)."""
 
     cos: torch.Tensor  # [max_context, D/2]
     sin: torch.Tensor

@@ -12,11 +12,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from model.architectures.linserve import load_model
 from model.generate import generate
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 from model.training.evaluate import quantization_markdown, slice_perplexity
-from model.transformer import load_model
 
 SAMPLE_PROMPTS = ("ROMEO.\n", "KING.\nWhat news from France?\n\n", "Enter HAMLET.\n\nHAMLET.\n")
 

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from model import invariant
+from model.architectures.linserve import LanguageModel, load_model
 from model.tokenizer import Tokenizer
 from model.training.data import DATA_DIR, load_tokens
-from model.transformer import LanguageModel, load_model
 
 
 @torch.inference_mode()
@@ -145,7 +145,7 @@ def evaluate(weights: Path, data_dir: Path = DATA_DIR, train_ctx: int = 256,
              stream_len: int = 16384, n_streams: int = 8,
              dtype: torch.dtype = torch.float32, window: int | None = None) -> dict[str, Any]:
     """Every figure of the module docstring for one model; ``window`` scores a softmax model
-    as a sliding-window one (see :func:`model.transformer.load_model`)."""
+    as a sliding-window one (see :func:`model.architectures.linserve.load_model`)."""
     model = load_model(weights, dtype, window=window)
     tok = Tokenizer.from_file(weights / model.cfg.tokenizer)
     result: dict[str, Any] = {"weights": str(weights), "attention": model.cfg.kind,

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from model.architectures.linserve import LanguageModel
 from model.config import ModelConfig
 from model.training.data import DATA_DIR, load_tokens
-from model.transformer import LanguageModel
 
 
 @dataclass(frozen=True)

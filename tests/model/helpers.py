@@ -6,10 +6,9 @@ from pathlib import Path
 
 import torch
 
-from model.architectures.linserve import OwnModel
+from model.architectures.linserve import LanguageModel, OwnModel
 from model.config import ModelConfig
 from model.tokenizer import Tokenizer
-from model.transformer import LanguageModel
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "weights" / "tokenizer.json"
 

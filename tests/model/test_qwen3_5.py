@@ -11,7 +11,7 @@ import torch
 
 from model import loader
 from model.architectures.hf import HFServedModel
-from model.attention.delta import delta_rule_chunked, delta_rule_naive, l2norm
+from model.layers.ops.delta import delta_rule_chunked, delta_rule_naive, l2norm
 from model.state import State
 from tests.model.qwen_fixtures import KERNEL_SHAPES, SHAPES, make_checkpoint, reference
 
@@ -85,7 +85,7 @@ def test_the_native_scan_prefill_equals_the_chunked_form(native_checkpoint: Path
     where the kernels are built) and the chunked WY form in PyTorch (used without them), on a
     150-token prompt after 40 tokens and on a ragged batch: logits and every state tensor
     within fp32 rounding."""
-    from model.architectures import qwen3_5
+    from model.layers import gated_delta
 
     ours = _served(native_checkpoint)
     gen = torch.Generator().manual_seed(11)
@@ -101,7 +101,7 @@ def test_the_native_scan_prefill_equals_the_chunked_form(native_checkpoint: Path
         return torch.cat([logits, ragged]), tensors
 
     native = run()
-    monkeypatch.setattr(qwen3_5.GatedDeltaNet, "native_scan", False)
+    monkeypatch.setattr(gated_delta.GatedDeltaNet, "native_scan", False)
     chunked = run()
     assert (native[0] - chunked[0]).abs().max().item() <= 1e-4
     for a, b in zip(native[1], chunked[1], strict=True):
@@ -173,7 +173,7 @@ def test_the_fused_gdn_step_equals_the_eager_one(native_checkpoint: Path) -> Non
     """model/kernels/gdn_step.cpp against the eager step, on a batch of 3 rows with
     different histories, 20 steps: outputs and states within fp32 rounding."""
     from model import kernels
-    from model.architectures.qwen3_5 import GatedDeltaNet
+    from model.layers.gated_delta import GatedDeltaNet
 
     if not kernels.load():
         pytest.skip("native kernels unavailable")

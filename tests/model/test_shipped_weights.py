@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from model.architectures.linserve import load_model
 from model.config import ModelConfig
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 from model.training.evaluate import slice_perplexity
-from model.transformer import load_model
 
 WEIGHTS = Path(__file__).resolve().parents[2] / "weights"
 SHIPPED = [d for d in sorted(WEIGHTS.glob("*")) if (d / "model.safetensors").exists()]

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from bench.serverproc import ServerProcess
+from model.architectures.linserve import load_model
 from model.kernels import cpu_flags
 from model.training.data import DATA_DIR, prepare
 from model.training.evaluate import training_context, windowed_nll
-from model.transformer import load_model
 from server.engine.loading import pick_dtype
 from tests.conftest import WEIGHTS
 

@@ -3,7 +3,7 @@
 :class:`FusedStep` packs a model's weights once into the flat list the kernel takes and calls
 it: ``model/kernels/linear_step.cpp`` for elu+1 linear attention (gated or not), and
 ``model/kernels/softmax_step.cpp`` for the softmax baselines (full or sliding-window KV
-cache). It computes what the eager :meth:`model.transformer.LanguageModel.step` computes,
+cache). It computes what the eager :meth:`model.architectures.linserve.LanguageModel.step` computes,
 with activations in fp32 between the GEMMs; the eager step stays the reference (and the
 fallback for ``favor`` and machines without a C++ compiler). Tests hold the two within 1e-5
 in fp32.
@@ -23,8 +23,8 @@ from model.state import ConvEntry, KVEntry, RecurrentEntry, State
 
 class Fusable(Protocol):
     """What the fused step packs: a model's config, embedding, final norm and blocks
-    (:class:`model.transformer.LanguageModel` is one; naming it here would close an import
-    circle, since the model builds its fused step)."""
+    (:class:`model.architectures.linserve.LanguageModel` is one; naming it here would close
+    an import circle, since the model builds its fused step)."""
 
     cfg: ModelConfig
     embed: torch.nn.Embedding

@@ -5,7 +5,7 @@ g_t ``[F]`` (per head) scales the rows of s and the entries of z, as in GLA (Yan
 2023) and Random Feature Attention's gate. The output is unchanged in form:
 φ(q_t)ᵀ s_t / (φ(q_t)ᵀ z_t + eps). Gates arrive as log-gates ``lg = log g`` in [LOG_GATE_MIN, 0].
 
-Shapes as in :mod:`model.attention.linear`: fq, fk ``[B, H, T, F]``, v ``[B, H, T, M]``,
+Shapes as in :mod:`model.layers.ops.linear`: fq, fk ``[B, H, T, F]``, v ``[B, H, T, M]``,
 lg ``[B, H, T, F]``, s ``[B, H, F, M]``, z ``[B, H, F]``; state and maths in fp32.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model.attention.linear import causal_linear_step
 from model.invariant import chunk_len
+from model.layers.ops.linear import causal_linear_step
 
 # The gate is at least e^-1 per token, so within a chunk of C tokens the cumulative decay is
 # at least e^-C: with C ≤ 64 its inverse, e^64 ≈ 6e27, stays far inside fp32's range. The
