@@ -122,6 +122,12 @@ def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, cached[1])
 
 
+def packed(linear: nn.Module) -> torch.Tensor:
+    """A linear layer's GEMM weight ``[in, out]`` (:func:`gemm_weight` of its own weight), as
+    the native steps take it."""
+    return gemm_weight(linear, cast(nn.Linear, linear).weight)
+
+
 _packing_once: list[set[int] | None] = [None]
 
 

@@ -258,10 +258,6 @@ def _norm(n: nn.Module) -> torch.Tensor:
     return cast(RMSNorm, n).scale().detach().contiguous()
 
 
-def _gemm(linear: nn.Module) -> torch.Tensor:
-    return invariant.gemm_weight(linear, cast(nn.Linear, linear).weight)
-
-
 def _native_mlp(layer: DecoderLayer) -> bool:
     """Whether the native step takes the layer's MLP: dense, or experts whose router
     renormalises without an eps and does not rescale (Qwen's); reads no weight."""
@@ -280,7 +276,7 @@ def _mlp_weights(layer: DecoderLayer) -> native_step.Part | None:
         found = native_step.describe_experts(layer.mlp)
         return None if found is None else found[0]
     dense = cast(SwiGLU, layer.mlp)
-    return native_step.Part(0, [dense.gate_up(), _gemm(dense.down_proj)])
+    return native_step.Part(0, [dense.gate_up(), invariant.packed(dense.down_proj)])
 
 
 def _layer_weights(layer: DecoderLayer, cfg: Qwen35Config, experts: list[torch.Tensor]
@@ -303,10 +299,10 @@ def _layer_weights(layer: DecoderLayer, cfg: Qwen35Config, experts: list[torch.T
     if layer.kind == "linear_attention":
         a = layer.linear_attn
         return [_norm(layer.input_layernorm), a.in_weight(), a.conv_weight(), f32(a.A_log),
-                f32(a.dt_bias), f32(a.norm.weight), _gemm(a.out_proj), *tail], ints
+                f32(a.dt_bias), f32(a.norm.weight), invariant.packed(a.out_proj), *tail], ints
     at = layer.self_attn
     return [_norm(layer.input_layernorm), at.qkv_weight(), _norm(at.q_norm), _norm(at.k_norm),
-            _gemm(at.o_proj), inv_freq(cfg), empty, *tail], ints
+            invariant.packed(at.o_proj), inv_freq(cfg), empty, *tail], ints
 
 
 def _step_tensors(entries: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -442,7 +438,7 @@ class Qwen35ForCausalLM(DecoderLM):
     def _pack_fused(self) -> FusedArgs | None:
         emb = self.model.embed_tokens
         head = invariant.gemm_weight(emb, emb.weight) if self.lm_head is None \
-            else _gemm(self.lm_head)
+            else invariant.packed(self.lm_head)
         out = FusedArgs([invariant.embedding_table(emb), head, _norm(self.model.norm)], [], [])
         for layer in self.model.layers:
             found = _layer_weights(cast(DecoderLayer, layer), self.cfg, out.experts)

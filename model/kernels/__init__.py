@@ -33,7 +33,8 @@ import torch
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in
            ("linear_step.cpp", "softmax_step.cpp", "prefill_ops.cpp", "sampling.cpp",
-            "gemm.cpp", "gdn_step.cpp", "qwen35_step.cpp", "decoder_step.cpp")]
+            "gemm.cpp", "gdn_step.cpp", "qwen35_step.cpp", "decoder_step.cpp",
+            "moe_ops.cpp")]
 NAME = "linserve_kernels"
 _state: dict[str, bool | str] = {}
 

@@ -253,11 +253,8 @@ at::Tensor mlp(const at::Tensor& h, const at::Tensor* w, const Part& p) {
 // h [B, d] -> [B, d].
 at::Tensor sparse_experts(const at::Tensor& h, const at::Tensor* w, const at::Tensor* experts,
                           const Part& p) {
-  const linserve::moe::Router r{p.i1, p.i2 & 3, (p.i2 & 4) != 0, p.f0, p.f1,
-                                std::max<int64_t>((p.i2 >> 8) & 255, 1),
-                                std::max<int64_t>((p.i2 >> 16) & 255, 1), (p.i2 & 8) != 0,
-                                (p.i2 & 16) != 0};
-  return linserve::moe::forward(h, w, experts + p.i0, r);
+  return linserve::moe::forward(h, w, experts + p.i0,
+                                linserve::moe::router_from(p.i1, p.i2, p.f0, p.f1));
 }
 
 // One part of a layer on h = norm(x): the mixer or MLP it is.

@@ -16,6 +16,7 @@
 #include "dense.h"
 #include "gdn.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,6 +42,14 @@ struct Router {
   bool relu2 = false;
   bool latent = false;
 };
+
+// A Router from the bits the Python side packs (model/layers/moe.py's SparseMoE.native_args):
+// scoring (bits 0-1), norm_topk (2), relu2 (3), latent (4), groups (8-15), topk_groups (16-23).
+inline Router router_from(int64_t top_k, int64_t flags, float norm_eps, float scaling) {
+  return Router{top_k, flags & 3, (flags & 4) != 0, norm_eps, scaling,
+                std::max<int64_t>((flags >> 8) & 255, 1),
+                std::max<int64_t>((flags >> 16) & 255, 1), (flags & 8) != 0, (flags & 16) != 0};
+}
 
 // choice [B, E] with the experts outside each row's topk_groups best groups set to -inf: the
 // same ATen operations as moe.py's keep_top_groups (a group scored by its two best).

@@ -64,8 +64,8 @@ void mlp_add(at::Tensor& x, const at::Tensor* w, const at::Tensor* experts, cons
     linserve::project_add(x, linserve::moe::swiglu(linserve::project(h, w[1])), w[2]);
     return;
   }
-  const linserve::moe::Router r{ints[3], ints[4] & 3, (ints[4] & 4) != 0, 0.f, 1.f};
-  x.add_(linserve::moe::forward(h, w + 1, experts + ints[2], r));
+  x.add_(linserve::moe::forward(h, w + 1, experts + ints[2],
+                                linserve::moe::router_from(ints[3], ints[4], 0.f, 1.f)));
 }
 
 // x += out(gdn(in(norm(x)))).

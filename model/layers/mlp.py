@@ -35,6 +35,13 @@ class SwiGLU(nn.Module):
         """gate and up as one GEMM weight ``[d, 2f]`` (:func:`invariant.gemm_weight`)."""
         return invariant.gemm_weight(self, *(p.weight for p in self._parts()))
 
+    def native_weights(self) -> list[torch.Tensor] | None:
+        """(gate_up ``[d, 2f]``, down ``[f, d]``) GEMM weights as the native kernels take
+        them; None for a form they lack (biases, multipliers)."""
+        if self.multipliers != (1.0, 1.0) or any(p.bias is not None for p in self._parts()):
+            return None
+        return [self.gate_up(), invariant.packed(self.down_proj)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = invariant.project(x, self.gate_up()).to(x.dtype)
         biases: list[torch.Tensor] = [p.bias for p in self._parts() if p.bias is not None]
@@ -56,6 +63,13 @@ class ReluSquaredMLP(nn.Module):
         super().__init__()
         self.up_proj = Linear(dim, hidden, bias=bias)
         self.down_proj = Linear(hidden, dim, bias=bias)
+
+    def native_weights(self) -> list[torch.Tensor] | None:
+        """(up ``[d, f]``, down ``[f, d]``) GEMM weights as the native kernels take them;
+        None with biases, which they lack."""
+        if self.up_proj.bias is not None or self.down_proj.bias is not None:
+            return None
+        return [invariant.packed(self.up_proj), invariant.packed(self.down_proj)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(invariant.rowwise(torch.relu, self.up_proj(x)).square())

@@ -27,13 +27,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
-from model import invariant
+from model import invariant, kernels
 from model.invariant import Linear
 from model.layers.mlp import ReluSquaredMLP, SwiGLU
+
+SCORING = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}  # moe.h's Router::scoring
+EMPTY = torch.empty(0)
 
 
 @dataclass(frozen=True)
@@ -132,9 +136,31 @@ class ExpertsSpec:
     bias: bool = False
 
 
+@dataclass
+class NativeMoE:
+    """A :class:`SparseMoE` as moe.h takes it: its seven weight slots (router ``[d, E]``
+    fp32, expert bias ``[E]``, the shared expert's gate_up or up and down, its gate
+    ``[d, 1]``, the latent projections in and out; absent ones empty), every expert's
+    (gate_up or up, down) GEMM weights in order, top k, the router's bits
+    (:meth:`SparseMoE.native_flags`), the top-k norm's eps and the routed scaling."""
+
+    weights: list[torch.Tensor]
+    experts: list[torch.Tensor]
+    top_k: int
+    flags: int
+    norm_eps: float
+    scaling: float
+
+
 class SparseMoE(nn.Module):
     """``fc2(Σ_k w_k · expert_k(fc1(x))) [+ shared(x) (· sigmoid(shared_gate(x)))]``, the
-    router reading x itself. ``[..., d] -> [..., d]`` in x's dtype."""
+    router reading x itself. ``[..., d] -> [..., d]`` in x's dtype.
+
+    Where the kernels are built, inference runs natively (``moe_forward``: moe.h, which the
+    whole-model decode steps call too): tokens grouped by expert in C++, activations fp32
+    between the products. The PyTorch form below is the reference (``native = False``)."""
+
+    native = True
 
     def __init__(self, dim: int, hidden: int, spec: RouterSpec, shared: int = 0,
                  shared_gate: bool = False, shared_fused: bool = False,
@@ -189,9 +215,44 @@ class SparseMoE(nn.Module):
             top = top * spec.scaling
         return top.to(x.dtype), chosen
 
+    def native_flags(self) -> int:
+        """moe.h's Router in bits: scoring (0-1), norm_topk (2), relu2 (3), latent (4),
+        groups (8-15), topk_groups (16-23)."""
+        spec, form = self.spec, self.form
+        return (SCORING[spec.scoring] + 4 * int(spec.norm_topk) + 8 * int(form.act == "relu2")
+                + 16 * int(bool(form.latent)) + (spec.groups << 8) + (spec.topk_groups << 16))
+
+    def native_args(self) -> NativeMoE | None:
+        """The layer as moe.h takes it (the packed weights the PyTorch form uses, so nothing
+        is held twice); None for a form moe.h lacks (biased experts or latent
+        projections, more than 255 groups)."""
+        spec, form = self.spec, self.form
+        experts = [cast(SwiGLU | ReluSquaredMLP, e).native_weights() for e in self.experts]
+        shared = [EMPTY, EMPTY] if self.shared_expert is None \
+            else self.shared_expert.native_weights()
+        if shared is None or any(e is None for e in experts) or spec.groups > 255 or (
+                form.latent and form.bias):
+            return None
+        bias = self.gate.get_buffer("expert_bias").detach().float().contiguous() \
+            if spec.expert_bias else EMPTY
+        gate = EMPTY if self.shared_expert_gate is None \
+            else invariant.packed(self.shared_expert_gate)
+        latent = [invariant.packed(self.fc1_latent_proj),
+                  invariant.packed(self.fc2_latent_proj)] if form.latent else [EMPTY, EMPTY]
+        return NativeMoE([invariant.packed(self.gate), bias, *shared, gate, *latent],
+                         [w for e in experts if e is not None for w in e], spec.top_k,
+                         self.native_flags(), spec.norm_eps, spec.scaling)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        args = self.native_args() if self.native and kernels.available() \
+            and not torch.is_grad_enabled() else None
+        if args is not None:
+            out = torch.ops.linserve.moe_forward(
+                flat.float().contiguous(), args.weights, args.experts, args.top_k,
+                args.flags, args.norm_eps, args.scaling)
+            return out.to(x.dtype).view(shape)
         weights, chosen = self.route(flat)
         out = self._routed(self.fc1_latent_proj(flat) if self.form.latent else flat,
                            weights, chosen)

@@ -12,8 +12,9 @@ steps layer by layer. The eager step is the reference the native one is tested a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +31,6 @@ from model.state import ConvEntry, KVEntry, RecurrentEntry, State
 ATTENTION, SHORT_CONV, MAMBA2, SWIGLU, RELU_SQUARED, EXPERTS = 1, 2, 3, 4, 5, 6
 PART_SLOTS = 8  # decoder_step.cpp's kPart
 PART_INTS = 3  # ints a part takes after its kind
-SCORING = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}  # moe.h's Router::scoring
 EMPTY = torch.empty(0)
 
 
@@ -64,10 +64,6 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
 
 
-def _gemm(linear: nn.Module) -> torch.Tensor:
-    return invariant.gemm_weight(linear, cast(nn.Linear, linear).weight)
-
-
 def _attention(m: Attention) -> tuple[Part, tuple[int, ...]] | None:
     s = m.shape
     if s.bias or s.out_bias or s.head_dim % 16:
@@ -76,7 +72,7 @@ def _attention(m: Attention) -> tuple[Part, tuple[int, ...]] | None:
         else [EMPTY, EMPTY]
     eps = float(m.q_norm.eps) if s.qk_norm else 0.0
     freqs = EMPTY if m.freqs is None else m.freqs.contiguous()
-    part = Part(ATTENTION, [m.qkv_weight(), *norms, _gemm(m.o_proj), freqs],
+    part = Part(ATTENTION, [m.qkv_weight(), *norms, invariant.packed(m.o_proj), freqs],
                 floats=(m.q_scale, s.key_multiplier, eps))
     return part, (s.heads, s.kv_heads, s.head_dim, s.rotary_dim)
 
@@ -84,7 +80,8 @@ def _attention(m: Attention) -> tuple[Part, tuple[int, ...]] | None:
 def _short_conv(m: ShortConv) -> tuple[Part, tuple[int, ...]] | None:
     if m.conv.bias is not None or m.in_proj.bias is not None:
         return None
-    return Part(SHORT_CONV, [_gemm(m.in_proj), m.conv_weight(), _gemm(m.out_proj)]), ()
+    return Part(SHORT_CONV, [invariant.packed(m.in_proj), m.conv_weight(),
+                             invariant.packed(m.out_proj)]), ()
 
 
 def _mamba2(m: Mamba2) -> tuple[Part, tuple[int, ...]] | None:
@@ -94,59 +91,40 @@ def _mamba2(m: Mamba2) -> tuple[Part, tuple[int, ...]] | None:
     bias = EMPTY if m.conv1d.bias is None else _f32(m.conv1d.bias)
     norm = _f32(m.norm.weight) if s.gated_norm else EMPTY
     eps = float(m.norm.eps) if s.gated_norm else 0.0
-    part = Part(MAMBA2, [_gemm(m.in_proj), m.conv_weight(), bias, _f32(m.A_log),
-                         _f32(m.dt_bias), _f32(m.D), norm, _gemm(m.out_proj)],
+    part = Part(MAMBA2, [invariant.packed(m.in_proj), m.conv_weight(), bias, _f32(m.A_log),
+                         _f32(m.dt_bias), _f32(m.D), norm, invariant.packed(m.out_proj)],
                 ints=(int(s.norm_before_gate), int(s.gated_norm)),
                 floats=(float(s.dt_limit[0]), float(s.dt_limit[1]), eps))
     return part, (s.heads, s.head_dim, s.d_state, s.groups)
 
 
-def _swiglu(m: SwiGLU) -> tuple[Part, tuple[int, ...]] | None:
-    if m.multipliers != (1.0, 1.0) or any(p.bias is not None for p in m._parts()):
-        return None
-    return Part(SWIGLU, [m.gate_up(), _gemm(m.down_proj)],
-                ints=(m.down_proj.in_features, 0)), ()
-
-
-def _relu_squared(m: ReluSquaredMLP) -> tuple[Part, tuple[int, ...]] | None:
-    if m.up_proj.bias is not None or m.down_proj.bias is not None:
-        return None
-    return Part(RELU_SQUARED, [_gemm(m.up_proj), _gemm(m.down_proj)],
-                ints=(m.up_proj.out_features, 0)), ()
-
-
-def _expert(m: nn.Module) -> list[torch.Tensor] | None:
-    """An expert's (gate_up or up, down) GEMM weights; None: a form the kernel lacks."""
-    if isinstance(m, SwiGLU):
-        return None if _swiglu(m) is None else [m.gate_up(), _gemm(m.down_proj)]
-    found = _relu_squared(cast(ReluSquaredMLP, m))
-    return None if found is None else found[0].weights
+def _mlp(kind: int) -> Callable[[SwiGLU | ReluSquaredMLP], tuple[Part, tuple[int, ...]] | None]:
+    """The describer of a dense MLP of ``kind`` (SWIGLU or RELU_SQUARED): its two GEMM
+    weights and its hidden size."""
+    def describe(m: SwiGLU | ReluSquaredMLP) -> tuple[Part, tuple[int, ...]] | None:
+        weights = m.native_weights()
+        if weights is None:
+            return None
+        return Part(kind, weights, ints=(m.down_proj.in_features, 0)), ()
+    return describe
 
 
 def describe_experts(m: SparseMoE) -> tuple[Part, tuple[int, ...]] | None:
     """The router, the shared expert and the latent projections in the slots, the experts
-    beside them; ``ints[0]`` (where the layer's experts start in the plan's list) is set by
-    :func:`plan`; ``ints[2]``: moe.h's Router in bits (decoder_step.cpp's sparse_experts).
+    beside them (:meth:`SparseMoE.native_args`); ``ints[0]`` (where the layer's experts
+    start in the plan's list) is set by :func:`plan`; ``ints[2]``: moe.h's Router in bits.
     Qwen's whole-model step (``qwen35_step.cpp``) takes the same part (its first five
     slots: Qwen has no latent experts)."""
-    spec, form = m.spec, m.form
-    experts = [_expert(e) for e in m.experts]
-    shared = [EMPTY, EMPTY] if m.shared_expert is None else _expert(m.shared_expert)
-    if shared is None or any(e is None for e in experts) or spec.groups > 255 or (
-            form.latent and form.bias):
+    args = m.native_args()
+    if args is None:
         return None
-    bias = _f32(m.gate.get_buffer("expert_bias")) if spec.expert_bias else EMPTY
-    gate = _gemm(m.shared_expert_gate) if m.shared_expert_gate is not None else EMPTY
-    latent = [_gemm(m.fc1_latent_proj), _gemm(m.fc2_latent_proj)] if form.latent else []
-    flags = (SCORING[spec.scoring] + 4 * int(spec.norm_topk) + 8 * int(form.act == "relu2")
-             + 16 * int(bool(form.latent)) + (spec.groups << 8) + (spec.topk_groups << 16))
-    return Part(EXPERTS, [_gemm(m.gate), bias, *shared, gate, *latent],
-                ints=(0, spec.top_k, flags), floats=(spec.norm_eps, spec.scaling, 0.0),
-                experts=[w for e in experts if e is not None for w in e]), ()
+    weights = args.weights if m.form.latent else args.weights[:5]
+    return Part(EXPERTS, weights, ints=(0, args.top_k, args.flags),
+                floats=(args.norm_eps, args.scaling, 0.0), experts=args.experts), ()
 
 
 DESCRIBE: dict[type, Any] = {Attention: _attention, ShortConv: _short_conv, Mamba2: _mamba2,
-                             SwiGLU: _swiglu, ReluSquaredMLP: _relu_squared,
+                             SwiGLU: _mlp(SWIGLU), ReluSquaredMLP: _mlp(RELU_SQUARED),
                              SparseMoE: describe_experts}
 SHAPE_OF = {ATTENTION: "attention", MAMBA2: "mamba2"}
 
@@ -187,7 +165,7 @@ def plan(model: Any) -> Plan | None:
         return None
     emb = model.model.embed_tokens
     head = invariant.gemm_weight(emb, emb.weight) if model.lm_head is None \
-        else _gemm(model.lm_head)
+        else invariant.packed(model.lm_head)
     out = Plan([invariant.embedding_table(emb), head, model.model.norm.scale().contiguous()],
                [], [], [], [])
     for layer in model.model.layers:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import invariant, loader
+from model import invariant, kernels, loader
 from model.architectures.hf import HFServedModel
 from model.layers.mlp import SwiGLU
 from model.layers.moe import ExpertsSpec, RouterSpec, SparseMoE
@@ -75,7 +75,10 @@ class _Calls:
 
 
 @pytest.fixture
-def counted(qwen_moe: Path) -> Iterator[tuple[HFServedModel, _Calls]]:
+def counted(qwen_moe: Path, monkeypatch: pytest.MonkeyPatch
+            ) -> Iterator[tuple[HFServedModel, _Calls]]:
+    """The model with its PyTorch MoE form counted (the native form runs in C++)."""
+    monkeypatch.setattr(SparseMoE, "native", False)
     model = _served(qwen_moe)
     yield model, _Calls(model)
 
@@ -164,6 +167,51 @@ def test_ties_go_to_the_experts_transformers_chooses() -> None:
     assert decided.any()  # tokens where the tie decided which of the two was chosen
     assert torch.equal(chosen, ref_chosen)
     assert (got - want).abs().max().item() <= 1e-5
+
+
+NATIVE_FORMS = {
+    "qwen": dict(spec=RouterSpec(6, 2), shared=16, shared_gate=True),
+    "lfm2": dict(spec=RouterSpec(7, 3, "sigmoid", norm_eps=1e-6, scaling=1.5,
+                                 expert_bias=True)),
+    "granite": dict(spec=RouterSpec(5, 2, "softmax_topk"), shared=20),
+    "nemotron-groups": dict(spec=RouterSpec(8, 2, "sigmoid", groups=4, topk_groups=2,
+                                            expert_bias=True), shared=12,
+                            form=ExpertsSpec("relu2")),
+    "nemotron-latent": dict(spec=RouterSpec(6, 3, "sigmoid", norm_topk=False, scaling=2.5),
+                            form=ExpertsSpec("relu2", latent=16)),
+}
+
+
+@pytest.mark.skipif(not kernels.load(), reason="needs the native kernels")
+@pytest.mark.parametrize("form", sorted(NATIVE_FORMS))
+def test_the_native_moe_computes_the_pytorch_form(form: str) -> None:
+    """Every router and expert form through ``moe_forward`` (moe.h, the prefill's path)
+    against the PyTorch form (the reference): one token and a 37-token prompt within fp32
+    rounding; each token's output bit-equal to the token alone (batch-invariant); bf16
+    weights within bf16's error of the fp32 reference, but for a token whose near-tied
+    experts swap in bf16 (1 in 37 for the grouped router, as in the PyTorch form)."""
+    torch.manual_seed(5)
+    ours = SparseMoE(32, 24, **NATIVE_FORMS[form]).eval()  # type: ignore[arg-type]
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_(0, 0.4)
+        for b in ours.buffers():
+            b.normal_(0, 0.4)
+    x = torch.randn(37, 32)
+    assert ours.native_args() is not None
+    with torch.inference_mode():
+        native = ours(x)
+        ours.native = False
+        eager = ours(x)
+        ours.native = True
+        assert (native - eager).abs().max().item() <= 1e-5 * eager.abs().max().item()
+        alone = torch.cat([ours(x[i : i + 1]) for i in range(x.shape[0])])
+        assert torch.equal(alone, native)
+        ours.to(torch.bfloat16)
+        low = ours(x.bfloat16()).float()
+    err = (low - eager).abs().amax(-1) / eager.abs().amax(-1)  # per token
+    assert err.median().item() <= 0.01
+    assert (err > 0.05).float().mean().item() <= 0.05
 
 
 @pytest.mark.parametrize("family, shape, stacks, count", [
