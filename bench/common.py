@@ -66,6 +66,37 @@ def time_interleaved(fns: Mapping[str, Callable[[], object]], rounds: int = 7,
     return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
 
 
+def prefill_forms(model: Any, shapes: list[tuple[int, int]], set_form: Callable[[str], None],
+                  forms: tuple[str, str], rounds: int) -> list[dict[str, Any]]:
+    """A model's whole prefill in two forms of one of its layers (``set_form`` switches):
+    for each (prompts, tokens) shape, random prompts prefilled once per form to warm up,
+    then the forms alternated ``rounds`` times and the best wall time of each kept. A row
+    per shape: both times, both tokens/s, and ``speedup`` = the first form's time over the
+    second's."""
+    rows: list[dict[str, Any]] = []
+    for b, t in shapes:
+        ids = torch.randint(0, 8000, (b, t), generator=torch.Generator().manual_seed(0))
+
+        def once(form: str, ids: torch.Tensor = ids) -> float:
+            set_form(form)
+            start = time.perf_counter()
+            model.prefill(ids)
+            return time.perf_counter() - start
+
+        for form in forms:
+            once(form)
+        best = dict.fromkeys(forms, float("inf"))
+        for _ in range(rounds):
+            for form in forms:
+                best[form] = min(best[form], once(form))
+        row: dict[str, Any] = {"prompts": b, "tokens": t}
+        row.update({f"{f}_s": round(best[f], 2) for f in forms})
+        row.update({f"{f}_tok_s": round(b * t / best[f], 1) for f in forms})
+        row["speedup"] = round(best[forms[0]] / best[forms[1]], 2)
+        rows.append(row)
+    return rows
+
+
 def style_axes(ax: Any, xlabel: str, ylabel: str, title: str, logy: bool = True,
                legend_size: int | None = None) -> None:
     """The common look of the benchmark plots: log2 x, optional log y, grid, legend."""

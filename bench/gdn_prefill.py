@@ -15,26 +15,19 @@ the best of each kept. Writes ``bench/results/gdn_prefill.json``.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from bench.common import machine, print_table, write_json
+from bench.common import machine, prefill_forms, print_table, write_json
 from model import loader
 from model.layers.gated_delta import GatedDeltaNet
 
 SHAPES = [(16, 128), (1, 2048)]
 
 
-def prefill_seconds(model: Any, rows: int, tokens: int, native: bool) -> float:
-    """Wall seconds of one prefill of ``rows`` random prompts of ``tokens``."""
-    GatedDeltaNet.native_scan = native
-    ids = torch.randint(0, 8000, (rows, tokens), generator=torch.Generator().manual_seed(0))
-    start = time.perf_counter()
-    model.prefill(ids)
-    return time.perf_counter() - start
+def set_form(form: str) -> None:
+    GatedDeltaNet.native_scan = form == "scan"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,18 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = loader.load(args.checkpoint, "bfloat16")
-    model.prefill(torch.zeros(2, 32, dtype=torch.long))  # warm-up
-    rows: list[dict[str, Any]] = []
-    for b, t in SHAPES:
-        best = {"chunked": float("inf"), "scan": float("inf")}
-        for _ in range(args.rounds):
-            for form in best:
-                best[form] = min(best[form], prefill_seconds(model, b, t, form == "scan"))
-        rows.append({"prompts": b, "tokens": t, "chunked_s": round(best["chunked"], 2),
-                     "scan_s": round(best["scan"], 2),
-                     "chunked_tok_s": round(b * t / best["chunked"], 1),
-                     "scan_tok_s": round(b * t / best["scan"], 1),
-                     "speedup": round(best["chunked"] / best["scan"], 2)})
+    rows = prefill_forms(model, SHAPES, set_form, ("chunked", "scan"), args.rounds)
     GatedDeltaNet.native_scan = True
     print_table(rows, list(rows[0]))
     write_json("gdn_prefill", {"machine": machine(), "threads": args.threads, "rows": rows})

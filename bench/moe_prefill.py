@@ -16,26 +16,19 @@ layers (``python -m bench.families --models qwen3.5-35b-a3b-8l --make``). Writes
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from bench.common import machine, print_table, write_json
+from bench.common import machine, prefill_forms, print_table, write_json
 from model import loader
 from model.layers.moe import SparseMoE
 
 SHAPES = [(1, 128), (16, 128)]
 
 
-def prefill_seconds(model: Any, rows: int, tokens: int, native: bool) -> float:
-    """Wall seconds of one prefill of ``rows`` random prompts of ``tokens``."""
-    SparseMoE.native = native
-    ids = torch.randint(0, 8000, (rows, tokens), generator=torch.Generator().manual_seed(0))
-    start = time.perf_counter()
-    model.prefill(ids)
-    return time.perf_counter() - start
+def set_form(form: str) -> None:
+    SparseMoE.native = form == "native"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,19 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = loader.load(args.checkpoint, "bfloat16", quantization=args.quantization)
-    rows: list[dict[str, Any]] = []
-    for b, t in SHAPES:
-        best = {"pytorch": float("inf"), "native": float("inf")}
-        for form in best:  # warm-up: the first prefill of a shape allocates
-            prefill_seconds(model, b, t, form == "native")
-        for _ in range(args.rounds):
-            for form in best:
-                best[form] = min(best[form], prefill_seconds(model, b, t, form == "native"))
-        rows.append({"prompts": b, "tokens": t, "pytorch_s": round(best["pytorch"], 2),
-                     "native_s": round(best["native"], 2),
-                     "pytorch_tok_s": round(b * t / best["pytorch"], 1),
-                     "native_tok_s": round(b * t / best["native"], 1),
-                     "speedup": round(best["pytorch"] / best["native"], 2)})
+    rows = prefill_forms(model, SHAPES, set_form, ("pytorch", "native"), args.rounds)
     SparseMoE.native = True
     print_table(rows, list(rows[0]))
     write_json("moe_prefill", {"machine": machine(), "threads": args.threads,
