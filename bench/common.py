@@ -179,6 +179,18 @@ def child_pids(pid: int) -> list[int]:
             for c in (task / "children").read_text().split()]
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants (the engine process is a child); a
+    process gone meanwhile counts 0."""
+    from model.heap import resident_bytes
+
+    try:
+        children = child_pids(pid)
+    except OSError:
+        children = []
+    return resident_bytes(pid) + sum(rss_bytes(c) for c in children)
+
+
 def server_metrics(url: str) -> dict[str, float]:
     """The unlabelled samples of a server's Prometheus ``/metrics`` (histograms' ``_sum`` and
     ``_count`` included), by name; empty when it is unreachable or does not answer in

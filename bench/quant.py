@@ -27,7 +27,15 @@ from typing import Any
 import torch
 
 from bench import llamacpp_compare as lc
-from bench.common import RESULTS, machine, print_table, read_json, save_figure, write_json
+from bench.common import (
+    RESULTS,
+    machine,
+    print_table,
+    read_json,
+    rss_bytes,
+    save_figure,
+    write_json,
+)
 from bench.hf import decode_row, step_bytes
 from bench.roofline import read_bandwidth_gbs
 from model import loader
@@ -51,22 +59,6 @@ def ours(checkpoint: Path, kind: str, threads: list[int], context: int, bw: floa
     return {"decode": rows, "weight_bytes": model.info.weight_bytes, "bytes_per_step": read,
             "roofline_ms_1_thread": round(read / bw / 1e6, 2),
             "of_roofline_1_thread": round(read / bw / 1e6 / one["step_ms"], 3)}
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident bytes of ``pid`` and its descendants (the engine process is a child)."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            total += int(next(ln.split()[1] for ln in status.splitlines()
-                              if ln.startswith("VmRSS:"))) * 1024
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, StopIteration):
-            continue
-    return total
 
 
 def servers(args: argparse.Namespace, kind: str) -> dict[str, Any]:

@@ -16,20 +16,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from bench.common import RESULTS, machine, print_table, write_json
+from bench.common import RESULTS, machine, print_table, rss_bytes, write_json
 from bench.serverproc import ServerProcess
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of ``pid`` and all its descendants (e.g. the engine process)."""
-    total = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            total += int(line.split()[1]) * 1024
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children = (task / "children").read_text().split()
-        total += sum(rss_bytes(int(c)) for c in children)
-    return total
 
 
 def fill(weights: Path, count: int, tokens: int, budget: float) -> dict[str, Any]:

@@ -46,10 +46,10 @@ def check_mode(mode: str) -> None:
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [K, N]`` -> q ``[K, N]`` int8 in [−127, 127] and fp32 scales ``[N]``."""
-    w = w.float()
+    w = w.to(torch.float32, copy=True)  # scaled in place: one fp32 copy at a time
     scale = w.abs().amax(0) / 127
     inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    q = torch.round(w * inv).clamp(-127, 127).to(torch.int8)
+    q = w.mul_(inv).round_().clamp_(-127, 127).to(torch.int8)
     return q, scale
 
 
@@ -57,12 +57,12 @@ def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
     """``w [K, N]`` (K a multiple of ``group``) -> q ``[K, N]`` int8 in [−8, 7] and fp16
     scales ``[K / group, N]``."""
     k, n = w.shape
-    g = w.float().view(k // group, group, n)
+    g = w.to(torch.float32, copy=True).view(k // group, group, n)  # scaled in place
     extreme = g.gather(1, g.abs().argmax(1, keepdim=True)).squeeze(1)  # [K/G, N], signed
     scale = (extreme / -8).half()
     s = scale.float()
     inv = torch.where(s != 0, 1 / s, torch.zeros_like(s))
-    q = torch.round(g * inv[:, None, :]).clamp(-8, 7).to(torch.int8).view(k, n)
+    q = g.mul_(inv[:, None, :]).round_().clamp_(-8, 7).to(torch.int8).view(k, n)
     return q, scale
 
 

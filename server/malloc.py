@@ -1,4 +1,5 @@
-"""glibc heap tuning for the process that holds the session store.
+"""glibc heap tuning for the process that holds the session store (returning the heap's free
+memory is :mod:`model.heap`'s).
 
 Idle sessions are long-lived blobs of ~270 KB allocated between short-lived buffers of the
 same size (request bodies, decoded tensors, shuffle copies). glibc's default malloc raises
@@ -18,17 +19,6 @@ import logging
 
 log = logging.getLogger(__name__)
 M_MMAP_THRESHOLD = -3  # from glibc's malloc.h
-
-
-def trim() -> bool:
-    """Return the heap's free memory to the system (glibc's ``malloc_trim``): loading and
-    packing a checkpoint frees gigabytes of temporaries (the weights as read, fp32 copies
-    while quantizing) that glibc otherwise keeps (int4 on the 0.8B shapes: 2.42 GB resident
-    after loading, 1.30 GB after this). False where there is no ``malloc_trim``."""
-    try:
-        return bool(ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
 
 
 def pin_mmap_threshold(nbytes: int) -> bool:

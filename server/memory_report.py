@@ -11,25 +11,13 @@ total is what ``/proc`` says and that the named parts never exceed it.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import REGISTRY
 
+from model.heap import resident_bytes
 from server import metrics
 from server.engine.memory import ENGINE_PARTS
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident bytes of process ``pid`` (0 if it is gone)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0
-    for line in status.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _gauge(name: str, labels: dict[str, str] | None = None) -> int:
@@ -39,8 +27,8 @@ def _gauge(name: str, labels: dict[str, str] | None = None) -> int:
 def report(engine_pid: int | None) -> dict[str, Any]:
     """The report, with the ``sessions`` and ``runtime`` gauges updated. ``engine_pid``:
     the engine process (None when the engine is a thread of this process)."""
-    http = rss_bytes(os.getpid())
-    engine = rss_bytes(engine_pid) if engine_pid else 0
+    http = resident_bytes(os.getpid())
+    engine = resident_bytes(engine_pid) if engine_pid else 0
     parts = {p: _gauge("linserve_memory_bytes", {"part": p}) for p in ENGINE_PARTS}
     parts["sessions"] = _gauge("linserve_session_bytes")
     parts["runtime"] = http + engine - sum(parts.values())

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from model import invariant, kernels
+from model import heap, invariant, kernels
 from model.interface import CheckpointError, ModelInfo
 from model.layers import moe
 from model.state import State
@@ -200,14 +200,17 @@ def load_weights(module: nn.Module, path: Path, rename: Callable[[str], str | No
     With a ``packer`` (a served model, inside :func:`invariant.packing_once`), everything
     outside ``model.layers`` is read first and the head packed, then each layer is read and
     packed in turn, each original freed as it is packed: loading never holds the checkpoint
-    whole beside its packed copy. A progress bar on stderr counts the layers (vLLM shows
-    its checkpoint shards the same way)."""
+    whole beside its packed copy. The heap is trimmed whenever those frees pile up past
+    ``TRIM_DURING_LOAD``: glibc would otherwise keep them resident until the load ends. A
+    progress bar on stderr counts the layers (vLLM shows its checkpoint shards the same
+    way)."""
     wanted, unused = plan(module, path, rename, split)
     groups: dict[int, Wanted] = {}
     for target, where in wanted.items():
         hit = _LAYER.match(target) if packer is not None else None
         groups.setdefault(int(hit.group(1)) if hit else -1, {})[target] = where
     order = sorted(groups)
+    trim = heap.Trimmer(TRIM_DURING_LOAD)
     progress = tqdm(order, desc=f"Loading {path.name}", unit="layer", file=sys.stderr,
                     disable=packer is None, mininterval=0.5)
     for index in progress:
@@ -217,6 +220,7 @@ def load_weights(module: nn.Module, path: Path, rename: Callable[[str], str | No
         del ours
         if packer is not None:
             packer.pack_head() if index < 0 else packer.pack_layer(index)
+            trim()
     cast(module, dtype)
     return unused
 
@@ -238,6 +242,8 @@ def cast(module: ModuleT, dtype: torch.dtype) -> ModuleT:
     return module
 
 
+# Growth of the free heap past which a load returns memory between layers (see :mod:`model.heap`).
+TRIM_DURING_LOAD = 256 << 20
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from model.heap import trim
 from model.interface import ServedModel, State
 from model.sampling import BatchParams, sample, top_logprobs
 from server import metrics
@@ -29,7 +30,6 @@ from server.engine.replay import Replay, ReplayQueue
 from server.engine.sequence import Sequence, logprob_entries
 from server.engine.types import GenerationRequest, Output, TokenLogprob
 from server.grammar.engine_side import EngineGrammars, MaskResult, matcher_error
-from server.malloc import trim
 from server.prefix_cache.engine_side import EnginePrefixCache, Publish
 from server.sessions.transcript import (
     chat_next_turn_text,

@@ -11,10 +11,10 @@ import time
 
 import torch
 
+from model.heap import trim
 from model.interface import ModelInfo, ServedModel
 from model.loader import batch_invariant_active, load, pick_dtype
 from server.cpus import available_cpus
-from server.malloc import trim
 from server.settings import Settings
 
 log = logging.getLogger("linserve")

@@ -1,0 +1,35 @@
+"""model.heap: freed heap goes back to the system once it has piled up (what the loader does
+between packed layers), and the resident set is read as ``/proc`` gives it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from model import heap
+
+pytestmark = pytest.mark.skipif(not heap.trim() and heap.resident_bytes() == 0,
+                                reason="needs glibc's malloc_trim and procfs")
+
+
+def test_resident_bytes_reads_this_process_and_others() -> None:
+    assert abs(heap.resident_bytes() - heap.resident_bytes(os.getpid())) < 8 << 20
+    assert heap.resident_bytes() > 50 << 20  # torch alone
+    assert heap.resident_bytes(2**22 + 12345) == 0  # no such process
+
+
+def test_a_trimmer_gives_back_freed_heap_once_it_has_grown() -> None:
+    heap.trim()
+    trimmer = heap.Trimmer(64 << 20)
+    assert not trimmer()  # nothing grew
+    before = heap.resident_bytes()
+    pieces = [torch.ones(16 << 10) for _ in range(3200)]  # 200 MiB in 64 KiB heap chunks
+    keep = torch.ones(16 << 10)  # above them: the heap's top cannot simply shrink
+    del pieces
+    assert heap.resident_bytes() - before > 150 << 20  # freed, but still resident
+    assert trimmer()
+    assert heap.resident_bytes() - before < 32 << 20
+    assert not trimmer()  # nothing grew since
+    del keep
