@@ -23,6 +23,15 @@ WEIGHTS = ROOT / "weights"
 os.environ.setdefault("LINSERVE_DTYPE", "float32")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the native kernels once, before any test starts a server: a server that
+    compiles them itself spends a minute or two of its health wait doing so, and a test
+    that gives up on it would kill the build halfway."""
+    from model import kernels
+
+    kernels.load()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
                               ) -> Generator[None, Any, None]:

@@ -23,9 +23,13 @@ step, which computes the same thing.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -104,24 +108,34 @@ def prebuilt_library() -> str | None:
     return str(Path(root) / arch / f"{NAME}.so")
 
 
-STALE_LOCK_SECONDS = 600.0
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold the build in ``build_dir`` alone, with an ``flock``: the kernel releases it when
+    its holder dies, however it dies. torch's extension builder has its own lock, a file
+    whose mere existence makes every other builder wait, forever, so a server (or a test
+    run) killed while compiling left every later start hanging. Every build here takes this
+    lock first, so a torch lock found while holding it was left by a dead builder."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "linserve.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("kernels: removing a build lock left by a killed build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def clear_stale_lock(build_dir: Path) -> None:
-    """Remove a build lock left by a process killed while compiling. torch's extension
-    builder waits for ``lock`` to disappear and never times out, so a server (or test run)
-    killed during its first compile left every later start hanging. A build takes a minute
-    or two here; a lock older than :data:`STALE_LOCK_SECONDS` has no live owner."""
-    import time
+def default_build_dir(name: str) -> Path:
+    """torch's cache folder for ``name``, one per source checkout: two checkouts (a CI clone
+    beside a working tree) writing one folder rebuilt it in turn on every start, since the
+    build commands name the sources' paths."""
+    from torch.utils import cpp_extension
 
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        log.warning("kernels: removing a stale build lock (%.0f s old): %s", age, lock)
-        lock.unlink(missing_ok=True)
+    where = hashlib.sha1(str(Path(__file__).parent.resolve()).encode()).hexdigest()[:10]
+    return Path(cpp_extension._get_build_directory(name, False)).with_name(f"{name}-{where}")
 
 
 def build(directory: str | Path | None = None, verbose: bool = False) -> str:
@@ -129,21 +143,21 @@ def build(directory: str | Path | None = None, verbose: bool = False) -> str:
     from torch.utils import cpp_extension
 
     arch = os.environ.get("LINSERVE_KERNEL_ARCH", "native")
-    build_dir = None if directory is None else str(directory)
-    if build_dir is not None:
-        Path(build_dir).mkdir(parents=True, exist_ok=True)
     # The default cache keeps one build per -march, so switching LINSERVE_KERNEL_ARCH (the
     # tests run each instruction set this CPU has) does not rebuild over the other.
-    name = NAME if build_dir is not None or arch == "native" else f"{NAME}_{arch.replace('-', '_')}"
-    clear_stale_lock(Path(build_dir or cpp_extension._get_build_directory(name, False)))
-    path = cpp_extension.load(
-        name=name, sources=[str(s) for s in SOURCES],
-        # -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it; the library
-        # then shares torch's own libgomp.so.1 (already loaded, same soname) and its threads.
-        extra_cflags=["-O3", *march_flags(arch), "-fopenmp", "-fno-math-errno"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=build_dir,
-        is_python_module=False, verbose=verbose)
+    name = NAME if directory is not None or arch == "native" else \
+        f"{NAME}_{arch.replace('-', '_')}"
+    build_dir = Path(directory) if directory is not None else default_build_dir(name)
+    with build_lock(build_dir):
+        path = cpp_extension.load(
+            name=name, sources=[str(s) for s in SOURCES],
+            # -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it; the
+            # library then shares torch's own libgomp.so.1 (already loaded, same soname)
+            # and its threads.
+            extra_cflags=["-O3", *march_flags(arch), "-fopenmp", "-fno-math-errno"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False, verbose=verbose)
     return str(path)
 
 
