@@ -25,7 +25,14 @@ fetch_source() {
 
 build() {
   fetch_source
+  # Without AMX unless LLAMACPP_AMX=1: on a Sapphire Rapids VM that lists amx_tile, this
+  # version's AMX Q8_0 kernel (tinygemm_kernel_amx) died of an invalid opcode at its first
+  # tileloadd in every batched product (llama-server at startup, llama-bench -p); its
+  # AVX-512 kernels then serve, as ours run AVX-512 without AMX.
+  local flags=""
+  if [ "${LLAMACPP_AMX:-0}" != 1 ]; then flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
   cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
   cmake --build "$BUILD" -j "$(nproc)" --target llama-bench llama-server llama-quantize
 }
