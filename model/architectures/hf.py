@@ -200,8 +200,8 @@ def load_weights(module: nn.Module, path: Path, rename: Callable[[str], str | No
     With a ``packer`` (a served model, inside :func:`invariant.packing_once`), everything
     outside ``model.layers`` is read first and the head packed, then each layer is read and
     packed in turn, each original freed as it is packed: loading never holds the checkpoint
-    whole beside its packed copy. The heap is trimmed whenever those frees pile up past
-    ``TRIM_DURING_LOAD``: glibc would otherwise keep them resident until the load ends. A
+    whole beside its packed copy. The heap is trimmed each time the resident set has grown
+    ``TRIM_DURING_LOAD``: glibc would otherwise keep those frees resident until the end. A
     progress bar on stderr counts the layers (vLLM shows its checkpoint shards the same
     way)."""
     wanted, unused = plan(module, path, rename, split)
@@ -242,7 +242,7 @@ def cast(module: ModuleT, dtype: torch.dtype) -> ModuleT:
     return module
 
 
-# Growth of the free heap past which a load returns memory between layers (see :mod:`model.heap`).
+# Growth of the resident set past which a load trims the heap between layers (model.heap).
 TRIM_DURING_LOAD = 256 << 20
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
