@@ -24,11 +24,11 @@ COPY pyproject.toml README.md ./
 COPY model/ model/
 COPY server/ server/
 RUN /opt/venv/bin/pip install --find-links /wheels /src
-# Prebuild the kernels for three CPU levels (not -march=native: the image moves); at start
+# Prebuild the kernels for four CPU levels (not -march=native: the image moves); at start
 # the best one this CPU runs is loaded (model/kernels: LINSERVE_KERNEL_DIR), so a CPU without
-# AVX2 gets the baseline build instead of an illegal instruction, and one with AVX512-BF16
-# gets the bf16 dot-product GEMM.
-RUN for arch in x86-64-v4-bf16 x86-64-v3 x86-64; do \
+# AVX2 gets the baseline build instead of an illegal instruction, one with AVX512-BF16 gets
+# the bf16 dot-product GEMM, and one with AMX its tiles.
+RUN for arch in x86-64-v4-amx x86-64-v4-bf16 x86-64-v3 x86-64; do \
       PATH=/opt/venv/bin:$PATH LINSERVE_KERNEL_ARCH=$arch python -m model.kernels build "/opt/kernels/$arch" \
       && test -f "/opt/kernels/$arch/linserve_kernels.so" || exit 1; \
     done
@@ -42,6 +42,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     LINSERVE_KERNEL_DIR=/opt/kernels
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin app
 COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/kernels/x86-64-v4-amx/linserve_kernels.so /opt/kernels/x86-64-v4-amx/
 COPY --from=build /opt/kernels/x86-64-v4-bf16/linserve_kernels.so /opt/kernels/x86-64-v4-bf16/
 COPY --from=build /opt/kernels/x86-64-v3/linserve_kernels.so /opt/kernels/x86-64-v3/
 COPY --from=build /opt/kernels/x86-64/linserve_kernels.so /opt/kernels/x86-64/

@@ -38,6 +38,18 @@ at::Tensor head_rows_op(const at::Tensor& head, const at::Tensor& tokens, int64_
 
 bool has_bf16_dot() { return linserve::kHasBf16Dot; }
 
+// Whether bf16 GEMMs run on AMX tiles now; set_amx(false) keeps them on AVX512-BF16 (tests
+// compare the two; a process must not flip it while it serves).
+bool amx_active() { return linserve::amx_active(); }
+
+void set_amx(bool on) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  linserve::amx_flag() = on;
+#else
+  (void)on;
+#endif
+}
+
 void set_batch_invariant(bool on) { linserve::batch_invariant_flag() = on; }
 
 bool get_batch_invariant() { return linserve::batch_invariant_flag(); }
@@ -50,6 +62,8 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("pack_quantized(Tensor q, Tensor scales, bool int4) -> Tensor");
   m.def("head_rows(Tensor head, Tensor tokens, int dim) -> Tensor");
   m.def("has_bf16_dot() -> bool");
+  m.def("amx_active() -> bool");
+  m.def("set_amx(bool on) -> ()");
   m.def("set_batch_invariant(bool on) -> ()");
   m.def("get_batch_invariant() -> bool");
 }
@@ -65,4 +79,6 @@ TORCH_LIBRARY_IMPL(linserve, CatchAll, m) {
   m.impl("set_batch_invariant", &set_batch_invariant);
   m.impl("get_batch_invariant", &get_batch_invariant);
   m.impl("has_bf16_dot", &has_bf16_dot);
+  m.impl("amx_active", &amx_active);
+  m.impl("set_amx", &set_amx);
 }

@@ -201,14 +201,14 @@ constexpr int64_t kChunk = 512;
 // f(rows_in_group, span) for every (row group, column chunk), in parallel.
 template <typename F>
 inline void for_spans(const float* x, float* y, int64_t rows, int64_t k_len, int64_t n,
-                      bool accumulate, int64_t group_rows, const F& f) {
+                      bool accumulate, int64_t group_rows, const F& f, int64_t chunk = kChunk) {
   const int64_t groups = (rows + group_rows - 1) / group_rows;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const int64_t chunks = (n + chunk - 1) / chunk;
   at::parallel_for(0, groups * chunks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g = t % groups, c0 = t / groups * kChunk;
+      const int64_t g = t % groups, c0 = t / groups * chunk;
       const int64_t r0 = g * group_rows;
-      const Span s{r0, x + r0 * k_len, y + r0 * n, k_len, n, c0, std::min(c0 + kChunk, n),
+      const Span s{r0, x + r0 * k_len, y + r0 * n, k_len, n, c0, std::min(c0 + chunk, n),
                    accumulate};
       f(std::min(group_rows, rows - r0), s);
     }
@@ -326,9 +326,21 @@ inline std::vector<uint32_t> pair_rows(const float* x, int64_t rows, int64_t k_l
   return xp;
 }
 
-// y [B, N] (+)= bf16(x [B, K]) @ P, P in pairs as above.
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+}  // namespace linserve
+#include "gemm_amx.h"  // NOLINT: gemm_rows_amx, on the definitions above
+namespace linserve {
+#else
+constexpr bool kHasAmx = false;
+inline bool amx_active() { return false; }
+#endif
+
+// y [B, N] (+)= bf16(x [B, K]) @ P, P in pairs as above (on AMX tiles where they run).
 inline void gemm_rows_dp(const float* x, const Weights<uint16_t>& wp, float* y, int64_t rows,
                          int64_t k_len, int64_t n, bool accumulate) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (amx_active()) return gemm_rows_amx(x, wp, y, rows, k_len, n, accumulate);
+#endif
   const int64_t k2_len = (k_len + 1) / 2;
   const std::vector<uint32_t> xp = pair_rows(x, rows, k_len);
   const uint32_t* xs = xp.data();
@@ -346,6 +358,8 @@ inline void gemm_rows_dp(const float* x, const Weights<uint16_t>& wp, float* y, 
 }
 #else
 constexpr bool kHasBf16Dot = false;
+constexpr bool kHasAmx = false;
+inline bool amx_active() { return false; }
 #endif
 
 // src [K', N, J] -> the same values with the columns in panels (see Weights): panel by

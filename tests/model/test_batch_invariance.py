@@ -63,6 +63,31 @@ def test_invariant_mm_rows_do_not_depend_on_the_batch(dtype: torch.dtype, packed
     assert (full.double() - ref).abs().max().item() < 1e-4 * k ** 0.5
 
 
+@pytest.mark.skipif(not (kernels.load() and torch.ops.linserve.amx_active()),
+                    reason="bf16 GEMMs do not run on AMX tiles on this CPU")
+@pytest.mark.parametrize(("k", "n"), [(1024, 3584), (70, 200), (33, 4500)])
+def test_amx_tiles_agree_with_the_bf16_dot_products(k: int, n: int) -> None:
+    """The AMX path (gemm_amx.h) and the AVX512-BF16 one compute the same product of the
+    same bf16-rounded activations, within fp32 rounding: both against float64, and each row
+    of a 16-row call equal to itself alone on the tiles (with a K tail of 16 pairs and a
+    narrow last panel)."""
+    torch.manual_seed(0)
+    w = torch.randn(k, n).bfloat16()
+    wp = invariant.pack(w)
+    x = torch.randn(16, k)
+    ref = x.bfloat16().double() @ w.double()
+    try:
+        tiles = torch.ops.linserve.invariant_mm(x, wp)
+        alone = torch.cat([torch.ops.linserve.invariant_mm(x[i : i + 1], wp) for i in range(16)])
+        torch.ops.linserve.set_amx(False)
+        dots = torch.ops.linserve.invariant_mm(x, wp)
+    finally:
+        torch.ops.linserve.set_amx(True)
+    assert torch.equal(tiles, alone)
+    for y in (tiles, dots):
+        assert (y.double() - ref).abs().max().item() < 1e-5 * k ** 0.5
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize(("k", "n"), [(64, 200), (64, 328), (96, 24), (64, 256)])
 def test_quantized_invariant_mm_rows_do_not_depend_on_the_batch(mode: str, k: int, n: int
@@ -142,13 +167,17 @@ def test_prefill_split_falls_on_chunk_multiples() -> None:
 
 
 def _instruction_sets() -> list[tuple[str, str]]:
-    """(ATEN_CPU_CAPABILITY, -march) pairs this CPU can execute, from the baseline up."""
+    """(ATEN_CPU_CAPABILITY, -march) pairs this CPU can execute, from the baseline up; and
+    where the native build runs bf16 GEMMs on AMX tiles, that build with them turned off
+    ("native-no-amx": its AVX512-BF16 dot products, which CPUs without AMX run)."""
     flags = cpu_flags()
     runs = [("default", "x86-64")]
     if {"avx2", "fma"} <= flags:
         runs.append(("avx2", "x86-64-v3"))
     if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= flags:
         runs.append(("avx512", "x86-64-v4"))
+    if kernels.load() and torch.ops.linserve.amx_active():
+        runs.append(("avx512", "native-no-amx"))
     return runs
 
 
@@ -161,6 +190,8 @@ def test_each_instruction_set(aten: str, march: str) -> None:
     native build, AVX512-BF16 included where present, is the main run)."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": aten, "LINSERVE_KERNEL_ARCH": march,
            ISA_RUN: march}
+    if march == "native-no-amx":
+        env.update(LINSERVE_KERNEL_ARCH="native", LINSERVE_AMX="0")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          str(Path(__file__).with_name("test_native_sampling.py")),

@@ -81,6 +81,9 @@ def test_kernel_level_is_picked_from_cpu_flags(tmp_path: Path) -> None:
     three = ["x86-64-v4-bf16", "x86-64-v3", "x86-64"]
     assert kernels.pick_arch(kernels.X86_64_V4_BF16_FLAGS, three) == "x86-64-v4-bf16"
     assert kernels.pick_arch(kernels.X86_64_V4_FLAGS, three) == "x86-64-v3"  # no bf16 dots
+    four = ["x86-64-v4-amx", *three]
+    assert kernels.pick_arch(kernels.X86_64_V4_AMX_FLAGS, four) == "x86-64-v4-amx"
+    assert kernels.pick_arch(kernels.X86_64_V4_BF16_FLAGS, four) == "x86-64-v4-bf16"
     info = tmp_path / "cpuinfo"
     info.write_text("processor: 0\nflags\t\t: fpu sse2 avx2\n")
     assert kernels.cpu_flags(info) == {"fpu", "sse2", "avx2"}
