@@ -10,7 +10,8 @@ which is how the Docker image ships it without a compiler:
 - ``LINSERVE_KERNEL_LIB=/path/linserve_kernels.so``: load this prebuilt library.
 - ``LINSERVE_KERNEL_DIR=/opt/kernels``: prebuilt libraries for several CPU levels, one per
   sub-folder (``x86-64-v4-amx/``, ``x86-64-v4-bf16/``, ``x86-64-v3/``, ``x86-64/``); the
-  best one this CPU runs is loaded (:func:`pick_arch`), so an image built once never runs AVX2 code on a CPU without it.
+  best one this CPU runs is loaded (:func:`pick_arch`), so an image built once never runs
+  AVX2 code on a CPU without it.
 - ``LINSERVE_KERNEL_ARCH`` (default ``native``): the ``-march`` the source is compiled for
   (``x86-64-v3`` is AVX2 + FMA, ``x86-64-v4`` AVX-512): the kernels' switch of instruction
   set, as ``ATEN_CPU_CAPABILITY`` is ATen's.
