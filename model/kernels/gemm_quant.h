@@ -330,6 +330,19 @@ inline void span_rows_quant(const QuantActs& a, const Span& s, const QuantWeight
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // ---- AVX512-VNNI: vpdpbusd, 16 columns a vector ------------------------------------------
+// A GEMV prefetches the weights this many blocks ahead: its vector loads alone kept too few
+// reads in flight (as gemm_amx.h's tiles). Where they point never changes the arithmetic,
+// and a prefetch past the weight's end never faults.
+constexpr int64_t kQuantPrefetch = 2;
+
+// Block b of the panels that the nv column vectors of col cover (col[0] at a panel's start).
+inline void prefetch_block(const QCol* col, int64_t nv, int64_t b) {
+  for (int64_t j = 0; j < nv; j += 4) {
+    const char* p = reinterpret_cast<const char*>(col[j].q + b * col[j].block);
+    for (int64_t i = 0; i < col[j].block; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+  }
+}
+
 // ROWS rows x NV vectors of 16 columns from c (the last vector's columns masked by m).
 template <bool INT4, int64_t ROWS, int64_t NV>
 inline void tile_vnni(const QuantActs& a, const Span& s, const QuantWeights& w, int64_t c,
@@ -341,6 +354,7 @@ inline void tile_vnni(const QuantActs& a, const Span& s, const QuantWeights& w, 
   __m512 acc[ROWS][NV];
   for (auto& row : acc) for (auto& v : row) v = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
+    if constexpr (ROWS == 1 && NV >= 4) prefetch_block(col, NV, b + kQuantPrefetch);
     __m512i dot[ROWS][NV];
     const int32_t* xq[ROWS];
     for (int64_t r = 0; r < ROWS; ++r) {
