@@ -198,6 +198,17 @@ def load_error() -> str | None:
     return str(err) if err else None
 
 
+def bf16_gemm() -> str:
+    """What multiplies bf16 weights in this process, for the startup log and ``/health``:
+    ``amx`` (tiles, gemm_amx.h), ``avx512-bf16`` (vdpbf16ps), ``fp32-fma`` (widened to fp32)
+    or ``aten`` (no kernels)."""
+    if not available():
+        return "aten"
+    if torch.ops.linserve.amx_active():
+        return "amx"
+    return "avx512-bf16" if torch.ops.linserve.has_bf16_dot() else "fp32-fma"
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] != "build":

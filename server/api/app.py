@@ -22,6 +22,7 @@ from server.api.service import GenerationService
 from server.engine.client import EngineBackend, EngineClient
 from server.engine.engine import Engine, EngineLimits
 from server.engine.loading import (
+    bf16_gemm,
     describe_model,
     load_engine_model,
     pick_dtype,
@@ -180,6 +181,7 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     app.state.model_name = settings.served_name
     app.state.max_model_len = info.context_limit
     app.state.dtype = pick_dtype(settings.dtype)
+    app.state.bf16_gemm = bf16_gemm()
     app.state.batch_invariant = settings.batch_invariant
     app.state.started = int(time.time())
     app.state.client = client
@@ -191,6 +193,7 @@ async def startup(app: FastAPI, settings: Settings) -> None:
         "event": "startup", "model": settings.served_name, "weights": str(settings.weights),
         "architecture": info.architecture, "params": info.params,
         "dtype": app.state.dtype[0], "dtype_reason": app.state.dtype[1],
+        "bf16_gemm": app.state.bf16_gemm,
         "decode_step": info.decode_step, "batch_invariant": settings.batch_invariant,
         "quantization": info.quantization, "weight_bytes": info.weight_bytes,
         "state_bytes_per_session": info.state_bytes,

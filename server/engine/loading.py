@@ -13,6 +13,7 @@ import torch
 
 from model.heap import trim
 from model.interface import ModelInfo, ServedModel
+from model.kernels import bf16_gemm  # noqa: F401 (re-exported for the app's startup)
 from model.loader import batch_invariant_active, load, pick_dtype
 from server.cpus import available_cpus
 from server.settings import Settings

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench.serverproc import ServerProcess
+from model import kernels
 from model.architectures.linserve import load_model
 from model.kernels import cpu_flags
 from model.training.data import DATA_DIR, prepare
@@ -43,15 +44,19 @@ def test_an_explicit_dtype_is_kept() -> None:
 @pytest.mark.integration
 def test_the_default_server_says_which_dtype_it_picked_and_why(linear_weights: Path) -> None:
     want, reason = pick_dtype("auto", cpu_flags())
+    kernels.load()
+    gemm = kernels.bf16_gemm()  # the same CPU, so the server's process says the same
     with ServerProcess(linear_weights, env={"LINSERVE_DTYPE": "auto"}) as srv:
         health = httpx.get(srv.url + "/health").json()
         assert (health["dtype"], health["dtype_reason"]) == (want, reason)
+        assert health["bf16_gemm"] == gemm
         out = httpx.post(srv.url + "/v1/completions", timeout=120, json={
             "prompt": "ROMEO.\n", "max_tokens": 8, "temperature": 0}).json()
         assert out["usage"]["completion_tokens"] == 8
         startup = [json.loads(line[line.index("{"):]) for line in srv.log_path.read_text()
                    .splitlines() if '{"event": "startup"' in line]
     assert startup and startup[-1]["dtype"] == want and startup[-1]["dtype_reason"] == reason
+    assert startup[-1]["bf16_gemm"] == gemm
 
 
 def validation_tokens(tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:

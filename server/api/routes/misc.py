@@ -88,6 +88,7 @@ async def health(request: Request) -> Response:
             "time": now(), "draining": st.draining,
             "decode_step": st.model.info.decode_step,
             "dtype": st.dtype[0], "dtype_reason": st.dtype[1],
+            "bf16_gemm": st.bf16_gemm,
             "quantization": st.model.info.quantization,
             "weight_bytes": st.model.info.weight_bytes,
             "batch_invariant": st.batch_invariant,
