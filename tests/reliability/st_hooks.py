@@ -58,12 +58,30 @@ def map_case(context: Any, case: Any) -> Any:
     meta = getattr(case, "meta", None)
     if meta is not None and str(getattr(meta.generation.mode, "value", "")) == "negative":
         return case
+    keep_valid(case)
+    return case
+
+
+@schemathesis.hook
+def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
+    """``best_of`` below ``n`` dropped again right before each call: the stateful phase
+    edits cases after ``map_case`` (its links fill fields from earlier responses), and one
+    sent it. The agent rules are not re-applied here: a link's ``previous_response_id``
+    names a response that exists, which is what that phase tests."""
+    meta = getattr(case, "meta", None)
+    if meta is not None and str(getattr(meta.generation.mode, "value", "")) == "negative":
+        return
+    if isinstance(case.body, dict):
+        keep_valid_best_of(case.body)
+
+
+def keep_valid(case: Any) -> None:
+    """Every cross-field rule below, on a case's JSON body."""
     if isinstance(case.body, dict):
         keep_valid_constraints(case.body)
         keep_valid_chat_rules(case.body)
         keep_valid_best_of(case.body)
         keep_valid_agent_rules(case.body)
-    return case
 
 
 def keep_valid_agent_rules(body: dict[str, Any]) -> None:
@@ -101,8 +119,15 @@ def _output_schema(config: dict[str, Any]) -> Any:
 
 
 def keep_valid_best_of(body: dict[str, Any]) -> None:
+    """Drop a ``best_of`` below ``n``, whichever JSON numbers carry them (the schema's
+    integers take whole floats such as ``8.0`` too: an int-only check let the stateful phase
+    send ``n: 8.0, best_of: 4``)."""
     best_of, n = body.get("best_of"), body.get("n", 1)
-    if isinstance(best_of, int) and isinstance(n, int) and best_of < n:
+
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    if number(best_of) and number(n) and best_of < n:
         del body["best_of"]
 
 
