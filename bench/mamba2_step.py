@@ -8,8 +8,9 @@ so that a step is the Mamba2 layers and the head and nothing else. Per weight ty
 int8, int4) and thread count, the batch-1 native step (``decoder_step.cpp``) is timed and
 set against the bytes it must read: every tensor of the native plan but the embedding table
 (of which a step reads one row), as packed, plus the state read and written (the SSM states
-and conv windows, fp32). The roofline is those bytes over ``bench.roofline``'s one-thread
-read bandwidth times the threads.
+and conv windows, fp32). The roofline is those bytes over the read bandwidth at the same
+thread count, measured alternately with the step by ``bench.roofline``'s native
+four-stream read.
 
 Writes ``bench/results/mamba2_step.json``.
 """
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from bench.common import machine, time_interleaved, write_json
-from bench.roofline import read_bandwidth_gbs
+from bench.roofline import stream_read
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE: dict[str, Any] = {"hidden_size": 2048, "mamba_num_heads": 64, "mamba_head_dim": 64,
@@ -59,7 +60,11 @@ def read_bytes(model: Any, state: Any) -> tuple[int, int]:
     return weights, 2 * state.nbytes
 
 
-def one(path: Path, kind: str, threads: list[int], read_gbs: float) -> dict[str, Any]:
+def one(path: Path, kind: str, threads: list[int], probe: Any) -> dict[str, Any]:
+    """One weight type's step at each thread count, timed alternately with ``probe`` (the
+    native four-stream read of a buffer larger than the cache) at the same thread count:
+    this VM's bandwidth drifts within minutes, so a ceiling measured once at the start is
+    not the ceiling of a step timed later."""
     from model import loader
 
     model = loader.load(path, "bfloat16", quantization=QUANT[kind])
@@ -67,16 +72,19 @@ def one(path: Path, kind: str, threads: list[int], read_gbs: float) -> dict[str,
     _, state = model.prefill(torch.randint(0, SHAPE["vocab_size"], (1, 16)))
     weights, state_bytes = read_bytes(model, state)
     token = torch.tensor([5])
+    buffer = torch.ones(256 * 2**20 // 4)
     out: dict[str, Any] = {"weight_bytes_read": weights, "state_bytes_rw": state_bytes}
     for n in threads:
         torch.set_num_threads(n)
-        ms = time_interleaved({"step": lambda: model.step(token, state)}, rounds=9,
-                              round_seconds=0.3)["step"]
-        gbs = (weights + state_bytes) / (ms / 1e3) / 1e9
-        out[f"threads_{n}"] = {"step_ms": ms, "read_gbs": gbs,
-                               "roofline_fraction": gbs / (n * read_gbs)}
-        print(kind, n, "thread(s):", round(ms, 2), "ms,", round(gbs, 1), "GB/s,",
-              round(gbs / (n * read_gbs), 3), "of the roofline", flush=True)
+        ms = time_interleaved({"step": lambda: model.step(token, state),
+                               "read": lambda: probe(buffer)}, rounds=9, round_seconds=0.3)
+        gbs = (weights + state_bytes) / (ms["step"] / 1e3) / 1e9
+        read_gbs = buffer.nbytes / (ms["read"] / 1e3) / 1e9
+        out[f"threads_{n}"] = {"step_ms": ms["step"], "step_gbs": gbs, "read_gbs": read_gbs,
+                               "roofline_fraction": gbs / read_gbs}
+        print(kind, n, "thread(s):", round(ms["step"], 2), "ms,", round(gbs, 1), "GB/s of",
+              round(read_gbs, 1), "read:", round(gbs / read_gbs, 3), "of the roofline",
+              flush=True)
     return out
 
 
@@ -89,11 +97,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     command = "python -m bench.mamba2_step " + " ".join(argv or sys.argv[1:])
     path = make(args.path, args.layers)
-    read_gbs = read_bandwidth_gbs()
-    print("one-thread read bandwidth", round(read_gbs, 1), "GB/s", flush=True)
-    result = {"command": command, "machine": machine(), "read_gbs_one_thread": read_gbs,
+    probe = stream_read()
+    assert probe is not None, "the native read probe did not build"
+    result = {"command": command, "machine": machine(),
               "shape": {**SHAPE, "layers": args.layers},
-              "types": {kind: one(path, kind, args.threads, read_gbs) for kind in args.kinds}}
+              "types": {kind: one(path, kind, args.threads, probe) for kind in args.kinds}}
     write_json("mamba2_step", result)
 
 

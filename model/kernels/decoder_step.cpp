@@ -157,6 +157,28 @@ at::Tensor short_conv(const at::Tensor& h, const at::Tensor* w, at::Tensor& wind
   return linserve::project(mixed, w[2]);
 }
 
+// One state row s [N] of a head: s = decay s + xdt b, returns s . c. The dot product is
+// summed in 16 lanes and then by sum16's fixed tree (the tail past N / 16 vectors last), so
+// its bits are the same on AVX-512 and AVX2; a scalar chain of N dependent adds took a third
+// of a quantized step's time.
+inline float ssm_row(float* s, const float* b, const float* c, float decay, float xdt,
+                     int64_t n_len) {
+  using linserve::load16, linserve::store16, linserve::v16;
+  const int64_t vec = n_len / 16 * 16;
+  v16 acc = {};
+  for (int64_t n = 0; n < vec; n += 16) {
+    const v16 v = load16(s + n) * decay + xdt * load16(b + n);
+    store16(s + n, v);
+    acc += v * load16(c + n);
+  }
+  float out = linserve::sum16(acc);
+  for (int64_t n = vec; n < n_len; ++n) {
+    s[n] = s[n] * decay + xdt * b[n];
+    out += s[n] * c[n];
+  }
+  return out;
+}
+
 // One row's SSM heads [h0, h1): S = exp(dt A) S + dt x B^T, y = S C + D x.
 void ssm_heads(const float* xbc, const float* dt_raw, const at::Tensor* w, float* s, float* y,
                int64_t h0, int64_t h1, const Dims& m, const Part& p) {
@@ -173,14 +195,8 @@ void ssm_heads(const float* xbc, const float* dt_raw, const at::Tensor* w, float
     const float decay = std::exp(dt * -std::exp(a_log[hh]));
     for (int64_t i = 0; i < m.mp; ++i) {
       const float xv = xbc[hh * m.mp + i];
-      const float xdt = xv * dt;
-      float* si = s + (hh * m.mp + i) * m.mn;
-      float acc = 0.f;
-      for (int64_t n = 0; n < m.mn; ++n) {
-        si[n] = si[n] * decay + xdt * b[n];
-        acc += si[n] * c[n];
-      }
-      y[hh * m.mp + i] = acc + dskip[hh] * xv;
+      y[hh * m.mp + i] = ssm_row(s + (hh * m.mp + i) * m.mn, b, c, decay, xv * dt, m.mn) +
+                         dskip[hh] * xv;
     }
   }
 }

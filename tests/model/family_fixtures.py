@@ -180,7 +180,7 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
                     "types": ["linear_attention", "linear_attention", "attention",
                               "linear_attention"]},
         "nope-g1": {"d": 48, "ff": 80, "heads": (3, 1), "tie": False, "pos": None,
-                    "mamba": (4, 8, 1),
+                    "mamba": (4, 24, 1),  # d_state 24: the step's 16 lanes and a tail
                     "types": ["attention", "linear_attention", "linear_attention"]},
         "moe-e5k2": {"d": 64, "ff": 64, "moe": 48, "heads": (4, 2), "tie": True, "pos": "rope",
                      "mamba": (8, 16, 2), "experts": (5, 2), "res": 0.5,
