@@ -331,8 +331,8 @@ inline void span_rows_quant(const QuantActs& a, const Span& s, const QuantWeight
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // ---- AVX512-VNNI: vpdpbusd, 16 columns a vector ------------------------------------------
 // A GEMV prefetches the weights this many blocks ahead: its vector loads alone kept too few
-// reads in flight (as gemm_amx.h's tiles). 4 against 2 read a little faster, 8 no faster. Where they point never changes the arithmetic,
-// and a prefetch past the weight's end never faults.
+// reads in flight (as gemm_amx.h's tiles); 4 read a little faster than 2, 8 no faster. Where
+// they point never changes the arithmetic, and a prefetch past the weight's end never faults.
 constexpr int64_t kQuantPrefetch = 4;
 
 // Block b of the panels that the nv column vectors of col cover (col[0] at a panel's start).
