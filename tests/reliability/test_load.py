@@ -218,12 +218,18 @@ def itl_with_background(srv: ServerProcess, slow: bool, seconds: float) -> float
 
 def test_slow_readers_do_not_slow_others(linear_weights: Path) -> None:
     """8 clients reading 1 byte/s beside 8 measured clients, against 8 fast readers beside
-    them: the same batch size, so any difference is the slow readers' doing."""
-    secs = duration(12, 60)
+    them: the same batch size, so any difference is the slow readers' doing.
+
+    The two loads alternate twice and each keeps its best round, so a burst of other work
+    on the machine during one round does not read as the slow readers' cost."""
+    secs = duration(8, 60)
+    fast, slow = [], []
     with ServerProcess(linear_weights) as srv:
-        fast = itl_with_background(srv, slow=False, seconds=secs)
-        slow = itl_with_background(srv, slow=True, seconds=secs)
-    ratio = slow / fast
-    print(f"slow readers: median ITL {fast * 1000:.2f} ms with fast readers, "
-          f"{slow * 1000:.2f} ms with 1 byte/s readers ({ratio:.2f}x)")
+        for _ in range(2):
+            fast.append(itl_with_background(srv, slow=False, seconds=secs))
+            slow.append(itl_with_background(srv, slow=True, seconds=secs))
+    ratio = min(slow) / min(fast)
+    print(f"slow readers: median ITL {min(fast) * 1000:.2f} ms with fast readers, "
+          f"{min(slow) * 1000:.2f} ms with 1 byte/s readers ({ratio:.2f}x); "
+          f"rounds {[round(t * 1000, 2) for t in fast]} / {[round(t * 1000, 2) for t in slow]}")
     assert ratio < (1.10 if FULL else 1.5)  # CI: a bounded, noisier run
