@@ -132,9 +132,10 @@ inline QuantActs quantize_acts(const float* x, int64_t rows, int64_t k_len, int3
   QuantActs a;
   a.k32 = (k_len + kBlock - 1) / kBlock * kBlock;
   a.blocks = a.k32 / kBlock;
-  a.q.assign(rows * a.k32, 0);
-  a.scale.assign(rows * a.blocks, 0.f);
-  a.bias.assign(rows * a.blocks, 0);
+  const int64_t padded = (rows + 15) / 16 * 16;  // zero rows for gemm_quant_amx.h's tiles
+  a.q.assign(padded * a.k32, 0);
+  a.scale.assign(padded * a.blocks, 0.f);
+  a.bias.assign(padded * a.blocks, 0);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < a.blocks; ++b) {
       const int64_t k0 = b * kBlock, n = std::min(kBlock, k_len - k0);
@@ -426,9 +427,19 @@ inline void span_quant(const QuantActs& a, const Span& s, const QuantWeights& w)
 #endif
 }
 
+#if defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+}  // namespace linserve
+#include "gemm_quant_amx.h"  // NOLINT: quant_rows_amx, on the definitions above
+namespace linserve {
+#endif
+
 template <bool INT4>
 inline void quant_rows(const QuantActs& a, const float* x, const QuantWeights& w, float* y,
                        int64_t rows, int64_t k_len, bool accumulate) {
+#if defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (rows >= kAmxQuantMinRows && amx_active())
+    return quant_rows_amx<INT4>(a, x, w, y, rows, k_len, accumulate);
+#endif
   for_spans(x, y, rows, k_len, w.n, accumulate, kRowsQuant, [&](int64_t r, const Span& s) {
     switch (r) {
       case 1: return span_quant<INT4, 1>(a, s, w);

@@ -88,6 +88,33 @@ def test_amx_tiles_agree_with_the_bf16_dot_products(k: int, n: int) -> None:
         assert (y.double() - ref).abs().max().item() < 1e-5 * k ** 0.5
 
 
+@pytest.mark.skipif(not (kernels.load() and torch.ops.linserve.amx_active()),
+                    reason="quantized GEMMs do not run on AMX tiles on this CPU")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize(("k", "n"), [(1024, 3584), (96, 200), (64, 24)])
+def test_quantized_amx_tiles_give_the_dot_products_bits(mode: str, k: int, n: int) -> None:
+    """int8 / int4 products of 32 rows or more run on AMX-INT8 tiles (gemm_quant_amx.h), with
+    the same exact integer dots and the same float steps as vpdpbusd: the same bits with the
+    tiles on and off, for row counts around the 16-row tiles and 128-row blocks, narrow last
+    vectors (N = 200, 24) and a call of fewer rows than the tiles take."""
+    torch.manual_seed(3)
+    invariant.set_quantization(mode)
+    try:
+        wk = invariant.pack(torch.randn(k, n))
+    finally:
+        invariant.set_quantization("none")
+    x = torch.randn(300, k) * torch.rand(300, 1) * 4
+    try:
+        tiles = {b: torch.ops.linserve.invariant_mm(x[:b], wk) for b in (32, 45, 300)}
+        torch.ops.linserve.set_amx(False)
+        dots = torch.ops.linserve.invariant_mm(x, wk)
+    finally:
+        torch.ops.linserve.set_amx(True)
+    for b, y in tiles.items():
+        assert torch.equal(y, dots[:b]), b
+    assert torch.equal(torch.ops.linserve.invariant_mm(x[290:], wk), dots[290:])
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize(("k", "n"), [(64, 200), (64, 328), (96, 24), (64, 256)])
 def test_quantized_invariant_mm_rows_do_not_depend_on_the_batch(mode: str, k: int, n: int

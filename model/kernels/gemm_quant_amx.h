@@ -1,0 +1,173 @@
+// int8 / int4 GEMMs of several rows on AMX-INT8 tiles, with exactly gemm_quant.h's bits
+// (included by gemm_quant.h where the compiler targets AMX-INT8 and gemm_amx.h is in).
+//
+// Per output element, tile_vnni computes for each block b of 32 inputs an int32 dot product
+// d_b, exact, then one float step: int4 f = fma(float(d_b), s_w[b] s_x[b], f), int8
+// f = fma(float(d_b), s_x[b], f) and y = f s_w at the end, blocks in order. One tdpbssd
+// gives the same d_b for a tile of 16 rows x 16 columns (integer sums are exact in any
+// order), and the float steps below are the same instructions in the same order. So a row
+// gets the same bits here, on tile_vnni, alone or in any batch, and which path runs (the
+// number of rows, whether the CPU has AMX, LINSERVE_AMX) never changes a result.
+//
+// Why: a quantized product of many rows (prefill; a step of 16 rows) was bound by vpdpbusd,
+// 64 products an instruction, about 85% of that instruction's peak rate. The tiles do the
+// products 16 rows x 16 columns x 32 inputs at a time, and what remains on the vector units
+// is the scaling: per block, three instructions per row and vector of 16 columns, against
+// vpdpbusd's eight (int8) or eight plus the nibble unpacking (int4) and the same three.
+//
+// Layout of the work: tasks of one 16-column vector x up to kAmxQuantRowBlock rows, the row
+// blocks of a vector next to each other, so a thread unpacks a vector's weights into tile
+// layout (signed bytes, [blocks][8 stored rows][16 columns][4 inputs]: int4's nibbles minus
+// 8, int8's bytes minus 128) once for all its rows, during its first tile. Activations come from quantize_acts,
+// whose rows are padded to a multiple of 16 with zeros, so a tile always loads 16 rows; the
+// rows past the call's are computed and dropped. A last vector narrower than 16 columns runs
+// on tile_vnni, masked.
+#pragma once
+
+#include <immintrin.h>
+
+#include <vector>
+
+namespace linserve {
+
+// Fewer rows than this stay on tile_vnni: at 16 rows (a step of 16 streams) the tiles were
+// no faster (0.84-1.03x, K = 2,048 x N = 4,096, 2 threads), the unpacking then costing as
+// much as the products; at 64 rows 1.26-1.6x, at 256 about 1.4x (tdpbssd takes 32 inputs
+// an instruction here, half the tiles' depth, as the scales come per block of 32).
+constexpr int64_t kAmxQuantMinRows = 32;
+constexpr int64_t kAmxQuantRowBlock = 128;
+
+// Tiles: 0-1 int32 dots (16 rows x 16 columns), 2-3 activations (16 rows x 32 inputs), 4-5
+// weights (8 stored rows x 16 columns x 4 inputs); two of each, so one block's dots are
+// scaled while the next block's are computed.
+inline void amx_configure_quant() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  for (int t = 0; t < 6; ++t) {
+    cfg.colsb[t] = t == 2 || t == 3 ? 32 : 64;
+    cfg.rows[t] = t >= 4 ? 8 : 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Block b of the (full) vector of 16 columns at col, in tile layout: q [blocks, 512] signed
+// bytes, block b's 512 written; int4's scales widened to fp32, sc [blocks, 16], row b.
+template <bool INT4>
+inline void unpack_block(const QCol& col, int64_t b, int8_t* q, float* sc) {
+  const uint8_t* src = col.q + b * col.block;
+  int8_t* out = q + b * 512;
+  if (INT4) {  // stored row t: inputs 8t..8t+3 in the low nibbles, 8t+4..8t+7 the high ones
+    const __m512i low = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
+    for (int64_t t = 0; t < 4; ++t) {
+      const __m512i v = _mm512_loadu_si512(src + t * col.ld);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      _mm512_storeu_si512(out + 128 * t, _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
+      _mm512_storeu_si512(out + 128 * t + 64, _mm512_sub_epi8(hi, eight));
+    }
+    const auto* s = reinterpret_cast<const __m256i*>(group_scales(col, b));
+    _mm512_storeu_ps(sc + 16 * b, _mm512_cvtph_ps(_mm256_loadu_si256(s)));
+  } else {  // stored row t: inputs 4t..4t+3, as bytes q + 128
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t t = 0; t < 8; ++t)
+      _mm512_storeu_si512(out + 64 * t,
+                          _mm512_xor_si512(_mm512_loadu_si512(src + t * col.ld), flip));
+  }
+}
+
+// Block b's dots of 16 activation rows from x (row stride k32) and one unpacked vector, on
+// tile pair b % 2, stored to dots [16, 16].
+inline void amx_block_dots(const int8_t* x, int64_t k32, const int8_t* q, int64_t b,
+                           int32_t* dots) {
+  if (b % 2 == 0) {
+    _tile_zero(0);
+    _tile_loadd(2, x + b * kBlock, k32);
+    _tile_loadd(4, q + b * 512, 64);
+    _tile_dpbssd(0, 2, 4);
+    _tile_stored(0, dots, 64);
+  } else {
+    _tile_zero(1);
+    _tile_loadd(3, x + b * kBlock, k32);
+    _tile_loadd(5, q + b * 512, 64);
+    _tile_dpbssd(1, 3, 5);
+    _tile_stored(1, dots, 64);
+  }
+}
+
+// Rows [r0, r0 + 16) x the vector at col: y's rows below `rows` written (or added to). With
+// ``unpack``, each block of the vector's weights is unpacked into q / sc just before its
+// tiles (the reads then overlap the tiles' work); without, q / sc hold them already.
+template <bool INT4>
+inline void amx_quant_tile(const QuantActs& a, int64_t r0, int64_t rows, bool unpack, int8_t* q,
+                           float* sc, const QCol& col, float* y, int64_t ldy,
+                           bool accumulate) {
+  alignas(64) int32_t dots[2][16 * 16];
+  __m512 acc[16];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  const int8_t* x = a.q.data() + r0 * a.k32;
+  const float* sx = a.scale.data() + r0 * a.blocks;
+  for (int64_t b = 0; b <= a.blocks; ++b) {
+    if (b < a.blocks) {
+      if (unpack) unpack_block<INT4>(col, b, q, sc);
+      amx_block_dots(x, a.k32, q, b, dots[b % 2]);
+    }
+    if (b == 0) continue;
+    const int64_t p = b - 1;  // the block whose dots were stored one block ago
+    const int32_t* d = dots[p % 2];
+    const __m512 sw = INT4 ? _mm512_loadu_ps(sc + 16 * p) : _mm512_set1_ps(1.f);
+    for (int64_t r = 0; r < 16; ++r) {
+      const __m512 s = _mm512_set1_ps(sx[r * a.blocks + p]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(d + 16 * r)),
+                               INT4 ? _mm512_mul_ps(sw, s) : s, acc[r]);
+    }
+  }
+  const __m512 sw = INT4 ? _mm512_set1_ps(1.f)
+                         : _mm512_loadu_ps(static_cast<const float*>(col.s));
+  for (int64_t r = 0; r < 16 && r0 + r < rows; ++r) {
+    float* out = y + r * ldy;
+    __m512 v = INT4 ? acc[r] : _mm512_mul_ps(acc[r], sw);
+    if (accumulate) v = _mm512_add_ps(_mm512_loadu_ps(out), v);
+    _mm512_storeu_ps(out, v);
+  }
+}
+
+// y [rows, N] (+)= the quantized product, the full vectors on the tiles, a narrower last one
+// on tile_vnni. ``a``'s rows are padded to a multiple of 16 (quantize_acts).
+template <bool INT4>
+inline void quant_rows_amx(const QuantActs& a, const float* x, const QuantWeights& w, float* y,
+                           int64_t rows, int64_t k_len, bool accumulate) {
+  const int64_t vecs = w.n / 16, row_blocks = (rows + kAmxQuantRowBlock - 1) / kAmxQuantRowBlock;
+  at::parallel_for(0, vecs * row_blocks, 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<int8_t> q;
+    thread_local std::vector<float> sc;
+    q.resize(a.blocks * 512);
+    sc.resize(a.blocks * 16);
+    amx_configure_quant();
+    int64_t unpacked = -1;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t v = t / row_blocks, rb = t % row_blocks, c = 16 * v;
+      const QCol col = column(w, c);
+      const int64_t r1 = std::min(rows, (rb + 1) * kAmxQuantRowBlock);
+      for (int64_t r0 = rb * kAmxQuantRowBlock; r0 < r1; r0 += 16) {
+        amx_quant_tile<INT4>(a, r0, r1, v != unpacked, q.data(), sc.data(), col,
+                             y + r0 * w.n + c, w.n, accumulate);
+        unpacked = v;
+      }
+    }
+    _tile_release();
+  });
+  if (vecs * 16 == w.n) return;
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowsQuant) {
+    const Span s{r0, x + r0 * k_len, y + r0 * w.n, k_len, w.n, vecs * 16, w.n, accumulate};
+    switch (std::min(kRowsQuant, rows - r0)) {
+      case 1: span_rows_vnni<INT4, 1>(a, s, w); break;
+      case 2: span_rows_vnni<INT4, 2>(a, s, w); break;
+      case 3: span_rows_vnni<INT4, 3>(a, s, w); break;
+      case 4: span_rows_vnni<INT4, 4>(a, s, w); break;
+      case 5: span_rows_vnni<INT4, 5>(a, s, w); break;
+      default: span_rows_vnni<INT4, 6>(a, s, w);
+    }
+  }
+}
+
+}  // namespace linserve
