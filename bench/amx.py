@@ -9,7 +9,10 @@ with the tiles on and off (``torch.ops.linserve.set_amx``), in alternating round
 - the decode step at batch 1 and at ``--batch`` rows (after a 64-token prefill);
 - the prefill of one ``--prompt``-token prompt.
 
-Writes ``bench/results/amx.json`` and ``amx.png``.
+Writes ``bench/results/amx.json`` and ``amx.png`` (a run of some ``--kinds`` replaces those
+kinds' rows and keeps the others'). ``--gemm`` times the int8 / int4 GEMM alone instead
+(``--gemm-shape`` K N, at 16 to 256 rows; gemm_quant_amx.h against vpdpbusd, the same bits)
+and writes ``amx_gemm.json``.
 """
 
 from __future__ import annotations
@@ -62,6 +65,48 @@ def measure(path: Path, kind: str, batch: int, prompt: int) -> dict[str, Any]:
     return row
 
 
+def measure_gemm(k: int, n: int, rows_list: list[int]) -> list[dict[str, Any]]:
+    """GFLOP/s of one quantized product per weight type and row count, tiles on and off."""
+    from model import quantize
+
+    out = []
+    for kind in ("int8", "int4"):
+        w = quantize.pack(torch.randn(k, n), kind)
+        for rows in rows_list:
+            x = torch.randn(rows, k)
+
+            def mm(on: bool, x: torch.Tensor = x, w: torch.Tensor = w) -> None:
+                _switch(on)
+                torch.ops.linserve.invariant_mm(x, w)
+
+            times = time_interleaved({"amx": lambda: mm(True), "avx512": lambda: mm(False)},
+                                     rounds=7, round_seconds=0.2)
+            flops = 2 * rows * k * n
+            row = {"kind": kind, "rows": rows, "k": k, "n": n,
+                   **{f"{name}_gflops": flops / ms / 1e6 for name, ms in times.items()},
+                   "speedup": times["avx512"] / times["amx"]}
+            print(row, flush=True)
+            out.append(row)
+    _switch(True)
+    return out
+
+
+def merged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """These rows, and the stored run's rows of the kinds not measured now."""
+    from bench.common import RESULTS
+
+    path = RESULTS / "amx.json"
+    if not path.exists():
+        return rows
+    import json
+
+    old = json.loads(path.read_text()).get("rows", [])
+    kinds = {r["kind"] for r in rows}
+    keep = [r for r in old if r["kind"] not in kinds]
+    order = list(QUANT)
+    return sorted(keep + rows, key=lambda r: order.index(r["kind"]))
+
+
 def plot(rows: list[dict[str, Any]]) -> None:
     """Speedup of the tiles per weight type and measure."""
     import matplotlib.pyplot as plt
@@ -88,14 +133,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--gemm", action="store_true", help="time the quantized GEMM alone")
+    p.add_argument("--gemm-shape", type=int, nargs=2, default=[2048, 4096], metavar=("K", "N"))
+    p.add_argument("--gemm-rows", type=int, nargs="+", default=[16, 32, 64, 256])
     args = p.parse_args(argv)
     from model import kernels
 
     if not (kernels.load() and torch.ops.linserve.amx_active()):
         raise SystemExit("AMX tiles are not active here (no AMX, or LINSERVE_AMX=0)")
     torch.set_num_threads(args.threads)
-    rows = [measure(args.checkpoint, kind, args.batch, args.prompt) for kind in args.kinds]
     command = "python -m bench.amx " + " ".join(argv or sys.argv[1:])
+    if args.gemm:
+        k, n = args.gemm_shape
+        gemm = measure_gemm(k, n, args.gemm_rows)
+        write_json("amx_gemm", {"command": command, "machine": machine(),
+                                "threads": args.threads, "rows": gemm})
+        return
+    rows = merged([measure(args.checkpoint, kind, args.batch, args.prompt)
+                   for kind in args.kinds])
     write_json("amx", {"command": command, "machine": machine(), "threads": args.threads,
                        "rows": rows})
     plot(rows)
