@@ -88,6 +88,15 @@ def test_amx_tiles_agree_with_the_bf16_dot_products(k: int, n: int) -> None:
         assert (y.double() - ref).abs().max().item() < 1e-5 * k ** 0.5
 
 
+def _quantized(mode: str, w: torch.Tensor) -> torch.Tensor:
+    """w [K, N] packed as the engine packs it with ``--quantization mode``."""
+    invariant.set_quantization(mode)
+    try:
+        return invariant.pack(w)
+    finally:
+        invariant.set_quantization("none")
+
+
 @pytest.mark.skipif(not (kernels.load() and torch.ops.linserve.amx_active()),
                     reason="quantized GEMMs do not run on AMX tiles on this CPU")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -98,11 +107,7 @@ def test_quantized_amx_tiles_give_the_dot_products_bits(mode: str, k: int, n: in
     tiles on and off, for row counts around the 16-row tiles and 128-row blocks, narrow last
     vectors (N = 200, 24) and a call of fewer rows than the tiles take."""
     torch.manual_seed(3)
-    invariant.set_quantization(mode)
-    try:
-        wk = invariant.pack(torch.randn(k, n))
-    finally:
-        invariant.set_quantization("none")
+    wk = _quantized(mode, torch.randn(k, n))
     x = torch.randn(300, k) * torch.rand(300, 1) * 4
     try:
         tiles = {b: torch.ops.linserve.invariant_mm(x[:b], wk) for b in (32, 45, 300)}
@@ -122,11 +127,7 @@ def test_quantized_invariant_mm_rows_do_not_depend_on_the_batch(mode: str, k: in
     """int8 / int4 weights: every row alone, or in any group, gives the full batch's bits,
     for widths whose last part is one vector or more (N = 200, 328, 24) or none."""
     torch.manual_seed(1)
-    invariant.set_quantization(mode)
-    try:
-        wk = invariant.pack(torch.randn(k, n))
-    finally:
-        invariant.set_quantization("none")
+    wk = _quantized(mode, torch.randn(k, n))
     x = torch.randn(12, k) * 3
     full = torch.ops.linserve.invariant_mm(x, wk)
     for b in range(1, 13):
