@@ -427,6 +427,20 @@ inline void span_quant(const QuantActs& a, const Span& s, const QuantWeights& w)
 #endif
 }
 
+// A span of `rows` (1 .. kRowsQuant) rows, the tile height picked at compile time.
+template <bool INT4>
+inline void span_quant_rows(const QuantActs& a, const Span& s, const QuantWeights& w,
+                            int64_t rows) {
+  switch (rows) {
+    case 1: return span_quant<INT4, 1>(a, s, w);
+    case 2: return span_quant<INT4, 2>(a, s, w);
+    case 3: return span_quant<INT4, 3>(a, s, w);
+    case 4: return span_quant<INT4, 4>(a, s, w);
+    case 5: return span_quant<INT4, 5>(a, s, w);
+    default: return span_quant<INT4, 6>(a, s, w);
+  }
+}
+
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
 }  // namespace linserve
 #include "gemm_quant_amx.h"  // NOLINT: quant_rows_amx, on the definitions above
@@ -441,14 +455,7 @@ inline void quant_rows(const QuantActs& a, const float* x, const QuantWeights& w
     return quant_rows_amx<INT4>(a, x, w, y, rows, k_len, accumulate);
 #endif
   for_spans(x, y, rows, k_len, w.n, accumulate, kRowsQuant, [&](int64_t r, const Span& s) {
-    switch (r) {
-      case 1: return span_quant<INT4, 1>(a, s, w);
-      case 2: return span_quant<INT4, 2>(a, s, w);
-      case 3: return span_quant<INT4, 3>(a, s, w);
-      case 4: return span_quant<INT4, 4>(a, s, w);
-      case 5: return span_quant<INT4, 5>(a, s, w);
-      default: return span_quant<INT4, 6>(a, s, w);
-    }
+    span_quant_rows<INT4>(a, s, w, r);
   });
 }
 

@@ -174,14 +174,7 @@ inline void quant_rows_amx(const QuantActs& a, const float* x, const QuantWeight
   if (vecs * 16 == w.n) return;
   for (int64_t r0 = 0; r0 < rows; r0 += kRowsQuant) {
     const Span s{r0, x + r0 * k_len, y + r0 * w.n, k_len, w.n, vecs * 16, w.n, accumulate};
-    switch (std::min(kRowsQuant, rows - r0)) {
-      case 1: span_rows_vnni<INT4, 1>(a, s, w); break;
-      case 2: span_rows_vnni<INT4, 2>(a, s, w); break;
-      case 3: span_rows_vnni<INT4, 3>(a, s, w); break;
-      case 4: span_rows_vnni<INT4, 4>(a, s, w); break;
-      case 5: span_rows_vnni<INT4, 5>(a, s, w); break;
-      default: span_rows_vnni<INT4, 6>(a, s, w);
-    }
+    span_quant_rows<INT4>(a, s, w, std::min(kRowsQuant, rows - r0));
   }
 }
 
