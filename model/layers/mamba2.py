@@ -59,21 +59,48 @@ class Mamba2Shape:
         return self.inner + 2 * self.groups * self.d_state
 
 
+# exp(x) of x below this is flushed to exactly 0 (exp(-60) ≈ 9e-27). A fast-decaying head's
+# decays reach fp32's subnormal range, where every product traps to microcode: the SSD of one
+# row's 128 tokens at Granite-4.0-H's shape took 30 ms instead of 9. A term flushed is below
+# 1e-26 of one whose decay is 1 (the token's own, or the last of a chunk), far below fp32's
+# rounding of the sum.
+_FLUSH = -60.0
+
+
+def _exp_flushed(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)``, 0 where ``x < _FLUSH`` (never a subnormal)."""
+    return x.clamp(min=_FLUSH).exp_().masked_fill_(x < _FLUSH, 0.0)
+
+
 def _segsum_exp(a: torch.Tensor) -> torch.Tensor:
-    """``a [..., L]`` -> ``exp(Σ a[s+1..l]) [..., L, L]`` for s ≤ l, else 0."""
+    """``a [..., L]`` (≤ 0) -> ``exp(Σ a[s+1..l]) [..., L, L]`` for s ≤ l, else 0 (flushed
+    as :func:`_exp_flushed`)."""
     cs = a.cumsum(-1)
     diff = cs[..., :, None] - cs[..., None, :]
-    keep = torch.ones(a.shape[-1], a.shape[-1], dtype=torch.bool).tril()
-    return diff.masked_fill(~keep, float("-inf")).exp()
+    drop = (diff < _FLUSH) | ~torch.ones(a.shape[-1], a.shape[-1], dtype=torch.bool).tril()
+    return diff.clamp(_FLUSH, 0.0).exp_().masked_fill_(drop, 0.0)
+
+
+def _chunk_starts(states: torch.Tensor, ends: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
+    """The recurrence over chunks: ``states [n, H, P, N]`` (each chunk's own writes),
+    ``ends [n, H]`` (each chunk's whole decay), ``s0 [H, P, N]`` -> the state at each chunk's
+    start and after the last, ``[n + 1, H, P, N]``."""
+    out = torch.empty(states.shape[0] + 1, *states.shape[1:])
+    out[0] = s0
+    for k in range(states.shape[0]):
+        torch.addcmul(states[k], out[k], ends[k][:, None, None], out=out[k + 1])
+    return out
 
 
 def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 c: torch.Tensor, s0: torch.Tensor, chunk: int = CHUNK
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The SSD over one row's T tokens in chunks: x ``[T, H, P]``, dt ``[T, H]`` (after
-    softplus), a ``[H]`` (negative), b, c ``[T, H, N]``, s0 ``[H, P, N]`` -> y ``[T, H, P]``
-    (without the D skip) and the final state ``[H, P, N]``, all fp32."""
-    t = x.shape[0]
+    softplus), a ``[H]`` (negative), b, c ``[T, G, N]`` (a group's shared by its H / G heads),
+    s0 ``[H, P, N]`` -> y ``[T, H, P]`` (without the D skip) and the final state
+    ``[H, P, N]``, all fp32."""
+    t, heads, p = x.shape
+    groups, n_state = b.shape[1:]
     pad = (-t) % chunk
     if pad:  # zero dt: no decay and no write
         x, dt, b, c = (F.pad(y, (0, 0) * (y.dim() - 1) + (0, pad)) for y in (x, dt, b, c))
@@ -82,18 +109,19 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
     da = (dt * a).permute(0, 2, 1)  # [n, H, L]
     acs = da.cumsum(-1)
     xdt = x * dt[..., None]  # [n, L, H, P]
-    scores = torch.einsum("clhn,cshn->chls", c, b) * _segsum_exp(da)
-    y = torch.einsum("chls,cshp->clhp", scores, xdt)
-    decay = (acs[..., -1:] - acs).exp()  # [n, H, L]: to the chunk's end
-    states = torch.einsum("clhn,chl,clhp->chpn", b, decay, xdt)
-    s = s0
-    starts = []
-    for k in range(n):  # the recurrence over chunks
-        starts.append(s)
-        s = s * acs[k, :, -1].exp()[:, None, None] + states[k]
-    y = y + torch.einsum("clhn,chpn->clhp", c, torch.stack(starts)) * \
-        acs.exp().permute(0, 2, 1)[..., None]
-    return y.reshape(n * chunk, *y.shape[2:])[:t], s
+    # within a chunk: y_l = Σ_{s≤l} (C_l · B_s) exp(Σ da[s+1..l]) xdt_s; C·B once per group
+    cb = torch.einsum("clgn,csgn->cgls", c, b)[:, :, None]  # [n, G, 1, L, L]
+    seg = _segsum_exp(da).view(n, groups, heads // groups, chunk, chunk)
+    y = torch.einsum("chls,cshp->clhp", (cb * seg).view(n, heads, chunk, chunk), xdt)
+    # each chunk's writes, decayed to its end; then the states between chunks in order
+    bh = b.repeat_interleave(heads // groups, dim=2)  # [n, L, H, N]
+    decayed = bh * _exp_flushed(acs[..., -1:] - acs).permute(0, 2, 1)[..., None]
+    states = torch.einsum("clhn,clhp->chpn", decayed, xdt)
+    starts = _chunk_starts(states, _exp_flushed(acs[:, :, -1]), s0)
+    # the state at a chunk's start, read by its tokens: C_l · S decayed to l
+    read = torch.einsum("clgn,cgqn->clgq", c, starts[:n].view(n, groups, -1, n_state))
+    y = y + read.reshape(n, chunk, heads, p) * _exp_flushed(acs).permute(0, 2, 1)[..., None]
+    return y.reshape(n * chunk, heads, p)[:t], starts[n]
 
 
 class Mamba2(nn.Module):
@@ -135,7 +163,7 @@ class Mamba2(nn.Module):
     def _inputs(self, x: torch.Tensor, conv: ConvEntry, new: torch.Tensor | None
                 ) -> tuple[torch.Tensor, ...]:
         """x ``[B, T, d]`` -> z ``[B, T, inner]``, xs ``[B, T, H, P]``, B and C
-        ``[B, T, H, N]`` (groups repeated over their heads), dt ``[B, T, H]``; fp32.
+        ``[B, T, G, N]``, dt ``[B, T, H]``; fp32.
         Advances the conv window."""
         s = self.shape
         proj = self.in_proj(x * s.in_multiplier if s.in_multiplier != 1.0 else x).float()
@@ -148,8 +176,7 @@ class Mamba2(nn.Module):
         xs, b, c = invariant.rowwise(F.silu, conv_out).split(
             [s.inner, s.groups * s.d_state, s.groups * s.d_state], dim=-1)
         bt, t = x.shape[:2]
-        b, c = (y.reshape(bt, t, s.groups, s.d_state)
-                .repeat_interleave(s.heads // s.groups, dim=2) for y in (b, c))
+        b, c = (y.reshape(bt, t, s.groups, s.d_state) for y in (b, c))
         dt = invariant.rowwise(F.softplus, dt + self.dt_bias.float())
         dt = dt.clamp(min=s.dt_limit[0], max=s.dt_limit[1])
         return z, xs.reshape(bt, t, s.heads, s.head_dim), b, c, dt
@@ -192,6 +219,7 @@ class Mamba2(nn.Module):
         del lengths
         rec: RecurrentEntry = entries["recurrent"]
         z, xs, b, c, dt = (y[:, 0] for y in self._inputs(x.unsqueeze(1), entries["conv"], None))
+        b, c = (y.repeat_interleave(self.shape.heads // self.shape.groups, dim=1) for y in (b, c))
         decay = invariant.rowwise(torch.exp, dt * -self.A_log.float().exp())  # [B, H]
         rec.s.mul_(decay[:, :, None, None]).add_(
             (xs * dt[..., None])[..., None] * b[:, :, None, :])
