@@ -30,11 +30,13 @@
 
 namespace linserve {
 
-// Fewer rows than this stay on tile_vnni: at 16 rows (a step of 16 streams) the tiles were
-// no faster (0.84-1.03x, K = 2,048 x N = 4,096, 2 threads), the unpacking then costing as
-// much as the products; at 64 rows 1.26-1.6x, at 256 about 1.4x (tdpbssd takes 32 inputs
-// an instruction here, half the tiles' depth, as the scales come per block of 32).
-constexpr int64_t kAmxQuantMinRows = 32;
+// Fewer rows than this stay on tile_vnni. A step of 16 streams runs on the tiles: with the
+// unpacking ahead (below), Granite-4.0-H-Micro's int4 step of 16 rows took 461 ms on them
+// against 536 on tile_vnni (alternating, 2 threads; 491 with the unpacking just before each
+// block's tiles); at 64 rows the GEMM alone was 1.26-1.6x faster, at 256 about 1.4x
+// (tdpbssd takes 32 inputs an instruction here, half the tiles' depth, as the scales come
+// per block of 32).
+constexpr int64_t kAmxQuantMinRows = 16;
 constexpr int64_t kAmxQuantRowBlock = 128;
 
 // Tiles: 0-1 int32 dots (16 rows x 16 columns), 2-3 activations (16 rows x 32 inputs), 4-5
@@ -99,9 +101,14 @@ inline void amx_block_dots(const int8_t* x, int64_t k32, const int8_t* q, int64_
 #define LINSERVE_ROWS16(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) \
   X(12) X(13) X(14) X(15)
 
+// How many blocks ahead of its tiles a block is unpacked: a tile load of bytes the vector
+// units stored just before waits for those stores to reach the cache.
+constexpr int64_t kAmxUnpackAhead = 4;
+
 // Rows [r0, r0 + 16) x the vector at col: y's rows below `rows` written (or added to). With
-// ``unpack``, each block of the vector's weights is unpacked into q / sc just before its
-// tiles (the reads then overlap the tiles' work); without, q / sc hold them already.
+// ``unpack``, each block of the vector's weights is unpacked into q / sc kAmxUnpackAhead
+// blocks before its tiles (the reads then overlap the tiles' work); without, q / sc hold
+// them already.
 template <bool INT4>
 inline void amx_quant_tile(const QuantActs& a, int64_t r0, int64_t rows, bool unpack, int8_t* q,
                            float* sc, const QCol& col, float* y, int64_t ldy,
@@ -113,9 +120,11 @@ inline void amx_quant_tile(const QuantActs& a, int64_t r0, int64_t rows, bool un
   const int8_t* x = a.q.data() + r0 * a.k32;
   const float* sx = a.scale.data() + r0 * a.blocks;
   const int64_t nb = a.blocks;
+  if (unpack)
+    for (int64_t b = 0; b < std::min(kAmxUnpackAhead, nb); ++b) unpack_block<INT4>(col, b, q, sc);
   for (int64_t b = 0; b <= nb; ++b) {
     if (b < nb) {
-      if (unpack) unpack_block<INT4>(col, b, q, sc);
+      if (unpack && b + kAmxUnpackAhead < nb) unpack_block<INT4>(col, b + kAmxUnpackAhead, q, sc);
       amx_block_dots(x, a.k32, q, b, dots[b % 2]);
     }
     if (b == 0) continue;

@@ -102,15 +102,16 @@ def _quantized(mode: str, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize(("k", "n"), [(1024, 3584), (96, 200), (64, 24)])
 def test_quantized_amx_tiles_give_the_dot_products_bits(mode: str, k: int, n: int) -> None:
-    """int8 / int4 products of 32 rows or more run on AMX-INT8 tiles (gemm_quant_amx.h), with
+    """int8 / int4 products of 16 rows or more run on AMX-INT8 tiles (gemm_quant_amx.h), with
     the same exact integer dots and the same float steps as vpdpbusd: the same bits with the
-    tiles on and off, for row counts around the 16-row tiles and 128-row blocks, narrow last
+    tiles on and off, for row counts around the 16-row tiles and 128-row blocks, fewer blocks
+    of 32 inputs than are unpacked ahead (K = 96, 64) and more (K = 1,024), narrow last
     vectors (N = 200, 24) and a call of fewer rows than the tiles take."""
     torch.manual_seed(3)
     wk = _quantized(mode, torch.randn(k, n))
     x = torch.randn(300, k) * torch.rand(300, 1) * 4
     try:
-        tiles = {b: torch.ops.linserve.invariant_mm(x[:b], wk) for b in (32, 45, 300)}
+        tiles = {b: torch.ops.linserve.invariant_mm(x[:b], wk) for b in (16, 17, 32, 45, 300)}
         torch.ops.linserve.set_amx(False)
         dots = torch.ops.linserve.invariant_mm(x, wk)
     finally:
