@@ -219,8 +219,7 @@ void gated_norm(float* y, const float* z, const float* w, const Dims& m, const P
   if (!normed) return;
   for (int64_t g = 0; g < m.mg; ++g) {
     float* yg = y + g * width;
-    float ss = 0.f;
-    for (int64_t i = 0; i < width; ++i) ss += yg[i] * yg[i];
+    const float ss = linserve::sum_squares(yg, width);
     const float r = 1.f / std::sqrt(ss / static_cast<float>(width) + p.f2);
     for (int64_t i = 0; i < width; ++i) yg[i] *= r;
   }
@@ -238,16 +237,25 @@ at::Tensor mamba2(const at::Tensor& h, const at::Tensor* w, at::Tensor& s, at::T
   const at::Tensor proj = linserve::project(h, w[0]);
   at::Tensor xbc = at::empty({rows, conv}, h.options());
   at::Tensor y = at::empty({rows, inner}, h.options());
-  const bool bias = w[2].numel() > 0;
-  for (int64_t r = 0; r < rows; ++r) {  // the convolution, bias and SiLU over xBC
-    float* out = xbc.data_ptr<float>() + r * conv;
-    const float* mixed = proj.data_ptr<float>() + r * width + inner;
-    float* win = window.data_ptr<float>() + r * (k - 1) * conv;
-    linserve::gdn::conv_sum(win, mixed, w[1].data_ptr<float>(), out, conv, k);
-    linserve::gdn::shift_window(win, mixed, conv, k);
-    for (int64_t c = 0; c < conv; ++c)
-      out[c] = linserve::gdn::silu(bias ? out[c] + w[2].data_ptr<float>()[c] : out[c]);
-  }
+  const float* conv_w = w[1].data_ptr<float>();
+  const float* conv_b = w[2].numel() > 0 ? w[2].data_ptr<float>() : nullptr;
+  float* xbc_p = xbc.data_ptr<float>();
+  const float* proj_p = proj.data_ptr<float>();
+  float* window_p = window.data_ptr<float>();
+  // The rows' convolutions, bias and SiLU over xBC (pointers hoisted: a data_ptr call per
+  // element kept this loop scalar, 58 us a row and layer at Granite's 4,352 channels).
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* out = xbc_p + r * conv;
+      const float* mixed = proj_p + r * width + inner;
+      float* win = window_p + r * (k - 1) * conv;
+      linserve::gdn::conv_sum(win, mixed, conv_w, out, conv, k);
+      linserve::gdn::shift_window(win, mixed, conv, k);
+      if (conv_b != nullptr)
+        for (int64_t c = 0; c < conv; ++c) out[c] += conv_b[c];
+      for (int64_t c = 0; c < conv; ++c) out[c] = linserve::gdn::silu(out[c]);
+    }
+  });
   const int64_t state = m.mh * m.mp * m.mn;
   at::parallel_for(0, rows * m.mh, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end;) {  // runs of heads within one row
@@ -259,9 +267,12 @@ at::Tensor mamba2(const at::Tensor& h, const at::Tensor* w, at::Tensor& s, at::T
     }
   });
   const float* norm_w = w[6].numel() > 0 ? w[6].data_ptr<float>() : nullptr;
-  for (int64_t r = 0; r < rows; ++r)
-    gated_norm(y.data_ptr<float>() + r * inner, proj.data_ptr<float>() + r * width, norm_w, m,
-               Part{p.kind, p.i0, norm_w != nullptr ? p.i1 : 0, p.i2, p.eps, p.f0, p.f1, p.f2});
+  const Part norm_part{p.kind, p.i0, norm_w != nullptr ? p.i1 : 0, p.i2, p.eps, p.f0, p.f1, p.f2};
+  float* y_p = y.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      gated_norm(y_p + r * inner, proj_p + r * width, norm_w, m, norm_part);
+  });
   return linserve::project(y, w[7]);
 }
 
