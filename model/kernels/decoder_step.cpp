@@ -188,6 +188,10 @@ inline float ssm_row(float* s, const float* b, const float* c, float decay, floa
   return out;
 }
 
+// Heads of one row in a task of the SSM update: a head's state is 32 KB at Granite's shape,
+// so a task of four is long enough to prefetch through and short enough to even out.
+constexpr int64_t kSsmHeadsPerTask = 4;
+
 // One row's SSM heads [h0, h1): S = exp(dt A) S + dt x B^T, y = S C + D x.
 void ssm_heads(const float* xbc, const float* dt_raw, const at::Tensor* w, float* s, float* y,
                int64_t h0, int64_t h1, const Dims& m, const Part& p) {
@@ -257,14 +261,13 @@ at::Tensor mamba2(const at::Tensor& h, const at::Tensor* w, at::Tensor& s, at::T
     }
   });
   const int64_t state = m.mh * m.mp * m.mn;
-  at::parallel_for(0, rows * m.mh, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end;) {  // runs of heads within one row
-      const int64_t r = t / m.mh, h0 = t % m.mh, h1 = std::min(m.mh, h0 + (end - t));
-      ssm_heads(xbc.data_ptr<float>() + r * conv, proj.data_ptr<float>() + r * width + inner +
-                conv, w, s.data_ptr<float>() + r * state, y.data_ptr<float>() + r * inner, h0,
-                h1, m, p);
-      t += h1 - h0;
-    }
+  // Tasks of kSsmHeadsPerTask heads of one row, taken one at a time (parallel.h).
+  const int64_t per_row = (m.mh + kSsmHeadsPerTask - 1) / kSsmHeadsPerTask;
+  linserve::for_each_task(rows * per_row, [&](int64_t t) {
+    const int64_t r = t / per_row, h0 = t % per_row * kSsmHeadsPerTask;
+    ssm_heads(xbc.data_ptr<float>() + r * conv, proj.data_ptr<float>() + r * width + inner +
+              conv, w, s.data_ptr<float>() + r * state, y.data_ptr<float>() + r * inner, h0,
+              std::min(m.mh, h0 + kSsmHeadsPerTask), m, p);
   });
   const float* norm_w = w[6].numel() > 0 ? w[6].data_ptr<float>() : nullptr;
   const Part norm_part{p.kind, p.i0, norm_w != nullptr ? p.i1 : 0, p.i2, p.eps, p.f0, p.f1, p.f2};

@@ -23,12 +23,13 @@
 
 #include <cstdint>
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <vector>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+
+#include "parallel.h"
 
 namespace linserve {
 
@@ -195,12 +196,10 @@ inline void span_rows(const Span& s, const Weights<W>& w) {
 // Work split: rows in groups of up to kRows, columns in chunks (a multiple of every tile
 // width); a task is one (chunk, group) pair, numbered chunk-major, so the row groups of a
 // chunk follow one another while its weights are still in cache (group-major, a batch of 16
-// streamed every weight from DRAM three times). Threads take the next task from a shared
-// counter rather than a fixed half each: the two cores of a VM do not read at the same pace,
-// and with a fixed split (17 chunks of an in_proj as 9 + 8) the faster one waited for the
-// slower at the end of every product. A single row takes chunks of kChunkOneRow columns, so
-// the last task is short. The split decides who computes an element, never how, so results
-// do not depend on it.
+// streamed every weight from DRAM three times). Threads take tasks one at a time
+// (parallel.h); a single row takes chunks of kChunkOneRow columns, so the last task is
+// short. The split decides who computes an element, never how, so results do not depend
+// on it.
 constexpr int64_t kChunk = 512;
 constexpr int64_t kChunkOneRow = 256;
 
@@ -210,24 +209,13 @@ inline void for_spans(const float* x, float* y, int64_t rows, int64_t k_len, int
                       bool accumulate, int64_t group_rows, const F& f, int64_t chunk = 0) {
   const int64_t groups = (rows + group_rows - 1) / group_rows;
   if (chunk == 0) chunk = groups == 1 ? kChunkOneRow : kChunk;
-  const int64_t chunks = (n + chunk - 1) / chunk, tasks = groups * chunks;
-  const auto task = [&](int64_t t) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  for_each_task(groups * chunks, [&](int64_t t) {
     const int64_t g = t % groups, c0 = t / groups * chunk;
     const int64_t r0 = g * group_rows;
     const Span s{r0, x + r0 * k_len, y + r0 * n, k_len, n, c0, std::min(c0 + chunk, n),
                  accumulate};
     f(std::min(group_rows, rows - r0), s);
-  };
-  const int64_t workers = std::min<int64_t>(tasks, at::get_num_threads());
-  if (workers <= 1 || at::in_parallel_region()) {
-    for (int64_t t = 0; t < tasks; ++t) task(t);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks;
-         t = next.fetch_add(1, std::memory_order_relaxed))
-      task(t);
   });
 }
 

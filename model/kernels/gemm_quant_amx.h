@@ -15,8 +15,9 @@
 // is the scaling: per block, three instructions per row and vector of 16 columns, against
 // vpdpbusd's eight (int8) or eight plus the nibble unpacking (int4) and the same three.
 //
-// Layout of the work: tasks of one 16-column vector x up to kAmxQuantRowBlock rows, the row
-// blocks of a vector next to each other, so a thread unpacks a vector's weights into tile
+// Layout of the work: a task is kAmxVecsPerTask 16-column vectors (the 64 columns of a
+// panel, which lie together in memory) over all the rows, threads taking the next from a
+// counter (parallel.h), so a thread unpacks each vector's weights into tile
 // layout (signed bytes, [blocks][8 stored rows][16 columns][4 inputs]: int4's nibbles minus
 // 8, int8's bytes minus 128) once for all its rows, during its first tile. Activations come from quantize_acts,
 // whose rows are padded to a multiple of 16 with zeros, so a tile always loads 16 rows; the
@@ -37,7 +38,7 @@ namespace linserve {
 // (tdpbssd takes 32 inputs an instruction here, half the tiles' depth, as the scales come
 // per block of 32).
 constexpr int64_t kAmxQuantMinRows = 16;
-constexpr int64_t kAmxQuantRowBlock = 128;
+constexpr int64_t kAmxVecsPerTask = 4;
 
 // Tiles: 0-1 int32 dots (16 rows x 16 columns), 2-3 activations (16 rows x 32 inputs), 4-5
 // weights (8 stored rows x 16 columns x 4 inputs); two of each, so one block's dots are
@@ -160,22 +161,19 @@ inline void amx_quant_tile(const QuantActs& a, int64_t r0, int64_t rows, bool un
 template <bool INT4>
 inline void quant_rows_amx(const QuantActs& a, const float* x, const QuantWeights& w, float* y,
                            int64_t rows, int64_t k_len, bool accumulate) {
-  const int64_t vecs = w.n / 16, row_blocks = (rows + kAmxQuantRowBlock - 1) / kAmxQuantRowBlock;
-  at::parallel_for(0, vecs * row_blocks, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t vecs = w.n / 16;
+  parallel_tasks((vecs + kAmxVecsPerTask - 1) / kAmxVecsPerTask, [&](TaskQueue& queue) {
     thread_local std::vector<int8_t> q;
     thread_local std::vector<float> sc;
     q.resize(a.blocks * 512);
     sc.resize(a.blocks * 16);
     amx_configure_quant();
-    int64_t unpacked = -1;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t v = t / row_blocks, rb = t % row_blocks, c = 16 * v;
-      const QCol col = column(w, c);
-      const int64_t r1 = std::min(rows, (rb + 1) * kAmxQuantRowBlock);
-      for (int64_t r0 = rb * kAmxQuantRowBlock; r0 < r1; r0 += 16) {
-        amx_quant_tile<INT4>(a, r0, r1, v != unpacked, q.data(), sc.data(), col,
-                             y + r0 * w.n + c, w.n, accumulate);
-        unpacked = v;
+    for (int64_t t = queue.take(); t >= 0; t = queue.take()) {
+      for (int64_t v = t * kAmxVecsPerTask; v < std::min(vecs, (t + 1) * kAmxVecsPerTask); ++v) {
+        const QCol col = column(w, 16 * v);
+        for (int64_t r0 = 0; r0 < rows; r0 += 16)
+          amx_quant_tile<INT4>(a, r0, rows, r0 == 0, q.data(), sc.data(), col,
+                               y + r0 * w.n + 16 * v, w.n, accumulate);
       }
     }
     _tile_release();
