@@ -39,7 +39,7 @@ def _model(kind: str, dtype: torch.dtype, fused: bool) -> torch.nn.Module:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize(("k", "n"), [(64, 256), (255, 100), (300, 1000), (33, 7), (40, 4500),
-                                      (40, 328), (64, 24), (64, 88)])
+                                      (40, 328), (64, 24), (64, 88), (300, 1)])
 def test_invariant_mm_rows_do_not_depend_on_the_batch(dtype: torch.dtype, packed: bool,
                                                       k: int, n: int) -> None:
     """Every prefix of a 64-row batch, and every row alone, gives the full batch's rows bit
@@ -61,6 +61,23 @@ def test_invariant_mm_rows_do_not_depend_on_the_batch(dtype: torch.dtype, packed
         assert torch.equal(full, torch.ops.linserve.invariant_mm(x, w))
     ref = (x.bfloat16() if pairs else x).double() @ w.double()
     assert (full.double() - ref).abs().max().item() < 1e-4 * k ** 0.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("k", [1, 33, 64, 130, 2048])
+def test_one_column_has_the_bits_of_a_wider_product(dtype: torch.dtype, packed: bool,
+                                                    k: int) -> None:
+    """A product with one column (a row sum, or a dot with one vector: the norms' sums
+    through ``invariant.sum_last``) takes its own path, rows in vector lanes; each row gets
+    the bits it gets as the first column of a wider product, for any row count."""
+    torch.manual_seed(1)
+    w = torch.randn(k, 2).to(dtype)
+    x = torch.randn(45, k)
+    one, two = ((invariant.pack(v) if packed else v) for v in (w[:, :1].contiguous(), w))
+    for rows in (1, 5, 16, 17, 45):
+        assert torch.equal(torch.ops.linserve.invariant_mm(x[:rows], one),
+                           torch.ops.linserve.invariant_mm(x[:rows], two)[:, :1])
 
 
 @pytest.mark.skipif(not (kernels.load() and torch.ops.linserve.amx_active()),
