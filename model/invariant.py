@@ -250,17 +250,22 @@ def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, owner: object,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, fp32_out: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x ``[..., in]``, batch-invariant when :func:`active`
-    and the weight is fp32 or bf16. The result has x's dtype, as F.linear's would."""
+    and the weight is fp32 or bf16. The result has x's dtype, as F.linear's would, or with
+    ``fp32_out`` is fp32 and x may be of any float dtype: the invariant GEMM takes fp32 rows
+    and gives fp32, so a layer that works in fp32 around it need not round to the model's
+    dtype and back (Mamba2's projections: two full-size copies each)."""
     kept = frozen(owner)
     if kept is None and (not _packed_gemm() or weight.dtype not in (torch.float32,
                                                                    torch.bfloat16)):
-        return F.linear(x, weight, bias)
+        if not fp32_out:
+            return F.linear(x, weight, bias)
+        return F.linear(x.to(weight.dtype), weight, bias).float()
     y = project(x, kept if kept is not None else gemm_weight(owner, weight))
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y if fp32_out else y.to(x.dtype)
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -348,6 +353,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self, self.bias)
+
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with an fp32 result, x of any float dtype (see :func:`linear`)."""
+        return linear(x, self.weight, self, self.bias, fp32_out=True)
 
 
 def prefill_split(todo: int, cap: int, budget: int, chunk: int) -> int:

@@ -51,6 +51,7 @@
 #include "fastmath.h"
 #include "gdn.h"
 #include "gemm.h"
+#include "mamba2.h"
 #include "moe.h"
 
 #include <algorithm>
@@ -214,24 +215,6 @@ void ssm_heads(const float* xbc, const float* dt_raw, const at::Tensor* w, float
   }
 }
 
-// y [inner] gated by z and normalised per group (Mamba2's gated RMSNorm), in place.
-void gated_norm(float* y, const float* z, const float* w, const Dims& m, const Part& p) {
-  const int64_t inner = m.mh * m.mp, width = inner / m.mg;
-  const bool normed = p.i1 != 0, before = p.i0 != 0;
-  if (!normed || !before)
-    for (int64_t i = 0; i < inner; ++i) y[i] *= linserve::gdn::silu(z[i]);
-  if (!normed) return;
-  for (int64_t g = 0; g < m.mg; ++g) {
-    float* yg = y + g * width;
-    const float ss = linserve::sum_squares(yg, width);
-    const float r = 1.f / std::sqrt(ss / static_cast<float>(width) + p.f2);
-    for (int64_t i = 0; i < width; ++i) yg[i] *= r;
-  }
-  if (before)
-    for (int64_t i = 0; i < inner; ++i) y[i] *= linserve::gdn::silu(z[i]);
-  for (int64_t i = 0; i < inner; ++i) y[i] *= w[i];
-}
-
 // Weights: in, conv [K, C], conv bias [C] (or empty), A_log, dt_bias, D [Hm], norm [inner]
 // (or empty), out [inner, d].
 at::Tensor mamba2(const at::Tensor& h, const at::Tensor* w, at::Tensor& s, at::Tensor& window,
@@ -270,11 +253,12 @@ at::Tensor mamba2(const at::Tensor& h, const at::Tensor* w, at::Tensor& s, at::T
               std::min(m.mh, h0 + kSsmHeadsPerTask), m, p);
   });
   const float* norm_w = w[6].numel() > 0 ? w[6].data_ptr<float>() : nullptr;
-  const Part norm_part{p.kind, p.i0, norm_w != nullptr ? p.i1 : 0, p.i2, p.eps, p.f0, p.f1, p.f2};
+  const linserve::mamba2::Gate gate{inner, m.mg, norm_w != nullptr && p.i1 != 0, p.i0 != 0,
+                                    p.f2};
   float* y_p = y.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      gated_norm(y_p + r * inner, proj_p + r * width, norm_w, m, norm_part);
+      linserve::mamba2::gated_norm(y_p + r * inner, proj_p + r * width, norm_w, gate);
   });
   return linserve::project(y, w[7]);
 }

@@ -1,6 +1,6 @@
 // Elementwise work of the parallel (prefill) form, in one native pass each; inference only
-// (no autograd): the causal convolution, the elu+1 feature map with the head split, the
-// MLP's tanh GELU and RMSNorm.
+// (no autograd): the causal convolution (with Mamba2's bias and SiLU), Mamba2's output gate,
+// the elu+1 feature map with the head split, the MLP's tanh GELU and RMSNorm.
 //
 // Causal depthwise convolution: out[b, t, c] = sum_i w[i, c] * x[b, t + i, c].
 //
@@ -15,19 +15,27 @@
 #include <torch/library.h>
 
 #include "dense.h"
+#include "gdn.h"
+#include "mamba2.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
 
-at::Tensor causal_conv(const at::Tensor& x, const at::Tensor& w) {
+at::Tensor causal_conv(const at::Tensor& x, const at::Tensor& w,
+                       const std::optional<at::Tensor>& bias, bool silu) {
   TORCH_CHECK(x.dim() == 3 && w.dim() == 2 && x.size(2) == w.size(1) && x.size(1) >= w.size(0),
               "causal_conv takes x [B, T + K - 1, C] and w [K, C]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
                   x.is_contiguous() && w.is_contiguous(), "causal_conv takes contiguous fp32");
+  const bool biased = bias.has_value() && bias->defined();
+  TORCH_CHECK(!biased || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                          bias->numel() == x.size(2)), "causal_conv's bias is fp32 [C]");
+  const float* bp = biased ? bias->data_ptr<float>() : nullptr;
   const int64_t rows = x.size(0), k = w.size(0), c = x.size(2), t = x.size(1) - k + 1;
   at::Tensor out = at::empty({rows, t, c}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -44,9 +52,54 @@ at::Tensor causal_conv(const at::Tensor& x, const at::Tensor& w) {
         const float* si = src + i * c;
         for (int64_t ch = 0; ch < c; ++ch) dst[ch] += wi[ch] * si[ch];
       }
+      if (bp != nullptr)
+        for (int64_t ch = 0; ch < c; ++ch) dst[ch] += bp[ch];
+      if (silu)
+        for (int64_t ch = 0; ch < c; ++ch) dst[ch] = linserve::gdn::silu(dst[ch]);
     }
   });
   return out;
+}
+
+// Mamba2's output gate over prefill rows, in place on y [R, inner] (the SSD's outputs,
+// contiguous): the D skip y += D[h] xs per head of inner / H channels, then the gated RMSNorm
+// with z as the native step computes it (mamba2.h). xs and z [R, inner] may be views with a
+// row stride (splits of the projections); w [inner] fp32, or empty for y silu(z) alone. One
+// pass a row: the eager form made about eight temporaries of y's size a layer (the skip, the
+// SiLU, the gate, the norm's squares and scale, the weight), each page-faulted afresh.
+at::Tensor mamba2_gate_(at::Tensor y, const at::Tensor& xs, const at::Tensor& d,
+                        const at::Tensor& z, const at::Tensor& w, int64_t groups, double eps,
+                        bool before) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat,
+              "mamba2_gate_ takes contiguous fp32 y [R, inner]");
+  const int64_t rows = y.size(0), inner = y.size(1), heads = d.numel();
+  for (const at::Tensor* t : {&xs, &z})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == inner &&
+                    t->stride(1) == 1 && t->scalar_type() == at::kFloat,
+                "mamba2_gate_ takes fp32 xs and z [R, inner] with unit column stride");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && heads > 0 &&
+                  inner % heads == 0 && groups > 0 && inner % groups == 0,
+              "mamba2_gate_: D [H] fp32 with H and the groups dividing inner");
+  const bool normed = w.numel() > 0;
+  TORCH_CHECK(!normed || (w.scalar_type() == at::kFloat && w.is_contiguous() &&
+                          w.numel() == inner), "mamba2_gate_'s norm weight is fp32 [inner]");
+  const linserve::mamba2::Gate gate{inner, groups, normed, before, static_cast<float>(eps)};
+  const int64_t p = inner / heads;
+  float* yp = y.data_ptr<float>();
+  const float* xp = xs.data_ptr<float>();
+  const float* zp = z.data_ptr<float>();
+  const float* dp = d.data_ptr<float>();
+  const float* wp = normed ? w.data_ptr<float>() : nullptr;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = yp + r * inner;
+      const float* x = xp + r * xs.stride(0);
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t i = h * p; i < (h + 1) * p; ++i) row[i] += dp[h] * x[i];
+      linserve::mamba2::gated_norm(row, zp + r * z.stride(0), wp, gate);
+    }
+  });
+  return y;
 }
 
 // GELU (tanh form) in place on a contiguous fp32 or bf16 tensor (bf16 through fp32 blocks).
@@ -133,7 +186,9 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
-  m.def("causal_conv(Tensor x, Tensor w) -> Tensor");
+  m.def("causal_conv(Tensor x, Tensor w, Tensor? bias=None, bool silu=False) -> Tensor");
+  m.def("mamba2_gate_(Tensor(a!) y, Tensor xs, Tensor d, Tensor z, Tensor w, int groups, "
+        "float eps, bool before) -> Tensor(a!)");
   m.def("gelu_tanh_(Tensor(a!) x) -> Tensor(a!)");
   m.def("qkv_features(Tensor qkv, int heads) -> Tensor[]");
   m.def("rms_norm_rows(Tensor x, Tensor w, float eps) -> Tensor");
@@ -141,6 +196,7 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
 
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("causal_conv", &causal_conv);
+  m.impl("mamba2_gate_", &mamba2_gate_);
   m.impl("gelu_tanh_", &gelu_tanh_);
   m.impl("qkv_features", &qkv_features);
   m.impl("rms_norm_rows", &rms_norm_rows);

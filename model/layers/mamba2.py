@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import invariant
+from model import invariant, kernels
 from model.invariant import Linear
 from model.layers.norms import GatedRMSNorm
 from model.layers.short_conv import advance_window, causal_conv
@@ -166,15 +166,13 @@ class Mamba2(nn.Module):
         ``[B, T, G, N]``, dt ``[B, T, H]``; fp32.
         Advances the conv window."""
         s = self.shape
-        proj = self.in_proj(x * s.in_multiplier if s.in_multiplier != 1.0 else x).float()
+        proj = self.in_proj.forward_fp32(x * s.in_multiplier if s.in_multiplier != 1.0 else x)
         if s.proj_multipliers is not None:
             proj = proj * self._proj_scale()
         z, xbc, dt = proj.split([s.inner, s.conv_dim, s.heads], dim=-1)
-        conv_out = causal_conv(advance_window(conv, xbc, new), self.conv_weight())
-        if self.conv1d.bias is not None:
-            conv_out = conv_out + self.conv1d.bias.float()
-        xs, b, c = invariant.rowwise(F.silu, conv_out).split(
-            [s.inner, s.groups * s.d_state, s.groups * s.d_state], dim=-1)
+        conv_out = causal_conv(advance_window(conv, xbc, new), self.conv_weight(),
+                               self.conv1d.bias, silu=True)
+        xs, b, c = conv_out.split([s.inner, s.groups * s.d_state, s.groups * s.d_state], dim=-1)
         bt, t = x.shape[:2]
         b, c = (y.reshape(bt, t, s.groups, s.d_state) for y in (b, c))
         dt = invariant.rowwise(F.softplus, dt + self.dt_bias.float())
@@ -192,10 +190,28 @@ class Mamba2(nn.Module):
     def _out(self, y: torch.Tensor, xs: torch.Tensor, z: torch.Tensor, x: torch.Tensor
              ) -> torch.Tensor:
         """y ``[B, T, H, P]`` + the D skip, gated norm with z (or y · silu(z)), ``out_proj``
-        -> ``[B, T, d]``."""
-        y = (y + xs * self.D.float()[:, None]).reshape(*y.shape[:2], -1)
-        gated = self.norm(y, z) if self.shape.gated_norm else y * invariant.rowwise(F.silu, z)
-        return self.out_proj(gated.to(x.dtype))
+        -> ``[B, T, d]``. Natively where built: one pass a row, in place on y, with the
+        native step's code (``mamba2_gate_``)."""
+        if kernels.available() and not torch.is_grad_enabled():
+            gated = self._gate_native(y, xs, z)
+        else:
+            y = (y + xs * self.D.float()[:, None]).reshape(*y.shape[:2], -1)
+            gated = self.norm(y, z) if self.shape.gated_norm else y * invariant.rowwise(F.silu, z)
+        return self.out_proj.forward_fp32(gated).to(x.dtype)
+
+    def _gate_native(self, y: torch.Tensor, xs: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """:meth:`_out`'s D skip and gate by the native op: y, xs ``[B, T, H, P]``, z
+        ``[B, T, inner]`` -> ``[B, T, inner]`` fp32 (y's storage when it is contiguous)."""
+        s = self.shape
+        rows = y.shape[0] * y.shape[1]
+        flat = y.reshape(rows, s.inner).contiguous()
+        norm = self.norm if s.gated_norm else None
+        weight = norm.weight.float() if norm is not None else torch.empty(0)
+        torch.ops.linserve.mamba2_gate_(
+            flat, xs.reshape(rows, s.inner).float(), self.D.float(),
+            z.reshape(rows, s.inner).float(), weight, norm.groups if norm else 1,
+            norm.eps if norm else 0.0, bool(norm.norm_before_gate) if norm else False)
+        return flat.view(*y.shape[:2], s.inner)
 
     def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
                 new: torch.Tensor | None = None) -> torch.Tensor:

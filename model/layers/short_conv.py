@@ -10,18 +10,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import kernels
+from model import invariant, kernels
 from model.invariant import Linear
 from model.state import ConvEntry
 
 
-def causal_conv(full: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def causal_conv(full: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                silu: bool = False) -> torch.Tensor:
     """A depthwise causal convolution: ``full [B, K−1+T, C]`` (the window, then the new
-    inputs) and ``weight [K, C]`` fp32 -> ``[B, T, C]`` fp32 (natively where built)."""
+    inputs) and ``weight [K, C]`` fp32 -> ``[B, T, C]`` fp32 (natively where built), plus
+    ``bias [C]`` and then SiLU if asked (Mamba2's, in the same pass natively)."""
     if kernels.available() and not torch.is_grad_enabled():
-        return torch.ops.linserve.causal_conv(full.float().contiguous(), weight)
-    return F.conv1d(full.float().transpose(1, 2), weight.t().unsqueeze(1),
-                    groups=full.shape[2]).transpose(1, 2)
+        return torch.ops.linserve.causal_conv(full.float().contiguous(), weight,
+                                              None if bias is None else bias.float(), silu)
+    out = F.conv1d(full.float().transpose(1, 2), weight.t().unsqueeze(1),
+                   groups=full.shape[2]).transpose(1, 2)
+    if bias is not None:
+        out = out + bias.float()
+    return invariant.rowwise(F.silu, out) if silu else out
 
 
 def advance_window(conv: ConvEntry, new_inputs: torch.Tensor, new: torch.Tensor | None
