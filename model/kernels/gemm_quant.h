@@ -240,6 +240,48 @@ template <bool INT4, int64_t ROWS, int64_t NV>  // never called: tile_q's generi
 inline void block_dot_avx2(const QuantActs&, int64_t, const QCol*, int64_t, vi32 (*)[NV]) {}
 #endif
 
+// ---- Prefetching the weights a tile reads ------------------------------------------------
+// The weights are prefetched ahead of the loads: their vector loads alone kept too few reads
+// in flight, as gemm_amx.h's tiles. A VNNI GEMV (one row, 8 vectors) prefetches both panels'
+// whole block kQuantPrefetch blocks ahead: 4 read a little faster than 2, 8 no faster.
+// Narrower or taller tiles prefetch their own lines kTilePrefetch blocks ahead: a 16-row
+// step's tiles (6 rows x 32 columns) take ~50 cycles a block, and without it read int4
+// weights from DRAM at 5 GB/s a thread, bound by the latency of their loads (16 rows of
+// 2048 x 16384, one thread: 155 -> 280 GMAC/s; two: 225 -> 433; prompts of 512 rows, whose
+// later row groups find the weights in L2, 379 -> 391). Where they point never changes the
+// arithmetic, and a prefetch past the weight's end never faults.
+constexpr int64_t kQuantPrefetch = 4;
+constexpr int64_t kTilePrefetch = 16;
+
+// prefetcht0 of p's line; never faults, wherever p points. Inline asm on x86, not
+// _mm_prefetch: GCC 12 left the builtin out of tile_vnni's many-row instantiations
+// altogether (no prefetcht0 in the object).
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// The lines [p, p + bytes).
+inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; a < end; a += 64)
+    prefetch_line(reinterpret_cast<const void*>(a));
+}
+
+// The lines of block b that a tile of `columns` columns from col reads (within one panel):
+// each stored row's 4 bytes a column, and int4's fp16 scales.
+template <bool INT4>
+inline void prefetch_tile(const QCol& col, int64_t columns, int64_t b) {
+  constexpr int64_t kStored = INT4 ? kBlock / 8 : kBlock / 4;
+  for (int64_t t = 0; t < kStored; ++t)
+    prefetch_bytes(col.q + b * col.block + t * col.ld, 4 * columns);
+  if constexpr (INT4)
+    prefetch_bytes(reinterpret_cast<const uint8_t*>(group_scales(col, b)), 2 * columns);
+}
+
 // ---- The generic path (any -march): ROWS rows x NV vectors of kLanes columns from c -------
 template <bool INT4, int64_t ROWS, int64_t NV>
 inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int64_t c) {
@@ -248,6 +290,7 @@ inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int
   for (int64_t j = 0; j < NV; ++j) col[j] = column(w, c + j * kLanes);
   vfloat acc[ROWS][NV] = {};
   for (int64_t b = 0; b < a.blocks; ++b) {
+    prefetch_tile<INT4>(col[0], kLanes * NV, b + kTilePrefetch);
     vi32 dot[ROWS][NV];
     for (int64_t r = 0; r < ROWS; ++r)
       for (int64_t j = 0; j < NV; ++j)
@@ -339,16 +382,12 @@ inline void span_rows_quant(const QuantActs& a, const Span& s, const QuantWeight
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // ---- AVX512-VNNI: vpdpbusd, 16 columns a vector ------------------------------------------
-// A GEMV prefetches the weights this many blocks ahead: its vector loads alone kept too few
-// reads in flight (as gemm_amx.h's tiles); 4 read a little faster than 2, 8 no faster. Where
-// they point never changes the arithmetic, and a prefetch past the weight's end never faults.
-constexpr int64_t kQuantPrefetch = 4;
 
 // Block b of the panels that the nv column vectors of col cover (col[0] at a panel's start).
 inline void prefetch_block(const QCol* col, int64_t nv, int64_t b) {
   for (int64_t j = 0; j < nv; j += 4) {
-    const char* p = reinterpret_cast<const char*>(col[j].q + b * col[j].block);
-    for (int64_t i = 0; i < col[j].block; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+    const uint8_t* p = col[j].q + b * col[j].block;
+    for (int64_t i = 0; i < col[j].block; i += 64) prefetch_line(p + i);
   }
 }
 
@@ -364,6 +403,7 @@ inline void tile_vnni(const QuantActs& a, const Span& s, const QuantWeights& w, 
   for (auto& row : acc) for (auto& v : row) v = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
     if constexpr (ROWS == 1 && NV >= 4) prefetch_block(col, NV, b + kQuantPrefetch);
+    else prefetch_tile<INT4>(col[0], 16 * NV, b + kTilePrefetch);
     __m512i dot[ROWS][NV];
     const int32_t* xq[ROWS];
     for (int64_t r = 0; r < ROWS; ++r) {
