@@ -243,13 +243,13 @@ inline void block_dot_avx2(const QuantActs&, int64_t, const QCol*, int64_t, vi32
 // ---- Prefetching the weights a tile reads ------------------------------------------------
 // The weights are prefetched ahead of the loads: their vector loads alone kept too few reads
 // in flight, as gemm_amx.h's tiles. A VNNI GEMV (one row, 8 vectors) prefetches both panels'
-// whole block kQuantPrefetch blocks ahead: 4 read a little faster than 2, 8 no faster.
-// Tiles of more rows (and every tile of the generic path: its int8 GEMV on AVX2 read 10-20%
-// faster) prefetch their own lines kTilePrefetch blocks ahead: a 16-row
-// step's tiles (6 rows x 32 columns) take ~50 cycles a block, and without it read int4
-// weights from DRAM at 5 GB/s a thread, bound by the latency of their loads (16 rows of
-// 2048 x 16384, one thread: 155 -> 280 GMAC/s; two: 225 -> 433; prompts of 512 rows, whose
-// later row groups find the weights in L2, 379 -> 391). Where they point never changes the
+// whole block kQuantPrefetch blocks ahead (prefetch_block): 4 read a little faster than 2, 8
+// no faster. Tiles of more rows, and every tile of the generic path (its int8 GEMV on AVX2
+// read 10-20% faster), prefetch their own lines kTilePrefetch blocks ahead (prefetch_tile).
+// A 16-row step's tiles (6 rows x 32 columns) take ~50 cycles a block; without it they read
+// int4 weights from DRAM at 5 GB/s a thread, bound by the latency of their loads (16 rows
+// of 2048 x 16384 on two threads: 178 -> 443 GMAC/s; prompts of 512 rows, whose later row
+// groups find the weights in L2: 379 -> 391). Where they point never changes the
 // arithmetic, and a prefetch past the weight's end never faults.
 constexpr int64_t kQuantPrefetch = 4;
 constexpr int64_t kTilePrefetch = 16;
@@ -383,8 +383,8 @@ inline void span_rows_quant(const QuantActs& a, const Span& s, const QuantWeight
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // ---- AVX512-VNNI: vpdpbusd, 16 columns a vector ------------------------------------------
-
 // Block b of the panels that the nv column vectors of col cover (col[0] at a panel's start).
+// (The builtin is emitted here, in the one-row tiles; this code is as it was measured.)
 inline void prefetch_block(const QCol* col, int64_t nv, int64_t b) {
   for (int64_t j = 0; j < nv; j += 4) {
     const char* p = reinterpret_cast<const char*>(col[j].q + b * col[j].block);
