@@ -9,7 +9,8 @@ MLP weights are 57 MB, beyond the L3). The figure is the median of ``--rounds`` 
 With ``--libs A.so B.so`` every case runs once per library, alternating, each in its own
 process (``LINSERVE_KERNEL_LIB``): an A/B of two kernel builds under the same VM drift.
 
-Writes ``bench/results/quant_gemm.json``.
+Writes ``bench/results/quant_gemm.json`` and ``quant_gemm.png`` (GMAC/s per case, a bar per
+library).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bench.common import machine, print_table, write_json
+from bench.common import machine, print_table, read_json, save_figure, write_json
 
 SHAPES = ["2048x16384", "2048x8512", "8192x2048", "4096x2048"]  # Granite-4.0-H-Micro's
 
@@ -61,6 +62,34 @@ def run_case(lib: str | None, case: dict[str, Any], args: argparse.Namespace) ->
     return float(out.strip().splitlines()[-1])
 
 
+def plot(rows: list[dict[str, Any]]) -> None:
+    """GMAC/s per case (kind, rows, K x N, threads), one bar per library, one panel a kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = sorted({r["kind"] for r in rows})
+    libs = list(dict.fromkeys(r["lib"] for r in rows))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(7.5 * len(kinds), 4.4), squeeze=False)
+    for ax, kind in zip(axes[0], kinds, strict=True):
+        cases = list(dict.fromkeys((r["rows"], r["k"], r["n"], r["threads"])
+                                   for r in rows if r["kind"] == kind))
+        width = 0.8 / len(libs)
+        for i, lib in enumerate(libs):
+            by_case = {(r["rows"], r["k"], r["n"], r["threads"]): r["gmacs"]
+                       for r in rows if r["kind"] == kind and r["lib"] == lib}
+            ax.bar([c + i * width for c in range(len(cases))],
+                   [by_case.get(c, 0.0) for c in cases], width, label=lib)
+        ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
+        ax.set_xticklabels([f"{r} rows\n{k}x{n}\n{t} thr" for r, k, n, t in cases], fontsize=6)
+        ax.set_ylabel("GMAC/s")
+        ax.set_title(f"{kind} products")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    save_figure(fig, "quant_gemm.png")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kinds", nargs="+", default=["int4", "int8"], choices=["int4", "int8"])
@@ -70,8 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--weights", type=int, default=3)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--libs", nargs="+", default=[None], help="kernel libraries to alternate")
+    p.add_argument("--plot-only", action="store_true", help="redraw from the JSON")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.plot_only:
+        plot(read_json("quant_gemm")["rows"])
+        return
     if args.one:
         c = json.loads(args.one)
         print(one(c["kind"], c["rows"], c["k"], c["n"], c["threads"], c["weights"], c["rounds"]))
@@ -90,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows, ["kind", "rows", "k", "n", "threads", "lib", "ms", "gmacs"])
     command = "python -m bench.quant_gemm " + " ".join(argv if argv is not None else sys.argv[1:])
     write_json("quant_gemm", {"command": command, "machine": machine(), "rows": rows})
+    plot(rows)
 
 
 if __name__ == "__main__":

@@ -595,8 +595,8 @@ inline void quant_rows(const QuantActs& a, const float* x, const QuantWeights& w
 #endif
   // Threads take a column chunk's row groups in turn (for_spans), so each thread's first
   // group of a chunk reads its weights from memory and later ones find them in L2: only
-  // the first `threads` groups prefetch (a prefetch costs a many-row tile ~8 cycles of 60
-  // a block; where the weights do not fit L2 the hardware prefetcher streams them).
+  // the first `threads` groups prefetch. From L2, or L3, the prefetch cost a many-row tile
+  // more than it saved (harness: 79-92 against 71-76 cycles a block, BENCHMARKS.md §44).
   const int64_t cold_rows = kRowsQuant * at::get_num_threads();
   for_spans(x, y, rows, k_len, w.n, accumulate, kRowsQuant, [&](int64_t r, const Span& s) {
     span_quant_rows<INT4>(a, s, w, r, s.r0 < cold_rows);
