@@ -443,11 +443,12 @@ inline void tile_vnni_row(const QuantActs& a, const Span& s, const QuantWeights&
 
 // A span's rows packed by block for the many-row tiles: per block, a record of the ROWS rows'
 // quantized inputs [ROWS][32] int8, their scales s_b [ROWS] fp32, then their offset sums
-// [ROWS] int32. A tile reading each row through its own pointers (6 rows, 2 weight vectors)
-// ran out of general registers: the compiler moved them through vector registers (47 vmovq
-// a block) and took ~93 cycles a block where its vector work needs ~60. One pointer serves
-// every row of a record at constant offsets (single-threaded harness: 93 -> 62 cycles a
-// block). The values are the same ones, so the arithmetic is unchanged.
+// [ROWS] int32. A tile that took each of its 6 rows, and each of its 2 weight vectors,
+// through its own pointers and run-time strides ran out of general registers: the compiler
+// moved them through vector registers (vmovq) and took ~100 cycles a block where
+// its vector work needs ~60. One pointer now serves every row of a record at constant
+// offsets, and one the tile's weight vectors, which share a panel (bench/vnni_tile.cpp:
+// ~100 -> ~61 cycles a block, one thread). The values are the same, and so the bits.
 template <int64_t ROWS>
 constexpr int64_t kRecord = ROWS * (kBlock + 8);
 
@@ -596,7 +597,7 @@ inline void quant_rows(const QuantActs& a, const float* x, const QuantWeights& w
   // Threads take a column chunk's row groups in turn (for_spans), so each thread's first
   // group of a chunk reads its weights from memory and later ones find them in L2: only
   // the first `threads` groups prefetch. From L2, or L3, the prefetch cost a many-row tile
-  // more than it saved (harness: 79-92 against 71-76 cycles a block, BENCHMARKS.md §44).
+  // more than it saved (bench/vnni_tile.cpp: ~75 against ~70 cycles a block, §44).
   const int64_t cold_rows = kRowsQuant * at::get_num_threads();
   for_spans(x, y, rows, k_len, w.n, accumulate, kRowsQuant, [&](int64_t r, const Span& s) {
     span_quant_rows<INT4>(a, s, w, r, s.r0 < cold_rows);
