@@ -245,19 +245,18 @@ inline void block_dot_avx2(const QuantActs&, int64_t, const QCol*, int64_t, vi32
 // The weights are prefetched ahead of the loads: their vector loads alone kept too few reads
 // in flight, as gemm_amx.h's tiles. A VNNI GEMV (one row, 8 vectors) prefetches both panels'
 // whole block kQuantPrefetch blocks ahead (prefetch_block): 4 read a little faster than 2, 8
-// no faster. Tiles of more rows, and every tile of the generic path (its int8 GEMV on AVX2
-// read 10-20% faster), prefetch their own lines kTilePrefetch blocks ahead (prefetch_tile).
-// A 16-row step's tiles (6 rows x 32 columns) take ~50 cycles a block; without it they read
+// no faster. Every tile of the generic path (its int8 GEMV on AVX2 read 10-20% faster), and
+// the VNNI tiles of more rows where their weights are cold (quant_rows), prefetch their own
+// lines kTilePrefetch blocks ahead (prefetch_tile). Without it a 16-row step's tiles read
 // int4 weights from DRAM at 5 GB/s a thread, bound by the latency of their loads (16 rows
-// of 2048 x 16384 on two threads: 178 -> 443 GMAC/s; prompts of 512 rows, whose later row
-// groups find the weights in L2: 379 -> 391). Where they point never changes the
-// arithmetic, and a prefetch past the weight's end never faults.
+// of 2048 x 16384 on two threads: 178 -> 443 GMAC/s, BENCHMARKS.md §43). Where they point
+// never changes the arithmetic, and a prefetch past the weight's end never faults.
 constexpr int64_t kQuantPrefetch = 4;
 constexpr int64_t kTilePrefetch = 16;
 
 // prefetcht0 of p's line; never faults, wherever p points. Inline asm on x86, not
-// _mm_prefetch: GCC 12 left the builtin out of tile_vnni's many-row instantiations
-// altogether (no prefetcht0 in the object).
+// _mm_prefetch: GCC 12 left the builtin out of the many-row VNNI tiles altogether (no
+// prefetcht0 in the object).
 inline void prefetch_line(const void* p) {
 #if defined(__x86_64__)
   asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));

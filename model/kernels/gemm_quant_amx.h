@@ -1,13 +1,14 @@
 // int8 / int4 GEMMs of several rows on AMX-INT8 tiles, with exactly gemm_quant.h's bits
 // (included by gemm_quant.h where the compiler targets AMX-INT8 and gemm_amx.h is in).
 //
-// Per output element, tile_vnni computes for each block b of 32 inputs an int32 dot product
-// d_b, exact, then one float step: int4 f = fma(float(d_b), s_w[b] s_x[b], f), int8
-// f = fma(float(d_b), s_x[b], f) and y = f s_w at the end, blocks in order. One tdpbssd
-// gives the same d_b for a tile of 16 rows x 16 columns (integer sums are exact in any
-// order), and the float steps below are the same instructions in the same order. So a row
-// gets the same bits here, on tile_vnni, alone or in any batch, and which path runs (the
-// number of rows, whether the CPU has AMX, LINSERVE_AMX) never changes a result.
+// Per output element, the VNNI tiles (tile_vnni_row, tile_vnni_rows) compute for each block
+// b of 32 inputs an int32 dot product d_b, exact, then one float step: int4
+// f = fma(float(d_b), s_w[b] s_x[b], f), int8 f = fma(float(d_b), s_x[b], f) and y = f s_w
+// at the end, blocks in order. One tdpbssd gives the same d_b for a tile of 16 rows x 16
+// columns (integer sums are exact in any order), and the float steps below are the same
+// instructions in the same order. So a row gets the same bits here, on the VNNI tiles,
+// alone or in any batch, and which path runs (the number of rows, whether the CPU has AMX,
+// LINSERVE_AMX) never changes a result.
 //
 // Why: a quantized product of many rows (prefill; a step of 16 rows) was bound by vpdpbusd,
 // 64 products an instruction, about 85% of that instruction's peak rate. The tiles do the
@@ -22,8 +23,8 @@
 // 8, int8's bytes minus 128) once for all its rows, during its first tile. Activations come
 // from quantize_acts, whose rows are padded to a multiple of 16 with zeros, so a tile always
 // loads 16 rows (the rows past the call's are computed and dropped); they are copied once
-// per product into tiles of 16 rows, block by block (tile_rows). A last vector narrower than 16 columns runs
-// on tile_vnni, masked.
+// per product into tiles of 16 rows, block by block (tile_rows). A last vector narrower than
+// 16 columns runs on the VNNI tiles, masked.
 #pragma once
 
 #include <immintrin.h>
@@ -33,9 +34,9 @@
 
 namespace linserve {
 
-// Fewer rows than this stay on tile_vnni. A step of 16 streams runs on the tiles: with the
+// Fewer rows than this stay on the VNNI tiles. A step of 16 streams runs on the tiles: with the
 // unpacking ahead (below), Granite-4.0-H-Micro's int4 step of 16 rows took 461 ms on them
-// against 536 on tile_vnni (alternating, 2 threads; 491 with the unpacking just before each
+// against 536 on the VNNI tiles (alternating, 2 threads; 491 with the unpacking just before each
 // block's tiles); at 64 rows the GEMM alone was 1.26-1.6x faster, at 256 about 1.4x
 // (tdpbssd takes 32 inputs an instruction here, half the tiles' depth, as the scales come
 // per block of 32).
@@ -182,7 +183,7 @@ inline void amx_quant_tile(const QuantActs& a, const int8_t* x, int64_t r0, int6
 #undef LINSERVE_ROWS16
 
 // y [rows, N] (+)= the quantized product, the full vectors on the tiles, a narrower last one
-// on tile_vnni. ``a``'s rows are padded to a multiple of 16 (quantize_acts).
+// on the VNNI tiles. ``a``'s rows are padded to a multiple of 16 (quantize_acts).
 template <bool INT4>
 inline void quant_rows_amx(const QuantActs& a, const float* x, const QuantWeights& w, float* y,
                            int64_t rows, int64_t k_len, bool accumulate) {
