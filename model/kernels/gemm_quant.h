@@ -35,6 +35,7 @@
 #pragma once
 
 #include <cmath>
+#include <utility>
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -448,6 +449,25 @@ inline void tile_vnni_row(const QuantActs& a, const Span& s, const QuantWeights&
 // its vector work needs ~60. One pointer now serves every row of a record at constant
 // offsets, and one the tile's weight vectors, which share a panel (bench/vnni_tile.cpp:
 // ~100 -> ~61 cycles a block, one thread). The values are the same, and so the bits.
+// base[OFF] in every lane, by one vpbroadcastd from base + 4 OFF where it is used. With
+// _mm512_set1_epi32(base[i]) GCC 12 hoisted a record's 48 inputs into general registers
+// and spilled them to the stack, and with a memory operand it did the same with their
+// addresses; a constant offset from one register leaves it nothing to hoist.
+template <int64_t OFF>
+inline __m512i broadcast_at(const int32_t* base) {
+  __m512i v;
+  asm volatile("vpbroadcastd %c2(%1), %0" : "=v"(v) : "r"(base), "i"(OFF * 4), "m"(*base));
+  return v;
+}
+
+// f(std::integral_constant<int64_t, i>{}) for i = 0 .. N - 1, unrolled (i a constant).
+template <typename F, size_t... I>
+inline void unrolled(F&& f, std::index_sequence<I...>) {
+  (f(std::integral_constant<int64_t, static_cast<int64_t>(I)>{}), ...);
+}
+template <int64_t N, typename F>
+inline void unrolled(F&& f) { unrolled(f, std::make_index_sequence<N>{}); }
+
 template <int64_t ROWS>
 constexpr int64_t kRecord = ROWS * (kBlock + 8);
 
@@ -482,35 +502,33 @@ inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, 
     const int32_t* xq = reinterpret_cast<const int32_t*>(rec);  // [ROWS][8] of 4 inputs
     const float* sx = reinterpret_cast<const float*>(rec + ROWS * kBlock);
     const int32_t* d0 = reinterpret_cast<const int32_t*>(rec + ROWS * (kBlock + 4));
-    __m512i dot[ROWS][NV];
-    for (int64_t r = 0; r < ROWS; ++r)
-      for (int64_t j = 0; j < NV; ++j) dot[r][j] = _mm512_set1_epi32(d0[r]);
-    for (int64_t t = 0; t < kSteps; ++t) {
-      for (int64_t j = 0; j < NV; ++j) {
+#pragma GCC unroll 2
+    for (int64_t j = 0; j < NV; ++j) {  // a vector at a time: ROWS dots live, not ROWS x NV
+      __m512i dot[ROWS];
+      for (int64_t r = 0; r < ROWS; ++r) dot[r] = _mm512_set1_epi32(d0[r]);
+      unrolled<kSteps>([&](auto t) {
         const uint8_t* p = q + t * col.ld + 64 * j;  // a tile's vectors share one panel
         const __m512i v = NV > 1 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(m, p);
-        if (INT4) {
+        if constexpr (INT4) {
           const __m512i lo = _mm512_and_si512(v, low);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          for (int64_t r = 0; r < ROWS; ++r) {
-            dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], lo, _mm512_set1_epi32(xq[8 * r + 2 * t]));
-            dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], hi,
-                                            _mm512_set1_epi32(xq[8 * r + 2 * t + 1]));
-          }
+          unrolled<ROWS>([&](auto r) {
+            dot[r] = _mm512_dpbusd_epi32(dot[r], lo, broadcast_at<8 * r + 2 * t>(xq));
+            dot[r] = _mm512_dpbusd_epi32(dot[r], hi, broadcast_at<8 * r + 2 * t + 1>(xq));
+          });
         } else {
-          for (int64_t r = 0; r < ROWS; ++r)
-            dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], v, _mm512_set1_epi32(xq[8 * r + t]));
+          unrolled<ROWS>([&](auto r) {
+            dot[r] = _mm512_dpbusd_epi32(dot[r], v, broadcast_at<8 * r + t>(xq));
+          });
         }
-      }
-    }
-    for (int64_t j = 0; j < NV; ++j) {
+      });
       const __m512 sc = INT4 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
                                    m, group_scales(col, b) + 16 * j))
                              : _mm512_set1_ps(1.f);
       for (int64_t r = 0; r < ROWS; ++r) {
         const __m512 s = _mm512_set1_ps(sx[r]);
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][j]),
-                                    INT4 ? _mm512_mul_ps(sc, s) : s, acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), INT4 ? _mm512_mul_ps(sc, s) : s,
+                                    acc[r][j]);
       }
     }
   }
