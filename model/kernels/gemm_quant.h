@@ -47,6 +47,10 @@
 namespace linserve {
 
 constexpr int64_t kBlock = 32;  // activation block = int4 group
+constexpr int64_t kRowsQuant = 6;  // rows of a many-row tile (a span's group)
+
+// Bytes of one block's record of `rows` rows (pack_group).
+constexpr int64_t record_bytes(int64_t rows) { return rows * (kBlock + 8); }
 
 typedef uint32_t vu32_ua __attribute__((vector_size(kLanes * 4), aligned(1), __may_alias__));
 typedef int32_t vi32 __attribute__((vector_size(kLanes * 4)));
@@ -90,10 +94,31 @@ struct QuantActs {
   std::vector<int8_t> q;       // [B, K32]
   std::vector<float> scale;    // [B, blocks]: s_b
   std::vector<int32_t> bias;   // [B, blocks]: -o Σ_b x_q
+  std::vector<uint8_t> packed;  // VNNI builds: [B / kRowsQuant, blocks, record] (pack_group)
   const int8_t* block(int64_t r, int64_t b) const { return q.data() + r * k32 + b * kBlock; }
   float s(int64_t r, int64_t b) const { return scale[r * blocks + b]; }
   int32_t d0(int64_t r, int64_t b) const { return bias[r * blocks + b]; }
+  // The records of the group of rows from r0 (a multiple of kRowsQuant).
+  const uint8_t* records(int64_t r0) const {
+    return packed.data() + r0 / kRowsQuant * blocks * record_bytes(kRowsQuant);
+  }
 };
+
+// The many-row tiles' layout of `rows` rows from r0 (tile_vnni_rows): per block, a record
+// of their quantized inputs [rows][32] int8, their scales s_b [rows] fp32, then their
+// offset sums [rows] int32, so one pointer serves every row at constant offsets.
+inline void pack_group(const QuantActs& a, int64_t r0, int64_t rows, uint8_t* out) {
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    uint8_t* rec = out + b * record_bytes(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float sx = a.s(r0 + r, b);
+      const int32_t d0 = a.d0(r0 + r, b);
+      std::memcpy(rec + r * kBlock, a.block(r0 + r, b), kBlock);
+      std::memcpy(rec + rows * kBlock + 4 * r, &sx, sizeof(sx));
+      std::memcpy(rec + rows * (kBlock + 4) + 4 * r, &d0, sizeof(d0));
+    }
+  }
+}
 
 // One block of kBlock inputs (zeros past n) -> q, returns its scale; *sum = the q's sum.
 inline float quantize_block(const float* x, int64_t n, int8_t* q, int32_t* sum) {
@@ -130,6 +155,19 @@ inline float quantize_block(const float* x, int64_t n, int8_t* q, int32_t* sum) 
   return s;
 }
 
+// Every group of kRowsQuant rows into a.packed, once per product (a span used to pack its
+// rows again for every chunk of columns); `grain`: groups a task takes at least.
+inline void pack_groups(QuantActs& a, int64_t rows, int64_t grain) {
+  const int64_t groups = (rows + kRowsQuant - 1) / kRowsQuant;
+  const int64_t group_bytes = a.blocks * record_bytes(kRowsQuant);
+  a.packed.resize(groups * group_bytes);
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      pack_group(a, g * kRowsQuant, std::min(kRowsQuant, rows - g * kRowsQuant),
+                 a.packed.data() + g * group_bytes);
+  });
+}
+
 // Inputs a task of quantize_acts takes at least (fewer rows stay on the calling thread).
 constexpr int64_t kQuantizeRowsPerTask = 1 << 16;
 
@@ -155,6 +193,9 @@ inline QuantActs quantize_acts(const float* x, int64_t rows, int64_t k_len, int3
       }
     }
   });
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (rows > 1) pack_groups(a, rows, std::max<int64_t>(1, grain / kRowsQuant));  // 1: GEMV
+#endif
   return a;
 }
 
@@ -393,6 +434,39 @@ inline void prefetch_block(const QCol* col, int64_t nv, int64_t b) {
   }
 }
 
+// A block's float step: acc + d_b (s_b s[b, n]) for int4 (sc: the block's weight scales),
+// acc + d_b s_b for int8 (the column scale comes at the store).
+template <bool INT4>
+inline __m512 block_step(__m512 acc, __m512i dot, __m512 sc, float sx) {
+  const __m512 s = _mm512_set1_ps(sx);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), INT4 ? _mm512_mul_ps(sc, s) : s, acc);
+}
+
+// int4's weight scales of block b for 16 columns from col's column + `from` (masked by m);
+// 1 for int8.
+template <bool INT4>
+inline __m512 block_scales(const QCol& col, int64_t b, __mmask16 m, int64_t from = 0) {
+  if constexpr (INT4)
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, group_scales(col, b) + from));
+  return _mm512_set1_ps(1.f);
+}
+
+// A tile's sums into y [ROWS, ldy] (or added to it), vector j's 16 columns at y + 16 j
+// (masked by m); int8 times the column scales, from col_s(j).
+template <bool INT4, int64_t ROWS, int64_t NV, typename ColScales>
+inline void store_tile(const __m512 (&acc)[ROWS][NV], const ColScales& col_s, float* y,
+                       int64_t ldy, bool accumulate, __mmask16 m) {
+  for (int64_t j = 0; j < NV; ++j) {
+    const __m512 sw = INT4 ? _mm512_set1_ps(1.f) : _mm512_maskz_loadu_ps(m, col_s(j));
+    for (int64_t r = 0; r < ROWS; ++r) {
+      float* out = y + r * ldy + 16 * j;
+      __m512 v = INT4 ? acc[r][j] : _mm512_mul_ps(acc[r][j], sw);
+      if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), v);
+      _mm512_mask_storeu_ps(out, m, v);
+    }
+  }
+}
+
 // One row (the GEMV) x NV vectors of 16 columns from c (the last vector's columns masked by m).
 template <bool INT4, int64_t NV>
 inline void tile_vnni_row(const QuantActs& a, const Span& s, const QuantWeights& w, int64_t c,
@@ -401,8 +475,8 @@ inline void tile_vnni_row(const QuantActs& a, const Span& s, const QuantWeights&
   QCol col[NV];
   for (int64_t j = 0; j < NV; ++j) col[j] = column(w, c + 16 * j);
   const __m512i low = _mm512_set1_epi8(15);
-  __m512 acc[NV];
-  for (auto& v : acc) v = _mm512_setzero_ps();
+  __m512 acc[1][NV];
+  for (auto& v : acc[0]) v = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
     if constexpr (NV >= 4) prefetch_block(col, NV, b + kQuantPrefetch);
     __m512i dot[NV];
@@ -423,32 +497,14 @@ inline void tile_vnni_row(const QuantActs& a, const Span& s, const QuantWeights&
         }
       }
     }
-    const __m512 sx = _mm512_set1_ps(a.s(s.r0, b));
-    for (int64_t j = 0; j < NV; ++j) {
-      const __m512 sc = INT4 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, group_scales(col[j], b)))
-                             : _mm512_set1_ps(1.f);
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), INT4 ? _mm512_mul_ps(sc, sx) : sx,
-                               acc[j]);
-    }
+    for (int64_t j = 0; j < NV; ++j)
+      acc[0][j] = block_step<INT4>(acc[0][j], dot[j], block_scales<INT4>(col[j], b, m),
+                                   a.s(s.r0, b));
   }
-  for (int64_t j = 0; j < NV; ++j) {
-    const __m512 sw = INT4 ? _mm512_set1_ps(1.f)
-                           : _mm512_maskz_loadu_ps(m, static_cast<const float*>(col[j].s));
-    float* out = s.y + c + 16 * j;
-    __m512 v = INT4 ? acc[j] : _mm512_mul_ps(acc[j], sw);
-    if (s.accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), v);
-    _mm512_mask_storeu_ps(out, m, v);
-  }
+  store_tile<INT4, 1, NV>(acc, [&](int64_t j) { return static_cast<const float*>(col[j].s); },
+                          s.y + c, 0, s.accumulate, m);
 }
 
-// A span's rows packed by block for the many-row tiles: per block, a record of the ROWS rows'
-// quantized inputs [ROWS][32] int8, their scales s_b [ROWS] fp32, then their offset sums
-// [ROWS] int32. A tile that took each of its 6 rows, and each of its 2 weight vectors,
-// through its own pointers and run-time strides ran out of general registers: the compiler
-// moved them through vector registers (vmovq) and took ~100 cycles a block where
-// its vector work needs ~60. One pointer now serves every row of a record at constant
-// offsets, and one the tile's weight vectors, which share a panel (bench/vnni_tile.cpp:
-// ~100 -> ~61 cycles a block, one thread). The values are the same, and so the bits.
 // base[OFF] in every lane, by one vpbroadcastd from base + 4 OFF where it is used. With
 // _mm512_set1_epi32(base[i]) GCC 12 hoisted a record's 48 inputs into general registers
 // and spilled them to the stack, and with a memory operand it did the same with their
@@ -468,25 +524,13 @@ inline void unrolled(F&& f, std::index_sequence<I...>) {
 template <int64_t N, typename F>
 inline void unrolled(F&& f) { unrolled(f, std::make_index_sequence<N>{}); }
 
-template <int64_t ROWS>
-constexpr int64_t kRecord = ROWS * (kBlock + 8);
-
-template <int64_t ROWS>
-inline const uint8_t* pack_rows(const QuantActs& a, int64_t r0, std::vector<uint8_t>& buf) {
-  buf.resize(a.blocks * kRecord<ROWS>);
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    uint8_t* rec = buf.data() + b * kRecord<ROWS>;
-    for (int64_t r = 0; r < ROWS; ++r) {
-      const float sx = a.s(r0 + r, b);
-      const int32_t d0 = a.d0(r0 + r, b);
-      std::memcpy(rec + r * kBlock, a.block(r0 + r, b), kBlock);
-      std::memcpy(rec + ROWS * kBlock + 4 * r, &sx, sizeof(sx));
-      std::memcpy(rec + ROWS * (kBlock + 4) + 4 * r, &d0, sizeof(d0));
-    }
-  }
-  return buf.data();
-}
-
+// The many-row tiles read their rows from packed records (pack_group). A tile that took
+// each of its 6 rows, and each of its 2 weight vectors, through its own pointers and run-time
+// strides ran out of general registers: the compiler moved them through vector registers
+// (vmovq) and took ~100 cycles a block where its vector work needs ~60. One pointer now
+// serves every row of a record at constant offsets, and one the tile's weight vectors, which
+// share a panel (bench/vnni_tile.cpp: ~100 -> ~61 cycles a block, one thread). The values
+// are the same, and so the bits.
 // ROWS rows (packed records from rec) x NV vectors of 16 columns from col's column (NV == 1:
 // masked by m), into y [ROWS, ldy] at that column. The arithmetic of tile_vnni_row.
 template <bool INT4, int64_t ROWS, int64_t NV>
@@ -497,7 +541,7 @@ inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, 
   __m512 acc[ROWS][NV];
   for (auto& row : acc) for (auto& v : row) v = _mm512_setzero_ps();
   const uint8_t* q = col.q;
-  for (int64_t b = 0; b < blocks; ++b, q += col.block, rec += kRecord<ROWS>) {
+  for (int64_t b = 0; b < blocks; ++b, q += col.block, rec += record_bytes(ROWS)) {
     if (prefetch) prefetch_tile<INT4>(col, 16 * NV, b + kTilePrefetch);
     const int32_t* xq = reinterpret_cast<const int32_t*>(rec);  // [ROWS][8] of 4 inputs
     const float* sx = reinterpret_cast<const float*>(rec + ROWS * kBlock);
@@ -522,26 +566,14 @@ inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, 
           });
         }
       });
-      const __m512 sc = INT4 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
-                                   m, group_scales(col, b) + 16 * j))
-                             : _mm512_set1_ps(1.f);
-      for (int64_t r = 0; r < ROWS; ++r) {
-        const __m512 s = _mm512_set1_ps(sx[r]);
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), INT4 ? _mm512_mul_ps(sc, s) : s,
-                                    acc[r][j]);
-      }
+      const __m512 sc = block_scales<INT4>(col, b, m, 16 * j);
+      for (int64_t r = 0; r < ROWS; ++r)
+        acc[r][j] = block_step<INT4>(acc[r][j], dot[r], sc, sx[r]);
     }
   }
-  for (int64_t j = 0; j < NV; ++j) {
-    const __m512 sw = INT4 ? _mm512_set1_ps(1.f)
-                           : _mm512_maskz_loadu_ps(m, static_cast<const float*>(col.s) + 16 * j);
-    for (int64_t r = 0; r < ROWS; ++r) {
-      float* out = y + r * ldy + 16 * j;
-      __m512 v = INT4 ? acc[r][j] : _mm512_mul_ps(acc[r][j], sw);
-      if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), v);
-      _mm512_mask_storeu_ps(out, m, v);
-    }
-  }
+  store_tile<INT4, ROWS, NV>(
+      acc, [&](int64_t j) { return static_cast<const float*>(col.s) + 16 * j; }, y, ldy,
+      accumulate, m);
 }
 
 // The span's columns: tiles of whole vectors (one row: 8, two panels' read streams; int4 at
@@ -558,8 +590,7 @@ inline void span_rows_vnni(const QuantActs& a, const Span& s, const QuantWeights
       tile_vnni_row<INT4, 1>(a, s, w, c, static_cast<__mmask16>((1u << left) - 1u));
     }
   } else {
-    thread_local std::vector<uint8_t> records;
-    const uint8_t* rec = pack_rows<ROWS>(a, s.r0, records);
+    const uint8_t* rec = a.records(s.r0);
     for (; c + 32 <= s.c1; c += 32)
       tile_vnni_rows<INT4, ROWS, 2>(rec, a.blocks, column(w, c), s.y + c, s.n, s.accumulate,
                                     0xFFFF, cold);
@@ -572,7 +603,6 @@ inline void span_rows_vnni(const QuantActs& a, const Span& s, const QuantWeights
 }
 #endif
 
-constexpr int64_t kRowsQuant = 6;
 
 template <bool INT4, int64_t ROWS>
 inline void span_quant(const QuantActs& a, const Span& s, const QuantWeights& w, bool cold) {
