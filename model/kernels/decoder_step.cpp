@@ -158,37 +158,6 @@ at::Tensor short_conv(const at::Tensor& h, const at::Tensor* w, at::Tensor& wind
   return linserve::project(mixed, w[2]);
 }
 
-// How far ahead of the row being updated the state is prefetched, in floats (8 KB: 16 rows
-// of a d_state of 128; the state of a head is contiguous, and the heads of a row too). The
-// state is read and written once a step and a Mamba2 model's is large (Granite-4.0-H-Micro:
-// 17 MB a sequence), so it comes from DRAM: its update alone read 0.68 of the native read
-// roofline on one thread without, 0.78 with 2 to 16 KB ahead (bench.mamba2_step's shape
-// with hidden 64, so that the state is all a step reads).
-constexpr int64_t kStatePrefetch = 2048;
-
-// One state row s [N] of a head: s = decay s + xdt b, returns s . c. The dot product is
-// summed in 16 lanes and then by sum16's fixed tree (the tail past N / 16 vectors last), so
-// its bits are the same on AVX-512 and AVX2; a scalar chain of N dependent adds took a third
-// of a quantized step's time.
-inline float ssm_row(float* s, const float* b, const float* c, float decay, float xdt,
-                     int64_t n_len) {
-  using linserve::load16, linserve::store16, linserve::v16;
-  const int64_t vec = n_len / 16 * 16;
-  v16 acc = {};
-  for (int64_t n = 0; n < vec; n += 16) {
-    __builtin_prefetch(s + n + kStatePrefetch, 1, 3);  // never faults past the end
-    const v16 v = load16(s + n) * decay + xdt * load16(b + n);
-    store16(s + n, v);
-    acc += v * load16(c + n);
-  }
-  float out = linserve::sum16(acc);
-  for (int64_t n = vec; n < n_len; ++n) {
-    s[n] = s[n] * decay + xdt * b[n];
-    out += s[n] * c[n];
-  }
-  return out;
-}
-
 // Heads of one row in a task of the SSM update: a head's state is 32 KB at Granite's shape,
 // so a task of four is long enough to prefetch through and short enough to even out.
 constexpr int64_t kSsmHeadsPerTask = 4;
@@ -209,8 +178,10 @@ void ssm_heads(const float* xbc, const float* dt_raw, const at::Tensor* w, float
     const float decay = std::exp(dt * -std::exp(a_log[hh]));
     for (int64_t i = 0; i < m.mp; ++i) {
       const float xv = xbc[hh * m.mp + i];
-      y[hh * m.mp + i] = ssm_row(s + (hh * m.mp + i) * m.mn, b, c, decay, xv * dt, m.mn) +
-                         dskip[hh] * xv;
+      y[hh * m.mp + i] =
+          linserve::mamba2::ssm_row<true>(s + (hh * m.mp + i) * m.mn, b, c, decay, xv * dt,
+                                          m.mn) +
+          dskip[hh] * xv;
     }
   }
 }

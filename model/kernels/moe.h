@@ -12,6 +12,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include "dense.h"
 #include "gdn.h"
@@ -112,15 +113,18 @@ inline at::Tensor route(const at::Tensor& logits, const at::Tensor& bias, const 
   return chosen;
 }
 
-// silu(gate) * up of gate_up [rows, 2f] (gate first) -> [rows, f].
+// silu(gate) * up of gate_up [rows, 2f] (gate first, contiguous fp32) -> [rows, f]; rows in
+// parallel past 16 (a prefill's; a step's few run on the calling thread).
 inline at::Tensor swiglu(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), f = gate_up.size(1) / 2;
   at::Tensor act = at::empty({rows, f}, gate_up.options());
   const float* u = gate_up.data_ptr<float>();
   float* a = act.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < f; ++i)
-      a[r * f + i] = gdn::silu(u[r * 2 * f + i]) * u[r * 2 * f + f + i];
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < f; ++i)
+        a[r * f + i] = gdn::silu(u[r * 2 * f + i]) * u[r * 2 * f + f + i];
+  });
   return act;
 }
 

@@ -1,6 +1,7 @@
 // Elementwise work of the parallel (prefill) form, in one native pass each; inference only
-// (no autograd): the causal convolution (with Mamba2's bias and SiLU), Mamba2's output gate,
-// the elu+1 feature map with the head split, the MLP's tanh GELU and RMSNorm.
+// (no autograd): the causal convolution (with Mamba2's bias and SiLU), Mamba2's SSD scan and
+// output gate, SwiGLU's activation, the elu+1 feature map with the head split, the MLP's tanh
+// GELU and RMSNorm.
 //
 // Causal depthwise convolution: out[b, t, c] = sum_i w[i, c] * x[b, t + i, c].
 //
@@ -17,6 +18,8 @@
 #include "dense.h"
 #include "gdn.h"
 #include "mamba2.h"
+#include "moe.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -100,6 +103,65 @@ at::Tensor mamba2_gate_(at::Tensor y, const at::Tensor& xs, const at::Tensor& d,
     }
   });
   return y;
+}
+
+// Mamba2's SSD over a (ragged) prefill, in place on s and into y: the recurrence token by
+// token, as the native step computes it (mamba2.h's scan_head), a task a (row, head).
+// s [B, H, P, N] fp32 contiguous (updated); y [B, T, H P] fp32 contiguous (written: row r's
+// first counts[r] tokens, zeros past them); x [B, T, H P], dt [B, T, H], b and c [B, T, G N]: fp32 with unit
+// last stride (views of the projections); a_log [H] (a = -exp(a_log), as the step takes it);
+// counts [B] int64, each at most T.
+at::Tensor mamba2_scan_(at::Tensor s, at::Tensor y, const at::Tensor& x, const at::Tensor& dt,
+                        const at::Tensor& a_log, const at::Tensor& b, const at::Tensor& c,
+                        const at::Tensor& counts) {
+  TORCH_CHECK(s.dim() == 4 && s.is_contiguous() && s.scalar_type() == at::kFloat,
+              "mamba2_scan_ takes a contiguous fp32 state [B, H, P, N]");
+  const int64_t rows = s.size(0), heads = s.size(1), p = s.size(2), n = s.size(3);
+  const int64_t t_len = x.size(1), groups = b.size(2) / n;
+  TORCH_CHECK(y.is_contiguous() && y.sizes() == x.sizes(), "mamba2_scan_: y like x, contiguous");
+  const at::Tensor* inputs[] = {&y, &x, &dt, &b, &c};
+  for (const at::Tensor* t : inputs)
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == rows && t->size(1) == t_len &&
+                    t->stride(2) == 1 && t->scalar_type() == at::kFloat,
+                "mamba2_scan_ takes fp32 [B, T, C] inputs with unit last stride");
+  TORCH_CHECK(x.size(2) == heads * p && dt.size(2) == heads && groups > 0 &&
+                  heads % groups == 0 && b.size(2) == groups * n && c.sizes() == b.sizes() &&
+                  c.strides() == b.strides(),
+              "mamba2_scan_: x [B, T, H P], dt [B, T, H], b and c [B, T, G N] alike");
+  TORCH_CHECK(a_log.scalar_type() == at::kFloat && a_log.is_contiguous() &&
+                  a_log.numel() == heads && counts.scalar_type() == at::kLong &&
+                  counts.is_contiguous() && counts.numel() == rows,
+              "mamba2_scan_: a_log [H] fp32, counts [B] int64");
+  const int64_t* count = counts.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(count[r] >= 0 && count[r] <= t_len, "mamba2_scan_: a count past T");
+  const int64_t per_group = heads / groups;
+  linserve::for_each_task(rows * heads, [&](int64_t task) {
+    const int64_t r = task / heads, h = task % heads, g = h / per_group;
+    const linserve::mamba2::HeadTokens in{
+        x.data_ptr<float>() + r * x.stride(0) + h * p,
+        dt.data_ptr<float>() + r * dt.stride(0) + h,
+        b.data_ptr<float>() + r * b.stride(0) + g * n,
+        c.data_ptr<float>() + r * c.stride(0) + g * n,
+        y.data_ptr<float>() + r * y.stride(0) + h * p,
+        x.stride(1), dt.stride(1), b.stride(1), y.stride(1)};
+    const linserve::mamba2::FlushDenormals flush;
+    linserve::mamba2::scan_head(s.data_ptr<float>() + (r * heads + h) * p * n,
+                                -std::exp(a_log.data_ptr<float>()[h]), in, count[r], p, n);
+    for (int64_t t = count[r]; t < t_len; ++t) std::fill_n(in.y + t * in.y_ld, p, 0.f);
+  });
+  return y;
+}
+
+// SwiGLU's activation over prefill rows: silu(gate) up of gate_up [R, 2f] fp32 (gate first)
+// -> [R, f] fp32, as the native steps compute it (moe.h). In ATen, with the model's bf16
+// between, it took four passes and two roundings (the projection's output to bf16, SiLU,
+// the product, and the down projection's input back to fp32).
+at::Tensor swiglu_rows(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() &&
+                  gate_up.scalar_type() == at::kFloat && gate_up.size(1) % 2 == 0,
+              "swiglu_rows takes contiguous fp32 gate_up [R, 2f]");
+  return linserve::moe::swiglu(gate_up);
 }
 
 // GELU (tanh form) in place on a contiguous fp32 or bf16 tensor (bf16 through fp32 blocks).
@@ -189,6 +251,9 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("causal_conv(Tensor x, Tensor w, Tensor? bias=None, bool silu=False) -> Tensor");
   m.def("mamba2_gate_(Tensor(a!) y, Tensor xs, Tensor d, Tensor z, Tensor w, int groups, "
         "float eps, bool before) -> Tensor(a!)");
+  m.def("mamba2_scan_(Tensor(a!) s, Tensor(b!) y, Tensor x, Tensor dt, Tensor a_log, Tensor b, "
+        "Tensor c, Tensor counts) -> Tensor(b!)");
+  m.def("swiglu_rows(Tensor gate_up) -> Tensor");
   m.def("gelu_tanh_(Tensor(a!) x) -> Tensor(a!)");
   m.def("qkv_features(Tensor qkv, int heads) -> Tensor[]");
   m.def("rms_norm_rows(Tensor x, Tensor w, float eps) -> Tensor");
@@ -197,6 +262,8 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("causal_conv", &causal_conv);
   m.impl("mamba2_gate_", &mamba2_gate_);
+  m.impl("mamba2_scan_", &mamba2_scan_);
+  m.impl("swiglu_rows", &swiglu_rows);
   m.impl("gelu_tanh_", &gelu_tanh_);
   m.impl("qkv_features", &qkv_features);
   m.impl("rms_norm_rows", &rms_norm_rows);

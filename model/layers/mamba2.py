@@ -220,13 +220,33 @@ class Mamba2(nn.Module):
         del lengths
         rec: RecurrentEntry = entries["recurrent"]
         z, xs, b, c, dt = self._inputs(x, entries["conv"], new)
-        a = -self.A_log.float().exp()
-        y = torch.zeros_like(xs)
-        counts = [x.shape[1]] * x.shape[0] if new is None else new.tolist()
-        for i, n in enumerate(counts):
-            y[i, :n], s = ssd_chunked(xs[i, :n], dt[i, :n], a, b[i, :n], c[i, :n], rec.s[i])
-            rec.s[i] = s
+        if kernels.available() and not torch.is_grad_enabled():
+            y = self._scan_native(xs, dt, b, c, rec.s, new)
+        else:
+            a = -self.A_log.float().exp()
+            y = torch.zeros_like(xs)
+            counts = [x.shape[1]] * x.shape[0] if new is None else new.tolist()
+            for i, n in enumerate(counts):
+                y[i, :n], s = ssd_chunked(xs[i, :n], dt[i, :n], a, b[i, :n], c[i, :n],
+                                          rec.s[i])
+                rec.s[i] = s
         return self._out(y, xs, z, x)
+
+    def _scan_native(self, xs: torch.Tensor, dt: torch.Tensor, b: torch.Tensor,
+                     c: torch.Tensor, s: torch.Tensor, new: torch.Tensor | None
+                     ) -> torch.Tensor:
+        """The SSD of every row by the native recurrence (``mamba2_scan_``, the step's code a
+        token at a time): xs ``[B, T, H, P]``, dt ``[B, T, H]``, b and c ``[B, T, G, N]``,
+        s ``[B, H, P, N]`` (updated in place), ``new [B]`` or None (all T) -> y
+        ``[B, T, H, P]`` without the D skip (zeros past a row's count)."""
+        rows, t = xs.shape[:2]
+        counts = (torch.full((rows,), t, dtype=torch.long) if new is None
+                  else new.to(torch.long).contiguous())
+        y = torch.empty_like(xs)
+        torch.ops.linserve.mamba2_scan_(
+            s, y.view(rows, t, -1), xs.flatten(2), dt.contiguous(),
+            self.A_log.detach().float().contiguous(), b.flatten(2), c.flatten(2), counts)
+        return y
 
     def step(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor
              ) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import invariant
+from model import invariant, kernels
 from model.invariant import Linear
 
 
@@ -43,8 +43,12 @@ class SwiGLU(nn.Module):
         return [self.gate_up(), invariant.packed(self.down_proj)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = invariant.project(x, self.gate_up()).to(x.dtype)
+        gate_up = invariant.project(x, self.gate_up())
         biases: list[torch.Tensor] = [p.bias for p in self._parts() if p.bias is not None]
+        if self._native_activation(gate_up, biases):
+            act = torch.ops.linserve.swiglu_rows(gate_up.reshape(-1, gate_up.shape[-1]))
+            return self.down_proj(act.view(*x.shape[:-1], -1)).to(x.dtype)
+        gate_up = gate_up.to(x.dtype)
         if biases:
             gate_up = gate_up + torch.cat(biases)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -53,6 +57,14 @@ class SwiGLU(nn.Module):
             gate = gate * gate_m
         out = self.down_proj(invariant.rowwise(F.silu, gate) * up)
         return out * out_m if out_m != 1.0 else out
+
+    def _native_activation(self, gate_up: torch.Tensor, biases: list[torch.Tensor]) -> bool:
+        """Whether the activation runs natively (``swiglu_rows``), in fp32 between the two
+        GEMMs as the native steps compute it: an fp32 ``gate_up`` (the invariant GEMM's),
+        inference, and no biases or multipliers."""
+        return (gate_up.dtype == torch.float32 and not biases
+                and self.multipliers == (1.0, 1.0) and kernels.available()
+                and not torch.is_grad_enabled())
 
 
 class ReluSquaredMLP(nn.Module):

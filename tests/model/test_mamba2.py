@@ -1,5 +1,6 @@
-"""The Mamba2 layer's chunked SSD (model/layers/mamba2.py) against the plain recurrence, with
-decays fast enough to reach fp32's subnormal range (which the chunked form flushes to 0)."""
+"""The Mamba2 layer's chunked SSD and native scan (model/layers/mamba2.py) against the plain
+recurrence, with decays fast enough to reach fp32's subnormal range (which the chunked form
+flushes to 0, and the scan treats as 0); the prefill's native SwiGLU activation."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model import kernels
 from model.layers.mamba2 import _exp_flushed, ssd_chunked
 
 
@@ -50,3 +52,45 @@ def test_flushed_exp_is_exp_or_zero_and_never_subnormal() -> None:
     assert bool(((y == 0) | (y >= tiny)).all())
     keep = x >= -60.0
     assert torch.equal(y[keep], x[keep].exp()) and bool((y[~keep] == 0).all())
+
+
+@pytest.mark.skipif(not kernels.load(), reason="native kernels unavailable")
+@pytest.mark.parametrize(("t", "groups", "p", "n"),
+                         [(100, 2, 16, 32), (7, 4, 8, 20), (65, 1, 64, 128)])
+def test_native_scan_equals_the_recurrence_and_the_chunked_form(t: int, groups: int, p: int,
+                                                                n: int) -> None:
+    """``mamba2_scan_`` over a ragged batch (one row shorter, right-padded): each row's
+    outputs and final state are the recurrence's within fp32 rounding, and the chunked
+    form's, with decays down to fp32's subnormal range and a d_state that 16 lanes
+    do or do not divide; the padding's outputs are zeros and the state stops at the row's
+    last token."""
+    torch.manual_seed(1)
+    heads = 8
+    x = torch.randn(2, t, heads, p)
+    dt = F.softplus(torch.randn(2, t, heads) * 2)
+    a_log = torch.linspace(0.01, 40.0, heads).log()
+    b, c = torch.randn(2, t, groups, n), torch.randn(2, t, groups, n)
+    s0 = torch.randn(2, heads, p, n)
+    counts = torch.tensor([t, max(1, t - 6)])
+    s, y = s0.clone(), torch.full((2, t, heads * p), float("nan"))
+    torch.ops.linserve.mamba2_scan_(s, y, x.flatten(2), dt, a_log, b.flatten(2), c.flatten(2),
+                                    counts)
+    y = y.view(2, t, heads, p)
+    for i, k in enumerate(counts.tolist()):
+        args = (x[i, :k], dt[i, :k], -a_log.exp(), b[i, :k], c[i, :k], s0[i])
+        y_ref, s_ref = _recurrence(*args)
+        torch.testing.assert_close(y[i, :k].double(), y_ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(s[i].double(), s_ref, rtol=1e-4, atol=1e-4)
+        y_chunked, _ = ssd_chunked(*args)
+        torch.testing.assert_close(y[i, :k], y_chunked, rtol=2e-4, atol=2e-4)
+        assert bool((y[i, k:] == 0).all())
+
+
+@pytest.mark.skipif(not kernels.load(), reason="native kernels unavailable")
+def test_native_swiglu_rows_is_silu_gate_times_up() -> None:
+    """``swiglu_rows`` (the prefill's SwiGLU activation, in fp32 between the GEMMs) against
+    ATen's silu(gate) · up, over more rows than one thread's share."""
+    gate_up = torch.randn(37, 2 * 48) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(torch.ops.linserve.swiglu_rows(gate_up), F.silu(gate) * up,
+                               rtol=1e-6, atol=1e-6)
