@@ -6,6 +6,7 @@ engine process does not import the app that starts it.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -32,6 +33,11 @@ def load_engine_model(settings: Settings) -> ServedModel:
     info = model.info
     if info.weight_bytes >= TRIM_ABOVE:
         trim()
+    # What loading made (modules, parameters, the tokenizer) lives as long as the process:
+    # frozen, the collector stops walking it on every full pass (1.8% of a 16-row Granite
+    # step was gc_collect_main), as vLLM does after its start-up.
+    gc.collect()
+    gc.freeze()
     log.info("model: %s, %s parameters, loaded in %.1f s, state %s bytes a session (%s); "
              "decode step %s; weights %s (%s), quantization %s, %s MB resident; "
              "batch-invariant %s",

@@ -181,3 +181,20 @@ def test_the_pool_allocates_rows_as_sequences_join_and_gives_them_back(kind: str
     while pool.n:
         pool.remove(0)
     assert pool.rows == 4
+
+
+def test_loading_the_engine_model_freezes_what_it_made() -> None:
+    """The objects the load makes are moved out of the collector's reach (``gc.freeze``)."""
+    import gc
+
+    from server.engine.loading import load_engine_model
+    from server.settings import Settings
+
+    gc.unfreeze()
+    threads = torch.get_num_threads()  # the load sets the engine's
+    try:
+        model = load_engine_model(Settings(weights=Path("weights/linear"), threads=1))
+        assert model.info.params > 0 and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        torch.set_num_threads(threads)
