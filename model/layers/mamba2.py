@@ -5,10 +5,11 @@ and dt = softplus(dt + dt_bias) clamped to ``time_step_limit``; the D skip; a ga
 grouped by ``n_groups``; ``out_proj``.
 
 Per head h the state is S ``[P, N]`` (head_dim × d_state): S ← exp(dt A) S + dt · x Bᵀ, and
-y = S C + D x. Prefill uses the chunked SSD form (:func:`ssd_chunked`, row by row, so a row's
-result does not depend on its batch), a step the recurrence (:meth:`Mamba2.step`); both are
-tested equal. State: a :class:`model.state.RecurrentEntry` ``s [B, H, P, N]`` and the conv
-window, both fp32 and constant in size, updated in place.
+y = S C + D x. A step runs the recurrence (:meth:`Mamba2.step`); a prefill runs it natively,
+token by token (``mamba2_scan_``), or without native kernels the chunked SSD form
+(:func:`ssd_chunked`); each row alone, so a row's result does not depend on its batch. All
+are tested equal within fp32 rounding. State: a :class:`model.state.RecurrentEntry`
+``s [B, H, P, N]`` and the conv window, both fp32 and constant in size, updated in place.
 """
 
 from __future__ import annotations
