@@ -1,10 +1,17 @@
-"""glibc's heap, returned to the system when it holds much free memory.
+"""glibc's heap: returned to the system when it holds much free memory, kept while serving.
 
 Packing a checkpoint frees each layer's weights as read (and the fp32 copies made while
 quantizing) right after packing it. glibc keeps such frees in its heap for reuse, so without
 a trim the resident size climbs by the freed bytes of every layer until the load ends (int4
 on the Qwen3.5-0.8B shapes: about 43 MB a layer, BENCHMARKS.md §26). A burst of requests
 leaves its scratch behind the same way. Elsewhere than glibc (musl, macOS) these are no-ops.
+
+While serving, the opposite: a step's scratch should come back from the heap warm. glibc
+maps each block above its mmap threshold (at most 32 MB) afresh and unmaps it on free, so
+every page of it faults and is zeroed again at its next use: a 512-token prefill of
+LFM2-1.2B took ~250,000 page faults (1 GB), and a 512 x 16384 int4 product 20% longer
+than from the heap (BENCHMARKS.md §47). :func:`keep_scratch` turns that off for the engine
+once the weights are in; the engine trims when a burst of requests ends.
 """
 
 from __future__ import annotations
@@ -29,6 +36,27 @@ def trim() -> bool:
     libc = _libc()
     try:
         return bool(libc.malloc_trim(0)) if libc is not None else False
+    except AttributeError:
+        return False
+
+
+# mallopt's parameters (glibc's malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+# Free bytes the heap's top may hold before free() gives them back by itself (mallopt takes
+# an int): the engine's idle trim returns them sooner.
+KEEP_SCRATCH_BYTES = 1 << 30
+
+
+def keep_scratch(limit: int = KEEP_SCRATCH_BYTES) -> bool:
+    """From now on, serve every allocation from the heap (no fresh mappings, ``M_MMAP_MAX``
+    0) and keep up to ``limit`` freed bytes at its top (``M_TRIM_THRESHOLD``), so that
+    scratch of any size is reused without page faults until :func:`trim`. False where
+    there is no ``mallopt``."""
+    libc = _libc()
+    try:
+        return libc is not None and bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, limit))
     except AttributeError:
         return False
 

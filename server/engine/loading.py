@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from model.heap import trim
+from model.heap import keep_scratch, trim
 from model.interface import ModelInfo, ServedModel
 from model.kernels import bf16_gemm  # noqa: F401 (re-exported for the app's startup)
 from model.loader import batch_invariant_active, load, pick_dtype
@@ -38,6 +38,7 @@ def load_engine_model(settings: Settings) -> ServedModel:
     # step was gc_collect_main), as vLLM does after its start-up.
     gc.collect()
     gc.freeze()
+    keep_scratch()  # a step's scratch is reused from the heap, not faulted in afresh
     log.info("model: %s, %s parameters, loaded in %.1f s, state %s bytes a session (%s); "
              "decode step %s; weights %s (%s), quantization %s, %s MB resident; "
              "batch-invariant %s",

@@ -33,3 +33,38 @@ def test_a_trimmer_gives_back_freed_heap_once_it_has_grown() -> None:
     assert heap.resident_bytes() - before < 32 << 20
     assert not trimmer()  # nothing grew since
     del keep
+
+
+_SCRATCH_FAULTS = """
+import resource, sys, torch
+from model import heap
+if sys.argv[1] == "keep":
+    assert heap.keep_scratch()
+def faults() -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(8):
+        torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, made and freed: a step's scratch
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+for _ in range(3):  # the heap settles: a few holes the aligned blocks do not fit, then reuse
+    faults()
+print(faults())
+heap.trim()
+"""
+
+
+@pytest.mark.parametrize("mode", ["keep", "default"])
+def test_kept_scratch_is_reused_without_page_faults(mode: str) -> None:
+    """After :func:`heap.keep_scratch` (the engine's setting), a freed 64 MiB block comes
+    back from the heap already resident, once the heap has settled; by default glibc maps
+    it afresh, and each of its 16,384 pages faults again (BENCHMARKS.md §47)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SCRATCH_FAULTS, mode], capture_output=True,
+                         text=True, check=True, cwd=os.path.dirname(os.path.dirname(
+                             os.path.dirname(os.path.abspath(__file__))))).stdout
+    faults = int(out.split()[-1])
+    if mode == "keep":
+        assert faults < 2 * 16384  # most blocks come back resident
+    else:
+        assert faults > 8 * 16000

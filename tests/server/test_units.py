@@ -183,18 +183,22 @@ def test_the_pool_allocates_rows_as_sequences_join_and_gives_them_back(kind: str
     assert pool.rows == 4
 
 
-def test_loading_the_engine_model_freezes_what_it_made() -> None:
-    """The objects the load makes are moved out of the collector's reach (``gc.freeze``)."""
+def test_loading_the_engine_model_freezes_what_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The objects the load makes are moved out of the collector's reach (``gc.freeze``),
+    and from then on the heap keeps the engine's scratch (``heap.keep_scratch``: recorded
+    here, so that this test process keeps glibc's defaults)."""
     import gc
 
-    from server.engine.loading import load_engine_model
+    from server.engine import loading
     from server.settings import Settings
 
+    kept: list[bool] = []
+    monkeypatch.setattr(loading, "keep_scratch", lambda: kept.append(True) or True)
     gc.unfreeze()
     threads = torch.get_num_threads()  # the load sets the engine's
     try:
-        model = load_engine_model(Settings(weights=Path("weights/linear"), threads=1))
-        assert model.info.params > 0 and gc.get_freeze_count() > 0
+        model = loading.load_engine_model(Settings(weights=Path("weights/linear"), threads=1))
+        assert model.info.params > 0 and gc.get_freeze_count() > 0 and kept == [True]
     finally:
         gc.unfreeze()
         torch.set_num_threads(threads)
