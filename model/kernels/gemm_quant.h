@@ -48,6 +48,12 @@ namespace linserve {
 
 constexpr int64_t kBlock = 32;  // activation block = int4 group
 constexpr int64_t kRowsQuant = 6;  // rows of a many-row tile (a span's group)
+// A product of at most this many rows (a decode step's) is one group on VNNI builds, its
+// tiles tile_vnni_wide: each weight is read from memory once for all its rows, at an even
+// pace. As groups of kRowsQuant, the first group of a column chunk read it from DRAM at
+// twice the rate two threads can have (~35 against ~30 GB/s on the Zen 4 of BENCHMARKS.md
+// §47) while the other groups read none: a 16-row LFM2-1.2B int4 step 78-110 -> 74-81 ms.
+constexpr int64_t kWideRows = 16;
 
 // Bytes of one block's record of `rows` rows (pack_group).
 constexpr int64_t record_bytes(int64_t rows) { return rows * (kBlock + 8); }
@@ -94,13 +100,14 @@ struct QuantActs {
   std::vector<int8_t> q;       // [B, K32]
   std::vector<float> scale;    // [B, blocks]: s_b
   std::vector<int32_t> bias;   // [B, blocks]: -o Σ_b x_q
-  std::vector<uint8_t> packed;  // VNNI builds: [B / kRowsQuant, blocks, record] (pack_group)
+  int64_t group = kRowsQuant;   // rows a span (and a packed record) holds
+  std::vector<uint8_t> packed;  // VNNI builds: [B / group, blocks, record] (pack_group)
   const int8_t* block(int64_t r, int64_t b) const { return q.data() + r * k32 + b * kBlock; }
   float s(int64_t r, int64_t b) const { return scale[r * blocks + b]; }
   int32_t d0(int64_t r, int64_t b) const { return bias[r * blocks + b]; }
-  // The records of the group of rows from r0 (a multiple of kRowsQuant).
+  // The records of the group of rows from r0 (a multiple of group).
   const uint8_t* records(int64_t r0) const {
-    return packed.data() + r0 / kRowsQuant * blocks * record_bytes(kRowsQuant);
+    return packed.data() + r0 / group * blocks * record_bytes(group);
   }
 };
 
@@ -155,15 +162,15 @@ inline float quantize_block(const float* x, int64_t n, int8_t* q, int32_t* sum) 
   return s;
 }
 
-// Every group of kRowsQuant rows into a.packed, once per product (a span used to pack its
+// Every group of a.group rows into a.packed, once per product (a span used to pack its
 // rows again for every chunk of columns); `grain`: groups a task takes at least.
 inline void pack_groups(QuantActs& a, int64_t rows, int64_t grain) {
-  const int64_t groups = (rows + kRowsQuant - 1) / kRowsQuant;
-  const int64_t group_bytes = a.blocks * record_bytes(kRowsQuant);
+  const int64_t groups = (rows + a.group - 1) / a.group;
+  const int64_t group_bytes = a.blocks * record_bytes(a.group);
   a.packed.resize(groups * group_bytes);
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      pack_group(a, g * kRowsQuant, std::min(kRowsQuant, rows - g * kRowsQuant),
+      pack_group(a, g * a.group, std::min(a.group, rows - g * a.group),
                  a.packed.data() + g * group_bytes);
   });
 }
@@ -194,7 +201,8 @@ inline QuantActs quantize_acts(const float* x, int64_t rows, int64_t k_len, int3
     }
   });
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (rows > 1) pack_groups(a, rows, std::max<int64_t>(1, grain / kRowsQuant));  // 1: GEMV
+  if (rows <= kWideRows) a.group = rows;  // one wide group (see kWideRows)
+  if (rows > 1) pack_groups(a, rows, std::max<int64_t>(1, grain / a.group));  // 1: GEMV
 #endif
   return a;
 }
@@ -576,6 +584,54 @@ inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, 
       accumulate, m);
 }
 
+// A wide group's tile (kRowsQuant < ROWS <= kWideRows): ROWS rows x one vector of 16
+// columns (masked by m), each block's weights read from memory once. Past kOnePassRows rows
+// the rows take a block in two halves (the second half's loads hit L1), so that the live
+// dots and the ROWS sums fit the 32 vector registers. The arithmetic of tile_vnni_rows,
+// element by element, so the bits are the same.
+constexpr int64_t kOnePassRows = 10;
+template <bool INT4, int64_t ROWS>
+inline void tile_vnni_wide(const uint8_t* rec, int64_t blocks, const QCol& col, float* y,
+                             int64_t ldy, bool accumulate, __mmask16 m, bool prefetch) {
+  constexpr int64_t kSteps = INT4 ? kBlock / 8 : kBlock / 4;
+  constexpr int64_t kHalf = ROWS > kOnePassRows ? (ROWS + 1) / 2 : ROWS;
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[ROWS][1];
+  for (auto& row : acc) row[0] = _mm512_setzero_ps();
+  const uint8_t* q = col.q;
+  for (int64_t b = 0; b < blocks; ++b, q += col.block, rec += record_bytes(ROWS)) {
+    if (prefetch) prefetch_tile<INT4>(col, 16, b + kTilePrefetch);
+    const int32_t* xq = reinterpret_cast<const int32_t*>(rec);  // [ROWS][8] of 4 inputs
+    const float* sx = reinterpret_cast<const float*>(rec + ROWS * kBlock);
+    const int32_t* d0 = reinterpret_cast<const int32_t*>(rec + ROWS * (kBlock + 4));
+    const __m512 sc = block_scales<INT4>(col, b, m);
+    unrolled<(ROWS > kOnePassRows ? 2 : 1)>([&](auto h) {
+      constexpr int64_t r0 = h * kHalf, rows = h == 0 ? kHalf : ROWS - kHalf;
+      __m512i dot[rows];
+      for (int64_t r = 0; r < rows; ++r) dot[r] = _mm512_set1_epi32(d0[r0 + r]);
+      unrolled<kSteps>([&](auto t) {
+        const __m512i v = _mm512_maskz_loadu_epi32(m, q + t * col.ld);
+        if constexpr (INT4) {
+          const __m512i lo = _mm512_and_si512(v, low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          unrolled<rows>([&](auto r) {
+            dot[r] = _mm512_dpbusd_epi32(dot[r], lo, broadcast_at<8 * (r0 + r) + 2 * t>(xq));
+            dot[r] = _mm512_dpbusd_epi32(dot[r], hi, broadcast_at<8 * (r0 + r) + 2 * t + 1>(xq));
+          });
+        } else {
+          unrolled<rows>([&](auto r) {
+            dot[r] = _mm512_dpbusd_epi32(dot[r], v, broadcast_at<8 * (r0 + r) + t>(xq));
+          });
+        }
+      });
+      for (int64_t r = 0; r < rows; ++r)
+        acc[r0 + r][0] = block_step<INT4>(acc[r0 + r][0], dot[r], sc, sx[r0 + r]);
+    });
+  }
+  store_tile<INT4, ROWS, 1>(acc, [&](int64_t) { return static_cast<const float*>(col.s); }, y,
+                            ldy, accumulate, m);
+}
+
 // The span's columns: tiles of whole vectors (one row: 8, two panels' read streams; int4 at
 // 4, one stream, read 5% slower at batch 1; more rows: 2, from packed records), then one
 // masked vector at a time. `cold`: the span's weights are likely not yet in this core's
@@ -591,6 +647,14 @@ inline void span_rows_vnni(const QuantActs& a, const Span& s, const QuantWeights
     }
   } else {
     const uint8_t* rec = a.records(s.r0);
+    if constexpr (ROWS > kRowsQuant) {
+      for (; c < s.c1; c += 16) {
+        const int64_t left = std::min<int64_t>(16, s.c1 - c);
+        tile_vnni_wide<INT4, ROWS>(rec, a.blocks, column(w, c), s.y + c, s.n, s.accumulate,
+                                     static_cast<__mmask16>((1u << left) - 1u), cold);
+      }
+      return;
+    }
     for (; c + 32 <= s.c1; c += 32)
       tile_vnni_rows<INT4, ROWS, 2>(rec, a.blocks, column(w, c), s.y + c, s.n, s.accumulate,
                                     0xFFFF, cold);
@@ -614,7 +678,8 @@ inline void span_quant(const QuantActs& a, const Span& s, const QuantWeights& w,
 #endif
 }
 
-// A span of `rows` (1 .. kRowsQuant) rows, the tile height picked at compile time.
+// A span of `rows` (1 .. kRowsQuant; on VNNI builds up to kWideRows) rows, the tile height
+// picked at compile time.
 template <bool INT4>
 inline void span_quant_rows(const QuantActs& a, const Span& s, const QuantWeights& w,
                             int64_t rows, bool cold = true) {
@@ -624,8 +689,22 @@ inline void span_quant_rows(const QuantActs& a, const Span& s, const QuantWeight
     case 3: return span_quant<INT4, 3>(a, s, w, cold);
     case 4: return span_quant<INT4, 4>(a, s, w, cold);
     case 5: return span_quant<INT4, 5>(a, s, w, cold);
-    default: return span_quant<INT4, 6>(a, s, w, cold);
+    case 6: return span_quant<INT4, 6>(a, s, w, cold);
   }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  switch (rows) {
+    case 7: return span_quant<INT4, 7>(a, s, w, cold);
+    case 8: return span_quant<INT4, 8>(a, s, w, cold);
+    case 9: return span_quant<INT4, 9>(a, s, w, cold);
+    case 10: return span_quant<INT4, 10>(a, s, w, cold);
+    case 11: return span_quant<INT4, 11>(a, s, w, cold);
+    case 12: return span_quant<INT4, 12>(a, s, w, cold);
+    case 13: return span_quant<INT4, 13>(a, s, w, cold);
+    case 14: return span_quant<INT4, 14>(a, s, w, cold);
+    case 15: return span_quant<INT4, 15>(a, s, w, cold);
+    default: return span_quant<INT4, 16>(a, s, w, cold);
+  }
+#endif
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -645,8 +724,8 @@ inline void quant_rows(const QuantActs& a, const float* x, const QuantWeights& w
   // group of a chunk reads its weights from memory and later ones find them in L2: only
   // the first `threads` groups prefetch. From L2, or L3, the prefetch cost a many-row tile
   // more than it saved (bench/vnni_tile.cpp: ~75 against ~70 cycles a block, §44).
-  const int64_t cold_rows = kRowsQuant * at::get_num_threads();
-  for_spans(x, y, rows, k_len, w.n, accumulate, kRowsQuant, [&](int64_t r, const Span& s) {
+  const int64_t cold_rows = a.group * at::get_num_threads();
+  for_spans(x, y, rows, k_len, w.n, accumulate, a.group, [&](int64_t r, const Span& s) {
     span_quant_rows<INT4>(a, s, w, r, s.r0 < cold_rows);
   });
 }

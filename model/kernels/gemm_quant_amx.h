@@ -206,9 +206,9 @@ inline void quant_rows_amx(const QuantActs& a, const float* x, const QuantWeight
     _tile_release();
   });
   if (vecs * 16 == w.n) return;
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowsQuant) {
+  for (int64_t r0 = 0; r0 < rows; r0 += a.group) {
     const Span s{r0, x + r0 * k_len, y + r0 * w.n, k_len, w.n, vecs * 16, w.n, accumulate};
-    span_quant_rows<INT4>(a, s, w, std::min(kRowsQuant, rows - r0));
+    span_quant_rows<INT4>(a, s, w, std::min(a.group, rows - r0));
   }
 }
 

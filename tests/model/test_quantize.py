@@ -69,7 +69,9 @@ def test_int4_falls_back_to_int8_when_groups_do_not_divide() -> None:
 @pytest.mark.parametrize(("k", "n"), [(64, 256), (96, 100), (128, 7), (256, 4500), (33, 50)])
 def test_quantized_gemm_is_exact_and_batch_invariant(mode: str, k: int, n: int) -> None:
     """Rows of a 40-row product equal every prefix's and each row alone, bit for bit, and
-    the reference (activations quantized as the kernel does) within fp32 rounding."""
+    the reference (activations quantized as the kernel does) within fp32 rounding. The
+    prefixes take every kind of tile: one row, groups of up to 6, one wide group of 7 to 16
+    (one pass to 10 rows, two halves past it), and groups of 6 again past 16."""
     torch.manual_seed(2)
     w = torch.randn(k, n)
     q, s = quantize.quantize(w, mode)
@@ -78,7 +80,7 @@ def test_quantized_gemm_is_exact_and_batch_invariant(mode: str, k: int, n: int) 
     assert packed.shape[1] == n
     x = torch.randn(40, k)
     full = torch.ops.linserve.invariant_mm(x, packed)
-    for b in (1, 2, 5, 6, 7, 13, 40):
+    for b in (1, 2, 5, 6, 7, 10, 11, 13, 16, 17, 40):
         assert torch.equal(torch.ops.linserve.invariant_mm(x[:b], packed), full[:b])
     for i in (0, 17, 39):
         assert torch.equal(torch.ops.linserve.invariant_mm(x[i : i + 1], packed), full[i : i + 1])
