@@ -678,33 +678,25 @@ inline void span_quant(const QuantActs& a, const Span& s, const QuantWeights& w,
 #endif
 }
 
-// A span of `rows` (1 .. kRowsQuant; on VNNI builds up to kWideRows) rows, the tile height
-// picked at compile time.
+// The tallest span: groups of kRowsQuant, or on VNNI builds one wide group (kWideRows).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t kMaxSpanRows = kWideRows;
+#else
+constexpr int64_t kMaxSpanRows = kRowsQuant;
+#endif
+
+template <bool INT4, int64_t... R>
+inline void span_quant_of(const QuantActs& a, const Span& s, const QuantWeights& w,
+                          int64_t rows, bool cold, std::integer_sequence<int64_t, R...>) {
+  (void)((rows == R + 1 && (span_quant<INT4, R + 1>(a, s, w, cold), true)) || ...);
+}
+
+// A span of `rows` (1 .. kMaxSpanRows) rows, the tile height picked at compile time.
 template <bool INT4>
 inline void span_quant_rows(const QuantActs& a, const Span& s, const QuantWeights& w,
                             int64_t rows, bool cold = true) {
-  switch (rows) {
-    case 1: return span_quant<INT4, 1>(a, s, w, cold);
-    case 2: return span_quant<INT4, 2>(a, s, w, cold);
-    case 3: return span_quant<INT4, 3>(a, s, w, cold);
-    case 4: return span_quant<INT4, 4>(a, s, w, cold);
-    case 5: return span_quant<INT4, 5>(a, s, w, cold);
-    case 6: return span_quant<INT4, 6>(a, s, w, cold);
-  }
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  switch (rows) {
-    case 7: return span_quant<INT4, 7>(a, s, w, cold);
-    case 8: return span_quant<INT4, 8>(a, s, w, cold);
-    case 9: return span_quant<INT4, 9>(a, s, w, cold);
-    case 10: return span_quant<INT4, 10>(a, s, w, cold);
-    case 11: return span_quant<INT4, 11>(a, s, w, cold);
-    case 12: return span_quant<INT4, 12>(a, s, w, cold);
-    case 13: return span_quant<INT4, 13>(a, s, w, cold);
-    case 14: return span_quant<INT4, 14>(a, s, w, cold);
-    case 15: return span_quant<INT4, 15>(a, s, w, cold);
-    default: return span_quant<INT4, 16>(a, s, w, cold);
-  }
-#endif
+  span_quant_of<INT4>(a, s, w, std::clamp<int64_t>(rows, 1, kMaxSpanRows), cold,
+                      std::make_integer_sequence<int64_t, kMaxSpanRows>{});
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
