@@ -592,7 +592,7 @@ inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, 
 constexpr int64_t kOnePassRows = 10;
 template <bool INT4, int64_t ROWS>
 inline void tile_vnni_wide(const uint8_t* rec, int64_t blocks, const QCol& col, float* y,
-                             int64_t ldy, bool accumulate, __mmask16 m, bool prefetch) {
+                           int64_t ldy, bool accumulate, __mmask16 m, bool prefetch) {
   constexpr int64_t kSteps = INT4 ? kBlock / 8 : kBlock / 4;
   constexpr int64_t kHalf = ROWS > kOnePassRows ? (ROWS + 1) / 2 : ROWS;
   const __m512i low = _mm512_set1_epi8(15);
@@ -651,7 +651,7 @@ inline void span_rows_vnni(const QuantActs& a, const Span& s, const QuantWeights
       for (; c < s.c1; c += 16) {
         const int64_t left = std::min<int64_t>(16, s.c1 - c);
         tile_vnni_wide<INT4, ROWS>(rec, a.blocks, column(w, c), s.y + c, s.n, s.accumulate,
-                                     static_cast<__mmask16>((1u << left) - 1u), cold);
+                                   static_cast<__mmask16>((1u << left) - 1u), cold);
       }
       return;
     }
