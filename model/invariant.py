@@ -310,41 +310,20 @@ def sum_last(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.linserve.invariant_mm(flat, ones).view(*x.shape[:-1], 1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-              ) -> torch.Tensor:
-    """softmax(q kᵀ / √D, masked) v with q ``[B, H, T, D]``, k, v ``[B, Hkv, S, D]`` (H a
-    multiple of Hkv: grouped-query attention, no key copies) and mask ``[T, S]`` (True:
-    attend), fp32. When :func:`active`, every product is the invariant GEMM, so a query
-    row's output depends on that row and the keys alone, not on how many queries share the
-    call (a prompt prefilled whole or in chunks gives the same bits); else SDPA."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal softmax(q kᵀ / √D) v: query row t of T attends keys 0 … ``start`` + t. q
+    ``[B, H, T, D]``, k, v ``[B, Hkv, S, D]`` (S ≥ start + T; H a multiple of Hkv:
+    grouped-query attention, no key copies), fp32 -> ``[B, H, T, D]``. When :func:`active`,
+    natively, each row over its own keys alone (``attend_causal``, the decode steps'
+    arithmetic), so a row's output depends on that row and its keys, not on how many rows
+    share the call (a prompt prefilled whole or in chunks gives the same bits); else SDPA."""
+    t, s = q.shape[2], k.shape[2]
     if not active():
+        mask = torch.ones(t, s, dtype=torch.bool).tril(start)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                               enable_gqa=q.shape[1] != k.shape[1])
-    b, h, t, d = q.shape
-    groups = k.shape[1]
-    rep = h // groups
-    out = torch.empty(b, h, t, v.shape[-1])
-    masks = mask.repeat(rep, 1)  # [rep·T, S]: the group's query rows, head after head
-    for i in range(b):
-        for g in range(groups):
-            rows = q[i, g * rep : (g + 1) * rep].reshape(rep * t, d)
-            # keys @ queriesᵀ: the cache is read in place, only the few queries are copied
-            scores = torch.ops.linserve.invariant_mm(k[i, g].contiguous(),
-                                                     rows.t().contiguous()).t() * d ** -0.5
-            o = torch.ops.linserve.invariant_mm(_softmax(scores, masks), v[i, g].contiguous())
-            out[i, g * rep : (g + 1) * rep] = o.view(rep, t, -1)
-    return out
-
-
-def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dimension of ``scores [R, S]`` where ``mask`` is True, the same
-    bits for a row whatever S (keys past a query's position are only masked zeros): the
-    exponentials elementwise with no scalar tail (:func:`rowwise`) and the sum as one
-    accumulator in order (:func:`sum_last`), where ATen's softmax would vectorise its
-    reductions and exponentials by S and treat the tail of S in scalar code."""
-    scores = scores.masked_fill(~mask, float("-inf"))
-    e = rowwise(torch.exp, scores - scores.amax(-1, keepdim=True))
-    return (e / sum_last(e)).contiguous()
+    o = torch.ops.linserve.attend_causal(q.transpose(1, 2).contiguous(), k, v, start)
+    return o.transpose(1, 2)
 
 
 class Linear(nn.Linear):

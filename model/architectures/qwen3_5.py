@@ -224,8 +224,7 @@ class GatedAttention(nn.Module):
         k_cache[:, :, start : start + t] = k
         v_cache[:, :, start : start + t] = v
         keys, values = k_cache[:, :, : start + t], v_cache[:, :, : start + t]
-        mask = torch.ones(t, start + t, dtype=torch.bool).tril(start)
-        o = invariant.attention(q, keys, values, mask)
+        o = invariant.attention(q, keys, values, start)
         return self._out(o, gate, x)
 
     def forward_ragged(self, x: torch.Tensor, kv: KVEntry, starts: torch.Tensor,
@@ -248,8 +247,7 @@ class GatedAttention(nn.Module):
         outs = []
         for i, n in enumerate((lengths + 1).tolist()):  # each row over its own keys alone
             outs.append(invariant.attention(q[i : i + 1], kv.k[i : i + 1, :, :n],
-                                            kv.v[i : i + 1, :, :n],
-                                            torch.ones(1, n, dtype=torch.bool)))
+                                            kv.v[i : i + 1, :, :n], n - 1))
         return self._out(torch.cat(outs), gate, x.unsqueeze(1)).squeeze(1)
 
 

@@ -62,14 +62,37 @@ inline void group_scores(const float* q, const float* keys, int64_t n, int64_t d
   if (j < n) key_scores<R, 1>(q, keys, n, dim, j, scale, scores);
 }
 
-// scores [n] -> exp(scores - max) in place; returns their sum.
+// scores [n] -> exp(scores - max) in place; returns their sum. In 16 lanes: the max, the
+// exponentials (exp16_nonpositive, the tail's lanes padded), and the sum as sum_squares
+// (fastmath.h) sums: the lanes, sum16's tree, then the tail in order. A prefill's rows
+// (attend_causal) take n up to the prompt's length, where a scalar chain of adds was most of
+// a row's time; and an element's bits do not depend on where the scores sit.
 inline float softmax_weights(float* scores, int64_t n) {
+  const int64_t vec = n / 16 * 16;
   float top = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) top = std::max(top, scores[j]);
-  float sum = 0.f;
-  for (int64_t j = 0; j < n; ++j) {
-    scores[j] = exp_nonpositive(scores[j] - top);
-    sum += scores[j];
+  if (vec) {
+    v16 m = load16(scores);
+    for (int64_t j = 16; j < vec; j += 16) {
+      const v16 s = load16(scores + j);
+      m = s > m ? s : m;
+    }
+    for (int64_t i = 0; i < 16; ++i) top = std::max(top, m[i]);  // a max: any order
+  }
+  for (int64_t j = vec; j < n; ++j) top = std::max(top, scores[j]);
+  const v16 shift = v16{} + top;
+  v16 acc = {};
+  for (int64_t j = 0; j < vec; j += 16) {
+    const v16 e = exp16_nonpositive(load16(scores + j) - shift);
+    store16(scores + j, e);
+    acc += e;
+  }
+  float sum = sum16(acc);
+  if (vec < n) {
+    float tail[16];
+    std::fill(tail, tail + 16, top);
+    std::copy(scores + vec, scores + n, tail);
+    store16(tail, exp16_nonpositive(load16(tail) - shift));
+    for (int64_t j = vec; j < n; ++j) sum += scores[j] = tail[j - vec];
   }
   return sum;
 }

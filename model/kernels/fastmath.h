@@ -39,6 +39,30 @@ inline v16 load16(const float* p) {
 }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// exp_nonpositive on 16 lanes, written as vectors so that every element takes the same
+// instructions wherever it sits: a loop of exp_nonpositive calls is vectorised with a
+// scalar peel and tail chosen by the pointer's alignment, and the two gave different bits
+// (SSE2 builds). v log2(e) is rounded to nearest even by adding and subtracting 1.5 x 2^23
+// (exact below 2^22 in magnitude); otherwise exp_nonpositive's steps.
+inline v16 exp16_nonpositive(v16 v) {
+  typedef int32_t vi16 __attribute__((vector_size(64)));
+  const v16 lowest = v16{} - 87.f, magic = v16{} + 12582912.f;
+  v = v < lowest ? lowest : v;
+  const v16 n = (v * 1.44269504088896341f + magic) - magic;
+  const v16 r = v - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  v16 p = v16{} + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 // The 16 lanes' sum, as a fixed tree (halves added, then halves of the halves ...).
 inline float sum16(v16 v) {
   typedef float v8 __attribute__((vector_size(32)));

@@ -52,7 +52,7 @@ constexpr int64_t kRowsQuant = 6;  // rows of a many-row tile (a span's group)
 // tiles tile_vnni_wide: each weight is read from memory once for all its rows, at an even
 // pace. As groups of kRowsQuant, the first group of a column chunk read it from DRAM at
 // twice the rate two threads can have (~35 against ~30 GB/s on the Zen 4 of BENCHMARKS.md
-// §47) while the other groups read none: a 16-row LFM2-1.2B int4 step 78-110 -> 74-81 ms.
+// §47) while the other groups read none: a 16-row LFM2-1.2B int4 step 78-113 -> 74-81 ms.
 constexpr int64_t kWideRows = 16;
 
 // Bytes of one block's record of `rows` rows (pack_group).

@@ -1,7 +1,7 @@
-// Elementwise work of the parallel (prefill) form, in one native pass each; inference only
-// (no autograd): the causal convolution (with Mamba2's bias and SiLU), Mamba2's SSD scan and
-// output gate, SwiGLU's activation, the elu+1 feature map with the head split, the MLP's tanh
-// GELU and RMSNorm.
+// Work of the parallel (prefill) form beside its GEMMs, in one native pass each; inference
+// only (no autograd): the causal convolution (with Mamba2's bias and SiLU), Mamba2's SSD scan
+// and output gate, SwiGLU's activation, the elu+1 feature map with the head split, the MLP's
+// tanh GELU, RMSNorm, and causal softmax attention over a KV cache.
 //
 // Causal depthwise convolution: out[b, t, c] = sum_i w[i, c] * x[b, t + i, c].
 //
@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "attention.h"
 #include "dense.h"
 #include "gdn.h"
 #include "mamba2.h"
@@ -245,9 +246,47 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
+// Causal grouped-query attention of T new rows over a KV cache: row t attends keys 0 ..
+// start + t, each row alone by the decode steps' attend_group (attention.h), so a row's bits
+// depend on its query and its keys only (a prompt prefilled whole, in chunks or a token at a
+// time, alone or in a batch, gives the same; so do the native steps). q [B, T, H, D]
+// contiguous, k, v [B, Hkv, >= start + T, D] with rows of D contiguous (a cache's slice) ->
+// o [B, T, H, D], fp32. In place of scores as a matrix and five elementwise passes over it,
+// which took a fifth of a 2,048-token LFM2-1.2B prefill (BENCHMARKS.md §48). Threads take
+// (row, group) tasks from a counter: later rows have more keys.
+at::Tensor attend_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         int64_t start) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() &&
+                  q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && q.is_contiguous(),
+              "attend_causal takes fp32 q [B, T, H, D] contiguous, k and v [B, Hkv, S, D]");
+  const int64_t batch = q.size(0), t_len = q.size(1), heads = q.size(2), dim = q.size(3);
+  const int64_t groups = k.size(1), rep = groups ? heads / groups : 0;
+  TORCH_CHECK(k.size(0) == batch && k.size(3) == dim && groups > 0 && heads % groups == 0 &&
+                  start >= 0 && k.size(2) >= start + t_len && k.stride(3) == 1 &&
+                  k.stride(2) == dim && v.stride(3) == 1 && v.stride(2) == dim,
+              "attend_causal: k and v do not match q, or their rows are not contiguous");
+  at::Tensor o = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  linserve::for_each_task(batch * groups * t_len, [&](int64_t task) {
+    const int64_t t = task % t_len, g = task / t_len % groups, b = task / (t_len * groups);
+    const int64_t n = start + t + 1, at_q = ((b * t_len + t) * heads + g * rep) * dim;
+    thread_local std::vector<float> scores;
+    scores.resize(std::min(rep, linserve::kGroupHeads) * n);
+    linserve::attend_group(qp + at_q, kp + b * k.stride(0) + g * k.stride(1),
+                           vp + b * v.stride(0) + g * v.stride(1), rep, n, dim, op + at_q,
+                           scores.data());
+  });
+  return o;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
+  m.def("attend_causal(Tensor q, Tensor k, Tensor v, int start) -> Tensor");
   m.def("causal_conv(Tensor x, Tensor w, Tensor? bias=None, bool silu=False) -> Tensor");
   m.def("mamba2_gate_(Tensor(a!) y, Tensor xs, Tensor d, Tensor z, Tensor w, int groups, "
         "float eps, bool before) -> Tensor(a!)");
@@ -260,6 +299,7 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {
+  m.impl("attend_causal", &attend_causal);
   m.impl("causal_conv", &causal_conv);
   m.impl("mamba2_gate_", &mamba2_gate_);
   m.impl("mamba2_scan_", &mamba2_scan_);

@@ -104,8 +104,7 @@ class Attention(nn.Module):
         kv.k[rows, :, start : start + t] = k
         kv.v[rows, :, start : start + t] = v
         keys, values = kv.k[rows, :, : start + t], kv.v[rows, :, : start + t]
-        mask = torch.ones(t, start + t, dtype=torch.bool).tril(start)
-        return self._out(invariant.attention(q, keys, values, mask), x)
+        return self._out(invariant.attention(q, keys, values, start), x)
 
     def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
                 new: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,6 +128,6 @@ class Attention(nn.Module):
         kv.k[rows, :, lengths] = k[:, :, 0]
         kv.v[rows, :, lengths] = v[:, :, 0]
         outs = [invariant.attention(q[i : i + 1], kv.k[i : i + 1, :, :n], kv.v[i : i + 1, :, :n],
-                                    torch.ones(1, n, dtype=torch.bool))
+                                    n - 1)
                 for i, n in enumerate((lengths + 1).tolist())]  # each row over its own keys
         return self._out(torch.cat(outs), x.unsqueeze(1)).squeeze(1)

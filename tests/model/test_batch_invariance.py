@@ -197,6 +197,41 @@ def test_prefill_does_not_depend_on_the_batch_or_chunk_splits(kind: str,
         assert all(torch.equal(mine[k], ref[k]) for k in ref)
 
 
+@pytest.mark.parametrize(("heads", "groups", "dim"), [(8, 2, 64), (6, 2, 32), (6, 6, 16),
+                                                     (6, 1, 48), (4, 2, 24)])
+def test_causal_attention_rows_do_not_depend_on_the_call(heads: int, groups: int,
+                                                         dim: int) -> None:
+    """``invariant.attention`` (natively ``attend_causal``): each query row of a prompt
+    gives the same bits in one call of 40 rows, in calls split anywhere over the cache, and
+    alone (a decode step's call), for 4, 3, 1 and 6 query heads per key-value head and head
+    sizes with and without a 16-wide tail (24: one head at a time); and it is causal
+    softmax attention (within fp32 rounding of SDPA's, every key count across 16)."""
+    with torch.no_grad():  # the native path serves inference only
+        _causal_attention_case(heads, groups, dim)
+
+
+def _causal_attention_case(heads: int, groups: int, dim: int) -> None:
+    assert invariant.active()
+    torch.manual_seed(0)
+    t, before = 40, 9
+    q = torch.randn(2, heads, t, dim)
+    k, v = torch.randn(2, groups, before + t + 3, dim), torch.randn(2, groups, before + t + 3, dim)
+    keys, values = k[:, :, : before + t], v[:, :, : before + t]  # a cache's slice
+    whole = invariant.attention(q, keys, values, before)
+    mask = torch.ones(t, before + t, dtype=torch.bool).tril(before)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, enable_gqa=heads != groups)
+    assert (whole - want).abs().max().item() < 1e-5
+    for a, b in ((0, 17), (17, 23), (23, 40)):
+        part = invariant.attention(q[:, :, a:b], k[:, :, : before + b], v[:, :, : before + b],
+                                   before + a)
+        assert torch.equal(part, whole[:, :, a:b])
+    for i in (0, 1, 7, 39):
+        alone = invariant.attention(q[1:, :, i : i + 1], k[1:, :, : before + i + 1],
+                                    v[1:, :, : before + i + 1], before + i)
+        assert torch.equal(alone, whole[1:, :, i : i + 1])
+
+
 def test_prefill_split_falls_on_chunk_multiples() -> None:
     """Under the mode, a split point is a multiple of the chunk (0: wait for a fresh budget);
     a whole remainder, or a cap below one chunk, is taken as it is."""
