@@ -4,6 +4,7 @@
 //   g++ -O3 -march=native bench/vnni_tile.cpp -o /tmp/vnni_tile && /tmp/vnni_tile [GHZ]
 //
 // GHZ (default: measured by a chain of dependent adds) converts seconds to cycles.
+// - "peaks": vpdpbusd's and vdpbf16ps's instructions a cycle and GMAC/s on one core.
 // - "pipes": 12 independent vpdpbusd chains alone, then with 4 of each other instruction the
 //   tile issues beside them (extra cycles: that instruction shares vpdpbusd's pipes).
 // - "tile": 6 rows x 2 vectors of 16 columns (int4, gemm_quant.h's layout and arithmetic),
@@ -70,6 +71,35 @@ void pipes(double ghz) {
   PIPES("vpandd", DP12 X4(AND))
   PIPES("vpsrlw", DP12 X4(SRL))
   PIPES("vpbroadcastd (mem)", DP12 X4(BCAST))
+}
+
+// Each dot-product instruction's peak on one core: 12 independent chains, in instructions a
+// cycle and GMAC/s (vpdpbusd: 64 multiply-adds, u8 x s8; vdpbf16ps: 32, bf16 pairs). The
+// int8 / int4 GEMMs and the bf16 ones are bound by these (BENCHMARKS.md §44, §48).
+#define DP12_OP(op)                                                                       \
+  op " %%zmm30,%%zmm31,%%zmm0\n " op " %%zmm30,%%zmm31,%%zmm1\n"                          \
+  op " %%zmm30,%%zmm31,%%zmm2\n " op " %%zmm30,%%zmm31,%%zmm3\n"                          \
+  op " %%zmm30,%%zmm31,%%zmm4\n " op " %%zmm30,%%zmm31,%%zmm5\n"                          \
+  op " %%zmm30,%%zmm31,%%zmm6\n " op " %%zmm30,%%zmm31,%%zmm7\n"                          \
+  op " %%zmm30,%%zmm31,%%zmm8\n " op " %%zmm30,%%zmm31,%%zmm9\n"                          \
+  op " %%zmm30,%%zmm31,%%zmm10\n " op " %%zmm30,%%zmm31,%%zmm11\n"
+#define PEAK(name, op, macs)                                                              \
+  {                                                                                       \
+    const long n = 50000000;                                                              \
+    const double t0 = now();                                                              \
+    for (long i = 0; i < n; ++i) asm volatile(DP12_OP(op) : : : "memory");                \
+    const double secs = now() - t0;                                                       \
+    std::printf("  %-10s %.2f a cycle, %.0f GMAC/s a core\n", name,                       \
+                12.0 * n / (secs * ghz * 1e9), 12.0 * n * (macs) / secs / 1e9);           \
+  }
+
+void peaks(double ghz) {
+  asm volatile("vpxord %%zmm30,%%zmm30,%%zmm30\n vpxord %%zmm31,%%zmm31,%%zmm31" ::: "memory");
+  std::printf("peaks: 12 chains of one instruction\n");
+  PEAK("vpdpbusd", "vpdpbusd", 64)
+#if defined(__AVX512BF16__)
+  PEAK("vdpbf16ps", "vdpbf16ps", 32)
+#endif
 }
 
 constexpr int64_t kBlock = 32, kK = 2048, kBlocks = kK / kBlock, kWidth = 64, kRows = 6;
@@ -230,6 +260,7 @@ void tiles(double ghz) {
 int main(int argc, char** argv) {
   const double ghz = argc > 1 ? std::atof(argv[1]) : clock_ghz();
   std::printf("clock %.2f GHz\n", ghz);
+  peaks(ghz);
   pipes(ghz);
   tiles(ghz);
 }
