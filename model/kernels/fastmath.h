@@ -7,6 +7,19 @@
 
 namespace linserve {
 
+// exp(v - n ln2) for |v - n ln2| <= ln2 / 2: ln2 in two parts, then a degree-6 polynomial.
+// T: a float, or a vector of them (v16).
+template <typename T>
+inline T exp_reduced(T v, T n) {
+  const T r = v - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  T p = r * (1.f / 720.f) + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  return p * r + 1.f;
+}
+
 // exp(v) for v <= 0 in a form the compiler vectorises: v = n ln2 + r, |r| <= ln2 / 2,
 // a degree-6 polynomial for exp(r), then 2^n through the exponent bits. Relative error
 // below 2.5e-7 on [-87, 0] (checked against float64 exp); inputs below -87 are clamped there
@@ -14,14 +27,7 @@ namespace linserve {
 inline float exp_nonpositive(float v) {
   v = v < -87.f ? -87.f : v;
   const float n = std::nearbyint(v * 1.44269504088896341f);
-  const float r = v - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const float p = exp_reduced(v, n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -49,14 +55,7 @@ inline v16 exp16_nonpositive(v16 v) {
   const v16 lowest = v16{} - 87.f, magic = v16{} + 12582912.f;
   v = v < lowest ? lowest : v;
   const v16 n = (v * 1.44269504088896341f + magic) - magic;
-  const v16 r = v - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  v16 p = v16{} + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const v16 p = exp_reduced(v, n);
   const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
   v16 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
