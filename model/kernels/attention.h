@@ -65,8 +65,8 @@ inline void group_scores(const float* q, const float* keys, int64_t n, int64_t d
 // scores [n] -> exp(scores - max) in place; returns their sum. In 16 lanes: the max, the
 // exponentials (exp16_nonpositive, the tail's lanes padded), and the sum as sum_squares
 // (fastmath.h) sums: the lanes, sum16's tree, then the tail in order. A prefill's rows
-// (attend_causal) take n up to the prompt's length, where a scalar chain of adds was most of
-// a row's time; and an element's bits do not depend on where the scores sit.
+// (attend_causal) take n up to the prompt's length, where a scalar chain of n dependent adds
+// would bind; and an element's bits do not depend on where the scores sit.
 inline float softmax_weights(float* scores, int64_t n) {
   const int64_t vec = n / 16 * 16;
   float top = -INFINITY;

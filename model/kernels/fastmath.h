@@ -46,9 +46,9 @@ inline v16 load16(const float* p) {
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // exp_nonpositive on 16 lanes, written as vectors so that every element takes the same
-// instructions wherever it sits: a loop of exp_nonpositive calls is vectorised with a
-// scalar peel and tail chosen by the pointer's alignment, and the two gave different bits
-// (SSE2 builds). v log2(e) is rounded to nearest even by adding and subtracting 1.5 x 2^23
+// instructions wherever it sits: a loop of exp_nonpositive calls may be vectorised with a
+// scalar peel and tail chosen by the pointer's alignment, whose code need not round as the
+// vector body does. v log2(e) is rounded to nearest even by adding and subtracting 1.5 x 2^23
 // (exact below 2^22 in magnitude); otherwise exp_nonpositive's steps.
 inline v16 exp16_nonpositive(v16 v) {
   typedef int32_t vi16 __attribute__((vector_size(64)));

@@ -249,7 +249,8 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) {
 // Causal grouped-query attention of T new rows over a KV cache: row t attends keys 0 ..
 // start + t, each row alone by the decode steps' attend_group (attention.h), so a row's bits
 // depend on its query and its keys only (a prompt prefilled whole, in chunks or a token at a
-// time, alone or in a batch, gives the same; so do the native steps). q [B, T, H, D]
+// time, alone or in a batch, gives the same; the native decode steps run the same
+// arithmetic on their own q, k and v). q [B, T, H, D]
 // contiguous, k, v [B, Hkv, >= start + T, D] with rows of D contiguous (a cache's slice) ->
 // o [B, T, H, D], fp32. In place of scores as a matrix and five elementwise passes over it,
 // which took a fifth of a 2,048-token LFM2-1.2B prefill (BENCHMARKS.md §48). Threads take
