@@ -1,7 +1,7 @@
 # linserve: OpenAI-compatible server for linear-attention LMs (CPU).
 # Build:  docker build -t linserve .
 # Run:    docker run -p 8000:8000 linserve
-# Config: environment variables LINSERVE_* (see `python -m server --help`), e.g.
+# Config: environment variables LINSERVE_* (see `linserve serve --help`), e.g.
 #         -e LINSERVE_WEIGHTS=/app/weights/softmax -e LINSERVE_SESSION_STORE=redis://redis:6379/0
 
 FROM python:3.11-slim AS build
@@ -21,15 +21,14 @@ RUN python3 -m venv /opt/venv \
       --extra-index-url "${TORCH_INDEX_URL}" "torch==2.13.0" \
  && if /opt/venv/bin/pip list 2>/dev/null | grep -qi nvidia; then echo "CUDA packages found" >&2; exit 1; fi
 COPY pyproject.toml README.md ./
-COPY model/ model/
-COPY server/ server/
+COPY linserve/ linserve/
 RUN /opt/venv/bin/pip install --find-links /wheels /src
 # Prebuild the kernels for four CPU levels (not -march=native: the image moves); at start
-# the best one this CPU runs is loaded (model/kernels: LINSERVE_KERNEL_DIR), so a CPU without
-# AVX2 gets the baseline build instead of an illegal instruction, one with AVX512-BF16 gets
+# the best one this CPU runs is loaded (linserve/model/kernels: LINSERVE_KERNEL_DIR), so a
+# CPU without AVX2 gets the baseline build instead of an illegal instruction, one with AVX512-BF16 gets
 # the bf16 dot-product GEMM, and one with AMX its tiles.
 RUN for arch in x86-64-v4-amx x86-64-v4-bf16 x86-64-v3 x86-64; do \
-      PATH=/opt/venv/bin:$PATH LINSERVE_KERNEL_ARCH=$arch python -m model.kernels build "/opt/kernels/$arch" \
+      PATH=/opt/venv/bin:$PATH LINSERVE_KERNEL_ARCH=$arch linserve build-kernels "/opt/kernels/$arch" \
       && test -f "/opt/kernels/$arch/linserve_kernels.so" || exit 1; \
     done
 
@@ -52,4 +51,4 @@ USER 10001
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
   CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health/live', timeout=2)"]
-CMD ["python3", "-m", "server"]
+CMD ["linserve", "serve"]

@@ -35,7 +35,7 @@ def _switch(on: bool) -> None:
 
 def measure(path: Path, kind: str, batch: int, prompt: int) -> dict[str, Any]:
     """Milliseconds of each measure with the tiles on and off, and the speedups."""
-    from model import loader
+    from linserve.model import loader
 
     model = loader.load(path, "bfloat16", quantization=QUANT[kind])
     vocab = min(model.info.vocab_size, 1000)
@@ -67,7 +67,7 @@ def measure(path: Path, kind: str, batch: int, prompt: int) -> dict[str, Any]:
 
 def measure_gemm(k: int, n: int, rows_list: list[int]) -> list[dict[str, Any]]:
     """GFLOP/s of one quantized product per weight type and row count, tiles on and off."""
-    from model import quantize
+    from linserve.model import quantize
 
     out = []
     for kind in ("int8", "int4"):
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gemm-shape", type=int, nargs=2, default=[2048, 4096], metavar=("K", "N"))
     p.add_argument("--gemm-rows", type=int, nargs="+", default=[16, 32, 64, 256])
     args = p.parse_args(argv)
-    from model import kernels
+    from linserve.model import kernels
 
     if not (kernels.load() and torch.ops.linserve.amx_active()):
         raise SystemExit("AMX tiles are not active here (no AMX, or LINSERVE_AMX=0)")

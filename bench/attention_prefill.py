@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import machine, print_table, time_interleaved, write_json
-from model import invariant, kernels
+from linserve.model import invariant, kernels
 
 SHAPES = {"lfm2-1.2b": (32, 8, 64), "qwen3.5-0.8b": (8, 2, 256)}
 

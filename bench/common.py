@@ -182,7 +182,7 @@ def child_pids(pid: int) -> list[int]:
 def rss_bytes(pid: int) -> int:
     """Resident bytes of ``pid`` and its descendants (the engine process is a child); a
     process gone meanwhile counts 0."""
-    from model.heap import resident_bytes
+    from linserve.model.heap import resident_bytes
 
     try:
         children = child_pids(pid)

@@ -32,8 +32,8 @@ from bench.common import (
     write_json,
 )
 from bench.serverproc import ServerProcess
-from model.architectures.linserve import load_model
-from server.engine.loading import pick_dtype
+from linserve.model.architectures.linserve import load_model
+from linserve.server.engine.loading import pick_dtype
 
 
 def raw_step_tokens_per_s(weights: Path, batch: int, context: int, threads: int,
@@ -43,7 +43,7 @@ def raw_step_tokens_per_s(weights: Path, batch: int, context: int, threads: int,
     torch.set_num_threads(threads)
     model = load_model(weights, getattr(torch, pick_dtype(dtype)[0]))
     _, one = model.prefill(torch.randint(0, 8000, (1, context)))
-    from model.state import State
+    from linserve.model.state import State
 
     state = State.cat([one.copy() for _ in range(batch)])
     state.reserve(context + 64)

@@ -1,7 +1,7 @@
 """``python -m bench.engine_loop``: the engine's scheduling loop alone, without HTTP.
 
-Runs the real :class:`server.engine.engine.Engine` in this process on the shipped weights, with
-``--clients`` closed-loop clients: each submits a request of ``--prompt-tokens`` prompt
+Runs the real :class:`linserve.server.engine.engine.Engine` in this process on the shipped weights,
+with ``--clients`` closed-loop clients: each submits a request of ``--prompt-tokens`` prompt
 tokens and ``--max-tokens`` outputs and, when it finishes, the next one. Deliveries are
 counted in place (no queue, no JSON), so the figure splits the HTTP path's shortfall into
 the engine's own per-token work (this figure against the raw step) and what HTTP adds (the
@@ -26,14 +26,14 @@ import torch
 
 from bench.common import machine, print_table, write_json
 from bench.concurrency import raw_step_tokens_per_s
-from model import invariant, loader
-from model.sampling import SamplingParams
-from server.engine.client import dispatch
-from server.engine.engine import Engine, EngineLimits
-from server.engine.loading import pick_dtype, warm_up
-from server.engine.types import GenerationRequest, Output
-from server.malloc import pin_mmap_threshold
-from server.settings import Settings
+from linserve.model import invariant, loader
+from linserve.model.sampling import SamplingParams
+from linserve.server.engine.client import dispatch
+from linserve.server.engine.engine import Engine, EngineLimits
+from linserve.server.engine.loading import pick_dtype, warm_up
+from linserve.server.engine.types import GenerationRequest, Output
+from linserve.server.malloc import pin_mmap_threshold
+from linserve.server.settings import Settings
 
 
 class ClosedLoop:

@@ -176,12 +176,12 @@ def _write(path: Path, shard: dict[str, torch.Tensor], index: dict[str, str],
 
 
 def active_bytes(path: Path, kind: str) -> dict[str, float]:
-    """Parameters, and bytes as served under ``kind`` (:func:`model.loader.weight_bytes`),
+    """Parameters, and bytes as served under ``kind`` (:func:`linserve.model.loader.weight_bytes`),
     of the whole model and of what one batch-1 token reads: every weight outside the
     experts plus ``top_k`` experts a MoE layer. From the config alone (a meta module)."""
-    from model import loader
-    from model.architectures.hf import HFServedModel
-    from model.layers.moe import SparseMoE
+    from linserve.model import loader
+    from linserve.model.architectures.hf import HFServedModel
+    from linserve.model.layers.moe import SparseMoE
 
     described = loader.family(path).load(path, torch.bfloat16, True, False)  # no weights
     assert isinstance(described, HFServedModel)

@@ -3,7 +3,8 @@ on the published Qwen3.5-0.8B shapes (``bench.hf``'s checkpoint), in one process
 
 - **chunked**: the chunk / WY form in PyTorch (64-token chunks: small matrix products, a
   triangular solve, transposes), the reference and the path without native kernels;
-- **scan**: the recurrent form natively (``gdn_scan`` in ``model/kernels/gdn_step.cpp``): per
+- **scan**: the recurrent form natively (``gdn_scan`` in ``linserve/model/kernels/gdn_step.cpp``):
+per
   (row, head) one pass over the state a token, the state kept in cache, with the
   convolution, SiLU and q/k norms in the same call.
 
@@ -20,8 +21,8 @@ from pathlib import Path
 import torch
 
 from bench.common import machine, prefill_forms, print_table, write_json
-from model import loader
-from model.layers.gated_delta import GatedDeltaNet
+from linserve.model import loader
+from linserve.model.layers.gated_delta import GatedDeltaNet
 
 SHAPES = [(16, 128), (1, 2048)]
 

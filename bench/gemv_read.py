@@ -20,7 +20,7 @@ import torch
 
 from bench.common import machine, print_table, write_json
 from bench.roofline import stream_read
-from model import invariant, kernels, quantize
+from linserve.model import invariant, kernels, quantize
 
 
 def gb_per_s(fn: Callable[[], object], nbytes: int) -> float:

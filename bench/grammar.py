@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from bench.common import machine, print_table, write_json
-from model.sampling import SamplingParams
-from server.engine.engine import Engine, EngineLimits
-from server.engine.loading import load_engine_model, warm_up
-from server.engine.types import GenerationRequest
-from server.grammar.compiler import GrammarCompiler
-from server.grammar.spec import GrammarSpec
-from server.settings import Settings
+from linserve.model.sampling import SamplingParams
+from linserve.server.engine.engine import Engine, EngineLimits
+from linserve.server.engine.loading import load_engine_model, warm_up
+from linserve.server.engine.types import GenerationRequest
+from linserve.server.grammar.compiler import GrammarCompiler
+from linserve.server.grammar.spec import GrammarSpec
+from linserve.server.settings import Settings
 
 CHARACTER = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 30},

@@ -40,9 +40,9 @@ import torch
 from bench import llamacpp_compare as lc
 from bench.common import RESULTS, machine, print_table, save_figure, time_ms, write_json
 from bench.roofline import read_bandwidth_gbs
-from model import loader
-from model.architectures.hf import HFServedModel
-from model.state import KVEntry, State
+from linserve.model import loader
+from linserve.model.architectures.hf import HFServedModel
+from linserve.model.state import KVEntry, State
 
 PUBLISHED_0_8B = dict(vocab_size=248_320, hidden_size=1024, intermediate_size=3584,
                       num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
@@ -154,8 +154,8 @@ def compare_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
     theirs = lc.serve_and_load(cmd, port, streams, 3 * streams, prompt, gen,
                                RESULTS / "hf-llama-server.log")
     port = lc.free_port()
-    ours_cmd = [sys.executable, "-m", "server", "--model", str(args.checkpoint), "--dtype",
-                args.dtype, "--port", str(port), "--max-running", str(streams),
+    ours_cmd = [sys.executable, "-m", "linserve", "serve", "--model", str(args.checkpoint),
+                "--dtype", args.dtype, "--port", str(port), "--max-running", str(streams),
                 "--threads", str(args.server_threads)]
     ours = lc.serve_and_load(ours_cmd, port, streams, 3 * streams, prompt, gen,
                              RESULTS / "hf-server.log")

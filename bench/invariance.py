@@ -15,7 +15,7 @@ from typing import Any
 
 from bench import engine_loop
 from bench.common import RESULTS, machine, print_table, write_json
-from model import invariant
+from linserve.model import invariant
 
 
 def measure(args: argparse.Namespace, dtype: str, clients: int, on: bool) -> float:

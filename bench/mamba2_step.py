@@ -65,7 +65,7 @@ def one(path: Path, kind: str, threads: list[int], probe: Any) -> dict[str, Any]
     native four-stream read of a buffer larger than the cache) at the same thread count:
     this VM's bandwidth drifts within minutes, so a ceiling measured once at the start is
     not the ceiling of a step timed later."""
-    from model import loader
+    from linserve.model import loader
 
     model = loader.load(path, "bfloat16", quantization=QUANT[kind])
     assert model.info.decode_step.startswith("fused"), model.info.decode_step

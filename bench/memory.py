@@ -4,7 +4,7 @@ new user would see it, with this server's own account of where its bytes go.
 For each weight type (bf16, int8 against Q8_0, int4 against Q4_0) on ``bench.hf``'s
 checkpoint of the published Qwen3.5-0.8B shapes, both servers are started at once:
 
-- this server as a user starts it: ``python -m server --model DIR --threads 2`` (its
+- this server as a user starts it: ``linserve serve --model DIR --threads 2`` (its
   default ``--max-running``), with ``--quantization``;
 - ``llama-server -t 2 --parallel 16 -c 32768`` on the GGUF of the same weights
   (``bash bench/llamacpp.sh build`` first; GGUFs are made once by ``bench.llamacpp_compare``).
@@ -83,9 +83,9 @@ def _prefill(url: str, prompt: int, requests: int = 2) -> dict[str, Any]:
 def one_kind(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     """Both servers up at once for one weight type; figures as the module docstring says."""
     port = lc.free_port()
-    ours_cmd = [sys.executable, "-m", "server", "--model", str(args.checkpoint), "--dtype",
-                "bfloat16", "--quantization", TYPES[kind], "--port", str(port), "--threads",
-                "2", "--engine-stall-seconds", "600", *getattr(args, "ours_args", [])]
+    ours_cmd = [sys.executable, "-m", "linserve", "serve", "--model", str(args.checkpoint),
+                "--dtype", "bfloat16", "--quantization", TYPES[kind], "--port", str(port),
+                "--threads", "2", "--engine-stall-seconds", "600", *getattr(args, "ours_args", [])]
     theirs_cmd, theirs_port = lc.llama_server_cmd(lc.gguf(args.checkpoint, GGUF[kind]), 16,
                                                   2048)
     theirs_cmd += ["-t", "2"]

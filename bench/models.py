@@ -1,6 +1,7 @@
 """``python -m bench.models weights/linear weights/softmax ...``: the shipped models side by
 side, from the ``eval.json`` and ``training_summary.json`` in each weights folder (written by
-``python -m model.training.evaluate DIR --output DIR/eval.json`` and ``model.training.train``).
+``python -m linserve.model.training.evaluate DIR --output DIR/eval.json`` and
+``linserve.model.training.train``).
 
 Prints one markdown table (parameters, tokens, validation/test perplexity and bits per byte,
 validation perplexity against the softmax baseline, the context-use ratio) and the length

@@ -1,9 +1,10 @@
 """``python -m bench.moe_prefill``: a mixture-of-experts model's prefill in its two forms of
 the sparse MLP, in one process.
 
-- **pytorch**: :class:`model.layers.moe.SparseMoE`'s PyTorch form, the reference: tokens
+- **pytorch**: :class:`linserve.model.layers.moe.SparseMoE`'s PyTorch form, the reference: tokens
   grouped by expert from Python (``torch.where``, an index, a scatter-add per expert);
-- **native**: ``moe_forward`` (``model/kernels/moe_ops.cpp`` over ``moe.h``, what the decode
+- **native**: ``moe_forward`` (``linserve/model/kernels/moe_ops.cpp`` over ``moe.h``, what the
+decode
   steps call): the same grouping and products in C++, activations fp32 between them.
 
 For each prompt shape (one prompt of 128 tokens, as ``bench.families`` sends it, and 16 of
@@ -21,8 +22,8 @@ from pathlib import Path
 import torch
 
 from bench.common import machine, prefill_forms, print_table, write_json
-from model import loader
-from model.layers.moe import SparseMoE
+from linserve.model import loader
+from linserve.model.layers.moe import SparseMoE
 
 SHAPES = [(1, 128), (16, 128)]
 

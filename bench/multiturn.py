@@ -278,9 +278,9 @@ def take_cost(weights: Path) -> dict[str, Any]:
     import torch
 
     from bench.common import time_ms
-    from model import loader
-    from server.engine.pool import SlotPool
-    from server.prefix_cache import PrefixCache
+    from linserve.model import loader
+    from linserve.server.engine.pool import SlotPool
+    from linserve.server.prefix_cache import PrefixCache
 
     torch.set_num_threads(1)
     model = loader.load(weights, "float32")

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from bench.common import machine, print_table, time_ms, write_json
-from model.architectures.linserve import LanguageModel, load_model
-from model.state import State
+from linserve.model.architectures.linserve import LanguageModel, load_model
+from linserve.model.state import State
 
 
 def gemm_ms(model: LanguageModel, tokens: int, dtype: torch.dtype,

@@ -38,8 +38,8 @@ from bench.common import (
 )
 from bench.hf import decode_row, step_bytes
 from bench.roofline import read_bandwidth_gbs
-from model import loader
-from model.architectures.hf import HFServedModel
+from linserve.model import loader
+from linserve.model.architectures.hf import HFServedModel
 
 TYPES = {"bf16": "none", "int8": "int8", "int4": "int4"}  # ours -> --quantization
 GGUF = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}   # the llama.cpp type beside it
@@ -68,7 +68,7 @@ def servers(args: argparse.Namespace, kind: str) -> dict[str, Any]:
             "engine_seconds")
     out: dict[str, Any] = {}
     port = lc.free_port()
-    cmd = [sys.executable, "-m", "server", "--model", str(args.checkpoint), "--dtype",
+    cmd = [sys.executable, "-m", "linserve", "serve", "--model", str(args.checkpoint), "--dtype",
            "bfloat16", "--quantization", TYPES[kind], "--port", str(port), "--max-running",
            str(args.streams), "--threads", str(args.server_threads)]
     report = lc.serve_and_load(cmd, port, args.streams, 3 * args.streams, prompt, gen,
@@ -88,8 +88,8 @@ def idle_memory(args: argparse.Namespace, kind: str) -> dict[str, int]:
     ``--streams`` rows (this server's slot pool; llama-server's slots of 256 tokens)."""
     out: dict[str, int] = {}
     port = lc.free_port()
-    ours_cmd = [sys.executable, "-m", "server", "--model", str(args.checkpoint), "--dtype",
-                "bfloat16", "--quantization", TYPES[kind], "--port", str(port),
+    ours_cmd = [sys.executable, "-m", "linserve", "serve", "--model", str(args.checkpoint),
+                "--dtype", "bfloat16", "--quantization", TYPES[kind], "--port", str(port),
                 "--max-running", str(args.streams)]
     theirs_cmd, theirs_port = lc.llama_server_cmd(lc.gguf(args.checkpoint, GGUF[kind]),
                                                   args.streams, 256)

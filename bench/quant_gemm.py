@@ -33,7 +33,7 @@ SHAPES = ["2048x16384", "2048x8512", "8192x2048", "4096x2048"]  # Granite-4.0-H-
 def one(kind: str, rows: int, k_len: int, n: int, threads: int, weights: int,
         rounds: int) -> float:
     """Median seconds of one product of ``rows`` rows by a [K, N] ``kind`` weight."""
-    from model import kernels, quantize
+    from linserve.model import kernels, quantize
 
     kernels.load()
     torch.set_num_threads(threads)

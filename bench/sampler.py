@@ -1,4 +1,4 @@
-"""``python -m bench.sampler``: the native sampler (``model/kernels/sampling.cpp``) against
+"""``python -m bench.sampler``: the native sampler (``linserve/model/kernels/sampling.cpp``) against
 the eager PyTorch one on the same batch: temperature 0.8 (+ min-p 0.05) rows, vocabulary
 8192, 1 thread. Writes ``bench/results/sampler.json``."""
 
@@ -9,8 +9,8 @@ import argparse
 import torch
 
 from bench.common import machine, print_table, time_ms, write_json
-from model import kernels
-from model.sampling import BatchParams, SamplingParams, make_generator, sample
+from linserve.model import kernels
+from linserve.model.sampling import BatchParams, SamplingParams, make_generator, sample
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Start the real server (``python -m server``) in a subprocess on a free port."""
+"""Start the real server (``linserve serve``) in a subprocess on a free port."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ class ServerProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"linserve-{self.port}.log"
-        cmd = [sys.executable, "-m", "server", "--weights", str(weights), "--host", "127.0.0.1",
-               "--port", str(self.port), *(args or [])]
+        cmd = [sys.executable, "-m", "linserve", "serve", "--weights", str(weights),
+               "--host", "127.0.0.1", "--port", str(self.port), *(args or [])]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self._log,

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from bench.common import machine, print_table, save_figure, style_axes, time_interleaved, write_json
-from model.architectures.linserve import LanguageModel
-from model.config import ModelConfig
-from model.layers.own_step import FusedStep
-from model.state import KVEntry, State
+from linserve.model.architectures.linserve import LanguageModel
+from linserve.model.config import ModelConfig
+from linserve.model.layers.own_step import FusedStep
+from linserve.model.state import KVEntry, State
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The shipped shapes of each kind (see configs/round2/).

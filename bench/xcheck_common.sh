@@ -11,7 +11,7 @@ start_xcheck_server() {
 {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
  "bos_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "model_max_length": 1000000}
 JSON
-  python -m server --port "$PORT" --max-running "$max_running" > "$out/server.log" 2>&1 &
+  linserve serve --port "$PORT" --max-running "$max_running" > "$out/server.log" 2>&1 &
   SRV=$!
   trap 'kill $SRV 2>/dev/null; rm -rf "$TOK"' EXIT
   for _ in $(seq 120); do curl -sf "127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done

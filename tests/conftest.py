@@ -27,7 +27,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the native kernels once, before any test starts a server: a server that
     compiles them itself spends a minute or two of its health wait doing so, and a test
     that gives up on it would kill the build halfway."""
-    from model import kernels
+    from linserve.model import kernels
 
     kernels.load()
 
@@ -53,8 +53,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
 
 
 def _tiny_checkpoint(path: Path, kind: str) -> Path:
-    from model.architectures.linserve import LanguageModel
-    from model.config import ModelConfig
+    from linserve.model.architectures.linserve import LanguageModel
+    from linserve.model.config import ModelConfig
     from tests.model.helpers import VARIANTS
 
     torch.manual_seed(0)
@@ -102,7 +102,7 @@ def _process_modes() -> Iterator[None]:
     """Restore the process-wide inference modes after every test: ``loader.load`` sets the
     quantization for the whole process (as the engine does once at start), and a test that
     loaded an int8 model would otherwise leave every later in-process model quantized."""
-    from model import invariant
+    from linserve.model import invariant
 
     before = invariant.enabled(), invariant.quantization()
     yield

@@ -95,8 +95,8 @@ def test_kustomizations_resolve(kustomization: Path) -> None:
 
 
 def test_probes_drain_and_security() -> None:
-    from server.api.app import create_app
-    from server.settings import Settings
+    from linserve.server.api.app import create_app
+    from linserve.server.settings import Settings
 
     app = create_app(Settings.model_validate({}))
     paths = set(app.openapi()["paths"])
@@ -141,7 +141,7 @@ def exported_metrics() -> set[str]:
     """Every series name the server exports (counters with _total, histograms' parts)."""
     from prometheus_client import REGISTRY
 
-    import server.metrics  # noqa: F401  (registers them)
+    import linserve.server.metrics  # noqa: F401  (registers them)
 
     names = set()
     for family in REGISTRY.collect():

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from model.architectures.linserve import LanguageModel, OwnModel
-from model.config import ModelConfig
-from model.tokenizer import Tokenizer
+from linserve.model.architectures.linserve import LanguageModel, OwnModel
+from linserve.model.config import ModelConfig
+from linserve.model.tokenizer import Tokenizer
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "weights" / "tokenizer.json"
 

@@ -1,6 +1,6 @@
-"""Batch invariance (model/invariant.py, model/kernels/gemm.h): a row's logits, bit for bit,
-do not depend on the rows that share its step or its ragged prefill, nor on where a long
-prompt is split at chunk multiples; for every kind of model, dtype and form.
+"""Batch invariance (linserve/model/invariant.py, linserve/model/kernels/gemm.h): a row's logits,
+bit for bit, do not depend on the rows that share its step or its ragged prefill, nor on where a
+long prompt is split at chunk multiples; for every kind of model, dtype and form.
 
 ``test_each_instruction_set`` re-runs this module in a subprocess for every instruction set
 this CPU can execute, forcing ATen's paths (``ATEN_CPU_CAPABILITY``) and the kernels' own
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import invariant, kernels
-from model.kernels import cpu_flags
+from linserve.model import invariant, kernels
+from linserve.model.kernels import cpu_flags
 from tests.model.helpers import tiny_model
 
 KINDS = ["linear", "gated", "favor", "softmax", "window"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.training.evaluate import context_use, split_streams, stream_nll, windowed_nll
+from linserve.model.training.evaluate import context_use, split_streams, stream_nll, windowed_nll
 from tests.model.helpers import tiny_model
 
 
@@ -48,7 +48,7 @@ def test_softmax_streams_score_every_position_its_context_holds() -> None:
 def test_a_softmax_model_scored_as_a_window_sees_only_the_band(tmp_path) -> None:
     """``load_model(window=W)``: the same weights under a band mask, with no context limit;
     within the first W positions it is the full model, past them it differs."""
-    from model.architectures.linserve import load_model
+    from linserve.model.architectures.linserve import load_model
 
     model = tiny_model("softmax", max_context=64)
     model.save(tmp_path)

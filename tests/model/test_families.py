@@ -1,4 +1,4 @@
-"""Every Hugging Face family built on the shared layers (``model/layers/``) against
+"""Every Hugging Face family built on the shared layers (``linserve/model/layers/``) against
 transformers' implementation, on tiny random checkpoints of two or more shapes each: whole
 prompts, prefill then steps, prompt splits, ragged batches, rows in a batch, state blobs and
 bf16 weights."""
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import loader
-from model.architectures.hf import HFServedModel
-from model.layers.moe import SparseMoE
-from model.state import State
+from linserve.model import loader
+from linserve.model.architectures.hf import HFServedModel
+from linserve.model.layers.moe import SparseMoE
+from linserve.model.state import State
 from tests.model.family_fixtures import CASES, VOCAB, make, reference
 
 pytest.importorskip("transformers")
@@ -165,7 +165,7 @@ def test_steps_on_views_of_a_pooled_state_update_the_pool(checkpoint: Path) -> N
 
 
 # families whose layers a whole-model native step implements: decoder_step.cpp
-# (model/layers/native_step.py) or, for the Qwen families, qwen35_step.cpp
+# (linserve/model/layers/native_step.py) or, for the Qwen families, qwen35_step.cpp
 NATIVE = {"lfm2", "lfm2_moe", "nemotron_h", "granitemoehybrid", "qwen3_5_moe", "qwen3_next"}
 
 

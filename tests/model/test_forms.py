@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.layers.ops.gated import gated_linear_naive, gated_linear_parallel
-from model.layers.ops.linear import causal_linear_naive, causal_linear_parallel
-from model.state import KVEntry, State
+from linserve.model.layers.ops.gated import gated_linear_naive, gated_linear_parallel
+from linserve.model.layers.ops.linear import causal_linear_naive, causal_linear_parallel
+from linserve.model.state import KVEntry, State
 from tests.model.helpers import tiny_config, tiny_model
 
 RECURRENT = ["linear", "favor", "gated", "gated-favor"]

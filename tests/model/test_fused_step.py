@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import kernels
-from model.state import KVEntry, State
+from linserve.model import kernels
+from linserve.model.state import KVEntry, State
 from tests.model.helpers import tiny_model
 
 if not kernels.load():  # CI has a compiler: there, a kernel that does not build is a failure
@@ -162,7 +162,8 @@ def test_kernel_rejects_a_mismatched_state() -> None:
 
 def test_without_the_kernel_the_model_falls_back_to_eager(tmp_path) -> None:
     """A library that cannot load (no compiler in a slim image, say) never breaks the model."""
-    code = ("from model import kernels; from tests.model.helpers import tiny_model; import torch\n"
+    code = ("from linserve.model import kernels\n"
+            "from tests.model.helpers import tiny_model; import torch\n"
             "m = tiny_model('linear'); assert m.set_fused_step(True) is False\n"
             "assert kernels.load_error()\n"
             "print(m.step(torch.zeros(1, dtype=torch.long), m.new_state(1)).shape)")

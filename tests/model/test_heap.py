@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from model import heap
+from linserve.model import heap
 
 pytestmark = pytest.mark.skipif(not heap.trim() and heap.resident_bytes() == 0,
                                 reason="needs glibc's malloc_trim and procfs")
@@ -37,7 +37,7 @@ def test_a_trimmer_gives_back_freed_heap_once_it_has_grown() -> None:
 
 _SCRATCH_FAULTS = """
 import resource, sys, torch
-from model import heap
+from linserve.model import heap
 if sys.argv[1] == "keep":
     assert heap.keep_scratch()
 def faults() -> int:

@@ -1,5 +1,5 @@
-"""The Mamba2 layer's chunked SSD and native scan (model/layers/mamba2.py) against the plain
-recurrence, with decays fast enough to reach fp32's subnormal range (which the chunked form
+"""The Mamba2 layer's chunked SSD and native scan (linserve/model/layers/mamba2.py) against the
+plain recurrence, with decays fast enough to reach fp32's subnormal range (which the chunked form
 flushes to 0, and the scan treats as 0); the prefill's native SwiGLU activation."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import kernels
-from model.layers.mamba2 import _exp_flushed, ssd_chunked
+from linserve.model import kernels
+from linserve.model.layers.mamba2 import _exp_flushed, ssd_chunked
 
 
 def _recurrence(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

@@ -1,4 +1,4 @@
-"""The sparse mixture of experts (``model/layers/moe.py``): only the chosen experts run,
+"""The sparse mixture of experts (``linserve/model/layers/moe.py``): only the chosen experts run,
 rows that choose different experts are batch-invariant, ties go where transformers sends
 them, stacked expert tensors load like one-by-one ones, and the router stays fp32 and
 unquantized. Exactness against transformers per family is in ``test_families.py``."""
@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import invariant, kernels, loader
-from model.architectures.hf import HFServedModel
-from model.layers.mlp import SwiGLU
-from model.layers.moe import ExpertsSpec, RouterSpec, SparseMoE
-from model.state import State
+from linserve.model import invariant, kernels, loader
+from linserve.model.architectures.hf import HFServedModel
+from linserve.model.layers.mlp import SwiGLU
+from linserve.model.layers.moe import ExpertsSpec, RouterSpec, SparseMoE
+from linserve.model.state import State
 from tests.model.family_fixtures import VOCAB, make
 
 pytest.importorskip("transformers")

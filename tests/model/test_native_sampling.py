@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from model import kernels
-from model.sampling import BatchParams, SamplingParams, TokenMask, make_generator, sample
+from linserve.model import kernels
+from linserve.model.sampling import BatchParams, SamplingParams, TokenMask, make_generator, sample
 
 if not kernels.load():
     if os.environ.get("CI"):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.architectures.linserve import load_model
-from model.layers.ops.features import draw_orthogonal_features, favor_raw_features
+from linserve.model.architectures.linserve import load_model
+from linserve.model.layers.ops.features import draw_orthogonal_features, favor_raw_features
 from tests.model.helpers import tiny_model
 
 

@@ -1,4 +1,4 @@
-"""int8 / int4 weights (model/quantize.py, model/kernels/gemm_quant.h).
+"""int8 / int4 weights (linserve/model/quantize.py, linserve/model/kernels/gemm_quant.h).
 
 - The quantizers: int8 per output channel within half a step; int4 in groups of 32 as
   llama.cpp's Q4_0 (the largest weight of a group maps to −8).
@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import invariant, kernels, loader, quantize
-from model.kernels import cpu_flags
-from model.state import State
+from linserve.model import invariant, kernels, loader, quantize
+from linserve.model.kernels import cpu_flags
+from linserve.model.state import State
 from tests.model.qwen_fixtures import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -192,11 +192,11 @@ def test_hf_checkpoint_loads_quantized_and_frees_the_originals(checkpoint: Path,
 @pytest.mark.slow
 def test_trained_model_perplexity_within_the_targets() -> None:
     """weights/linear on the validation split: int8 within +1 %, int4 within +5 %."""
-    from model.training.data import DATA_DIR
-    from model.training.evaluate import quantization_table
+    from linserve.model.training.data import DATA_DIR
+    from linserve.model.training.evaluate import quantization_table
 
     if not (DATA_DIR / "valid.bin").is_file():
-        pytest.skip("corpus not prepared (python -m model.training.data)")
+        pytest.skip("corpus not prepared (python -m linserve.model.training.data)")
     table = quantization_table(ROOT / "weights" / "linear", ["int8", "int4"])["perplexity"]
     assert table["int8"]["delta_valid_pct"] <= 1.0
     assert table["int4"]["delta_valid_pct"] <= 5.0
@@ -205,7 +205,7 @@ def test_trained_model_perplexity_within_the_targets() -> None:
 def test_trained_model_slice_perplexity_within_the_targets() -> None:
     """weights/linear on the committed test slice (no corpus needed): int8 within +1 %,
     int4 within +5 %."""
-    from model.training.evaluate import slice_perplexity
+    from linserve.model.training.evaluate import slice_perplexity
 
     ppl = {}
     try:

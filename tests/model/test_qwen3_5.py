@@ -1,4 +1,4 @@
-"""Qwen3.5 (model/architectures/qwen3_5.py) against transformers' implementation, on tiny
+"""Qwen3.5 (linserve/model/architectures/qwen3_5.py) against transformers' implementation, on tiny
 random checkpoints of several shapes; and the gated delta rule's three forms against each
 other."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import loader
-from model.architectures.hf import HFServedModel
-from model.layers.ops.delta import delta_rule_chunked, delta_rule_naive, l2norm
-from model.state import State
+from linserve.model import loader
+from linserve.model.architectures.hf import HFServedModel
+from linserve.model.layers.ops.delta import delta_rule_chunked, delta_rule_naive, l2norm
+from linserve.model.state import State
 from tests.model.qwen_fixtures import KERNEL_SHAPES, SHAPES, make_checkpoint, reference
 
 pytest.importorskip("transformers")
@@ -85,7 +85,7 @@ def test_the_native_scan_prefill_equals_the_chunked_form(native_checkpoint: Path
     where the kernels are built) and the chunked WY form in PyTorch (used without them), on a
     150-token prompt after 40 tokens and on a ragged batch: logits and every state tensor
     within fp32 rounding."""
-    from model.layers import gated_delta
+    from linserve.model.layers import gated_delta
 
     ours = _served(native_checkpoint)
     gen = torch.Generator().manual_seed(11)
@@ -170,10 +170,10 @@ def test_delta_rule_chunked_equals_naive(t: int) -> None:
 
 
 def test_the_fused_gdn_step_equals_the_eager_one(native_checkpoint: Path) -> None:
-    """model/kernels/gdn_step.cpp against the eager step, on a batch of 3 rows with
+    """linserve/model/kernels/gdn_step.cpp against the eager step, on a batch of 3 rows with
     different histories, 20 steps: outputs and states within fp32 rounding."""
-    from model import kernels
-    from model.layers.gated_delta import GatedDeltaNet
+    from linserve.model import kernels
+    from linserve.model.layers.gated_delta import GatedDeltaNet
 
     if not kernels.load():
         pytest.skip("native kernels unavailable")
@@ -200,13 +200,13 @@ def test_the_fused_gdn_step_equals_the_eager_one(native_checkpoint: Path) -> Non
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_native_whole_model_step_equals_the_eager_one(native_checkpoint: Path, dtype: str
                                                           ) -> None:
-    """model/kernels/qwen35_step.cpp against the layer-by-layer step on 3 rows at different
+    """linserve/model/kernels/qwen35_step.cpp against the layer-by-layer step on 3 rows at different
     positions, 12 steps. fp32: logits and every state tensor within fp32 rounding (1e-4).
     bf16: the native step keeps activations fp32 between layers where the eager one rounds
     them to bf16 as transformers does, so the two differ by bf16 rounding. Both are held to
     fp32's next-token distributions: the native step's KL from them no more than 1.5× the
     eager bf16 step's own (or 1e-2, the bound of test_bf16_weights_track_fp32)."""
-    from model import kernels
+    from linserve.model import kernels
 
     if not kernels.load():
         pytest.skip("native kernels unavailable")
@@ -239,7 +239,7 @@ def test_a_rows_native_step_does_not_depend_on_the_batch(native_checkpoint: Path
                                                          ) -> None:
     """Batch invariance of the native step: each row's logits and state are the same bits
     alone as beside four other rows at other positions."""
-    from model import kernels
+    from linserve.model import kernels
 
     if not kernels.load():
         pytest.skip("native kernels unavailable")

@@ -1,7 +1,7 @@
 """The Qwen-family tokenizer the test checkpoints carry, built from llama.cpp's
 ``ggml-vocab-qwen35.gguf``, reproduces llama.cpp's own test vectors through the project's
-:class:`model.tokenizer.Tokenizer`; its incremental detokenizer gives the text back; and the
-real Qwen3.5 chat template renders as transformers renders it."""
+:class:`linserve.model.tokenizer.Tokenizer`; its incremental detokenizer gives the text back; and
+the real Qwen3.5 chat template renders as transformers renders it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from bench import llamacpp_assets
 from bench.llamacpp_assets import QWEN_EOS, QWEN_TEMPLATE, write_qwen_tokenizer_files
-from model.tokenizer import Tokenizer
+from linserve.model.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +71,8 @@ CONVERSATIONS: list[dict[str, Any]] = [
 def test_the_qwen35_template_renders_as_transformers_does(folder: Path, case: dict[str, Any]
                                                           ) -> None:
     transformers = pytest.importorskip("transformers")
-    from server.api.chat_template import TemplateChat
-    from server.api.protocol import ChatMessage
+    from linserve.server.api.chat_template import TemplateChat
+    from linserve.server.api.protocol import ChatMessage
 
     source = llamacpp_assets.vendored(QWEN_TEMPLATE).read_text()
     ref = transformers.AutoTokenizer.from_pretrained(folder)

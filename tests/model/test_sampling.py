@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.sampling import (
+from linserve.model.sampling import (
     BatchParams,
     SamplingParams,
     apply_penalties,
@@ -113,8 +113,8 @@ def test_penalties() -> None:
 
 @pytest.mark.parametrize("native", [False, True])
 def test_logit_bias_bans_and_forces(native: bool) -> None:
-    from model import kernels
-    from model.sampling import BatchParams, SamplingParams, make_generator, sample
+    from linserve.model import kernels
+    from linserve.model.sampling import BatchParams, SamplingParams, make_generator, sample
 
     if native and not kernels.load():
         pytest.skip("native kernels unavailable")

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.architectures.linserve import load_model
-from model.config import ModelConfig
-from model.sampling import SamplingParams
-from model.tokenizer import Tokenizer
-from model.training.evaluate import slice_perplexity
+from linserve.model.architectures.linserve import load_model
+from linserve.model.config import ModelConfig
+from linserve.model.sampling import SamplingParams
+from linserve.model.tokenizer import Tokenizer
+from linserve.model.training.evaluate import slice_perplexity
 
 WEIGHTS = Path(__file__).resolve().parents[2] / "weights"
 SHIPPED = [d for d in sorted(WEIGHTS.glob("*")) if (d / "model.safetensors").exists()]
@@ -50,7 +50,7 @@ def test_greedy_is_deterministic_and_forms_agree(kind: str) -> None:
         pytest.skip("not shipped")
     model = load_model(weights)
     tok = Tokenizer.from_file(weights / "tokenizer.json")
-    from model.generate import generate
+    from linserve.model.generate import generate
 
     params = SamplingParams(temperature=0.0, max_tokens=40)
     first = "".join(generate(model, tok, "MACBETH.\n", params))

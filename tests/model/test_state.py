@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from model.state import KVEntry, RecurrentEntry, State, StateError
-from model.state_blob import state_from_bytes as _from_bytes
-from model.state_blob import state_to_bytes
+from linserve.model.state import KVEntry, RecurrentEntry, State, StateError
+from linserve.model.state_blob import state_from_bytes as _from_bytes
+from linserve.model.state_blob import state_to_bytes
 from tests.model.helpers import tiny_model
 
 
@@ -185,7 +185,7 @@ def test_layers_may_mix_entry_types() -> None:
 def test_a_kept_state_gives_back_its_kv_room() -> None:
     """A prompt's state has KV room for growth (blocks of 256 slots); kept as a prefix-cache
     entry it is cut to what its rows use, rounded to 16, with its keys and values intact."""
-    from model.state import KV_BLOCK
+    from linserve.model.state import KV_BLOCK
 
     kv = KVEntry.empty(2, 2, 8, 4096)
     st = State([{"kv": kv}], torch.tensor([20, 7]))

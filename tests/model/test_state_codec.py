@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from model.state import ConvEntry, RecurrentEntry, State
-from model.state_codec import pack_state, unpack_state
-from server.sessions.store import MemorySessionStore, Session
+from linserve.model.state import ConvEntry, RecurrentEntry, State
+from linserve.model.state_codec import pack_state, unpack_state
+from linserve.server.sessions.store import MemorySessionStore, Session
 from tests.model.helpers import tiny_model
 
 

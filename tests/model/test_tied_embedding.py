@@ -1,5 +1,5 @@
 """A tied embedding table is held once: as the packed (possibly quantized) LM head, from which
-``head_rows`` reads token embeddings (``model/kernels/embed.h``)."""
+``head_rows`` reads token embeddings (``linserve/model/kernels/embed.h``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import invariant, kernels, loader, quantize
-from model.architectures.hf import HFServedModel
+from linserve.model import invariant, kernels, loader, quantize
+from linserve.model.architectures.hf import HFServedModel
 from tests.model.qwen_fixtures import make_checkpoint
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason="native kernels unavailable")

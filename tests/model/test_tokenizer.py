@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from model.tokenizer import Tokenizer, train_tokenizer
+from linserve.model.tokenizer import Tokenizer, train_tokenizer
 
 TEXTS = ["Héllo wörld — naïve café", "日本語のテキストです。漢字", "emoji 🎭🗡️👑 and 👨‍👩‍👧 family",
          "plain ASCII, as Shakespeare wrote: To be, or not to be."]

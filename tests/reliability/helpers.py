@@ -39,9 +39,9 @@ def metric(url: str, name: str) -> float:
 def held_after(url: str, prompt: str | list[int], sent: int, **sampling: object) -> int:
     """How many tokens a session holds after a request that sent ``sent`` tokens: the same
     seeded request made without a session gives those tokens, and the session holds the
-    tokens that spell their text (:func:`server.sessions.transcript.session_tokens`)."""
-    from model.tokenizer import Tokenizer
-    from server.sessions.transcript import session_tokens
+    tokens that spell their text (:func:`linserve.server.sessions.transcript.session_tokens`)."""
+    from linserve.model.tokenizer import Tokenizer
+    from linserve.server.sessions.transcript import session_tokens
     from tests.conftest import WEIGHTS
 
     if sent == 0:

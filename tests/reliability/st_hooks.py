@@ -20,10 +20,10 @@ import schemathesis
 from pydantic import ValidationError
 
 from bench.serverproc import ROOT
-from model.tokenizer import Tokenizer
-from server.api.protocol import CompletionRequest
-from server.grammar.compiler import GrammarCompiler
-from server.grammar.spec import GrammarError
+from linserve.model.tokenizer import Tokenizer
+from linserve.server.api.protocol import CompletionRequest
+from linserve.server.grammar.compiler import GrammarCompiler
+from linserve.server.grammar.spec import GrammarError
 
 CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
                "guided_choice", "guided_grammar")

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from bench.serverproc import ServerProcess
-from model.architectures.linserve import load_model
-from model.kernels import cpu_flags
-from model.state_blob import state_from_bytes
+from linserve.model.architectures.linserve import load_model
+from linserve.model.kernels import cpu_flags
+from linserve.model.state_blob import state_from_bytes
 from tests.reliability.helpers import FULL, stream
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

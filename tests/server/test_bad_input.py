@@ -130,7 +130,7 @@ def _readme_list(start: str, end: str) -> str:
 def test_the_readme_field_lists_agree_with_the_server(server: ServerProcess) -> None:
     """Every field the README lists as refused is refused, every one it lists as ignored is
     accepted, and the request models refuse nothing the README does not list."""
-    from server.api.protocol import REFUSED
+    from linserve.server.api.protocol import REFUSED
 
     refused = _readme_list("*Refused (400):*", "*Accepted and ignored")
     ignored = _readme_list("*Accepted and ignored", "*Accepted and used in chat*")

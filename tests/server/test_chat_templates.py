@@ -1,4 +1,4 @@
-"""Checkpoint chat templates (server/api/chat_template.py) render exactly as transformers'
+"""Checkpoint chat templates (linserve/server/api/chat_template.py) render exactly as transformers'
 ``apply_chat_template`` does, and chat requests use them through HTTP."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from bench.serverproc import ROOT, ServerProcess
-from server.api.chat_template import TemplateChat
-from server.api.protocol import ChatMessage
+from linserve.server.api.chat_template import TemplateChat
+from linserve.server.api.protocol import ChatMessage
 from tests.model.qwen_fixtures import make_checkpoint
 
 transformers = pytest.importorskip("transformers")

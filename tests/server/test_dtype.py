@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from bench.serverproc import ServerProcess
-from model import kernels
-from model.architectures.linserve import load_model
-from model.kernels import cpu_flags
-from model.training.data import DATA_DIR, prepare
-from model.training.evaluate import training_context, windowed_nll
-from server.engine.loading import pick_dtype
+from linserve.model import kernels
+from linserve.model.architectures.linserve import load_model
+from linserve.model.kernels import cpu_flags
+from linserve.model.training.data import DATA_DIR, prepare
+from linserve.model.training.evaluate import training_context, windowed_nll
+from linserve.server.engine.loading import pick_dtype
 from tests.conftest import WEIGHTS
 
 

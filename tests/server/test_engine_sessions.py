@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.sampling import SamplingParams
-from model.state import KVEntry, State
-from model.tokenizer import Tokenizer
-from server.engine.engine import Engine, EngineLimits
-from server.engine.types import GenerationRequest, Output
+from linserve.model.sampling import SamplingParams
+from linserve.model.state import KVEntry, State
+from linserve.model.tokenizer import Tokenizer
+from linserve.server.engine.engine import Engine, EngineLimits
+from linserve.server.engine.types import GenerationRequest, Output
 from tests.model.helpers import served, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,7 +87,7 @@ def _held_tokens(engine: Engine, out: Output, prompt: list[int], held: int, tok:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     free = run(engine, GenerationRequest(f"ref-{mode}", prompt, params))
     gen = free.token_ids
-    from server.sessions.transcript import chat_turn_text, session_tokens
+    from linserve.server.sessions.transcript import chat_turn_text, session_tokens
 
     if mode == "chat":
         target = session_tokens(tok, gen, chat_turn_text(tok.decode(gen)))

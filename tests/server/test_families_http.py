@@ -1,5 +1,5 @@
 """Each Hugging Face family built on the shared layers, served through HTTP
-(``python -m server --model``): greedy output equal to transformers' ``generate`` through the
+(``linserve serve --model``): greedy output equal to transformers' ``generate`` through the
 openai SDK, the prefix cache, streaming, ``n`` / ``best_of`` / logprobs, ragged batches,
 sessions with fork and export/import, structured outputs, and int8 / int4 weights."""
 
@@ -186,7 +186,8 @@ def test_an_unserved_or_bad_config_gets_one_line(tmp_path: Path, family: str,
     path = make(tmp_path / family, family, sorted(SHAPES[family])[0])
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, **change}))
-    proc = subprocess.run([sys.executable, "-m", "server", "--model", str(path), "--port", "0"],
+    proc = subprocess.run([sys.executable, "-m", "linserve", "serve", "--model", str(path),
+                           "--port", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode != 0 and len(lines) == 1 and says in lines[0], proc.stderr

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from bench.llamacpp_assets import vendored, write_qwen_tokenizer_files
-from server.api import tool_calls
-from server.api.chat_template import TemplateChat, string_content
-from server.api.protocol import ChatMessage
+from linserve.server.api import tool_calls
+from linserve.server.api.chat_template import TemplateChat, string_content
+from linserve.server.api.protocol import ChatMessage
 from tests.server.test_tool_parsing import CONVERSATIONS, TOOLS
 
 # template -> (the parser it implies, whether it writes assistant tool calls). Granite-4.0-H

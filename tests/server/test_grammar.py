@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.sampling import BatchParams, SamplingParams, TokenMask, make_generator, sample
-from model.tokenizer import Tokenizer
-from server.api.protocol import ChatRequest, CompletionRequest
-from server.engine.engine import Engine, EngineLimits
-from server.engine.types import GenerationRequest, Output
-from server.grammar.compiler import GrammarCompiler
-from server.grammar.masks import MaskBuilder
-from server.grammar.spec import GrammarError, GrammarSpec, from_request
+from linserve.model.sampling import BatchParams, SamplingParams, TokenMask, make_generator, sample
+from linserve.model.tokenizer import Tokenizer
+from linserve.server.api.protocol import ChatRequest, CompletionRequest
+from linserve.server.engine.engine import Engine, EngineLimits
+from linserve.server.engine.types import GenerationRequest, Output
+from linserve.server.grammar.compiler import GrammarCompiler
+from linserve.server.grammar.masks import MaskBuilder
+from linserve.server.grammar.spec import GrammarError, GrammarSpec, from_request
 from tests.model.helpers import served, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Serving a Hugging Face Qwen3.5 checkpoint (``python -m server --model``) through HTTP:
+"""Serving a Hugging Face Qwen3.5 checkpoint (``linserve serve --model``) through HTTP:
 greedy output equal to transformers' ``generate``, sessions and export/import; and bad
 checkpoints refused with one line at startup."""
 
@@ -161,7 +161,8 @@ def test_sessions_and_export_import_continue_like_stateless(qwen_server: ServerP
 
 def _start(model: Path | str, env: dict[str, str] | None = None
            ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "server", "--model", str(model), "--port", "0"],
+    return subprocess.run([sys.executable, "-m", "linserve", "serve", "--model", str(model),
+                           "--port", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})})
 
@@ -225,15 +226,16 @@ def test_a_repo_id_resolves_from_the_local_cache_offline(checkpoint: Path, tmp_p
     """A Hub cache laid out as huggingface_hub writes it (models--owner--name, a snapshot and
     refs/main) serves ``--model owner/name`` with HF_HUB_OFFLINE=1; an id not in the cache is
     one clear line."""
-    from model.architectures.hf import resolve
-    from model.interface import CheckpointError
+    from linserve.model.architectures.hf import resolve
+    from linserve.model.interface import CheckpointError
 
     repo = tmp_path / "hub" / "models--acme--qwen-tiny"
     shutil.copytree(checkpoint, repo / "snapshots" / "0123abc")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0123abc")
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    code = "import sys; from model.architectures.hf import resolve; print(resolve(sys.argv[1]))"
+    code = ("import sys; from linserve.model.architectures.hf import resolve; "
+            "print(resolve(sys.argv[1]))")
     out = subprocess.run([sys.executable, "-c", code, "acme/qwen-tiny"], cwd=ROOT, text=True,
                          capture_output=True, env={**os.environ, **env})
     assert out.returncode == 0, out.stderr

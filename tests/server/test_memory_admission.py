@@ -36,7 +36,7 @@ def tight_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ser
 
 
 def _info(path: Path) -> dict[str, int]:
-    from model import loader
+    from linserve.model import loader
 
     info = loader.load(path, "float32").info
     return {"per_token": info.state_bytes_per_token, "weight_bytes": info.weight_bytes,

@@ -15,7 +15,7 @@ import pytest
 
 from bench.quant import rss_bytes
 from bench.serverproc import ROOT, ServerProcess
-from server.engine.memory import ENGINE_PARTS
+from linserve.server.engine.memory import ENGINE_PARTS
 from tests.model.qwen_fixtures import make_checkpoint
 
 LIVE = ("slot_states", "kv_cache", "request_states", "prefix_cache", "sessions")

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from model.sampling import SamplingParams
-from model.tokenizer import Tokenizer
-from server.engine.engine import Engine, EngineLimits
-from server.engine.types import GenerationRequest, Output
+from linserve.model.sampling import SamplingParams
+from linserve.model.tokenizer import Tokenizer
+from linserve.server.engine.engine import Engine, EngineLimits
+from linserve.server.engine.types import GenerationRequest, Output
 from tests.model.helpers import served, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from server.prefix_cache import PrefixCache
-from server.sessions.transcript import common_prefix
+from linserve.server.prefix_cache import PrefixCache
+from linserve.server.sessions.transcript import common_prefix
 
 
 def test_longest_cached_prefix_wins_and_limit_is_respected() -> None:

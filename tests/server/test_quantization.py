@@ -74,7 +74,7 @@ def test_hf_checkpoint_serves_int4(checkpoint: Path) -> None:
     SDK, greedy output equal to the same model quantized in this process."""
     from openai import OpenAI
 
-    from model import loader
+    from linserve.model import loader
 
     with ServerProcess(ROOT / "weights" / "linear",
                        args=["--model", str(checkpoint), "--quantization", "int4",

@@ -216,8 +216,8 @@ def test_the_readme_lists_every_refused_field(server: ServerProcess) -> None:
     """Each field the Responses and Messages APIs refuse is named in the README's lists and
     answered with a 400 that names it."""
     from bench.serverproc import ROOT
-    from server.api.messages.protocol import REFUSED as MESSAGES_REFUSED
-    from server.api.responses.protocol import REFUSED as RESPONSES_REFUSED
+    from linserve.server.api.messages.protocol import REFUSED as MESSAGES_REFUSED
+    from linserve.server.api.responses.protocol import REFUSED as RESPONSES_REFUSED
 
     paths = httpx.get(server.url + "/openapi.json").json()["paths"]
     assert {"/v1/responses", "/v1/responses/{response_id}",

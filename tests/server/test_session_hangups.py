@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from bench.serverproc import ServerProcess
-from model.tokenizer import Tokenizer
-from server.sessions.transcript import session_tokens
+from linserve.model.tokenizer import Tokenizer
+from linserve.server.sessions.transcript import session_tokens
 from tests.conftest import WEIGHTS
 
 pytestmark = pytest.mark.integration
@@ -207,7 +207,7 @@ def _last_disconnect(srv: ServerProcess) -> dict | None:
 def test_the_replay_queue_finishes_an_empty_job_at_once() -> None:
     """A replay with nothing to feed (a KV row cut back to exactly its target) finishes at
     once, even with no budget left, and never holds up the jobs behind it."""
-    from server.engine.replay import Replay, ReplayQueue
+    from linserve.server.engine.replay import Replay, ReplayQueue
 
     class Model:
         fed: list[int] = []  # noqa: RUF012

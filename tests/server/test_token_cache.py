@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from model.tokenizer import Tokenizer
-from server.sessions.token_cache import PromptTokens
+from linserve.model.tokenizer import Tokenizer
+from linserve.server.sessions.token_cache import PromptTokens
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from bench.serverproc import ROOT, ServerProcess
-from server.api.chat_template import TemplateChat
-from server.api.protocol import ChatMessage
+from linserve.server.api.chat_template import TemplateChat
+from linserve.server.api.protocol import ChatMessage
 from tests.model.qwen_fixtures import make_checkpoint
 
 pytestmark = pytest.mark.integration

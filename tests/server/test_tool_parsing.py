@@ -1,5 +1,5 @@
-"""Tool-call and reasoning parsing (server/api/tool_calls.py, reasoning.py, chat_reply.py) on
-known model texts, whole and streamed in every split; and Qwen3.5's template rendering tool
+"""Tool-call and reasoning parsing (linserve/server/api/tool_calls.py, reasoning.py, chat_reply.py)
+on known model texts, whole and streamed in every split; and Qwen3.5's template rendering tool
 conversations exactly as transformers' ``apply_chat_template`` does."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from bench.llamacpp_assets import write_qwen_tokenizer_files
-from server.api import reasoning, tool_calls
-from server.api.chat_reply import ChatDeltas, ChatShape
-from server.api.chat_template import TemplateChat
-from server.api.protocol import ChatMessage
+from linserve.server.api import reasoning, tool_calls
+from linserve.server.api.chat_reply import ChatDeltas, ChatShape
+from linserve.server.api.chat_template import TemplateChat
+from linserve.server.api.protocol import ChatMessage
 
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import kernels
-from model.sampling import BatchParams, SamplingParams, sample
-from model.tokenizer import Tokenizer
-from server.api.formatting import StripStream
-from server.cpus import available_cpus, cgroup_cpu_limit
-from server.sessions.transcript import chat_turn_text, common_prefix, session_tokens
+from linserve.model import kernels
+from linserve.model.sampling import BatchParams, SamplingParams, sample
+from linserve.model.tokenizer import Tokenizer
+from linserve.server.api.formatting import StripStream
+from linserve.server.cpus import available_cpus, cgroup_cpu_limit
+from linserve.server.sessions.transcript import chat_turn_text, common_prefix, session_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,7 +109,7 @@ def test_eager_sampler_never_draws_a_masked_token_at_u_zero() -> None:
 
 
 def test_the_first_sampled_token_counts_for_the_repetition_penalty() -> None:
-    from server.engine.pool import SlotPool
+    from linserve.server.engine.pool import SlotPool
     from tests.model.helpers import served, tiny_model
 
     pool = SlotPool(served(tiny_model("linear")), 2)
@@ -124,8 +124,8 @@ def test_a_kv_pool_grows_by_copying_its_live_rows_only(kind: str) -> None:
     slots past its own capacity read as zeros, so masked slots never hold garbage."""
     import torch
 
-    from model.state import KVEntry
-    from server.engine.pool import SlotPool
+    from linserve.model.state import KVEntry
+    from linserve.server.engine.pool import SlotPool
     from tests.model.helpers import served, tiny_model
 
     model = tiny_model(kind, max_context=512)
@@ -157,7 +157,7 @@ def test_the_pool_allocates_rows_as_sequences_join_and_gives_them_back(kind: str
     every reallocation."""
     import torch
 
-    from server.engine.pool import SlotPool
+    from linserve.server.engine.pool import SlotPool
     from tests.model.helpers import served, tiny_model
 
     model = tiny_model(kind, max_context=512)
@@ -189,8 +189,8 @@ def test_loading_the_engine_model_freezes_what_it_made(monkeypatch: pytest.Monke
     here, so that this test process keeps glibc's defaults)."""
     import gc
 
-    from server.engine import loading
-    from server.settings import Settings
+    from linserve.server.engine import loading
+    from linserve.server.settings import Settings
 
     kept: list[bool] = []
     monkeypatch.setattr(loading, "keep_scratch", lambda: kept.append(True) or True)

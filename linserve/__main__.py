@@ -1,0 +1,5 @@
+"""``python -m linserve serve ...``: the same as the ``linserve`` command."""
+
+from linserve.cli import main
+
+main()

@@ -1,0 +1,131 @@
+"""A Hugging Face architecture family as data: which ``model_type`` values it serves, how it
+reads its config, builds its module (a :class:`linserve.model.layers.decoder.DecoderLM`) and names
+its tensors. Everything else, recognising a folder, checking it before reading weights,
+sizing its state, loading, packing and serving, is the same for every family and lives
+here, so a new family is one module that defines a :class:`HFFamily`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from linserve.model import invariant, kernels
+from linserve.model.architectures import hf
+from linserve.model.interface import CheckpointError
+from linserve.model.layers.decoder import DecoderLM
+from linserve.model.state import KVEntry
+
+log = logging.getLogger("linserve")
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """``config``: the parsed config from ``config.json``'s dict (raises KeyError,
+    TypeError or ValueError naming what is wrong). ``build``: the module for a config.
+    ``rename``: a checkpoint tensor's name in that module (None: not ours), or
+    ``rename_for``: that mapping for a config (where it depends on one, as Granite's shared
+    MLP does on whether there are experts). ``describe``: one line for ``/v1/models`` and
+    the startup log."""
+
+    name: str
+    model_types: tuple[str, ...]
+    config: Callable[[dict[str, Any]], Any]
+    build: Callable[[Any], DecoderLM]
+    rename: Callable[[str], str | None]
+    describe: Callable[[Any], str]
+    rename_for: Callable[[Any], Callable[[str], str | None]] | None = None
+
+    def renames(self, cfg: Any) -> Callable[[str], str | None]:
+        return self.rename if self.rename_for is None else self.rename_for(cfg)
+
+    def recognise(self, path: Path) -> bool:
+        try:
+            config = hf.read_json(path / "config.json")
+        except CheckpointError:
+            return False
+        return config.get("model_type") in self.model_types
+
+    def read_config(self, path: Path) -> Any:
+        return hf.parse_config(path, self.config)
+
+    def _meta(self, cfg: Any) -> DecoderLM:
+        with torch.device("meta"):
+            return self.build(cfg)
+
+    def max_state_bytes(self, path: Path) -> int:
+        """The largest one-session state: its constant part plus a full-context KV cache."""
+        cfg = self.read_config(path)
+        return state_sizes(self._meta(cfg), cfg.max_position_embeddings)[0]
+
+    def params(self, path: Path) -> int:
+        """Parameters of the module ``path``'s config builds (read nothing else)."""
+        return self._meta(self.read_config(path)).n_params()
+
+    def check(self, path: Path, dtype: torch.dtype) -> None:
+        """Everything that can be checked before reading weights: the config, every
+        tensor's presence and shape (from the safetensors headers), and the tokenizer.
+        Raises :class:`CheckpointError`."""
+        del dtype  # the weights' memory is checked by model.loader.check, for every family
+        cfg = self.read_config(path)
+        hf.plan(self._meta(cfg), path, self.renames(cfg))
+        hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+
+    def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
+             ) -> hf.HFServedModel:
+        """Build the module from ``path``'s config, load its weights, tokenizer and chat
+        template, pack every GEMM weight and free the originals (``weights=False``: the
+        module stays on the meta device, see :func:`linserve.model.loader.load`)."""
+        self.check(path, dtype)
+        cfg = self.read_config(path)
+        tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+        # in the served dtype from the start: a bf16 model never exists in fp32 as well
+        module = hf.cast(self._meta(cfg), dtype).eval()
+        module.native = fused
+        native = None
+        if weights:
+            module = module.to_empty(device="cpu")
+            with invariant.packing_once(module):  # packed layer by layer as it is read
+                unused = hf.load_weights(module, path, self.renames(cfg), dtype, module)
+                module.pack_weights()  # anything the layers alone did not build
+                native = module.native_plan() if fused and kernels.available() else None
+            other = [n for n in unused if not n.startswith("lm_head.")]
+            if other:
+                log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other),
+                            other[0])
+        per_token = state_sizes(module, cfg.max_position_embeddings)[1]
+        return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path),
+                                self.describe(cfg), cfg.max_position_embeddings, per_token,
+                                decode_step=None if native is not None
+                                else "eager (layer by layer)")
+
+
+def renamer(rules: list[tuple[str, str]]) -> Callable[[str], str]:
+    """A checkpoint-name mapping from ``(regex, replacement)`` rules: the first rule that
+    matches a name rewrites it; a name no rule matches stays as it is."""
+    compiled = [(re.compile(pattern), repl) for pattern, repl in rules]
+
+    def rename(name: str) -> str:
+        for pattern, repl in compiled:
+            new, hits = pattern.subn(repl, name)
+            if hits:
+                return new
+        return name
+
+    return rename
+
+
+def state_sizes(module: DecoderLM, max_context: int) -> tuple[int, int]:
+    """(the largest one-session state in bytes, the bytes each token of context adds): the
+    constant entries of a fresh state plus its full KV caches (fp32 keys and values)."""
+    state = module.new_state(1, max_context)
+    per_token = sum(2 * e.k.shape[1] * e.k.shape[3] * 4 for e in state.entries()
+                    if isinstance(e, KVEntry) and not e.window)
+    constant = sum(e.nbytes for e in state.entries() if not isinstance(e, KVEntry))
+    return constant + per_token * max_context + 8, per_token

@@ -1,0 +1,153 @@
+"""Granite-4.0-H (``granitemoehybrid``): Mamba2 layers (:mod:`linserve.model.layers.mamba2`) and
+grouped-query attention layers as ``layer_types`` orders them, each followed by the shared
+SwiGLU MLP, plus, with ``num_local_experts > 0`` (H-Tiny, H-Small), a sparse mixture of
+SwiGLU experts (:mod:`linserve.model.layers.moe`: the top ``num_experts_per_tok`` router logits,
+softmaxed over those) whose output is added to the shared MLP's; Granite's
+multipliers (``embedding_multiplier``, ``residual_multiplier``, ``attention_multiplier`` as the
+score scale, ``logits_scaling``); RoPE or none, per ``position_embedding_type``. State: the
+Mamba2 layers' SSM state and conv window (constant) and a KV cache per attention layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from linserve.model.architectures.family import HFFamily, renamer
+from linserve.model.layers.attention import Attention, AttentionShape
+from linserve.model.layers.decoder import Block, DecoderLM
+from linserve.model.layers.mamba2 import Mamba2, Mamba2Shape
+from linserve.model.layers.mlp import SwiGLU
+from linserve.model.layers.moe import RouterSpec, SparseMoE
+from linserve.model.layers.norms import RMSNorm
+
+MAMBA, ATTENTION = ("mamba", "linear_attention"), ("attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class GraniteHybridConfig:
+    vocab_size: int
+    hidden_size: int
+    shared_intermediate_size: int
+    layer_types: tuple[str, ...]  # "mamba" or "attention"
+    attention: AttentionShape
+    mamba: Mamba2Shape
+    rms_norm_eps: float
+    embedding_multiplier: float
+    residual_multiplier: float
+    logits_scaling: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    router: RouterSpec | None  # None: dense
+    expert_size: int
+
+    @classmethod
+    def from_hf(cls, c: dict[str, Any]) -> GraniteHybridConfig:
+        experts = int(c.get("num_local_experts", 0) or 0)
+        d, n = int(c["hidden_size"]), int(c["num_hidden_layers"])
+        types = c.get("layer_types") or c.get("layers_block_type") or ["mamba"] * n
+        if len(types) != n or set(types) - {*MAMBA, *ATTENTION}:
+            raise ValueError(f"layer_types {types!r} is not {n} of mamba / attention")
+        heads = int(c["num_attention_heads"])
+        head_dim = int(c.get("head_dim") or d // heads)
+        rope = c.get("rope_parameters") or {}
+        eps = float(c.get("rms_norm_eps", 1e-6))
+        m_heads = int(c["mamba_n_heads"])
+        inner = int(c.get("mamba_expand", 2)) * d
+        m_head_dim = c.get("mamba_d_head", "auto")
+        m_head_dim = inner // m_heads if m_head_dim in (None, "auto") else int(m_head_dim)
+        if m_heads * m_head_dim != inner:
+            raise ValueError("mamba_n_heads × mamba_d_head is not mamba_expand × hidden_size")
+        limit = c.get("time_step_limit") or (0.0, float("inf"))
+        return cls(
+            vocab_size=int(c["vocab_size"]), hidden_size=d,
+            shared_intermediate_size=int(c["shared_intermediate_size"]),
+            layer_types=tuple("mamba" if t in MAMBA else "attention" for t in types),
+            attention=AttentionShape(
+                d, heads, int(c.get("num_key_value_heads") or heads), head_dim,
+                rotary_dim=head_dim if c.get("position_embedding_type") == "rope" else 0,
+                rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10_000.0))),
+                scale=float(c.get("attention_multiplier", head_dim ** -0.5)),
+                bias=bool(c.get("attention_bias", False)),
+                out_bias=bool(c.get("attention_bias", False))),
+            mamba=Mamba2Shape(d, m_heads, m_head_dim, int(c["mamba_d_state"]),
+                              int(c.get("mamba_n_groups", 1)), int(c.get("mamba_d_conv", 4)),
+                              eps, bool(c.get("mamba_conv_bias", True)),
+                              bool(c.get("mamba_proj_bias", False)),
+                              (json_float(limit[0]), json_float(limit[1]))),
+            rms_norm_eps=eps,
+            embedding_multiplier=float(c.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(c.get("residual_multiplier", 1.0)),
+            logits_scaling=float(c.get("logits_scaling", 1.0)),
+            max_position_embeddings=int(c.get("max_position_embeddings", 131_072)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            router=RouterSpec(experts, int(c["num_experts_per_tok"]), scoring="softmax_topk")
+            if experts else None,
+            expert_size=int(c.get("intermediate_size") or 0))
+
+
+def json_float(value: Any) -> float:
+    """A float from config.json, where transformers writes infinity as
+    ``{"__float__": "Infinity"}``."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
+def build(cfg: GraniteHybridConfig) -> DecoderLM:
+    d = cfg.hidden_size
+    shared = cfg.shared_intermediate_size
+
+    def mlp() -> nn.Module:
+        if cfg.router is None:
+            return SwiGLU(d, shared, fused=True)
+        return SparseMoE(d, cfg.expert_size, cfg.router, shared=shared, shared_fused=True)
+
+    layers = [Block(Mamba2(cfg.mamba) if kind == "mamba" else Attention(cfg.attention),
+                    mlp(), RMSNorm, d, cfg.rms_norm_eps, cfg.residual_multiplier)
+              for kind in cfg.layer_types]
+    return DecoderLM(cfg, cfg.vocab_size, d, layers, RMSNorm(d, cfg.rms_norm_eps),
+                     cfg.tie_word_embeddings, cfg.embedding_multiplier, cfg.logits_scaling)
+
+
+RENAMES = [
+    (r"^(model\.layers\.\d+)\.(?:mamba|self_attn)\.", r"\1.mixer."),
+    (r"^(model\.layers\.\d+)\.shared_mlp\.input_linear\.", r"\1.mlp.gate_up_proj."),
+    (r"^(model\.layers\.\d+)\.shared_mlp\.output_linear\.", r"\1.mlp.down_proj."),
+]
+# with experts: the shared MLP sits beside them, and the experts are stacked
+MOE_RENAMES = [
+    (r"^(model\.layers\.\d+)\.(?:mamba|self_attn)\.", r"\1.mixer."),
+    (r"^(model\.layers\.\d+)\.shared_mlp\.input_linear\.",
+     r"\1.mlp.shared_expert.gate_up_proj."),
+    (r"^(model\.layers\.\d+)\.shared_mlp\.output_linear\.",
+     r"\1.mlp.shared_expert.down_proj."),
+    (r"^(model\.layers\.\d+)\.block_sparse_moe\.input_linear\.weight$",
+     r"\1.mlp.experts.gate_up_proj"),
+    (r"^(model\.layers\.\d+)\.block_sparse_moe\.output_linear\.weight$",
+     r"\1.mlp.experts.down_proj"),
+    (r"^(model\.layers\.\d+)\.block_sparse_moe\.router\.layer\.", r"\1.mlp.gate."),
+]
+
+
+rename = renamer(RENAMES)
+_moe_rename = renamer(MOE_RENAMES)
+
+
+def rename_for(cfg: GraniteHybridConfig) -> Callable[[str], str | None]:
+    return rename if cfg.router is None else _moe_rename
+
+
+def describe(cfg: GraniteHybridConfig) -> str:
+    attn = sum(t == "attention" for t in cfg.layer_types)
+    r = cfg.router
+    kind = "dense" if r is None else f"{r.experts} experts, top {r.top_k}"
+    return (f"granitemoehybrid ({kind}: Mamba2 + GQA attention, {attn} of "
+            f"{len(cfg.layer_types)} layers attention)")
+
+
+FAMILY = HFFamily("granite_hybrid", ("granitemoehybrid",), GraniteHybridConfig.from_hf, build,
+                  rename, describe, rename_for)

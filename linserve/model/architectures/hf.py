@@ -1,0 +1,426 @@
+"""Hugging Face checkpoint folders: finding them, reading their config, weights, tokenizer and
+chat template, and serving the text model they hold behind
+:class:`linserve.model.interface.ServedModel`.
+
+A folder holds ``config.json``, ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``), ``tokenizer.json``, and optionally ``tokenizer_config.json``,
+``chat_template.jinja`` and ``generation_config.json``. A repo id is resolved through
+``huggingface_hub``: downloaded when online, read from its cache offline (``HF_HUB_OFFLINE``).
+Every problem is a :class:`CheckpointError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from linserve.model import heap, invariant, kernels
+from linserve.model.interface import CheckpointError, ModelInfo
+from linserve.model.layers import moe
+from linserve.model.state import State
+from linserve.model.state_blob import state_from_bytes, state_to_bytes
+from linserve.model.tokenizer import Tokenizer
+
+log = logging.getLogger("linserve")
+ALLOW = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
+
+
+def resolve(path_or_id: str | Path) -> Path:
+    """A local folder as it is; otherwise a Hub repo id, through huggingface_hub's cache."""
+    path = Path(path_or_id)
+    if path.is_dir():
+        return path
+    if path.exists() or str(path_or_id).count("/") != 1:
+        raise CheckpointError(f"{path_or_id}: not a checkpoint folder or a repo id (owner/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    try:
+        return Path(snapshot_download(str(path_or_id), allow_patterns=ALLOW,
+                                      local_files_only=offline))
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as exc:
+        where = "the local Hugging Face cache" if offline else "the Hub or the local cache"
+        raise CheckpointError(f"{path_or_id}: not found in {where} "
+                              f"({type(exc).__name__})") from None
+
+
+def read_json(path: Path, required: bool = True) -> dict[str, Any]:
+    """A JSON object from ``path`` ({} when optional and absent)."""
+    if not path.is_file():
+        if required:
+            raise CheckpointError(f"{path}: missing")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return data
+
+
+def parse_config(path: Path, parse: Callable[[dict[str, Any]], Any]) -> Any:
+    """``parse`` of the folder's ``config.json``; a missing or inconsistent field (KeyError,
+    TypeError, ValueError naming it), or a variant not served (NotImplementedError), is a
+    one-line :class:`CheckpointError`."""
+    try:
+        return parse(read_json(path / "config.json"))
+    except NotImplementedError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}/config.json: inconsistent or incomplete "
+                              f"({type(exc).__name__}: {exc})") from None
+
+
+def tensor_files(path: Path) -> dict[str, Path]:
+    """Every tensor name in the checkpoint and the file that holds it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map")
+        files = {name: path / str(f) for name, f in weight_map.items()}
+        for f in sorted(set(files.values())):
+            if not f.is_file():
+                raise CheckpointError(f"{path}: shard {f.name} is missing")
+        return files
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"{path}: neither model.safetensors nor an index of shards")
+    with safe_open(str(single), "pt") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+
+
+# A part of a checkpoint tensor (None: all of it): indices, slices or a tensor of indices,
+# one per leading dimension (defined beside the stacked experts' split, which the layers
+# cannot import from here).
+Index = moe.Part
+Wanted = dict[str, tuple[Path, str, Index]]  # parameter -> (file, tensor name, part)
+# A checkpoint tensor (its renamed name and shape) that fills several parameters, each with
+# a part of it; None: not such a tensor.
+Split = Callable[[str, tuple[int, ...]], list[tuple[str, Index]] | None]
+
+
+def plan(module: nn.Module, path: Path, rename: Callable[[str], str | None],
+         split: Split = moe.split_stacked) -> tuple[Wanted, list[str]]:
+    """Which checkpoint tensor fills each of ``module``'s parameters (``rename`` maps a
+    checkpoint name to the module's; None: not ours), read from the safetensors headers
+    alone: every parameter present, with its shape. A tensor that is no parameter may fill
+    several with its parts (``split``; by default a tensor that stacks every expert of a
+    layer, :func:`moe.split_stacked`). Returns {parameter: (file, name, part)} and the
+    checkpoint names left unused."""
+    files = tensor_files(path)
+    shapes = _shapes(files)
+    ours = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    wanted: Wanted = {}
+    unused = []
+    for name, file in files.items():
+        target = rename(name)
+        pieces: list[tuple[str, Index]] = [] if target is None else \
+            [(target, None)] if target in ours else list(split(target, shapes[name]) or [])
+        if not pieces or any(t not in ours for t, _ in pieces):
+            unused.append(name)
+            continue
+        for t, index in pieces:
+            wanted[t] = (file, name, index)
+            shape = shapes[name] if index is None else _part_shape(shapes[name], index)
+            if shape != ours[t]:
+                raise CheckpointError(f"{path}: tensor {name} has shape {shapes[name]}, the "
+                                      f"config implies {ours[t]}"
+                                      + ("" if index is None else " for each part"))
+    missing = sorted(set(ours) - set(wanted))
+    if missing:
+        raise CheckpointError(f"{path}: tensor {missing[0]} is missing"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return wanted, unused
+
+
+def checkpoint_params(path: Path) -> int:
+    """Parameters stored in the checkpoint at ``path`` (from its safetensors headers)."""
+    total = 0
+    for shape in _shapes(tensor_files(path)).values():
+        n = 1
+        for size in shape:
+            n *= size
+        total += n
+    return total
+
+
+def _part_shape(shape: tuple[int, ...], index: tuple[int | slice | torch.Tensor, ...]
+                ) -> tuple[int, ...]:
+    """The shape of ``tensor[index]`` for a tensor of ``shape``."""
+    out: list[int] = []
+    for n, i in zip(shape, index, strict=False):
+        if isinstance(i, slice):
+            out.append(len(range(*i.indices(n))))
+        elif isinstance(i, torch.Tensor):
+            out.append(len(i))
+    return (*out, *shape[len(index):])
+
+
+def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the safetensors headers."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _by_file(wanted: Wanted) -> dict[Path, list[tuple[str, str, Index]]]:
+    """{parameter: (file, name, part)} regrouped as {file: [(parameter, name, part)]}, so
+    each shard is opened once."""
+    groups: dict[Path, list[tuple[str, str, Index]]] = {}
+    for target, (file, name, index) in wanted.items():
+        groups.setdefault(file, []).append((target, name, index))
+    return groups
+
+
+def load_weights(module: nn.Module, path: Path, rename: Callable[[str], str | None],
+                 dtype: torch.dtype, packer: LayerPacker | None = None,
+                 split: Split = moe.split_stacked) -> list[str]:
+    """Fill ``module``'s parameters from the checkpoint (see :func:`plan`), then cast them to
+    ``dtype``. Returns the checkpoint names left unused.
+
+    With a ``packer`` (a served model, inside :func:`invariant.packing_once`), everything
+    outside ``linserve.model.layers`` is read first and the head packed, then each layer is read and
+    packed in turn, each original freed as it is packed: loading never holds the checkpoint
+    whole beside its packed copy. The heap is trimmed each time the resident set has grown
+    ``TRIM_DURING_LOAD``: glibc would otherwise keep those frees resident until the end. A
+    progress bar on stderr counts the layers (vLLM shows its checkpoint shards the same
+    way)."""
+    wanted, unused = plan(module, path, rename, split)
+    groups: dict[int, Wanted] = {}
+    for target, where in wanted.items():
+        hit = _LAYER.match(target) if packer is not None else None
+        groups.setdefault(int(hit.group(1)) if hit else -1, {})[target] = where
+    order = sorted(groups)
+    trim = heap.Trimmer(TRIM_DURING_LOAD)
+    progress = tqdm(order, desc=f"Loading {path.name}", unit="layer", file=sys.stderr,
+                    disable=packer is None, mininterval=0.5)
+    for index in progress:
+        ours = module.state_dict()  # not held across packing: it would keep the originals
+        for file, pairs in _by_file(groups[index]).items():
+            read_into(file, [(ours[target], name, part) for target, name, part in pairs])
+        del ours
+        if packer is not None:
+            packer.pack_head() if index < 0 else packer.pack_layer(index)
+            trim()
+    cast(module, dtype)
+    return unused
+
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def cast(module: ModuleT, dtype: torch.dtype) -> ModuleT:
+    """``module.to(dtype)``, except for the floating tensors of a submodule that sets
+    ``fp32_weights`` (a router): those stay or become fp32, as llama.cpp keeps
+    ``ffn_gate_inp``. A bf16 router moves near-ties between experts, and a token then reads
+    other experts than the fp32 model's."""
+    for m in module.modules():
+        want = torch.float32 if getattr(m, "fp32_weights", False) else dtype
+        for tensors in (m._parameters, m._buffers):
+            for t in tensors.values():
+                if t is not None and t.is_floating_point() and t.dtype != want:
+                    t.data = t.data.to(want)
+    return module
+
+
+# Growth of the resident set past which a load trims the heap between layers (model.heap).
+TRIM_DURING_LOAD = 256 << 20
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class LayerPacker(Protocol):
+    """A module that packs its head, and each layer alone (:class:`DecoderLM`)."""
+
+    def pack_head(self) -> None: ...
+
+    def pack_layer(self, i: int) -> None: ...
+
+
+# safetensors' dtype names, for the ones read directly (others go through safe_open)
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+           "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def read_into(file: Path, pairs: list[tuple[torch.Tensor, str, Index]]) -> None:
+    """Copy each named tensor of the safetensors ``file`` (or the given part of it) into its
+    destination, by plain reads: a whole tensor of the destination's dtype lands in it
+    directly, another is read once into a buffer of its own size, then cast or split among
+    its destinations. ``safe_open`` maps the whole file, and every page it has touched
+    counts as resident while it is open: loading a 1.5 GB checkpoint showed 3.3 GB at its
+    peak, against 1.8 GB this way."""
+    by_name: dict[str, list[tuple[torch.Tensor, Index]]] = {}
+    for dest, name, index in pairs:
+        by_name.setdefault(name, []).append((dest, index))
+    with file.open("rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+        start = 8 + size
+        odd = []
+        for name, dests in by_name.items():
+            info = header[name]
+            dtype = _DTYPES.get(info["dtype"])
+            if dtype is None:
+                odd.append(name)
+                continue
+            begin, end = info["data_offsets"]
+            fh.seek(start + begin)
+            first = dests[0][0]
+            direct = len(dests) == 1 and dests[0][1] is None and first.dtype == dtype \
+                and first.is_contiguous()
+            buf = first if direct else torch.empty(info["shape"], dtype=dtype)
+            view: Any = buf.view(-1).view(torch.uint8).numpy()  # a writable buffer
+            if fh.readinto(view) != end - begin:
+                raise CheckpointError(f"{file}: {name} is cut short")
+            if not direct:
+                _scatter(buf, dests)
+    if odd:
+        with safe_open(str(file), "pt") as f:
+            for name in odd:
+                _scatter(f.get_tensor(name), by_name[name])
+
+
+def _scatter(t: torch.Tensor, dests: list[tuple[torch.Tensor, Index]]) -> None:
+    for dest, index in dests:
+        dest.copy_(t if index is None else t[index])
+
+
+def fingerprint(path: Path) -> str:
+    """blake2b over config.json and every weight file's bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update((path / "config.json").read_bytes())
+    for f in sorted(set(tensor_files(path).values())):
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def load_tokenizer(path: Path, config: dict[str, Any], vocab_size: int) -> Tokenizer:
+    """``tokenizer.json`` with the end-of-sequence ids of ``generation_config.json`` (else
+    the config's)."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        raise CheckpointError(f"{path}: tokenizer.json is missing")
+    gen = read_json(path / "generation_config.json", required=False)
+    eos = gen.get("eos_token_id", config.get("eos_token_id"))
+    eos_ids = [eos] if isinstance(eos, int) else [int(e) for e in eos or []]
+    try:
+        tok = Tokenizer.from_file(file, eos_ids or None, vocab_size)
+    except Exception as exc:  # tokenizers raises its own exception types
+        raise CheckpointError(f"{file}: cannot be read ({exc})") from None
+    if tok.vocab_size > vocab_size:
+        raise CheckpointError(f"{path}: the tokenizer has {tok.vocab_size} tokens, the model "
+                              f"{vocab_size}")
+    return tok
+
+
+def chat_template(path: Path) -> str | None:
+    """``chat_template.jinja``, else the ``chat_template`` of ``tokenizer_config.json``."""
+    file = path / "chat_template.jinja"
+    if file.is_file():
+        return file.read_text()
+    template = read_json(path / "tokenizer_config.json", required=False).get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def available_memory() -> int:
+    """Bytes this process may still use: the cgroup limit, else MemAvailable."""
+    for limit_file in ("/sys/fs/cgroup/memory.max",
+                       "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+            if text.isdigit() and int(text) < 1 << 60:
+                return int(text)
+        except OSError:
+            pass
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+class HFServedModel:
+    """A Hugging Face text model behind the server's interface. ``module`` provides
+    ``prefill``, ``step``, ``new_state`` and ``n_params`` (as :class:`Qwen35ForCausalLM`)."""
+
+    def __init__(self, module: Any, tok: Tokenizer, template: str | None, fp: str,
+                 architecture: str, context_limit: int, per_token: int,
+                 chunk: int = 64, decode_step: str | None = None) -> None:
+        self.module, self._tok, self._template = module, tok, template
+        # states of quantized weights are not interchangeable with the unquantized ones'
+        quant = invariant.quantization()
+        self._fp = fp if quant == "none" else f"{fp}-{quant}"
+        self.chunk = chunk
+        self.context_limit = context_limit
+        empty = module.new_state(1, context_limit)
+        first = next(module.parameters())
+        dtype, described = first.dtype, first.is_meta  # described: no weights were read
+        self.info = ModelInfo(
+            architecture=architecture, vocab_size=module.cfg.vocab_size,
+            context_limit=context_limit, params=module.n_params(),
+            dtype=str(dtype).removeprefix("torch."),
+            decode_step=decode_step or ("fused (whole model, one native call)"
+                                        if kernels.available() else "eager"),
+            ragged_prefill=True, state_bytes=empty.nbytes, state_grows=empty.grows,
+            state_layout=empty.layout(), state_bytes_per_token=per_token,
+            weight_bytes=0 if described else invariant.resident_bytes(module),
+            embedding_bytes=0 if described else invariant.embedding_bytes(module),
+            quantization=invariant.quantization())
+
+    def fingerprint(self) -> str:
+        return self._fp
+
+    def drop_weights(self) -> None:
+        self.module.drop_weights()
+
+    def tokenizer(self) -> Tokenizer:
+        return self._tok
+
+    def chat_template(self) -> str | None:
+        return self._template
+
+    def new_state(self, batch: int = 1) -> State:
+        return self.module.new_state(batch, self.context_limit)
+
+    def prefill(self, tokens: torch.Tensor, state: State | None = None,
+                all_logits: bool = False) -> tuple[torch.Tensor, State]:
+        if state is None:
+            state = self.new_state(tokens.shape[0])
+        return self.module.prefill(tokens, state, all_logits)
+
+    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
+                       ) -> tuple[torch.Tensor, list[State]]:
+        return self.module.prefill_ragged(prompts, states)
+
+    def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
+        return self.module.step(tokens, state)
+
+    def prefill_split(self, todo: int, cap: int, budget: int) -> int:
+        return invariant.prefill_split(todo, cap, budget, self.chunk)
+
+    def state_to_bytes(self, state: State, extra: dict[str, Any] | None = None) -> bytes:
+        return state_to_bytes(state, self._fp, extra)
+
+    def state_from_bytes(self, data: bytes) -> tuple[State, dict[str, Any]]:
+        return state_from_bytes(data, self.new_state(1), self._fp)

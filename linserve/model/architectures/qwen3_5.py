@@ -1,0 +1,576 @@
+"""Qwen3.5's dense text models: Gated DeltaNet layers interleaved with gated full attention.
+
+Layer types come from the checkpoint's ``layer_types`` (three ``linear_attention`` to one
+``full_attention`` in the published models). Module and parameter names follow Hugging Face's
+``Qwen3_5ForCausalLM``, so its ``model.safetensors`` loads as it is (see
+:mod:`linserve.model.architectures.hf`). Shapes: B rows, T tokens, d = hidden_size.
+
+- Gated DeltaNet: the shared layer of :mod:`linserve.model.layers.gated_delta`. State per layer: a
+  :class:`RecurrentEntry` S ``[B, Hv, Dk, Dv]`` and a :class:`ConvEntry` of the last K−1
+  projections.
+- Gated attention (:class:`GatedAttention`): q (with an output gate per head), k, v; RMSNorm
+  on q and k per head; rotary positions on the first ``partial_rotary_factor`` of each head;
+  grouped-query attention; output × sigmoid(gate). State: a :class:`KVEntry`.
+- SwiGLU MLP, and Qwen's RMSNorm with weights stored as w − 1 (it scales by 1 + w).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from linserve.model import invariant, kernels
+from linserve.model.architectures import hf
+from linserve.model.interface import CheckpointError
+from linserve.model.invariant import Linear
+from linserve.model.layers import native_step
+from linserve.model.layers.decoder import DecoderLM
+from linserve.model.layers.gated_delta import DeltaShape, GatedDeltaNet
+from linserve.model.layers.mlp import SwiGLU
+from linserve.model.layers.moe import RouterSpec, SparseMoE, split_stacked
+from linserve.model.layers.norms import RMSNorm
+from linserve.model.layers.rope import inv_freq as rope_freqs
+from linserve.model.layers.rope import rope as shared_rope
+from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
+
+log = logging.getLogger("linserve")
+
+
+@dataclass(frozen=True)
+class QwenExperts:
+    """The sparse MLP of Qwen3.5-MoE and Qwen3-Next: a softmax router over ``num_experts``,
+    the top ``num_experts_per_tok`` renormalised (``norm_topk_prob``), SwiGLU experts of
+    ``moe_intermediate_size``, and a shared expert of ``shared_expert_intermediate_size``
+    gated by a sigmoid. ``sparse``: per layer, experts or the dense MLP (Qwen3-Next's
+    ``decoder_sparse_step`` and ``mlp_only_layers``)."""
+
+    router: RouterSpec
+    expert_size: int
+    shared_size: int
+    sparse: tuple[bool, ...]
+
+    @classmethod
+    def from_hf(cls, text: dict[str, Any], layers: int) -> QwenExperts | None:
+        experts = int(text.get("num_experts") or 0)
+        if experts == 0:
+            return None
+        step = int(text.get("decoder_sparse_step") or 1)
+        dense = {int(i) for i in text.get("mlp_only_layers") or []}
+        return cls(RouterSpec(experts, int(text["num_experts_per_tok"]),
+                              norm_topk=bool(text.get("norm_topk_prob", True))),
+                   int(text["moe_intermediate_size"]),
+                   int(text.get("shared_expert_intermediate_size") or 0),
+                   tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
+
+
+@dataclass(frozen=True)
+class Qwen35Config:
+    """The text model's shape, from a Hugging Face ``config.json`` (see :meth:`from_hf`)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    experts: QwenExperts | None = None  # None: every layer's MLP dense
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> Qwen35Config:
+        """Read a ``qwen3_5_text`` / ``qwen3_5_moe_text`` / ``qwen3_next`` config, or the
+        ``text_config`` of a ``qwen3_5`` / ``qwen3_5_moe`` one. Raises ValueError (naming
+        the field) for anything missing or inconsistent."""
+        text = config.get("text_config", config) \
+            if config.get("model_type") in ("qwen3_5", "qwen3_5_moe") else config
+        tie = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        rope = text.get("rope_parameters") or {}
+        n = int(text["num_hidden_layers"])
+        types = text.get("layer_types") or [
+            "full_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) == 0
+            else "linear_attention" for i in range(n)]
+        cfg = cls(
+            vocab_size=int(text["vocab_size"]), hidden_size=int(text["hidden_size"]),
+            intermediate_size=int(text.get("intermediate_size") or 0), layer_types=tuple(types),
+            num_attention_heads=int(text["num_attention_heads"]),
+            num_key_value_heads=int(text["num_key_value_heads"]),
+            head_dim=int(text.get("head_dim") or text["hidden_size"] //
+                         text["num_attention_heads"]),
+            linear_num_key_heads=int(text["linear_num_key_heads"]),
+            linear_num_value_heads=int(text["linear_num_value_heads"]),
+            linear_key_head_dim=int(text["linear_key_head_dim"]),
+            linear_value_head_dim=int(text["linear_value_head_dim"]),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                                 text.get("partial_rotary_factor", 0.25))),
+            max_position_embeddings=int(text.get("max_position_embeddings", 262_144)),
+            tie_word_embeddings=tie, experts=QwenExperts.from_hf(text, n))
+        cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        """Raise ValueError for an inconsistent shape."""
+        if len(self.layer_types) == 0:
+            raise ValueError("num_hidden_layers must be at least 1")
+        bad = set(self.layer_types) - {"linear_attention", "full_attention"}
+        if bad:
+            raise ValueError(f"unknown layer_types {sorted(bad)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads is not a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads is not a multiple of linear_num_key_heads")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError("partial_rotary_factor gives an odd or oversized rotary dimension")
+        dense = self.experts is None or not all(self.experts.sparse)
+        if dense and self.intermediate_size <= 0:
+            raise ValueError("intermediate_size is missing for the dense MLP layers")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def delta(self) -> DeltaShape:
+        """The Gated DeltaNet layers' shape."""
+        return DeltaShape(self.hidden_size, self.linear_num_key_heads,
+                          self.linear_num_value_heads, self.linear_key_head_dim,
+                          self.linear_value_head_dim, self.linear_conv_kernel_dim,
+                          self.rms_norm_eps)
+
+
+def qwen_norm(dim: int, eps: float) -> RMSNorm:
+    """Qwen's RMSNorm, its weight stored as w − 1 (it scales by 1 + w)."""
+    return RMSNorm(dim, eps, offset=1.0)
+
+
+def inv_freq(cfg: Qwen35Config) -> torch.Tensor:
+    """The rotary frequencies ``[rotary_dim / 2]`` fp32."""
+    return rope_freqs(cfg.rotary_dim, cfg.rope_theta)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, cfg: Qwen35Config) -> torch.Tensor:
+    """Rotary positions on the first ``rotary_dim`` of each head (halves rotated). x
+    ``[B, H, T, D]``, pos ``[B, T]`` (or ``[1, T]``) int64."""
+    return shared_rope(x, pos, inv_freq(cfg))
+
+
+class GatedAttention(nn.Module):
+    """Gated full attention with a KV cache (see the module docstring)."""
+
+    def __init__(self, cfg: Qwen35Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, 2 * h * d, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, hkv * d, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, hkv * d, bias=False)
+        self.o_proj = Linear(h * d, cfg.hidden_size, bias=False)
+        self.q_norm = qwen_norm(d, cfg.rms_norm_eps)
+        self.k_norm = qwen_norm(d, cfg.rms_norm_eps)
+
+    def qkv_weight(self) -> torch.Tensor:
+        """q (with its gate), k and v as one GEMM weight ``[d, 2·H·D + 2·Hkv·D]``."""
+        return invariant.gemm_weight(self, self.q_proj.weight, self.k_proj.weight,
+                                     self.v_proj.weight)
+
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[B, T, d]`` -> q ``[B, H, T, D]``, k, v ``[B, Hkv, T, D]`` (fp32, rotated) and
+        the output gate ``[B, T, H·D]``."""
+        b, t, _ = x.shape
+        cfg = self.cfg
+        d, kv_width = cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        qg, k, v = invariant.project(x, self.qkv_weight()).to(x.dtype).float().split(
+            [2 * cfg.num_attention_heads * d, kv_width, kv_width], dim=-1)
+        q, gate = qg.reshape(b, t, -1, 2 * d).chunk(2, dim=-1)
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(k.reshape(b, t, -1, d)).transpose(1, 2)
+        v = v.reshape(b, t, -1, d).transpose(1, 2)
+        return rope(q, pos, self.cfg), rope(k, pos, self.cfg), v, gate.reshape(b, t, -1)
+
+    def _out(self, o: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o ``[B, H, T, D]`` -> gated, projected ``[B, T, d]``."""
+        b, _, t, _ = o.shape
+        o = o.transpose(1, 2).reshape(b, t, -1) * invariant.rowwise(torch.sigmoid, gate)
+        return self.o_proj(o.to(x.dtype))
+
+    def forward(self, x: torch.Tensor, kv: KVEntry, start: int) -> torch.Tensor:
+        """T new tokens ``[B, T, d]`` at positions start … start+T−1 (every row alike)."""
+        return self._attend(x, kv.k, kv.v, start)
+
+    def _attend(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                start: int) -> torch.Tensor:
+        t = x.shape[1]
+        pos = torch.arange(start, start + t)[None]
+        q, k, v, gate = self._qkv(x, pos)
+        k_cache[:, :, start : start + t] = k
+        v_cache[:, :, start : start + t] = v
+        keys, values = k_cache[:, :, : start + t], v_cache[:, :, : start + t]
+        o = invariant.attention(q, keys, values, start)
+        return self._out(o, gate, x)
+
+    def forward_ragged(self, x: torch.Tensor, kv: KVEntry, starts: torch.Tensor,
+                       new: torch.Tensor) -> torch.Tensor:
+        """A right-padded ragged batch ``[B, T, d]``: row i's ``new[i]`` real tokens at
+        positions ``starts[i]`` on (each row attends alone; padding gives zeros)."""
+        out = torch.zeros_like(x)
+        for i, (start, n) in enumerate(zip(starts.tolist(), new.tolist(), strict=True)):
+            out[i : i + 1, :n] = self._attend(x[i : i + 1, :n], kv.k[i : i + 1],
+                                              kv.v[i : i + 1], start)
+        return out
+
+    def step(self, x: torch.Tensor, kv: KVEntry, lengths: torch.Tensor) -> torch.Tensor:
+        """One token per row ``[B, d]`` at each row's own position ``lengths [B]``."""
+        b = x.shape[0]
+        q, k, v, gate = self._qkv(x.unsqueeze(1), lengths[:, None])
+        rows = torch.arange(b)
+        kv.k[rows, :, lengths] = k[:, :, 0]
+        kv.v[rows, :, lengths] = v[:, :, 0]
+        outs = []
+        for i, n in enumerate((lengths + 1).tolist()):  # each row over its own keys alone
+            outs.append(invariant.attention(q[i : i + 1], kv.k[i : i + 1, :, :n],
+                                            kv.v[i : i + 1, :, :n], n - 1))
+        return self._out(torch.cat(outs), gate, x.unsqueeze(1)).squeeze(1)
+
+
+def _norm(n: nn.Module) -> torch.Tensor:
+    """A Qwen RMSNorm's weight as the native step takes it: 1 + w, fp32."""
+    return cast(RMSNorm, n).scale().detach().contiguous()
+
+
+def _native_mlp(layer: DecoderLayer) -> bool:
+    """Whether the native step takes the layer's MLP: dense, or experts whose router
+    renormalises without an eps and does not rescale (Qwen's); reads no weight."""
+    if isinstance(layer.mlp, SparseMoE):
+        spec = layer.mlp.spec
+        return not spec.norm_eps and spec.scaling == 1.0
+    return True
+
+
+def _mlp_weights(layer: DecoderLayer) -> native_step.Part | None:
+    """The MLP's part of the native step's lists: a dense MLP's (gate_up, down), or the
+    experts' part (:func:`native_step.describe_experts`); None: one it does not take."""
+    if not _native_mlp(layer):
+        return None
+    if isinstance(layer.mlp, SparseMoE):
+        found = native_step.describe_experts(layer.mlp)
+        return None if found is None else found[0]
+    dense = cast(SwiGLU, layer.mlp)
+    return native_step.Part(0, [dense.gate_up(), invariant.packed(dense.down_proj)])
+
+
+def _layer_weights(layer: DecoderLayer, cfg: Qwen35Config, experts: list[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor], list[int]] | None:
+    """One layer's part of the native step's weight list and ints (``qwen35_step.cpp``'s
+    order); its experts are appended to ``experts``. None: a layer the step does not take."""
+    def f32(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().float().contiguous()
+
+    mlp = _mlp_weights(layer)
+    if mlp is None:
+        return None
+    empty = torch.empty(0)
+    ints = [int(layer.kind != "linear_attention"), int(bool(mlp.experts)), 0, 0, 0]
+    if mlp.experts:
+        ints[2:] = [len(experts), *mlp.ints[1:]]
+        experts += mlp.experts
+    tail = [_norm(layer.post_attention_layernorm), *mlp.weights]
+    tail += [empty] * (6 - len(tail))
+    if layer.kind == "linear_attention":
+        a = layer.linear_attn
+        return [_norm(layer.input_layernorm), a.in_weight(), a.conv_weight(), f32(a.A_log),
+                f32(a.dt_bias), f32(a.norm.weight), invariant.packed(a.out_proj), *tail], ints
+    at = layer.self_attn
+    return [_norm(layer.input_layernorm), at.qkv_weight(), _norm(at.q_norm), _norm(at.k_norm),
+            invariant.packed(at.o_proj), inv_freq(cfg), empty, *tail], ints
+
+
+def _step_tensors(entries: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's state as the native step takes it: (S, conv window) or (keys, values)."""
+    if "kv" in entries:
+        return entries["kv"].k, entries["kv"].v
+    return entries["recurrent"].s, entries["conv"].window
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen35Config, kind: str, index: int) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg.delta)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        moe = cfg.experts
+        self.mlp: nn.Module
+        if moe is not None and moe.sparse[index]:
+            self.mlp = SparseMoE(cfg.hidden_size, moe.expert_size, moe.router,
+                                 shared=moe.shared_size, shared_gate=True)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = qwen_norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = qwen_norm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def _mix(self, h: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
+             one_token: bool, new: torch.Tensor | None) -> torch.Tensor:
+        if self.kind == "linear_attention":
+            if one_token:
+                return self.linear_attn.step(h, entries["recurrent"], entries["conv"])
+            return self.linear_attn(h, entries["recurrent"], entries["conv"], new)
+        if one_token:
+            return self.self_attn.step(h, entries["kv"], lengths)
+        if new is not None:
+            return self.self_attn.forward_ragged(h, entries["kv"], lengths, new)
+        return self.self_attn(h, entries["kv"], int(lengths[0]))
+
+    def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
+                one_token: bool = False, new: torch.Tensor | None = None) -> torch.Tensor:
+        """``lengths [B]``: each row's tokens so far; ``new [B]``: a ragged prefill's real
+        token counts (None: all of x's T, or one token with ``one_token``)."""
+        x = x + self._mix(self.input_layernorm(x), entries, lengths, one_token, new)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class FusedArgs:
+    """The native step's arguments that do not change from step to step."""
+
+    weights: list[torch.Tensor]
+    experts: list[torch.Tensor]
+    ints: list[int]
+
+
+class Qwen35ForCausalLM(DecoderLM):
+    """The whole text model on the shared decoder body (:class:`DecoderLM`: embeddings,
+    prefill whole, chunked and ragged, the head), with its own layers and state, and a step
+    that is one native call for the whole model where the kernels are built
+    (:meth:`step_eager`, layer by layer, elsewhere). Logits fp32."""
+
+    def __init__(self, cfg: Qwen35Config) -> None:
+        super().__init__(cfg, cfg.vocab_size, cfg.hidden_size,
+                         [DecoderLayer(cfg, kind, i) for i, kind in enumerate(cfg.layer_types)],
+                         qwen_norm(cfg.hidden_size, cfg.rms_norm_eps), cfg.tie_word_embeddings)
+        self._fused: tuple[Any, FusedArgs | None] | None = None
+
+    @property
+    def fused(self) -> bool:
+        """Whether the whole-model native step serves this shape (with or without experts)."""
+        return all(_native_mlp(cast(DecoderLayer, layer)) for layer in self.model.layers)
+
+    def pack_layer(self, i: int) -> None:
+        """Build layer ``i``'s packed weights as the native step reads them."""
+        if not self.fused:
+            super().pack_layer(i)
+            return
+        _layer_weights(cast(DecoderLayer, self.model.layers[i]), self.cfg, [])
+
+    def new_state(self, batch: int = 1, max_context: int | None = None) -> State:
+        cfg = self.cfg
+        layers: list[dict[str, Any]] = []
+        for kind in cfg.layer_types:
+            if kind == "linear_attention":
+                layers.append({
+                    "recurrent": RecurrentEntry.empty(batch, cfg.linear_num_value_heads,
+                                                      cfg.linear_key_head_dim,
+                                                      cfg.linear_value_head_dim, with_z=False),
+                    "conv": ConvEntry.empty(batch, cfg.linear_conv_kernel_dim, cfg.delta.conv_dim)})
+            else:
+                layers.append({"kv": KVEntry.empty(batch, cfg.num_key_value_heads, cfg.head_dim,
+                                                   max_context or cfg.max_position_embeddings)})
+        return State(layers, torch.zeros(batch, dtype=torch.long))
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
+        """tokens ``[B]`` -> logits ``[B, V]``; advances every row of ``state`` in place.
+        One native call for the whole model (``linserve/model/kernels/qwen35_step.cpp``) where the
+        kernels are built, else :meth:`step_eager`."""
+        state.reserve(int(state.lengths.max()) + 1)
+        tensors = [t for entries in state.layers for t in _step_tensors(entries)]
+        args = self.fused_args() if kernels.available() else None
+        if args is not None and all(t.is_contiguous() for t in tensors):
+            logits = torch.ops.linserve.qwen35_step(
+                tokens.contiguous(), args.weights, args.experts, tensors, state.lengths,
+                args.ints, self._dims(), self.cfg.rms_norm_eps)
+            state.lengths += 1
+            return logits
+        return self.step_eager(tokens, state)
+
+    def _dims(self) -> list[int]:
+        cfg = self.cfg
+        return [cfg.hidden_size, cfg.num_attention_heads,
+                cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim,
+                cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim]
+
+    def fused_weights(self) -> list[torch.Tensor]:
+        """The native step's weight list (its order: ``qwen35_step.cpp``'s header)."""
+        args = self.fused_args()
+        return [] if args is None else args.weights
+
+    def fused_args(self) -> FusedArgs | None:
+        """The native step's weights, experts and ints (None: a layer it does not take).
+        GEMM weights are the very tensors the eager forms use (:func:`invariant.gemm_weight`),
+        so nothing is stored twice; rebuilt when the mode flips or the weights are replaced."""
+        key = self.weights_key()
+        if self._fused is None or self._fused[0] != key:
+            self._fused = (key, self._pack_fused())
+        return self._fused[1]
+
+    def _pack_fused(self) -> FusedArgs | None:
+        emb = self.model.embed_tokens
+        head = invariant.gemm_weight(emb, emb.weight) if self.lm_head is None \
+            else invariant.packed(self.lm_head)
+        out = FusedArgs([invariant.embedding_table(emb), head, _norm(self.model.norm)], [], [])
+        for layer in self.model.layers:
+            found = _layer_weights(cast(DecoderLayer, layer), self.cfg, out.experts)
+            if found is None:
+                return None
+            out.weights += found[0]
+            out.ints += found[1]
+        return out
+
+    def drop_weights(self) -> None:
+        """Free every weight (states can still be built; the model cannot run)."""
+        self._fused = None
+        invariant.strip(self)
+
+
+def state_bytes_per_token(cfg: Qwen35Config) -> int:
+    """KV bytes one more token of context adds to a session (fp32 keys and values)."""
+    kv_layers = sum(t == "full_attention" for t in cfg.layer_types)
+    return 2 * kv_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+
+
+# ---- loading a Hugging Face checkpoint ------------------------------------------------------
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def _rename(name: str) -> str | None:
+    """A checkpoint tensor's name in :class:`Qwen35ForCausalLM` (None: not the text model)."""
+    if name.startswith("model.language_model."):  # Qwen3_5ForConditionalGeneration
+        return "model." + name.removeprefix("model.language_model.")
+    if name.startswith(("model.visual.", "mtp.")):
+        return None
+    return name
+
+
+def _stacked(cfg: Qwen35Config) -> hf.Split:
+    del cfg
+    return split_stacked
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A checkpoint format this module serves: Qwen3.5 and Qwen3.5-MoE here, Qwen3-Next in
+    :mod:`linserve.model.architectures.qwen3_next`. ``split_for``: how its config's tensors that
+    fill several parameters are split (the stacked experts; Qwen3-Next's interleaved GDN
+    projections)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    split_for: Callable[[Qwen35Config], hf.Split] = _stacked
+    moe_name: str = ""  # the name of its checkpoints with experts, where it differs
+
+    def recognise(self, path: Path) -> bool:
+        """A checkpoint of this variant: its config's model_type."""
+        try:
+            return hf.read_json(path / "config.json").get("model_type") in self.model_types
+        except CheckpointError:
+            return False
+
+    def config(self, path: Path) -> Qwen35Config:
+        cfg: Qwen35Config = hf.parse_config(path, Qwen35Config.from_hf)
+        return cfg
+
+    def max_state_bytes(self, path: Path) -> int:
+        """The largest one-session state: the constant GDN part plus a full-context KV
+        cache."""
+        cfg = self.config(path)
+        gdn = sum(t == "linear_attention" for t in cfg.layer_types) * 4 * (
+            cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+            + (cfg.linear_conv_kernel_dim - 1) * cfg.delta.conv_dim)
+        return gdn + state_bytes_per_token(cfg) * cfg.max_position_embeddings + 8
+
+    def params(self, path: Path) -> int:
+        """Parameters of the text model ``path``'s config builds."""
+        with torch.device("meta"):
+            return Qwen35ForCausalLM(self.config(path)).n_params()
+
+    def check(self, path: Path, dtype: torch.dtype) -> None:
+        """Everything that can be checked before reading weights: the config, every
+        tensor's presence and shape (from the safetensors headers), and the tokenizer.
+        Raises :class:`CheckpointError`."""
+        del dtype  # the weights' memory is checked by model.loader.check, for every family
+        cfg = self.config(path)
+        with torch.device("meta"):
+            module = Qwen35ForCausalLM(cfg)
+        hf.plan(module, path, _rename, self.split_for(cfg))
+        hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+
+    def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
+             ) -> hf.HFServedModel:
+        """Build the text model from ``path``'s config and load its weights (the text part
+        only of a vision-language checkpoint), tokenizer and chat template (``weights``:
+        see :func:`linserve.model.loader.load`)."""
+        del fused  # the whole-model native step serves every dense shape
+        self.check(path, dtype)
+        cfg = self.config(path)
+        tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+        with torch.device("meta"):
+            module = hf.cast(Qwen35ForCausalLM(cfg), dtype).eval()  # never all of it in fp32
+        if weights:
+            self._load_weights(module.to_empty(device="cpu"), path, dtype)
+        return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path),
+                                self.describe(cfg), cfg.max_position_embeddings,
+                                state_bytes_per_token(cfg),
+                                decode_step=None if module.fused else "eager (layer by layer)")
+
+    def describe(self, cfg: Qwen35Config) -> str:
+        attn = sum(t == "full_attention" for t in cfg.layer_types)
+        name = self.moe_name if cfg.experts is not None and self.moe_name else self.name
+        arch = f"{name} (Gated DeltaNet + gated attention, {attn} of "
+        arch += f"{len(cfg.layer_types)} layers full attention"
+        if cfg.experts is not None:
+            r = cfg.experts.router
+            arch += f"; {r.experts} experts, top {r.top_k} + a shared expert"
+        return arch + ")"
+
+    def _load_weights(self, module: Qwen35ForCausalLM, path: Path, dtype: torch.dtype
+                      ) -> None:
+        """Fill, pack and release the module's weights from ``path``, layer by layer."""
+        with invariant.packing_once(module):  # each original freed as soon as it is packed
+            unused = hf.load_weights(module, path, _rename, dtype, module,
+                                     self.split_for(module.cfg))
+            if module.fused:
+                module.fused_weights()
+            else:
+                module.pack_weights()
+        vision = sum(n.startswith("model.visual.") for n in unused)
+        if vision:
+            log.info("%s: a vision-language checkpoint; loaded its text model only (%d "
+                     "vision tensors skipped)", path, vision)
+        other = [n for n in unused if not n.startswith(("model.visual.", "mtp.", "lm_head."))]
+        if other:
+            log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other),
+                        other[0])
+
+
+QWEN3_5 = Variant("qwen3_5", MODEL_TYPES, moe_name="qwen3_5_moe")

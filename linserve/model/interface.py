@@ -1,0 +1,113 @@
+"""The one interface between the server and a model, whatever its architecture.
+
+The server (engine, pool, sessions, prefix cache, replay, export/import, ``/health``) holds a
+:class:`ServedModel` and the :class:`State` objects it makes, and never asks which
+architecture it holds: what it needs to know is in :class:`ModelInfo`, or asked of the state
+(``truncatable``, ``grows``, ``nbytes``). Architectures implement the protocol in their own
+modules under ``linserve/model/architectures/`` (``linserve.py``: the project's checkpoints), and
+:mod:`linserve.model.loader` picks one for a checkpoint folder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from linserve.model.state import State, StateError
+from linserve.model.state_blob import STATE_FORMAT_VERSION
+from linserve.model.state_codec import PackedState, pack_state, unpack_state
+from linserve.model.tokenizer import Tokenizer
+
+# The state is the server's to hold, copy, compress and ship, never to look inside.
+__all__ = ["STATE_FORMAT_VERSION", "CheckpointError", "ModelInfo", "PackedState",
+           "ServedModel", "State", "StateError", "pack_state", "unpack_state"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this server cannot load; the message is one line for the startup log."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server may know about a loaded model.
+
+    ``context_limit``: the longest sequence it serves (None: no limit). ``ragged_prefill``:
+    whether :meth:`ServedModel.prefill_ragged` takes prompts of different lengths in one pass.
+    ``state_bytes``: one fresh session's state; ``state_grows``: whether that grows with the
+    context (a KV cache), by ``state_bytes_per_token``. ``state_layout``: per layer, what it
+    holds. ``weight_bytes``: what the weights hold in memory as served (packed, quantized),
+    of which ``embedding_bytes`` are an embedding table held beside the head."""
+
+    architecture: str
+    vocab_size: int
+    context_limit: int | None
+    params: int
+    dtype: str
+    decode_step: str  # "fused" (one native call per step) or "eager"
+    ragged_prefill: bool
+    state_bytes: int
+    state_grows: bool
+    state_layout: list[dict[str, dict[str, Any]]] = field(default_factory=list)
+    state_bytes_per_token: int = 0  # what each token adds (its KV entries); 0: constant
+    weight_bytes: int = 0
+    embedding_bytes: int = 0
+    quantization: str = "none"  # "int8" / "int4" GEMM weights (model.quantize), or none
+    notes: tuple[str, ...] = ()
+
+
+class ServedModel(Protocol):
+    """A model the server can run. Shapes: tokens ``[B, T]`` for prefill, ``[B]`` for a step;
+    logits fp32 ``[B, V]``; a state's rows match the batch."""
+
+    info: ModelInfo
+
+    def fingerprint(self) -> str:
+        """A hash of the config and weights; blobs and shared caches carry it."""
+        ...
+
+    def tokenizer(self) -> Tokenizer:
+        ...
+
+    def chat_template(self) -> str | None:
+        """The checkpoint's Jinja chat template, or None (the server's plain one)."""
+        ...
+
+    def new_state(self, batch: int = 1) -> State:
+        ...
+
+    def prefill(self, tokens: torch.Tensor, state: State | None = None,
+                all_logits: bool = False) -> tuple[torch.Tensor, State]:
+        """Tokens ``[B, T]`` after ``state`` (None: empty; not modified) -> last logits
+        ``[B, V]`` (``[B, T, V]`` with ``all_logits``) and a new state."""
+        ...
+
+    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
+                       ) -> tuple[torch.Tensor, list[State]]:
+        """Prompts of different lengths in one pass (where ``info.ragged_prefill``): each
+        one's last logits ``[B, V]`` and its new one-row state."""
+        ...
+
+    def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
+        """One token per row ``[B]`` -> logits ``[B, V]``; advances ``state`` in place."""
+        ...
+
+    def prefill_split(self, todo: int, cap: int, budget: int) -> int:
+        """How many of ``todo`` prompt tokens to prefill now under a per-call ``cap`` and the
+        iteration's ``budget`` (0: wait for the next iteration), so that the result does not
+        depend on how the prompt was split."""
+        ...
+
+    def state_to_bytes(self, state: State, extra: dict[str, Any] | None = None) -> bytes:
+        ...
+
+    def state_from_bytes(self, data: bytes) -> tuple[State, dict[str, Any]]:
+        """Parse and validate a blob; raises :class:`StateError` for a bad one."""
+        ...
+
+    def drop_weights(self) -> None:
+        """Free the weights where they are large: the model keeps its config, tokenizer and
+        state layout (new states, state blobs) but can no longer run. For the HTTP process
+        of a server whose engine runs in a process of its own."""
+        ...

@@ -1,0 +1,354 @@
+"""Batch-invariant inference: a row's logits do not depend on the rows beside it.
+
+oneDNN and MKL choose kernels, blockings and reduction orders by the shape of the whole
+product, so one request's logits move in their last bits with the number of requests that
+share its step or its ragged prefill, and a seeded sample flips where a uniform lands on a
+CDF boundary. In this mode every linear layer of the inference forms (eager prefill, eager
+step, the LM head, and the fused steps' projections) runs ``linserve/model/kernels/gemm.h``: each
+output element is one fp32 accumulator over the input features in order, whatever the batch.
+Chunked attention runs fixed chunk shapes (:func:`chunk_len`), so a prompt's chunks are the
+same matrices alone or padded into a ragged batch.
+
+The mode is process-wide (the engine sets it once at start, ``--batch-invariant``) and on by
+default. Training and autograd never use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from linserve.model import kernels, quantize
+
+_enabled = [True]
+_quantization = ["none"]
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the mode on or off for this process (eager forms and, once loaded, kernels)."""
+    _enabled[0] = on
+    if kernels.load():
+        torch.ops.linserve.set_batch_invariant(on)
+
+
+def enabled() -> bool:
+    """Whether the mode is on (what was asked, whether or not the kernels could load)."""
+    return _enabled[0]
+
+
+def set_quantization(mode: str) -> None:
+    """Quantize every GEMM weight packed from now on (``int8``, ``int4``; ``none``: keep the
+    loaded dtype), see :mod:`linserve.model.quantize`. Process-wide, set by the loader before a
+    model is built; quantized weights always run the invariant GEMM, whatever the mode."""
+    quantize.check_mode(mode)
+    _quantization[0] = mode
+
+
+def quantization() -> str:
+    """The quantization :func:`pack` applies."""
+    return _quantization[0]
+
+
+def active() -> bool:
+    """On, the kernels loaded, and no autograd to serve: the invariant GEMM runs."""
+    return _enabled[0] and kernels.available() and not torch.is_grad_enabled()
+
+
+def _packed_gemm() -> bool:
+    """Whether linear layers run the packed GEMM: in this mode, or with quantized weights."""
+    return (active() or (_quantization[0] != "none" and kernels.available()
+                         and not torch.is_grad_enabled()))
+
+
+def chunk_len(chunk_size: int, t: int) -> int:
+    """The chunk length of the chunked attention forms for ``t`` tokens: the full
+    ``chunk_size`` in this mode (fixed shapes), else no longer than the sequence."""
+    return chunk_size if active() else min(chunk_size, t)
+
+
+def pack(w: torch.Tensor, quantized: bool = True) -> torch.Tensor:
+    """A GEMM weight stored ``[in, out]`` in the layout the projections run on in this mode:
+    column panels that a GEMV reads front to back (``linserve/model/kernels/gemm.h``), shaped
+    ``[in, out, 1]``, or ``[in/2, out, 2]`` bf16 pairs for the bf16 dot-product path
+    (AVX512-BF16); quantized (:func:`set_quantization`,
+    ``linserve/model/kernels/gemm_quant.h``) when a quantization is set, unless not
+    ``quantized`` (a router keeps its dtype). Only ``invariant_mm`` and the fused steps read
+    it. Outside the mode, or for anything but a
+    2-d fp32 / bf16 tensor, ``w`` is returned contiguous."""
+    w = w.detach()
+    usable = w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float32)
+    if usable and quantized and _quantization[0] != "none" and \
+            w.shape[0] >= quantize.MIN_INPUTS:
+        return quantize.pack(w, _quantization[0])
+    w = w.contiguous()
+    if _enabled[0] and usable and kernels.load():
+        return torch.ops.linserve.pack_weight(w)
+    return w
+
+
+def _version(t: torch.Tensor) -> int:
+    """The tensor's in-place version (an optimizer step bumps it); inference tensors have
+    none, and cannot be changed in place outside inference mode anyway."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return -1
+
+
+def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
+    """The GEMM weight ``[in, Σ out]`` of one or more ``[out, in]`` weights side by side (one
+    product for several projections of the same input), packed (:func:`pack`) and kept on
+    ``owner`` until a weight changes (a dtype cast or a load replaces the tensor) or the mode
+    flips. Each output column is computed alone, so a stacked product gives every part's
+    columns exactly as its own product would. After :func:`release`, the packed weight is
+    all there is. An owner whose class sets ``fp32_weights`` (a router) is never quantized."""
+    cached = owner.__dict__.get("_invariant_wt")
+    if cached is not None and cached[0] is _FROZEN:
+        return cast(torch.Tensor, cached[1])
+    if any(getattr(p, "_linserve_released", False) for p in parts):
+        raise RuntimeError("a released weight has no packed copy on this module "
+                           f"({type(owner).__name__}): build it before invariant.release")
+    key = (_enabled[0], _quantization[0], *((p.data_ptr(), p.dtype, _version(p)) for p in parts))
+    if cached is None or cached[0] != key:
+        w = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
+        cached = (key, pack(w.t(), not getattr(owner, "fp32_weights", False)), parts)
+        owner.__dict__["_invariant_wt"] = cached
+        if _packing_once[0] is not None:
+            _freeze(owner, _packing_once[0])
+    return cast(torch.Tensor, cached[1])
+
+
+def packed(linear: nn.Module) -> torch.Tensor:
+    """A linear layer's GEMM weight ``[in, out]`` (:func:`gemm_weight` of its own weight), as
+    the native steps take it."""
+    return gemm_weight(linear, cast(nn.Linear, linear).weight)
+
+
+_packing_once: list[set[int] | None] = [None]
+
+
+@contextlib.contextmanager
+def packing_once(module: nn.Module) -> Iterator[None]:
+    """Inside, each GEMM weight under ``module`` is frozen (as :func:`release` does) the
+    moment it is packed and its original freed, so that packing a loaded checkpoint (a
+    warm-up that builds every packed weight) never holds the model twice; :func:`release`
+    after, for what was packed before."""
+    _packing_once[0] = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
+    try:
+        yield
+    finally:
+        _packing_once[0] = None
+    release(module)
+
+
+_FROZEN = object()
+
+
+def release(module: nn.Module) -> None:
+    """Keep only the packed GEMM weights built so far under ``module`` (from now on they
+    are used whatever the mode), and free the ``nn.Linear`` weights they were packed from:
+    each becomes a stride-0 view of one element with its shape (so ``n_params`` still counts
+    it). A tied embedding table is freed too when the kernels can read its rows from the
+    packed head (:func:`embed`): it is then held once. For a served model
+    whose every GEMM weight has been built (a warm-up), so the weights are not held twice."""
+    linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
+    for owner in module.modules():
+        _freeze(owner, linear)
+
+
+def _freeze(owner: object, linear: set[int]) -> None:
+    """Keep ``owner``'s packed weight whatever the mode, and free the ``nn.Linear`` weights
+    (ids in ``linear``) or the tied embedding table it was packed from."""
+    cached = owner.__dict__.get("_invariant_wt")
+    if cached is None or cached[0] is _FROZEN:
+        return
+    owner.__dict__["_invariant_wt"] = (_FROZEN, cached[1], ())
+    tied = isinstance(owner, nn.Embedding) and kernels.available()
+    for p in cached[2]:
+        if id(p) in linear or tied:
+            _free(p)
+
+
+def _free(p: torch.Tensor) -> None:
+    """Replace a parameter's data by a stride-0 view of one element with its shape."""
+    p.data = torch.zeros((), dtype=p.dtype).expand(p.shape)
+    p.__dict__["_linserve_released"] = True
+
+
+def embed(embedding: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+    """``embedding(tokens)`` ``[..., d]`` in the table's dtype. A tied table whose head
+    :func:`release` kept is held once, as that head: rows are then read from it
+    (``head_rows``, ``linserve/model/kernels/embed.h``; a quantized head gives its dequantized
+    values, as llama.cpp's quantized ``token_embd``)."""
+    head = _tied_head(embedding)
+    if head is None:
+        return embedding(tokens)
+    rows = torch.ops.linserve.head_rows(head, tokens.reshape(-1), embedding.embedding_dim)
+    return rows.view(*tokens.shape, -1).to(embedding.weight.dtype)
+
+
+def embedding_table(embedding: nn.Embedding) -> torch.Tensor:
+    """What a fused step reads token embeddings from: the table, or for a table held once
+    (:func:`embed`) the very head tensor (the kernels see it is the head and gather)."""
+    head = _tied_head(embedding)
+    return embedding.weight.detach() if head is None else head
+
+
+def _tied_head(embedding: nn.Embedding) -> torch.Tensor | None:
+    if not getattr(embedding.weight, "_linserve_released", False):
+        return None
+    return frozen(embedding)
+
+
+def strip(module: nn.Module) -> None:
+    """Free every parameter and packed GEMM weight under ``module`` (each parameter becomes
+    a stride-0 view of one element with its shape): what is left describes the model and
+    cannot run it (:func:`gemm_weight` refuses, as after :func:`release`)."""
+    for owner in module.modules():
+        owner.__dict__.pop("_invariant_wt", None)
+    for p in module.parameters():
+        p.data = torch.zeros((), dtype=p.dtype).expand(p.shape)
+        p.__dict__["_linserve_released"] = True
+
+
+def frozen(owner: object) -> torch.Tensor | None:
+    """``owner``'s packed GEMM weight if :func:`release` kept it, else None."""
+    cached = owner.__dict__.get("_invariant_wt")
+    return cast(torch.Tensor, cached[1]) if cached is not None and cached[0] is _FROZEN \
+        else None
+
+
+def resident_bytes(module: nn.Module, extra: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes the weights of ``module`` hold: its parameters' storages, the packed GEMM
+    weights on its modules and the ``extra`` tensors, each storage counted once."""
+    cached = [c[1] for o in module.modules() if (c := o.__dict__.get("_invariant_wt"))]
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in [*module.parameters(), *cached, *extra]}
+    return sum(seen.values())
+
+
+def embedding_bytes(module: nn.Module) -> int:
+    """Bytes of the embedding tables under ``module`` still held as tables (a tied table
+    held once as its head counts nothing here)."""
+    return sum(m.weight.untyped_storage().nbytes() for m in module.modules()
+               if isinstance(m, nn.Embedding) and not getattr(m.weight, "_linserve_released",
+                                                              False))
+
+
+def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., in] @ w`` for ``w`` from :func:`gemm_weight`: the invariant GEMM (fp32 out)
+    for a packed weight or when :func:`active`, else ATen in x's dtype, as ``F.linear``
+    would."""
+    if w.dim() == 2 and not active():
+        return x @ w.to(x.dtype)
+    flat = x.reshape(-1, x.shape[-1]).float()
+    return torch.ops.linserve.invariant_mm(flat, w).view(*x.shape[:-1], w.shape[1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, owner: object,
+           bias: torch.Tensor | None = None, fp32_out: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x ``[..., in]``, batch-invariant when :func:`active`
+    and the weight is fp32 or bf16. The result has x's dtype, as F.linear's would, or with
+    ``fp32_out`` is fp32 and x may be of any float dtype: the invariant GEMM takes fp32 rows
+    and gives fp32, so a layer that works in fp32 around it need not round to the model's
+    dtype and back (Mamba2's projections: two full-size copies each)."""
+    kept = frozen(owner)
+    if kept is None and (not _packed_gemm() or weight.dtype not in (torch.float32,
+                                                                   torch.bfloat16)):
+        if not fp32_out:
+            return F.linear(x, weight, bias)
+        return F.linear(x.to(weight.dtype), weight, bias).float()
+    y = project(x, kept if kept is not None else gemm_weight(owner, weight))
+    if bias is not None:
+        y = y + bias.float()
+    return y if fp32_out else y.to(x.dtype)
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ w [K, N]``, batch-invariant when :func:`active` (for small matrices
+    built per call, such as FAVOR+'s feature projection; layers use :class:`Linear`)."""
+    if not active() or w.dtype not in (torch.float32, torch.bfloat16):
+        return x @ w
+    flat = x.reshape(-1, x.shape[-1]).float()
+    y = torch.ops.linserve.invariant_mm(flat, w.contiguous())
+    return y.to(torch.promote_types(x.dtype, w.dtype)).view(*x.shape[:-1], w.shape[1])
+
+
+# ATen's vectorised loops run two vectors per iteration (2 x 16 fp32 lanes on AVX-512, 2 x 8 on
+# AVX2) and leave the rest to a scalar loop: rows padded to 32 never reach that tail.
+LANES = 32
+
+
+def rowwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """``fn(*xs)`` for an elementwise ``fn`` (exp, sigmoid, silu, softplus, cos ...), made
+    batch-invariant: ATen computes most of a tensor with vectorised approximations and its
+    tail with scalar ones, which differ in the last bits, so an element's value depends on
+    where it falls in the whole tensor. When :func:`active` and the last dimension is not a
+    multiple of :data:`LANES`, every row is padded to one, so each element sits in the same
+    lane whatever the batch, and nothing falls in a tail. xs share one shape."""
+    n = xs[0].shape[-1]
+    if not active() or n % LANES == 0:
+        return fn(*xs)
+    pad = (-n) % LANES
+    return fn(*(F.pad(x, (0, pad)) for x in xs))[..., :n]
+
+
+def sum_last(x: torch.Tensor) -> torch.Tensor:
+    """``x.sum(-1, keepdim=True)`` in fp32, batch-invariant when :func:`active` (a product with
+    a column of ones: one accumulator per row, in order). ATen's reductions over a short last
+    dimension vectorise across rows when there are many, so a row's sum would depend on the
+    rows beside it."""
+    xf = x.float()
+    if not active():
+        return xf.sum(-1, keepdim=True)
+    flat = xf.reshape(-1, x.shape[-1]).contiguous()
+    ones = torch.ones(x.shape[-1], 1)
+    return torch.ops.linserve.invariant_mm(flat, ones).view(*x.shape[:-1], 1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal softmax(q kᵀ / √D) v: query row t of T attends keys 0 … ``start`` + t. q
+    ``[B, H, T, D]``, k, v ``[B, Hkv, S, D]`` (S ≥ start + T; H a multiple of Hkv:
+    grouped-query attention, no key copies), fp32 -> ``[B, H, T, D]``. When :func:`active`,
+    natively, each row over its own keys alone (``attend_causal``, the decode steps'
+    arithmetic), so a row's output depends on that row and its keys, not on how many rows
+    share the call (a prompt prefilled whole or in chunks gives the same bits); else SDPA."""
+    t, s = q.shape[2], k.shape[2]
+    if not active():
+        mask = torch.ones(t, s, dtype=torch.bool).tril(start)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    o = torch.ops.linserve.attend_causal(q.transpose(1, 2).contiguous(), k, v, start)
+    return o.transpose(1, 2)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state dict) whose inference forward is
+    batch-invariant when the mode is on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self, self.bias)
+
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with an fp32 result, x of any float dtype (see :func:`linear`)."""
+        return linear(x, self.weight, self, self.bias, fp32_out=True)
+
+
+def prefill_split(todo: int, cap: int, budget: int, chunk: int) -> int:
+    """How many of ``todo`` prompt tokens to prefill now, under a per-call ``cap`` and the
+    iteration's ``budget``. In this mode a prompt is split only at multiples of ``chunk``
+    from its start, so its chunks are the same whatever else the iteration holds: a budget
+    too small for a whole chunk gives 0 (wait for the next iteration). A ``cap`` below one
+    chunk cannot align and is used as it is."""
+    n = min(todo, cap, budget)
+    if not (_enabled[0] and kernels.available()) or n == todo:
+        return n
+    aligned = n - n % chunk
+    if aligned or cap < chunk:
+        return aligned or n
+    return 0

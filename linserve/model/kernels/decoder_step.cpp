@@ -1,0 +1,321 @@
+// The whole decode step of a model built from the shared layers (model/layers/decoder.py's
+// DecoderLM of Blocks: LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H) in one native call: one token per
+// row through every layer, then the final norm and the LM head. The eager step dispatches
+// ~20 PyTorch operators per layer part; at batch 1 of LFM2-1.2B in int4 that was a third of
+// the step on top of the weight reads.
+//
+// A layer is x += r * mixer(norm_in(x)), then x += r * mlp(norm_post(x)); either part may be
+// absent. Each part is one of the shared layers, as the eager forms compute them
+// (model/layers/attention.py, short_conv.py, mamba2.py, mlp.py):
+//   1 attention: qkv [d, (H + 2 Hkv) D]; q / k RMSNorm per head [D] (or empty); rotary on the
+//     first ``rot`` dims (halves rotated; empty inv_freq: none); q times q_scale, k times the
+//     key multiplier; softmax over the row's cache (attention.h); o [H D, d];
+//   2 short convolution (LFM2): in [d, 3d] to B, C, x; the causal depthwise conv [K, d] over
+//     B x with the window; C times it; out [d, d];
+//   3 Mamba2: in [d, inner + conv + Hm] to z, xBC, dt; conv [K, conv] (+ bias) and SiLU over
+//     xBC; dt = softplus(dt + dt_bias) clamped; S = exp(dt A) S + dt x B^T per head,
+//     y = S C + D x; the gated RMSNorm grouped by G (or y silu(z)); out [inner, d];
+//   4 SwiGLU: gate_up [d, 2f], down [f, d];  5 squared ReLU: up [d, f], down [f, d];
+//   6 sparse experts (moe.h): router [d, E] fp32, expert bias [E] (or empty), the shared
+//     expert's gate_up (or up) and down (or empty), its sigmoid gate [d, 1] (or empty), and
+//     the latent projections in and out (or empty); the experts' own weights are in
+//     ``experts``.
+// Activations stay fp32 between layers; weights are as model/invariant.py packs them (fp32,
+// bf16, int8, int4), projected by dense.h. Every row is computed by its own loops in a fixed
+// order, so a row's logits do not depend on the rows beside it (batch invariance).
+//
+// Arguments (B rows):
+//   tokens [B] int64, lengths [B] int64 (each row's position before this token);
+//   weights: embed, head (packed), final norm [d]; then per layer kSlots tensors: norm_in,
+//     the mixer's kPart, norm_post, the MLP's kPart (unused slots empty), in the order above;
+//   state: per layer two tensors: attention (k, v [B, Hkv, cap, D]); short conv (window
+//     [B, K-1, d], empty); Mamba2 (S [B, Hm, P, N], window [B, K-1, conv]); else empty;
+//     updated in place (lengths are not: the caller advances them);
+//   experts: every MoE layer's experts, (gate_up or up, down) per expert, layer after layer;
+//   ints, per layer 8: (kind, i0, i1, i2) of the mixer then of the MLP (SwiGLU / ReLU^2:
+//     i0 = f; Mamba2: i0 = norm before gate, i1 = gated norm; experts: i0 = the layer's first
+//     tensor in ``experts``, i1 = top k, i2 = moe.h's Router in bits (sparse_experts));
+//   floats, per layer 9: the residual scale, then (eps of the part's norm, f0, f1, f2) of each
+//     part (attention: q scale, key multiplier, q/k norm eps; Mamba2: dt min, dt max, the
+//     gated norm's eps; experts: the top-k norm's eps, the routed scaling factor);
+//   dims: d, H, Hkv, D, rot, Hm, P, N, G;
+//   scalars: final norm eps, embedding scale, logits scale (logits are divided by it).
+// Returns logits [B, V] fp32.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "attention.h"
+#include "dense.h"
+#include "embed.h"
+#include "fastmath.h"
+#include "gdn.h"
+#include "gemm.h"
+#include "mamba2.h"
+#include "moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace decoder_step_cpp {  // named, not anonymous: unity units (build.py) join sources
+
+constexpr int64_t kPart = 8;
+constexpr int64_t kSlots = 2 + 2 * kPart;
+constexpr int64_t kInts = 8;
+constexpr int64_t kFloats = 9;
+
+enum Kind : int64_t { kNone = 0, kAttention, kShortConv, kMamba2, kSwiGLU, kReluSquared, kExperts };
+
+struct Dims {
+  int64_t d, h, hkv, head, rot, mh, mp, mn, mg;
+};
+
+struct Part {
+  int64_t kind, i0, i1, i2;
+  float eps, f0, f1, f2;
+};
+
+// x += r * y (y [B, d]).
+void add_scaled(at::Tensor& x, const at::Tensor& y, float r) {
+  float* xp = x.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  const int64_t n = x.numel();
+  for (int64_t i = 0; i < n; ++i) xp[i] += r * yp[i];
+}
+
+// q heads into q [B, H, D]; k and v into the cache at each row's position; norms, rotary
+// and multipliers as Attention._qkv applies them.
+void write_qkv(const at::Tensor& qkv, const at::Tensor* w, at::Tensor& kc, at::Tensor& vc,
+               const int64_t* lengths, const Dims& m, const Part& p, std::vector<float>& q) {
+  const int64_t rows = qkv.size(0), width = qkv.size(1), dh = m.head, cap = kc.size(2);
+  const float* src = qkv.data_ptr<float>();
+  const bool qk_norm = w[1].numel() > 0, rope = w[4].numel() > 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t pos = lengths[r];
+    TORCH_CHECK(pos < cap, "decoder_step: the KV cache is full (reserve first)");
+    const float* row = src + r * width;
+    for (int64_t h = 0; h < m.h; ++h) {
+      float* qh = q.data() + (r * m.h + h) * dh;
+      std::memcpy(qh, row + h * dh, dh * sizeof(float));
+      if (qk_norm) linserve::rms_row(qh, w[1].data_ptr<float>(), dh, p.f2);
+      if (rope) linserve::rotate_half(qh, w[4].data_ptr<float>(), m.rot, pos);
+      if (p.f0 != 1.f)
+        for (int64_t i = 0; i < dh; ++i) qh[i] *= p.f0;
+    }
+    for (int64_t g = 0; g < m.hkv; ++g) {
+      float* kd = kc.data_ptr<float>() + ((r * m.hkv + g) * cap + pos) * dh;
+      float* vd = vc.data_ptr<float>() + ((r * m.hkv + g) * cap + pos) * dh;
+      std::memcpy(kd, row + m.h * dh + g * dh, dh * sizeof(float));
+      std::memcpy(vd, row + (m.h + m.hkv) * dh + g * dh, dh * sizeof(float));
+      if (qk_norm) linserve::rms_row(kd, w[2].data_ptr<float>(), dh, p.f2);
+      if (rope) linserve::rotate_half(kd, w[4].data_ptr<float>(), m.rot, pos);
+      if (p.f1 != 1.f)
+        for (int64_t i = 0; i < dh; ++i) kd[i] *= p.f1;
+    }
+  }
+}
+
+// Weights: qkv, q_norm, k_norm, o, inv_freq. h [B, d] -> [B, d].
+at::Tensor attention(const at::Tensor& h, const at::Tensor* w, at::Tensor& kc, at::Tensor& vc,
+                     const int64_t* lengths, const Dims& m, const Part& p) {
+  const int64_t rows = h.size(0), dh = m.head, rep = m.h / m.hkv, cap = kc.size(2);
+  const at::Tensor qkv = linserve::project(h, w[0]);
+  std::vector<float> q(rows * m.h * dh);
+  write_qkv(qkv, w, kc, vc, lengths, m, p, q);
+  at::Tensor o = at::empty({rows, m.h * dh}, h.options());
+  at::parallel_for(0, rows * m.hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r = t / m.hkv, g = t % m.hkv, len = lengths[r] + 1;
+      std::vector<float> scores(std::min(rep, linserve::kGroupHeads) * len);
+      const int64_t at_group = (r * m.hkv + g) * cap * dh;
+      linserve::attend_group(q.data() + (r * m.h + g * rep) * dh, kc.data_ptr<float>() + at_group,
+                             vc.data_ptr<float>() + at_group, rep, len, dh,
+                             o.data_ptr<float>() + (r * m.h + g * rep) * dh, scores.data());
+    }
+  });
+  return linserve::project(o, w[3]);
+}
+
+// Weights: in [d, 3d], conv [K, d], out [d, d].
+at::Tensor short_conv(const at::Tensor& h, const at::Tensor* w, at::Tensor& window,
+                      const Dims& m) {
+  const int64_t rows = h.size(0), d = m.d, k = w[1].size(0);
+  const at::Tensor proj = linserve::project(h, w[0]);
+  at::Tensor mixed = at::empty({rows, d}, h.options());
+  std::vector<float> bx(d), y(d);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* p = proj.data_ptr<float>() + r * 3 * d;  // B | C | x
+    for (int64_t c = 0; c < d; ++c) bx[c] = p[c] * p[2 * d + c];
+    float* win = window.data_ptr<float>() + r * (k - 1) * d;
+    linserve::gdn::conv_sum(win, bx.data(), w[1].data_ptr<float>(), y.data(), d, k);
+    linserve::gdn::shift_window(win, bx.data(), d, k);
+    float* out = mixed.data_ptr<float>() + r * d;
+    for (int64_t c = 0; c < d; ++c) out[c] = p[d + c] * y[c];
+  }
+  return linserve::project(mixed, w[2]);
+}
+
+// Heads of one row in a task of the SSM update: a head's state is 32 KB at Granite's shape,
+// so a task of four is long enough to prefetch through and short enough to even out.
+constexpr int64_t kSsmHeadsPerTask = 4;
+
+// One row's SSM heads [h0, h1): S = exp(dt A) S + dt x B^T, y = S C + D x.
+void ssm_heads(const float* xbc, const float* dt_raw, const at::Tensor* w, float* s, float* y,
+               int64_t h0, int64_t h1, const Dims& m, const Part& p) {
+  const int64_t inner = m.mh * m.mp, per_group = m.mh / m.mg;
+  const float* a_log = w[3].data_ptr<float>();
+  const float* dt_bias = w[4].data_ptr<float>();
+  const float* dskip = w[5].data_ptr<float>();
+  for (int64_t hh = h0; hh < h1; ++hh) {
+    const int64_t g = hh / per_group;
+    const float* b = xbc + inner + g * m.mn;
+    const float* c = xbc + inner + m.mg * m.mn + g * m.mn;
+    const float dt = std::min(std::max(linserve::gdn::softplus(dt_raw[hh] + dt_bias[hh]), p.f0),
+                              p.f1);
+    const float decay = std::exp(dt * -std::exp(a_log[hh]));
+    for (int64_t i = 0; i < m.mp; ++i) {
+      const float xv = xbc[hh * m.mp + i];
+      y[hh * m.mp + i] =
+          linserve::mamba2::ssm_row<true>(s + (hh * m.mp + i) * m.mn, b, c, decay, xv * dt,
+                                          m.mn) +
+          dskip[hh] * xv;
+    }
+  }
+}
+
+// Weights: in, conv [K, C], conv bias [C] (or empty), A_log, dt_bias, D [Hm], norm [inner]
+// (or empty), out [inner, d].
+at::Tensor mamba2(const at::Tensor& h, const at::Tensor* w, at::Tensor& s, at::Tensor& window,
+                  const Dims& m, const Part& p) {
+  const int64_t rows = h.size(0), inner = m.mh * m.mp, conv = inner + 2 * m.mg * m.mn;
+  const int64_t k = w[1].size(0), width = inner + conv + m.mh;
+  const at::Tensor proj = linserve::project(h, w[0]);
+  at::Tensor xbc = at::empty({rows, conv}, h.options());
+  at::Tensor y = at::empty({rows, inner}, h.options());
+  const float* conv_w = w[1].data_ptr<float>();
+  const float* conv_b = w[2].numel() > 0 ? w[2].data_ptr<float>() : nullptr;
+  float* xbc_p = xbc.data_ptr<float>();
+  const float* proj_p = proj.data_ptr<float>();
+  float* window_p = window.data_ptr<float>();
+  // The rows' convolutions, bias and SiLU over xBC (pointers hoisted: a data_ptr call per
+  // element kept this loop scalar, 58 us a row and layer at Granite's 4,352 channels).
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* out = xbc_p + r * conv;
+      const float* mixed = proj_p + r * width + inner;
+      float* win = window_p + r * (k - 1) * conv;
+      linserve::gdn::conv_sum(win, mixed, conv_w, out, conv, k);
+      linserve::gdn::shift_window(win, mixed, conv, k);
+      if (conv_b != nullptr)
+        for (int64_t c = 0; c < conv; ++c) out[c] += conv_b[c];
+      for (int64_t c = 0; c < conv; ++c) out[c] = linserve::gdn::silu(out[c]);
+    }
+  });
+  const int64_t state = m.mh * m.mp * m.mn;
+  // Tasks of kSsmHeadsPerTask heads of one row, taken one at a time (parallel.h).
+  const int64_t per_row = (m.mh + kSsmHeadsPerTask - 1) / kSsmHeadsPerTask;
+  linserve::for_each_task(rows * per_row, [&](int64_t t) {
+    const int64_t r = t / per_row, h0 = t % per_row * kSsmHeadsPerTask;
+    ssm_heads(xbc.data_ptr<float>() + r * conv, proj.data_ptr<float>() + r * width + inner +
+              conv, w, s.data_ptr<float>() + r * state, y.data_ptr<float>() + r * inner, h0,
+              std::min(m.mh, h0 + kSsmHeadsPerTask), m, p);
+  });
+  const float* norm_w = w[6].numel() > 0 ? w[6].data_ptr<float>() : nullptr;
+  const linserve::mamba2::Gate gate{inner, m.mg, norm_w != nullptr && p.i1 != 0, p.i0 != 0,
+                                    p.f2};
+  float* y_p = y.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      linserve::mamba2::gated_norm(y_p + r * inner, proj_p + r * width, norm_w, gate);
+  });
+  return linserve::project(y, w[7]);
+}
+
+// Weights: (SwiGLU) gate_up [d, 2f], down; (ReLU^2) up [d, f], down. h [B, d] -> [B, d].
+at::Tensor mlp(const at::Tensor& h, const at::Tensor* w, const Part& p) {
+  const at::Tensor up = linserve::project(h, w[0]);
+  return linserve::project(
+      p.kind == kSwiGLU ? linserve::moe::swiglu(up) : linserve::moe::relu_squared(up), w[1]);
+}
+
+// Weights: router, expert bias, shared gate_up (or up), shared down, shared gate, latent in,
+// latent out (moe.h's forward); the experts from ``experts[p.i0]`` on. p.i2's bits: scoring
+// (0-1), norm_topk (2), relu2 (3), latent (4), groups (8-15), topk_groups (16-23).
+// h [B, d] -> [B, d].
+at::Tensor sparse_experts(const at::Tensor& h, const at::Tensor* w, const at::Tensor* experts,
+                          const Part& p) {
+  return linserve::moe::forward(h, w, experts + p.i0,
+                                linserve::moe::router_from(p.i1, p.i2, p.f0, p.f1));
+}
+
+// One part of a layer on h = norm(x): the mixer or MLP it is.
+at::Tensor run_part(const at::Tensor& h, const at::Tensor* w, const at::Tensor* experts,
+                    at::Tensor& a, at::Tensor& b, const int64_t* lengths, const Dims& m,
+                    const Part& p) {
+  switch (p.kind) {
+    case kAttention: return attention(h, w, a, b, lengths, m, p);
+    case kShortConv: return short_conv(h, w, a, m);
+    case kMamba2: return mamba2(h, w, a, b, m, p);
+    case kSwiGLU:
+    case kReluSquared: return mlp(h, w, p);
+    case kExperts: return sparse_experts(h, w, experts, p);
+    default: TORCH_CHECK(false, "decoder_step: unknown part kind ", p.kind);
+  }
+}
+
+at::Tensor decoder_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList experts,
+                        at::TensorList state,
+                        const at::Tensor& lengths, at::IntArrayRef ints,
+                        at::ArrayRef<double> floats, at::IntArrayRef dims,
+                        at::ArrayRef<double> scalars) {
+  TORCH_CHECK(dims.size() == 9 && scalars.size() == 3, "decoder_step: 9 dims, 3 scalars");
+  const Dims m{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8]};
+  const int64_t layers = static_cast<int64_t>(ints.size()) / kInts;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 3 + kSlots * layers &&
+                  static_cast<int64_t>(state.size()) == 2 * layers &&
+                  static_cast<int64_t>(floats.size()) == kFloats * layers,
+              "decoder_step: weights, state or parameters do not match the layers");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
+                  lengths.size(0) == tokens.size(0), "decoder_step: lengths [B] int64");
+  for (const at::Tensor& t : state)
+    TORCH_CHECK(t.numel() == 0 || (t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                                   t.size(0) == tokens.size(0)),
+                "decoder_step: state is fp32 contiguous [B, ...]");
+  at::Tensor x = linserve::embed_rows(weights[0], tokens, m.d, weights[0].is_same(weights[1]));
+  if (scalars[1] != 1.0) x.mul_(scalars[1]);
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + 3 + l * kSlots;
+    const double* f = floats.data() + l * kFloats;
+    at::Tensor a = state[2 * l], b = state[2 * l + 1];
+    for (int64_t part = 0; part < 2; ++part) {
+      const int64_t* i = ints.data() + l * kInts + 4 * part;
+      const double* pf = f + 1 + 4 * part;
+      const Part p{i[0], i[1], i[2], i[3], static_cast<float>(pf[0]), static_cast<float>(pf[1]),
+                   static_cast<float>(pf[2]), static_cast<float>(pf[3])};
+      if (p.kind == kNone) continue;
+      const at::Tensor* pw = w + part * (1 + kPart);
+      const at::Tensor y = run_part(linserve::normed(x, pw[0], p.eps), pw + 1, experts.data(), a,
+                                    b, len, m, p);
+      add_scaled(x, y, static_cast<float>(f[0]));
+    }
+  }
+  at::Tensor logits = linserve::project(linserve::normed(x, weights[2], scalars[0]), weights[1]);
+  if (scalars[2] != 1.0) logits.div_(scalars[2]);
+  return logits;
+}
+
+
+TORCH_LIBRARY_FRAGMENT(linserve, m) {
+  m.def(
+      "decoder_step(Tensor tokens, Tensor[] weights, Tensor[] experts, Tensor(a!)[] state, "
+      "Tensor lengths, "
+      "int[] ints, float[] floats, int[] dims, float[] scalars) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("decoder_step", &decoder_step); }
+
+}  // namespace decoder_step_cpp

@@ -1,0 +1,85 @@
+// Python-facing ops for the batch-invariant GEMM (gemm.h) and its process-wide switch.
+//
+//   invariant_mm(a [B, K] fp32, w [K, N] fp32|bf16) -> [B, N] fp32: the eager forms' linear
+//   layers in batch-invariant mode (model/invariant.py).
+//   pack_weight(w [K, N] fp32|bf16) -> the panel layout the GEMM streams: [K, N, 1], or
+//   [K/2, N, 2] bf16 pairs for the bf16 dot-product path (AVX512-BF16 builds; has_bf16_dot()
+//   says which).
+//   pack_quantized(q [K, N] int8, scales, int4) -> an int8 (fp32 scales [N]) or int4 (fp16
+//   scales [K/32, N]) weight in gemm_quant.h's formats, which invariant_mm also takes.
+//   head_rows(head, tokens [B], d) -> [B, d] fp32: a tied model's embeddings read from its
+//   GEMM head in any stored format (embed.h), so the table is held once.
+//   set_batch_invariant(on): whether the fused steps' projections use it (dense.h).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "dense.h"
+#include "embed.h"
+#include "gemm.h"
+
+namespace gemm_cpp {  // named, not anonymous: unity units (build.py) join sources
+
+at::Tensor invariant_mm_op(const at::Tensor& a, const at::Tensor& w) {
+  TORCH_CHECK(a.dim() == 2, "invariant_mm takes 2-d activations");
+  at::Tensor y = at::empty({a.size(0), w.size(1)}, a.options());
+  linserve::invariant_mm(a.contiguous(), w.contiguous(), y, false);
+  return y;
+}
+
+at::Tensor pack_weight_op(const at::Tensor& w) { return linserve::pack_weight(w); }
+
+at::Tensor pack_quantized_op(const at::Tensor& q, const at::Tensor& scales, bool int4) {
+  return linserve::pack_quantized(q, scales, int4);
+}
+
+at::Tensor head_rows_op(const at::Tensor& head, const at::Tensor& tokens, int64_t dim) {
+  return linserve::embed_rows(head, tokens, dim, true);
+}
+
+bool has_bf16_dot() { return linserve::kHasBf16Dot; }
+
+// Whether bf16 GEMMs run on AMX tiles now; set_amx(false) keeps them on AVX512-BF16 (tests
+// compare the two; a process must not flip it while it serves).
+bool amx_active() { return linserve::amx_active(); }
+
+void set_amx(bool on) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  linserve::amx_flag() = on;
+#else
+  (void)on;
+#endif
+}
+
+void set_batch_invariant(bool on) { linserve::batch_invariant_flag() = on; }
+
+bool get_batch_invariant() { return linserve::batch_invariant_flag(); }
+
+
+TORCH_LIBRARY_FRAGMENT(linserve, m) {
+  m.def("invariant_mm(Tensor a, Tensor w) -> Tensor");
+  m.def("pack_weight(Tensor w) -> Tensor");
+  m.def("pack_quantized(Tensor q, Tensor scales, bool int4) -> Tensor");
+  m.def("head_rows(Tensor head, Tensor tokens, int dim) -> Tensor");
+  m.def("has_bf16_dot() -> bool");
+  m.def("amx_active() -> bool");
+  m.def("set_amx(bool on) -> ()");
+  m.def("set_batch_invariant(bool on) -> ()");
+  m.def("get_batch_invariant() -> bool");
+}
+
+TORCH_LIBRARY_IMPL(linserve, CPU, m) {
+  m.impl("invariant_mm", &invariant_mm_op);
+  m.impl("pack_weight", &pack_weight_op);
+  m.impl("pack_quantized", &pack_quantized_op);
+  m.impl("head_rows", &head_rows_op);
+}
+
+TORCH_LIBRARY_IMPL(linserve, CatchAll, m) {
+  m.impl("set_batch_invariant", &set_batch_invariant);
+  m.impl("get_batch_invariant", &get_batch_invariant);
+  m.impl("has_bf16_dot", &has_bf16_dot);
+  m.impl("amx_active", &amx_active);
+  m.impl("set_amx", &set_amx);
+}
+
+}  // namespace gemm_cpp

@@ -1,0 +1,133 @@
+"""Grouped-query attention over a KV cache: optional q/k RMSNorm per head, rotary positions
+on all, part or none of each head, a custom score scale and a key multiplier. The shape of
+LFM2's, Granite's, Nemotron-H's and Falcon-H1's attention layers (Qwen3.5's adds an output
+gate: :mod:`linserve.model.architectures.qwen3_5`).
+
+State: a :class:`linserve.model.state.KVEntry` ``{"kv"}``, fp32, written at each row's own position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from linserve.model import invariant
+from linserve.model.invariant import Linear
+from linserve.model.layers.norms import RMSNorm
+from linserve.model.layers.rope import inv_freq, rope
+from linserve.model.state import KVEntry
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """``rotary_dim`` 0: no positions (Nemotron-H); ``qk_norm`` False: no q/k norm;
+    ``scale`` None: head_dim^-0.5; ``key_multiplier`` scales k (Falcon-H1)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float = 10_000.0
+    qk_norm: bool = False
+    eps: float = 1e-6
+    scale: float | None = None
+    key_multiplier: float = 1.0
+    bias: bool = False
+    out_bias: bool = False
+
+
+class Attention(nn.Module):
+    """Causal GQA attention (see the module docstring). Parameter names: ``q_proj``,
+    ``k_proj``, ``v_proj``, ``o_proj`` and, with ``qk_norm``, ``q_norm``, ``k_norm``."""
+
+    def __init__(self, shape: AttentionShape) -> None:
+        super().__init__()
+        s = shape
+        self.shape = s
+        if s.heads % s.kv_heads or s.rotary_dim % 2 or s.rotary_dim > s.head_dim:
+            raise ValueError("attention heads, kv heads and rotary dimension do not fit")
+        self.q_proj = Linear(s.hidden, s.heads * s.head_dim, bias=s.bias)
+        self.k_proj = Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.bias)
+        self.v_proj = Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.bias)
+        self.o_proj = Linear(s.heads * s.head_dim, s.hidden, bias=s.out_bias)
+        if s.qk_norm:
+            self.q_norm = RMSNorm(s.head_dim, s.eps)
+            self.k_norm = RMSNorm(s.head_dim, s.eps)
+        self.freqs = inv_freq(s.rotary_dim, s.rope_theta) if s.rotary_dim else None
+        # invariant.attention scales scores by head_dim^-0.5; another scale goes on q
+        self.q_scale = 1.0 if s.scale is None else s.scale * s.head_dim ** 0.5
+
+    def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
+        return {"kv": KVEntry.empty(batch, self.shape.kv_heads, self.shape.head_dim,
+                                    max_context)}
+
+    def qkv_weight(self) -> torch.Tensor:
+        """q, k and v as one GEMM weight ``[d, (H + 2·Hkv)·D]``."""
+        return invariant.gemm_weight(self, self.q_proj.weight, self.k_proj.weight,
+                                     self.v_proj.weight)
+
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[B, T, d]`` -> q ``[B, H, T, D]``, k, v ``[B, Hkv, T, D]`` (fp32, rotated)."""
+        b, t, _ = x.shape
+        s = self.shape
+        qkv = invariant.project(x, self.qkv_weight()).to(x.dtype)
+        if self.q_proj.bias is not None:
+            qkv = qkv + torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        q, k, v = qkv.float().split([s.heads * s.head_dim, s.kv_heads * s.head_dim,
+                                     s.kv_heads * s.head_dim], dim=-1)
+        q, k, v = (y.reshape(b, t, -1, s.head_dim) for y in (q, k, v))
+        if s.qk_norm:
+            q, k = self.q_norm(q).float(), self.k_norm(k).float()
+        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
+        if self.freqs is not None:
+            q, k = rope(q, pos, self.freqs), rope(k, pos, self.freqs)
+        if s.key_multiplier != 1.0:
+            k = k * s.key_multiplier
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        return q, k, v
+
+    def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o ``[B, H, T, D]`` -> projected ``[B, T, d]``."""
+        b, _, t, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1).to(x.dtype))
+
+    def _attend(self, x: torch.Tensor, kv: KVEntry, rows: slice, start: int) -> torch.Tensor:
+        """T new tokens ``[b, T, d]`` of ``rows`` at positions start … start+T−1."""
+        t = x.shape[1]
+        q, k, v = self._qkv(x, torch.arange(start, start + t)[None])
+        kv.k[rows, :, start : start + t] = k
+        kv.v[rows, :, start : start + t] = v
+        keys, values = kv.k[rows, :, : start + t], kv.v[rows, :, : start + t]
+        return self._out(invariant.attention(q, keys, values, start), x)
+
+    def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
+                new: torch.Tensor | None = None) -> torch.Tensor:
+        """T new tokens ``[B, T, d]`` after ``lengths [B]`` (all equal, unless ``new [B]``
+        gives a right-padded ragged batch's real counts: then each row attends alone and
+        padding gives zeros)."""
+        kv: KVEntry = entries["kv"]
+        if new is None:
+            return self._attend(x, kv, slice(None), int(lengths[0]))
+        out = torch.zeros_like(x)
+        for i, (start, n) in enumerate(zip(lengths.tolist(), new.tolist(), strict=True)):
+            out[i : i + 1, :n] = self._attend(x[i : i + 1, :n], kv, slice(i, i + 1), start)
+        return out
+
+    def step(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor
+             ) -> torch.Tensor:
+        """One token per row ``[B, d]`` at each row's own position ``lengths [B]``."""
+        kv: KVEntry = entries["kv"]
+        q, k, v = self._qkv(x.unsqueeze(1), lengths[:, None])
+        rows = torch.arange(x.shape[0])
+        kv.k[rows, :, lengths] = k[:, :, 0]
+        kv.v[rows, :, lengths] = v[:, :, 0]
+        outs = [invariant.attention(q[i : i + 1], kv.k[i : i + 1, :, :n], kv.v[i : i + 1, :, :n],
+                                    n - 1)
+                for i, n in enumerate((lengths + 1).tolist())]  # each row over its own keys
+        return self._out(torch.cat(outs), x.unsqueeze(1)).squeeze(1)

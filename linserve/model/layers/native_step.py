@@ -1,0 +1,219 @@
+"""The whole-model native decode step of a :class:`linserve.model.layers.decoder.DecoderLM` built
+from the shared layers (``linserve/model/kernels/decoder_step.cpp``): LFM2, LFM2-MoE, Granite-4.0-H
+(dense or with experts) and Nemotron-H step in one call instead of ~20 dispatched operators a layer
+part (an MoE layer: a router, a top-k and three products per chosen expert).
+
+:func:`plan` describes a model to the kernel: per layer its norms and two parts (mixer, MLP),
+each a kind code, its weights (the very packed GEMM tensors the eager forms use, so nothing
+is held twice) and its parameters. A model with any layer the kernel does not implement
+(Falcon-H1's parallel block, biases, multipliers on projections) gets None and
+steps layer by layer. The eager step is the reference the native one is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from linserve.model import invariant
+from linserve.model.layers.attention import Attention
+from linserve.model.layers.mamba2 import Mamba2
+from linserve.model.layers.mlp import ReluSquaredMLP, SwiGLU
+from linserve.model.layers.moe import SparseMoE
+from linserve.model.layers.norms import RMSNorm
+from linserve.model.layers.short_conv import ShortConv
+from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
+
+ATTENTION, SHORT_CONV, MAMBA2, SWIGLU, RELU_SQUARED, EXPERTS = 1, 2, 3, 4, 5, 6
+PART_SLOTS = 8  # decoder_step.cpp's kPart
+PART_INTS = 3  # ints a part takes after its kind
+EMPTY = torch.empty(0)
+
+
+@dataclass
+class Part:
+    """One part of a layer as the kernel takes it: a kind, up to :data:`PART_SLOTS` weights,
+    up to three ints and three floats (their meaning per kind: decoder_step.cpp's header),
+    and for experts, each expert's (gate_up, down) GEMM weights, in order."""
+
+    kind: int
+    weights: list[torch.Tensor]
+    ints: tuple[int, ...] = ()
+    floats: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    experts: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """The kernel's arguments that do not change from step to step."""
+
+    weights: list[torch.Tensor]
+    ints: list[int]
+    floats: list[float]
+    dims: list[int]
+    scalars: list[float]
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    experts: list[torch.Tensor] = field(default_factory=list)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float().contiguous()
+
+
+def _attention(m: Attention) -> tuple[Part, tuple[int, ...]] | None:
+    s = m.shape
+    if s.bias or s.out_bias or s.head_dim % 16:
+        return None
+    norms = [m.q_norm.scale().contiguous(), m.k_norm.scale().contiguous()] if s.qk_norm \
+        else [EMPTY, EMPTY]
+    eps = float(m.q_norm.eps) if s.qk_norm else 0.0
+    freqs = EMPTY if m.freqs is None else m.freqs.contiguous()
+    part = Part(ATTENTION, [m.qkv_weight(), *norms, invariant.packed(m.o_proj), freqs],
+                floats=(m.q_scale, s.key_multiplier, eps))
+    return part, (s.heads, s.kv_heads, s.head_dim, s.rotary_dim)
+
+
+def _short_conv(m: ShortConv) -> tuple[Part, tuple[int, ...]] | None:
+    if m.conv.bias is not None or m.in_proj.bias is not None:
+        return None
+    return Part(SHORT_CONV, [invariant.packed(m.in_proj), m.conv_weight(),
+                             invariant.packed(m.out_proj)]), ()
+
+
+def _mamba2(m: Mamba2) -> tuple[Part, tuple[int, ...]] | None:
+    s = m.shape
+    if s.proj_bias or s.in_multiplier != 1.0 or s.proj_multipliers is not None:
+        return None
+    bias = EMPTY if m.conv1d.bias is None else _f32(m.conv1d.bias)
+    norm = _f32(m.norm.weight) if s.gated_norm else EMPTY
+    eps = float(m.norm.eps) if s.gated_norm else 0.0
+    part = Part(MAMBA2, [invariant.packed(m.in_proj), m.conv_weight(), bias, _f32(m.A_log),
+                         _f32(m.dt_bias), _f32(m.D), norm, invariant.packed(m.out_proj)],
+                ints=(int(s.norm_before_gate), int(s.gated_norm)),
+                floats=(float(s.dt_limit[0]), float(s.dt_limit[1]), eps))
+    return part, (s.heads, s.head_dim, s.d_state, s.groups)
+
+
+def _mlp(kind: int) -> Callable[[SwiGLU | ReluSquaredMLP], tuple[Part, tuple[int, ...]] | None]:
+    """The describer of a dense MLP of ``kind`` (SWIGLU or RELU_SQUARED): its two GEMM
+    weights and its hidden size."""
+    def describe(m: SwiGLU | ReluSquaredMLP) -> tuple[Part, tuple[int, ...]] | None:
+        weights = m.native_weights()
+        if weights is None:
+            return None
+        return Part(kind, weights, ints=(m.down_proj.in_features, 0)), ()
+    return describe
+
+
+def describe_experts(m: SparseMoE) -> tuple[Part, tuple[int, ...]] | None:
+    """The router, the shared expert and the latent projections in the slots, the experts
+    beside them (:meth:`SparseMoE.native_args`); ``ints[0]`` (where the layer's experts
+    start in the plan's list) is set by :func:`plan`; ``ints[2]``: moe.h's Router in bits.
+    Qwen's whole-model step (``qwen35_step.cpp``) takes the same part (its first five
+    slots: Qwen has no latent experts)."""
+    args = m.native_args()
+    if args is None:
+        return None
+    weights = args.weights if m.form.latent else args.weights[:5]
+    return Part(EXPERTS, weights, ints=(0, args.top_k, args.flags),
+                floats=(args.norm_eps, args.scaling, 0.0), experts=args.experts), ()
+
+
+DESCRIBE: dict[type, Any] = {Attention: _attention, ShortConv: _short_conv, Mamba2: _mamba2,
+                             SwiGLU: _mlp(SWIGLU), ReluSquaredMLP: _mlp(RELU_SQUARED),
+                             SparseMoE: describe_experts}
+SHAPE_OF = {ATTENTION: "attention", MAMBA2: "mamba2"}
+
+
+def _part(module: nn.Module | None, norm: nn.Module | None, out: Plan
+          ) -> tuple[list[torch.Tensor], list[int], list[float]] | None:
+    """A layer part's slots (norm first), ints (kind first) and floats (eps first); None if
+    the kernel cannot run it. Records the part's shape in ``out.shapes`` (one per kind) and
+    appends its experts to ``out.experts``."""
+    if module is None:
+        return [EMPTY] * (1 + PART_SLOTS), [0] * (1 + PART_INTS), [0.0] * 4
+    describe = DESCRIBE.get(type(module))
+    if describe is None or type(norm) is not RMSNorm:
+        return None
+    found = describe(module)
+    if found is None:
+        return None
+    part, shape = found
+    name = SHAPE_OF.get(part.kind)
+    if name is not None and out.shapes.setdefault(name, shape) != shape:
+        return None  # one shape per kind: the kernel takes them as dims
+    assert norm is not None
+    slots = [norm.scale().contiguous(), *part.weights]
+    slots += [EMPTY] * (1 + PART_SLOTS - len(slots))
+    ints = list(part.ints) + [0] * (PART_INTS - len(part.ints))
+    if part.experts:
+        ints[0] = len(out.experts)
+        out.experts += part.experts
+    return slots, [part.kind, *ints], [float(norm.eps), *part.floats]
+
+
+def plan(model: Any) -> Plan | None:
+    """The kernel's arguments for ``model`` (a DecoderLM), or None if a layer is not one the
+    kernel implements."""
+    from linserve.model.layers.decoder import Block
+
+    if type(model.model.norm) is not RMSNorm:
+        return None
+    emb = model.model.embed_tokens
+    head = invariant.gemm_weight(emb, emb.weight) if model.lm_head is None \
+        else invariant.packed(model.lm_head)
+    out = Plan([invariant.embedding_table(emb), head, model.model.norm.scale().contiguous()],
+               [], [], [], [])
+    for layer in model.model.layers:
+        if type(layer) is not Block:
+            return None
+        parts = [_part(layer.mixer if layer.has_mixer else None,
+                       layer.input_layernorm if layer.has_mixer else None, out),
+                 _part(layer.mlp if layer.has_mlp else None,
+                       layer.post_attention_layernorm if layer.has_mlp else None, out)]
+        described = [p for p in parts if p is not None]
+        if len(described) < 2:
+            return None
+        out.floats.append(float(layer.residual_scale))
+        for slots, ints, floats in described:
+            out.weights += slots
+            out.ints += ints
+            out.floats += floats
+    attn = out.shapes.get("attention", (1, 1, 16, 0))
+    out.dims = [emb.embedding_dim, *attn, *out.shapes.get("mamba2", (1, 1, 1, 1))]
+    out.scalars = [float(model.model.norm.eps), float(model.embedding_scale),
+                   float(model.logits_scaling)]
+    return out
+
+
+def state_tensors(state: State) -> list[torch.Tensor] | None:
+    """Each layer's two state tensors as the kernel takes them (None: a layout it does not
+    take, as a sliding window's ring of keys)."""
+    out: list[torch.Tensor] = []
+    for entries in state.layers:
+        kv, rec, conv = entries.get("kv"), entries.get("recurrent"), entries.get("conv")
+        if isinstance(kv, KVEntry) and not kv.window:
+            out += [kv.k, kv.v]
+        elif isinstance(rec, RecurrentEntry) and isinstance(conv, ConvEntry):
+            out += [rec.s, conv.window]
+        elif isinstance(conv, ConvEntry) and len(entries) == 1:
+            out += [conv.window, EMPTY]
+        elif not entries:
+            out += [EMPTY, EMPTY]
+        else:
+            return None
+    return out if all(t.is_contiguous() for t in out) else None
+
+
+def step(p: Plan, tokens: torch.Tensor, state: State) -> torch.Tensor | None:
+    """One native step (tokens ``[B]`` -> logits ``[B, V]``, the state advanced in place but
+    for its lengths), or None if the state's tensors are not laid out for it."""
+    tensors = state_tensors(state)
+    if tensors is None:
+        return None
+    return torch.ops.linserve.decoder_step(tokens.contiguous(), p.weights, p.experts, tensors,
+                                           state.lengths, p.ints, p.floats, p.dims, p.scalars)

@@ -1,0 +1,26 @@
+"""Rotary position embeddings (the "rotate half" convention of Llama and Qwen)."""
+
+from __future__ import annotations
+
+import torch
+
+from linserve.model import invariant
+
+
+def inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
+    """The rotary frequencies ``[rotary_dim / 2]`` fp32."""
+    steps = torch.arange(0, rotary_dim, 2, dtype=torch.float, device="cpu")  # even under meta
+    return 1.0 / (theta ** (steps / rotary_dim))
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on the first ``2 · len(freqs)`` channels of each head (halves
+    rotated; the rest pass through). x ``[B, H, T, D]``, pos ``[B, T]`` (or ``[1, T]``)."""
+    rot = 2 * freqs.shape[0]
+    angles = pos[..., None].float() * freqs  # [B, T, rot/2]
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = (invariant.rowwise(f, emb)[:, None] for f in (torch.cos, torch.sin))
+    xr, xp = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    return torch.cat([xr * cos + rotated * sin, xp], dim=-1)

@@ -1,0 +1,165 @@
+"""Loading a checkpoint folder as a :class:`linserve.model.interface.ServedModel`.
+
+Each architecture family registers how to recognise its checkpoints and load them; the
+server calls :func:`load` and :func:`max_state_bytes` and never imports a family itself.
+Known: the project's own checkpoints (:mod:`linserve.model.architectures.linserve`), Qwen3.5 and
+Qwen3.5-MoE (:mod:`linserve.model.architectures.qwen3_5`), Qwen3-Next, and the Hugging Face families
+of :data:`HF_FAMILIES` (LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H, Falcon-H1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from linserve.model import invariant, kernels
+from linserve.model.architectures import (
+    falcon_h1,
+    granite_hybrid,
+    hf,
+    lfm2,
+    lfm2_moe,
+    nemotron_h,
+    qwen3_5,
+    qwen3_next,
+)
+from linserve.model.architectures.family import HFFamily
+from linserve.model.architectures.linserve import OwnModel, is_own_checkpoint
+from linserve.model.architectures.linserve import max_state_bytes as own_max_state_bytes
+from linserve.model.interface import CheckpointError, ServedModel
+from linserve.model.kernels import cpu_flags
+
+# CPU flags (as /proc/cpuinfo names them) of native bf16 dot products: AVX512-BF16's
+# vdpbf16ps and AMX's tile products. Without them oneDNN emulates bf16 through fp32.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to recognise, size and load one architecture family's checkpoints."""
+
+    name: str
+    recognise: Callable[[Path], bool]
+    load: Callable[[Path, torch.dtype, bool, bool], ServedModel]
+    max_state_bytes: Callable[[Path], int]
+    check: Callable[[Path, torch.dtype], None]
+    params: Callable[[Path], int]
+
+
+FAMILIES = [
+    Family("linserve", is_own_checkpoint, OwnModel.load, own_max_state_bytes,
+           lambda path, dtype: None, lambda path: hf.checkpoint_params(path)),
+    *(Family(v.name, v.recognise, v.load, v.max_state_bytes, v.check, v.params)
+      for v in (qwen3_5.QWEN3_5, qwen3_next.VARIANT)),
+]
+HF_FAMILIES: list[HFFamily] = [lfm2.FAMILY, lfm2_moe.FAMILY, granite_hybrid.FAMILY,
+                               nemotron_h.FAMILY, falcon_h1.FAMILY]
+FAMILIES += [Family(f.name, f.recognise, f.load, f.max_state_bytes, f.check, f.params)
+             for f in HF_FAMILIES]
+# Bytes a parameter takes as served under each quantization (int8: one fp32 scale per output
+# column, counted as nothing; int4: 4 bits and an fp16 scale per 32); None: the dtype's size.
+QUANTIZED_BYTES = {"int8": 1.0, "int4": 0.5625}
+
+
+def family(path: Path) -> Family:
+    """The family whose checkpoints look like ``path``."""
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
+    for fam in FAMILIES:
+        if fam.recognise(path):
+            return fam
+    config = hf.read_json(path / "config.json")
+    raise CheckpointError(f"{path}: unknown architecture (model_type "
+                          f"{config.get('model_type')!r}; this server loads its own "
+                          f"checkpoints and {', '.join(known_model_types())})")
+
+
+def known_model_types() -> list[str]:
+    """Every Hugging Face ``model_type`` some family serves."""
+    return [*qwen3_5.MODEL_TYPES, *qwen3_next.VARIANT.model_types,
+            *(t for f in HF_FAMILIES for t in f.model_types)]
+
+
+def resolve(path_or_id: str | Path) -> Path:
+    """A checkpoint folder, or a Hugging Face repo id through the local cache / the Hub."""
+    return hf.resolve(path_or_id)
+
+
+def pick_dtype(requested: str, flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """The weight dtype to load (``float32`` or ``bfloat16``) and why, for the startup log
+    and ``/health``. ``auto`` is bf16 exactly where the CPU has native bf16 products."""
+    if requested != "auto":
+        return requested, f"--dtype {requested} was set"
+    have = [f for f in BF16_FLAGS if f in (cpu_flags() if flags is None else flags)]
+    if have:
+        return "bfloat16", f"auto: the CPU has native bf16 dot products ({', '.join(have)})"
+    return "float32", "auto: the CPU has neither AVX512-BF16 nor AMX, so bf16 would be emulated"
+
+
+def load(path: Path, dtype: str = "auto", fused: bool = True,
+         batch_invariant: bool = True, quantization: str = "none",
+         weights: bool = True) -> ServedModel:
+    """Load the checkpoint at ``path`` with weights in ``dtype`` (see :func:`pick_dtype`),
+    the native fused step where the architecture has one, batch-invariant kernels
+    (:mod:`linserve.model.invariant`) unless turned off, and GEMM weights quantized to
+    ``quantization`` (:mod:`linserve.model.quantize`). ``weights=False``: the model described
+    without reading its weights (config, tokenizer, template, fingerprint, states and their
+    codec; it cannot run, and ``info.weight_bytes`` is 0): what the HTTP process needs
+    beside an engine process."""
+    fam = family(path)
+    kernels.load()  # the invariant GEMM and the native sampler serve every architecture
+    if quantization != "none" and not kernels.available():
+        raise CheckpointError(f"--quantization {quantization} needs the native kernels, "
+                              f"which did not load ({kernels.load_error()})")
+    invariant.set_enabled(batch_invariant)
+    invariant.set_quantization(quantization)
+    try:
+        return fam.load(path, getattr(torch, pick_dtype(dtype)[0]), fused, weights)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+
+
+def check(path: Path, dtype: str = "auto", quantization: str = "none", budget: int = 0
+          ) -> None:
+    """Check the checkpoint at ``path`` as far as possible without loading its weights (the
+    server does this before it starts, so a bad checkpoint is one line, not a traceback):
+    that its weights, as served, fit the memory available and the ``budget``
+    (``--max-memory``; 0: none), then the family's own checks (config, tensors, tokenizer).
+    """
+    fam = family(path)
+    dt = getattr(torch, pick_dtype(dtype)[0])
+    need = weight_bytes(fam.params(path), dt, quantization)
+    served = quantization if quantization != "none" else str(dt).removeprefix("torch.")
+    have = available_memory()
+    if need > 0.9 * have:
+        raise CheckpointError(f"{path}: the weights need {need / 2**30:.1f} GiB as {served}, "
+                              f"{have / 2**30:.1f} GiB is available")
+    if budget and need > budget:
+        raise CheckpointError(f"{path}: the weights need {need / 2**30:.1f} GiB as {served}, "
+                              f"more than --max-memory ({budget / 2**30:.1f} GiB)")
+    fam.check(path, dt)
+
+
+def weight_bytes(params: int, dtype: torch.dtype, quantization: str = "none") -> int:
+    """The bytes ``params`` parameters take as served (an estimate before loading)."""
+    per = QUANTIZED_BYTES.get(quantization) or torch.empty(0, dtype=dtype).element_size()
+    return int(params * per)
+
+
+def max_state_bytes(path: Path) -> int:
+    """The largest one-session state the checkpoint at ``path`` can have, without loading
+    its weights (the bound on an imported blob)."""
+    return family(path).max_state_bytes(path)
+
+
+def available_memory() -> int:
+    """Bytes this process may still use: the cgroup limit, else MemAvailable."""
+    return hf.available_memory()
+
+
+def batch_invariant_active() -> bool:
+    """Whether batch-invariant kernels are running in this process."""
+    return invariant.active()

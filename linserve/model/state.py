@@ -1,0 +1,427 @@
+"""Per-sequence inference state: a sequence of per-layer entries, batched along dim 0.
+
+One model serves many sessions, so state lives outside ``nn.Module``. A :class:`State` holds,
+for each layer, a small dict of named entries, plus ``lengths [B]``: the tokens each row has
+consumed (the position of its next token). An entry is one of:
+
+- :class:`RecurrentEntry`: a matrix state per head, s ``[B, H, F, M]``, and where the model
+  normalises by it z ``[B, H, F]``; constant size, fp32.
+- :class:`ConvEntry`: a short causal convolution's window, ``[B, K-1, C]`` fp32.
+- :class:`KVEntry`: keys and values ``[B, H, C, D]`` in C slots that grow in blocks of 256 up to
+  a limit; with ``window = W`` a ring of W slots that never grows past W.
+
+A model may mix entry types across layers (a hybrid keeps recurrent and conv entries in most
+layers and a KV cache in a few). Every entry selects, copies, concatenates, writes and moves
+rows, and knows its bytes and whether it can be cut back to a prefix (only a KV cache can:
+a recurrent sum cannot be un-added). The server sees only :class:`State`'s methods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+Index = torch.Tensor | Sequence[int] | slice
+
+
+KV_BLOCK = 256  # slots a KV cache grows by
+
+
+def _blocks(positions: int) -> int:
+    """``positions`` rounded up to whole :data:`KV_BLOCK` blocks."""
+    return -(-positions // KV_BLOCK) * KV_BLOCK
+
+
+class StateError(ValueError):
+    """A state blob that cannot be used with this model (wrong model, shape, dtype or format)."""
+
+
+def _rows(t: torch.Tensor, idx: Index) -> torch.Tensor:
+    """A contiguous copy of the rows ``idx`` (dim 0)."""
+    # Copies are made contiguous explicitly: clone() keeps a strided view's layout where it
+    # can and takes a slow path where it cannot (a KV row trimmed to its used slots: 0.56
+    # against 0.11 ms).
+    dense = torch.contiguous_format
+    if isinstance(idx, slice):
+        return t[idx].clone(memory_format=dense)
+    if not isinstance(idx, torch.Tensor) and len(idx) == 1:  # one row: a plain strided copy
+        return t.narrow(0, int(idx[0]), 1).clone(memory_format=dense)
+    # index_select already copies: a second copy would leave a freed buffer of the same
+    # size between long-lived ones (heap fragmentation measured in the soak test).
+    return t.index_select(0, torch.as_tensor(idx, dtype=torch.long))
+
+
+@dataclass
+class Entry:
+    """One layer's piece of state. Subclasses name their tensors in ``TENSORS`` (all batched
+    on dim 0); other dataclass fields are parameters (a ring's window)."""
+
+    KIND: ClassVar[str] = ""
+    TENSORS: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def truncatable(self) -> bool:
+        """Whether the entry can be cut back to a prefix of what it has consumed."""
+        return False
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The entry's tensors by name (absent optional ones left out)."""
+        return {n: t for n in self.TENSORS if (t := getattr(self, n)) is not None}
+
+    def params(self) -> dict[str, Any]:
+        """Everything but the tensors: what a blob's layout records."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in self.TENSORS}
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.tensors().values())).shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def _with(self, tensors: dict[str, torch.Tensor]) -> Entry:
+        return dataclasses.replace(self, **tensors)
+
+    def select(self, idx: Index, lengths: torch.Tensor) -> Entry:
+        """A copy of rows ``idx`` (``lengths``: those rows' token counts)."""
+        return self._with({n: _rows(t, idx) for n, t in self.tensors().items()})
+
+    def rows(self, n: int) -> Entry:
+        """The first ``n`` rows as a view sharing this entry's memory."""
+        return self._with({k: t[:n] for k, t in self.tensors().items()})
+
+    def write_rows(self, dst: Index, src: Entry) -> None:
+        """Copy ``src``'s rows into rows ``dst``, in place."""
+        theirs = src.tensors()
+        for n, t in self.tensors().items():
+            t[dst] = theirs[n]
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy row ``src`` over row ``dst`` in place."""
+        for t in self.tensors().values():
+            t[dst].copy_(t[src])
+
+    def resize_rows(self, rows: int, live: int) -> None:
+        """Reallocate to ``rows`` rows (dim 0), copying rows ``[0, live)``; the others are
+        left unwritten until :meth:`write_rows` fills one whole (a slot pool growing or
+        giving memory back)."""
+        for name, old in self.tensors().items():
+            new = old.new_empty(rows, *old.shape[1:])
+            new[:live] = old[:live]
+            setattr(self, name, new)
+
+    def reserve(self, positions: int, live: int | None = None) -> None:
+        """Make room for ``positions`` tokens per row (only a KV cache needs any)."""
+
+    def reserve_like(self, src: Entry, live: int | None = None) -> None:
+        """Make room to write ``src``'s rows here (only a KV cache needs any)."""
+
+    @classmethod
+    def cat(cls, entries: Sequence[Entry]) -> Entry:
+        first = entries[0]
+        return first._with({n: torch.cat([e.tensors()[n] for e in entries])
+                            for n in first.tensors()})
+
+
+@dataclass
+class RecurrentEntry(Entry):
+    """s ``[B, H, F, M]`` = Σ φ(k)vᵀ (decayed, for gated models) and, where the model divides
+    by it, z ``[B, H, F]`` = Σ φ(k). Both fp32, constant in size."""
+
+    s: torch.Tensor
+    z: torch.Tensor | None = None
+    KIND: ClassVar[str] = "recurrent"
+    TENSORS: ClassVar[tuple[str, ...]] = ("s", "z")
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, key_dim: int, value_dim: int,
+              with_z: bool = True) -> RecurrentEntry:
+        return cls(torch.zeros(batch, heads, key_dim, value_dim),
+                   torch.zeros(batch, heads, key_dim) if with_z else None)
+
+
+@dataclass
+class ConvEntry(Entry):
+    """A causal convolution's last K-1 inputs, ``window [B, K-1, C]`` fp32."""
+
+    window: torch.Tensor
+    KIND: ClassVar[str] = "conv"
+    TENSORS: ClassVar[tuple[str, ...]] = ("window",)
+
+    @classmethod
+    def empty(cls, batch: int, width: int, channels: int) -> ConvEntry:
+        return cls(torch.zeros(batch, max(width - 1, 0), channels))
+
+
+@dataclass
+class KVEntry(Entry):
+    """Keys and values ``[B, H, C, D]``, written at each row's own position. C grows in
+    blocks of :data:`KV_BLOCK` slots, never per step, up to ``max_context`` (as llama.cpp's
+    cache and vLLM's pages grow: doubling held up to twice what was used). With
+    ``window = W > 0`` it is a ring of at most W slots: position p lives in slot p mod W."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    max_context: int
+    window: int = 0
+    KIND: ClassVar[str] = "kv"
+    TENSORS: ClassVar[tuple[str, ...]] = ("k", "v")
+
+    @property
+    def truncatable(self) -> bool:
+        """A full cache can forget its last positions; a ring has overwritten older ones."""
+        return not self.window
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, head_dim: int, max_context: int, window: int = 0,
+              capacity: int = 0) -> KVEntry:
+        cap = min(max(capacity, 16), window or max_context)
+        shape = (batch, heads, cap, head_dim)
+        return cls(torch.zeros(shape), torch.zeros(shape), max_context, window)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def slot_limit(self) -> int:
+        """The most slots this cache may ever hold: W for a ring, else max_context."""
+        return self.window or self.max_context
+
+    def slots_used(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Slots holding keys per row ``[B]``: the length, capped at W for a ring."""
+        return lengths.clamp(max=self.window) if self.window else lengths
+
+    def reserve(self, positions: int, live: int | None = None) -> None:
+        """Room for ``positions`` tokens per row (doubling; amortised O(1) per token). A ring
+        needs at most W slots, so it never refuses a length. ``live``: see :meth:`resize`."""
+        if self.window:
+            positions = min(positions, self.window)
+        elif positions > self.max_context:
+            raise ValueError(f"context of {positions} tokens exceeds max_context "
+                             f"{self.max_context}")
+        if positions <= self.capacity:
+            return
+        self.resize(min(_blocks(positions), self.slot_limit), live)
+
+    def trim(self, lengths: torch.Tensor) -> None:
+        """Keep only the slots the rows use (rounded up to 16), as :meth:`select` does: for
+        a state that is kept (a prefix-cache entry), not grown."""
+        cap = self._trimmed(lengths)
+        if cap < self.capacity:
+            self.resize(cap)
+
+    def _trimmed(self, lengths: torch.Tensor) -> int:
+        """The slots rows of ``lengths`` use, rounded up to 16."""
+        used = int(self.slots_used(lengths).max()) if lengths.numel() else 0
+        return max(min(-(-max(used, 1) // 16) * 16, self.slot_limit), used)
+
+    def resize(self, capacity: int, live: int | None = None) -> None:
+        """Reallocate to exactly ``capacity`` slots, copying. A ring only wraps once it holds
+        W slots, so growing it never reorders anything.
+
+        ``live = n`` (a slot pool) copies and zero-fills only rows ``[0, n)``; the other rows
+        are left unwritten until :meth:`write_rows` fills one whole. The pool holds a row per
+        possible sequence, so at 64 rows and 2,048 slots a full copy is 1 GiB: it stalled the
+        batch for 2.5 s when one conversation first passed 1,024 tokens."""
+        if capacity == self.capacity:
+            return
+        keep = min(capacity, self.capacity)
+        rows = self.batch_size if live is None else live
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
+            new[:rows, :, :keep] = old[:rows, :, :keep]
+            new[:rows, :, keep:] = 0  # masked-out slots must hold numbers, not garbage
+            setattr(self, name, new)
+
+    def reserve_like(self, src: Entry, live: int | None = None) -> None:
+        assert isinstance(src, KVEntry)
+        self.reserve(src.capacity, live)
+
+    def select(self, idx: Index, lengths: torch.Tensor) -> KVEntry:
+        """A copy of rows ``idx``, trimmed to the capacity they need."""
+        cap = self._trimmed(lengths)
+        return KVEntry(_rows(self.k[:, :, :cap], idx), _rows(self.v[:, :, :cap], idx),
+                       self.max_context, self.window)
+
+    def write_rows(self, dst: Index, src: Entry) -> None:
+        """Copy ``src``'s rows into rows ``dst``; their slots past ``src``'s capacity are
+        zeroed (they may hold anything after a live-only :meth:`resize`)."""
+        assert isinstance(src, KVEntry)
+        used = src.capacity
+        self.reserve(used)
+        for mine, theirs in ((self.k, src.k), (self.v, src.v)):
+            mine[dst, :, :used] = theirs
+            mine[dst, :, used:] = 0
+
+    @classmethod
+    def cat(cls, entries: Sequence[Entry]) -> Entry:
+        kvs = [e for e in entries if isinstance(e, KVEntry)]
+        cap = max(e.capacity for e in kvs)
+        for e in kvs:
+            e.resize(cap)
+        return super().cat(kvs)
+
+
+ENTRY_TYPES: dict[str, type[Entry]] = {t.KIND: t for t in (RecurrentEntry, ConvEntry, KVEntry)}
+Layer = dict[str, Entry]
+
+
+@dataclass
+class State:
+    """Per-layer entries (``layers[l]`` maps a name such as ``"recurrent"`` or ``"kv"`` to an
+    entry) and ``lengths [B]`` int64, the tokens each row has consumed."""
+
+    layers: list[Layer]
+    lengths: torch.Tensor
+
+    def entries(self) -> Iterator[Entry]:
+        for layer in self.layers:
+            yield from layer.values()
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries()) + self.lengths.numel() * 8
+
+    @property
+    def truncatable(self) -> bool:
+        """Whether the state can be cut back to a prefix (every entry a KV cache)."""
+        return all(e.truncatable for e in self.entries())
+
+    def truncate(self, positions: int) -> None:
+        """Cut every row back to its first ``positions`` tokens (a truncatable state)."""
+        if not self.truncatable:
+            raise ValueError("this state cannot be cut back to a prefix")
+        self.lengths.fill_(positions)
+
+    @property
+    def grows(self) -> bool:
+        """Whether it grows with the context (a KV cache that is not a ring)."""
+        return any(isinstance(e, KVEntry) and not e.window for e in self.entries())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor by ``"{layer}.{entry}.{tensor}"``, and ``"lengths"``."""
+        out = {f"{i}.{name}.{t}": x for i, layer in enumerate(self.layers)
+               for name, e in layer.items() for t, x in e.tensors().items()}
+        out["lengths"] = self.lengths
+        return out
+
+    def layout(self) -> list[dict[str, dict[str, Any]]]:
+        """What each layer holds: ``{name: {"kind": ..., **params}}`` (a blob's header)."""
+        return [{name: {"kind": e.KIND, **e.params()} for name, e in layer.items()}
+                for layer in self.layers]
+
+    def _map(self, fn: Any, lengths: torch.Tensor) -> State:
+        return State([{n: fn(e) for n, e in layer.items()} for layer in self.layers], lengths)
+
+    def select(self, idx: Index) -> State:
+        """A copy of the rows ``idx``."""
+        lengths = _rows(self.lengths, idx)
+        return self._map(lambda e: e.select(idx, lengths), lengths)
+
+    def copy(self) -> State:
+        return self.select(slice(None))
+
+    def to(self, dtype: torch.dtype) -> State:
+        """A copy with floating tensors in ``dtype`` (float64 references in tests)."""
+        return self._map(lambda e: e._with({k: t.to(dtype) for k, t in e.tensors().items()}),
+                         self.lengths.clone())
+
+    def rows(self, n: int) -> State:
+        """The first ``n`` rows as a view sharing this state's memory."""
+        return self._map(lambda e: e.rows(n), self.lengths[:n])
+
+    def write_rows(self, dst: Index, src: State) -> None:
+        """Copy ``src``'s rows into rows ``dst`` of this (pool) state, in place."""
+        for mine, theirs in zip(self.layers, src.layers, strict=True):
+            for name, e in mine.items():
+                e.write_rows(dst, theirs[name])
+        self.lengths[dst] = src.lengths
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy row ``src`` over row ``dst`` in place."""
+        for e in self.entries():
+            e.move_row(src, dst)
+        self.lengths[dst] = self.lengths[src]
+
+    def resize_rows(self, rows: int, live: int) -> None:
+        """Reallocate every entry to ``rows`` rows keeping rows ``[0, live)``
+        (:meth:`Entry.resize_rows`); new rows have length 0."""
+        for e in self.entries():
+            e.resize_rows(rows, live)
+        lengths = self.lengths.new_zeros(rows)
+        lengths[:live] = self.lengths[:live]
+        self.lengths = lengths
+
+    def reserve(self, positions: int, live: int | None = None) -> None:
+        """Room for ``positions`` tokens per row in every entry that needs it (KV caches);
+        ``live``: only rows ``[0, live)`` hold data (a slot pool)."""
+        for e in self.entries():
+            e.reserve(positions, live)
+
+    def reserve_like(self, src: State, live: int | None = None) -> None:
+        """Room to write ``src``'s rows here; ``live`` as in :meth:`reserve`."""
+        for mine, theirs in zip(self.layers, src.layers, strict=True):
+            for name, e in mine.items():
+                e.reserve_like(theirs[name], live)
+
+    def reserve_step(self, live: int) -> bool:
+        """Room for one more token in each of the first ``live`` rows (a slot pool's);
+        whether any tensor was reallocated (views of this state are then stale)."""
+        kvs = self.kv_entries
+        if not (live and kvs):
+            return False
+        before = [e.capacity for e in kvs]
+        self.reserve(int(self.lengths[:live].max()) + 1, live)
+        return [e.capacity for e in kvs] != before
+
+    def trim_kv(self) -> None:
+        """Cut every KV cache down to the slots its rows use (:meth:`KVEntry.trim`)."""
+        for e in self.kv_entries:
+            e.trim(self.lengths)
+
+    @functools.cached_property
+    def kv_entries(self) -> list[KVEntry]:
+        """The KV-cache entries (the only ones that grow)."""
+        return [e for e in self.entries() if isinstance(e, KVEntry)]
+
+    @classmethod
+    def cat(cls, states: Sequence[State]) -> State:
+        """Concatenate states of one layout along the batch dimension."""
+        first = states[0]
+        layers = [{name: type(e).cat([st.layers[i][name] for st in states])
+                   for name, e in layer.items()} for i, layer in enumerate(first.layers)]
+        return cls(layers, torch.cat([st.lengths for st in states]))
+
+    def unbatch(self) -> list[State]:
+        """Single-row copies of every row."""
+        return [self.select([i]) for i in range(self.batch_size)]
+
+    @classmethod
+    def from_tensors(cls, layout: list[dict[str, dict[str, Any]]],
+                     tensors: dict[str, torch.Tensor]) -> State:
+        """Rebuild from :meth:`layout` and :meth:`tensors` (no validation: see
+        :mod:`linserve.model.state_blob`). Raises KeyError for a missing tensor or entry kind."""
+        layers: list[Layer] = []
+        for i, spec in enumerate(layout):
+            layer: Layer = {}
+            for name, desc in spec.items():
+                params = {k: v for k, v in desc.items() if k != "kind"}
+                etype = ENTRY_TYPES[desc["kind"]]
+                named = {t: tensors[f"{i}.{name}.{t}"] for t in etype.TENSORS
+                         if f"{i}.{name}.{t}" in tensors}
+                layer[name] = etype(**named, **params)
+            layers.append(layer)
+        return cls(layers, tensors["lengths"])

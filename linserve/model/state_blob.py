@@ -1,0 +1,146 @@
+"""Session blobs: a :class:`~linserve.model.state.State` as safetensors bytes, and back, validated.
+
+Format 3 (this one) names every tensor ``"{layer}.{entry}.{tensor}"`` plus ``"lengths"``,
+and records the per-layer layout, the format version and the fingerprint of the model that
+made it in the header. Formats 1 and 2 (one stacked ``s``/``z``/``conv`` for linear models, or
+``k``/``v``/``lengths`` ``[B, L, ...]`` for KV caches) still import: they are split into the
+same per-layer entries and then checked like any format-3 blob. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State, StateError
+
+STATE_FORMAT_VERSION = 3
+READABLE_FORMAT_VERSIONS = ("1", "2", "3")
+
+
+def state_to_bytes(state: State, fingerprint: str, extra: dict[str, Any] | None = None) -> bytes:
+    """Serialise with the format version, layout and model fingerprint in the header."""
+    meta = {"format_version": str(STATE_FORMAT_VERSION), "fingerprint": fingerprint,
+            "layout": json.dumps(state.layout()), "extra": json.dumps(extra or {})}
+    return st_save({k: v.contiguous() for k, v in state.tensors().items()}, metadata=meta)
+
+
+def _read_header(data: bytes) -> dict[str, Any]:
+    if len(data) < 8:
+        raise StateError("state blob is truncated")
+    n = int.from_bytes(data[:8], "little")
+    if n <= 0 or 8 + n > len(data):
+        raise StateError("state blob is truncated or not safetensors")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StateError("state blob header is not valid safetensors JSON") from exc
+    if not isinstance(header, dict):
+        raise StateError("state blob header is not a JSON object")
+    return header
+
+
+def state_from_bytes(data: bytes, template: State, fingerprint: str
+                     ) -> tuple[State, dict[str, Any]]:
+    """Parse and validate a blob against ``template`` (the model's one-row empty state);
+    returns (state, extra). Raises :class:`StateError` for another model's state, a wrong
+    layout, shape or dtype, or anything that is not a well-formed safetensors blob."""
+    meta = _read_header(data).get("__metadata__") or {}
+    version = meta.get("format_version")
+    if version not in READABLE_FORMAT_VERSIONS:
+        raise StateError(f"unsupported state format version {version!r} "
+                         f"(this server reads {', '.join(READABLE_FORMAT_VERSIONS)})")
+    if meta.get("fingerprint") != fingerprint:
+        raise StateError("state was made by a different model (fingerprint mismatch)")
+    try:
+        tensors = st_load(data)
+        extra = json.loads(meta.get("extra", "{}"))
+        extra = extra if isinstance(extra, dict) else {}
+        if version == "3":
+            layout = json.loads(meta.get("layout", "null"))
+        else:
+            tensors, layout = _upgrade(meta, tensors, template, extra)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        if isinstance(exc, StateError):
+            raise
+        raise StateError(f"state blob is corrupt: {exc}") from exc
+    if layout != template.layout():
+        raise StateError("state layout does not match this model's layers")
+    return _build(tensors, template), extra
+
+
+def _upgrade(meta: dict[str, str], tensors: dict[str, torch.Tensor], template: State,
+             extra: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
+    """A format-1/2 blob's stacked tensors split into the template's per-layer names."""
+    kind = meta.get("kind")
+    expected = "softmax" if any(isinstance(e, KVEntry) for e in template.entries()) \
+        else "linear"
+    if kind != expected:
+        raise StateError(f"state kind {kind!r} does not match model ({expected})")
+    window = next((e.window for e in template.entries() if isinstance(e, KVEntry)), 0)
+    if kind == "softmax" and meta.get("window", "0") != str(window):
+        raise StateError(f"state is a KV cache for window {meta.get('window', '0')!r}; "
+                         f"this model's window is {window}")
+    if set(tensors) != ({"k", "v", "lengths"} if kind == "softmax" else {"s", "z", "conv"}):
+        raise StateError("state blob has unexpected tensors")
+    out: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(template.layers):
+        for name, e in layer.items():
+            pick = {RecurrentEntry: {"s": ("s", 0), "z": ("z", 0)}, ConvEntry: {
+                "window": ("conv", 0)}, KVEntry: {"k": ("k", 1), "v": ("v", 1)}}[type(e)]
+            for t, (old, dim) in pick.items():
+                if old not in tensors or tensors[old].dim() < 2 \
+                        or tensors[old].shape[dim] != len(template.layers):
+                    raise StateError(f"state tensor {old} has the wrong shape")
+                out[f"{i}.{name}.{t}"] = tensors[old].select(dim, i)
+    if kind == "softmax":
+        out["lengths"] = tensors["lengths"]
+    else:  # linear blobs did not count tokens: the session's count, less what is pending
+        rows = tensors["s"].shape[1]
+        held = int(extra.get("tokens", 0) or 0) - len(extra.get("pending", []) or [])
+        out["lengths"] = torch.full((rows,), max(held, 0), dtype=torch.long)
+    return out, template.layout()
+
+
+def _build(tensors: dict[str, torch.Tensor], template: State) -> State:
+    """Check every tensor's name, dtype, shape and values against the template."""
+    lengths = tensors.get("lengths")
+    if lengths is None or lengths.dtype != torch.long or lengths.dim() != 1:
+        raise StateError("state tensor lengths is missing or not int64 [B]")
+    rows = lengths.shape[0]
+    if rows < 1 or int(lengths.min()) < 0:
+        raise StateError("state lengths are out of range")
+    ref = template.tensors()
+    if set(tensors) != set(ref):
+        raise StateError("state blob has missing or unexpected tensors")
+    state = State.from_tensors(template.layout(), tensors)
+    for mine, theirs in zip(state.layers, template.layers, strict=True):
+        for name, e in mine.items():
+            _check_entry(name, e, theirs[name], state.lengths)
+    return state
+
+
+def _check_entry(name: str, e: Any, ref: Any, lengths: torch.Tensor) -> None:
+    rows = lengths.shape[0]
+    for t, x in e.tensors().items():
+        want = (rows, *ref.tensors()[t].shape[1:])
+        if isinstance(e, KVEntry):  # the slot dimension is the cache's own capacity
+            want = (rows, want[1], x.shape[2] if x.dim() == 4 else -1, want[3])
+        if x.dtype != torch.float32:
+            raise StateError(f"state tensor {name}.{t} has dtype {x.dtype}, expected fp32")
+        if tuple(x.shape) != want:
+            raise StateError(f"state tensor {name}.{t} has shape {tuple(x.shape)}, "
+                             f"expected {want}")
+        if not torch.isfinite(x).all():
+            raise StateError(f"state tensor {name}.{t} holds NaN or inf")
+    if isinstance(e, KVEntry):
+        if e.capacity > e.slot_limit:
+            raise StateError(f"KV cache capacity {e.capacity} exceeds the model's limit of "
+                             f"{e.slot_limit} slots")
+        if e.v.shape != e.k.shape or int(e.slots_used(lengths).max()) > e.capacity:
+            raise StateError("KV cache lengths are out of range")

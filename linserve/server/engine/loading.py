@@ -1,0 +1,76 @@
+"""Loading the model for the engine: weights, dtype, threads, tokenizer, and a warm-up.
+
+Shared by the engine process and the thread mode; kept out of ``linserve.server.api.app`` so that
+the engine process does not import the app that starts it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+import torch
+
+from linserve.model.heap import keep_scratch, trim
+from linserve.model.interface import ModelInfo, ServedModel
+from linserve.model.kernels import bf16_gemm  # noqa: F401 (re-exported for the app's startup)
+from linserve.model.loader import batch_invariant_active, load, pick_dtype
+from linserve.server.cpus import available_cpus
+from linserve.server.settings import Settings
+
+log = logging.getLogger("linserve")
+# Loading a checkpoint this large leaves gigabytes of freed temporaries in the heap; below it
+# the few MB left are reused by the server's own allocations, so nothing is trimmed.
+TRIM_ABOVE = 256 << 20
+
+def load_engine_model(settings: Settings) -> ServedModel:
+    """The served model, with the engine's thread count set first."""
+    torch.set_num_threads(settings.threads or max(1, available_cpus() - 1))
+    start = time.perf_counter()
+    model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
+                 settings.quantization)
+    info = model.info
+    if info.weight_bytes >= TRIM_ABOVE:
+        trim()
+    # What loading made (modules, parameters, the tokenizer) lives as long as the process:
+    # frozen, the collector stops walking it on every full pass (1.8% of a 16-row Granite
+    # step was gc_collect_main), as vLLM does after its start-up.
+    gc.collect()
+    gc.freeze()
+    keep_scratch()  # a step's scratch is reused from the heap, not faulted in afresh
+    log.info("model: %s, %s parameters, loaded in %.1f s, state %s bytes a session (%s); "
+             "decode step %s; weights %s (%s), quantization %s, %s MB resident; "
+             "batch-invariant %s",
+             info.architecture, f"{info.params:,}", time.perf_counter() - start,
+             f"{info.state_bytes:,}",
+             "grows with context" if info.state_grows else "constant", info.decode_step,
+             info.dtype, pick_dtype(settings.dtype)[1], info.quantization,
+             f"{info.weight_bytes / 1e6:,.1f}", "on" if batch_invariant_active() else "off")
+    return model
+
+
+def describe_model(settings: Settings) -> ServedModel:
+    """The model without its weights (:func:`linserve.model.loader.load` with ``weights=False``):
+    what the HTTP process needs beside an engine process that holds the weights. Its
+    ``info`` is replaced by the engine's once that has loaded."""
+    model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
+                 settings.quantization, weights=False)
+    trim()  # reading the tokenizer (twice: checked, then loaded) leaves ~100 MB of free heap
+    return model
+
+
+def state_budget(settings: Settings, info: ModelInfo) -> int:
+    """Bytes the engine's growing states (KV caches) may take: ``--max-memory`` less the
+    weights, the slot pool's fixed part (a fresh state per row) and the prefix cache. 0 when
+    states do not grow (nothing to limit)."""
+    if not info.state_grows:
+        return 0
+    fixed = info.weight_bytes + info.state_bytes * settings.max_running
+    return max(settings.max_memory - fixed - settings.prefix_cache_bytes, 1)
+
+
+def warm_up(model: ServedModel) -> None:
+    """Run each form once so the first request does not pay for lazy initialisation."""
+    _, state = model.prefill(torch.zeros(1, 8, dtype=torch.long))
+    model.step(torch.zeros(1, dtype=torch.long), state)

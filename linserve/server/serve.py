@@ -1,0 +1,87 @@
+"""``linserve serve``: start the server (``--help`` lists every setting)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+from pydantic import ValidationError
+
+from linserve import __version__
+from linserve.model import kernels, loader
+from linserve.server.api.app import create_app, wrap
+from linserve.server.malloc import pin_mmap_threshold
+from linserve.server.settings import parse_cli
+
+log = logging.getLogger("linserve")
+
+
+def max_state_bytes(weights: Path) -> int:
+    """Upper bound on an importable state's size for the configured model (its largest
+    state, plus room for the blob's header)."""
+    return loader.max_state_bytes(weights) + (1 << 16)
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT: mark the app draining (health 503, new requests 503), let
+    in-flight streams run, and end the ones still running cleanly (finish_reason "length",
+    then ``[DONE]``) just before the grace period runs out."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace: float) -> None:
+        super().__init__(config)
+        self.fastapi_app, self.grace = app, grace
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        state = self.fastapi_app.state
+        if not state.draining:
+            state.draining = True
+            client = getattr(state, "client", None)
+            if client is not None:
+                deadline = max(self.grace - 1.0, 0.0)
+                client.loop.call_later(deadline, client.finish_all)
+        super().handle_exit(sig, frame)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the settings from ``argv`` (default: ``sys.argv[1:]``), check the checkpoint,
+    make the native kernels ready (compiled on a machine's first start, and said so) and
+    serve until SIGTERM / SIGINT."""
+    boot = time.monotonic()
+    try:
+        settings = parse_cli(argv)
+    except ValidationError as exc:  # a bad flag or variable: say which, without a traceback
+        raise SystemExit(f"linserve: invalid settings\n{exc}") from None
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("linserve %s: starting %s on %s:%d (engine: %s; every setting: linserve serve "
+             "--help)", __version__, settings.model or settings.weights, settings.host,
+             settings.port, settings.engine_mode)
+    pin_mmap_threshold(settings.malloc_mmap_threshold)
+    kernels.load()  # here, logged, before either process needs them: a first start compiles
+    try:
+        if settings.model:  # a folder or a repo id: both processes load the resolved folder
+            settings = settings.model_copy(update={"weights": loader.resolve(settings.model)})
+        if not settings.max_memory:  # resolved once, so both processes budget alike
+            settings = settings.model_copy(
+                update={"max_memory": int(0.8 * loader.available_memory())})
+        loader.check(settings.weights, settings.dtype, settings.quantization,
+                     settings.max_memory)
+        state_limit = max_state_bytes(settings.weights)
+    except (loader.CheckpointError, OSError, ValueError) as exc:  # one line, no traceback
+        raise SystemExit(f"linserve: cannot load {settings.model or settings.weights}: "
+                         f"{exc}") from None
+    app = create_app(settings)
+    app.state.boot_time = boot
+    config = uvicorn.Config(wrap(app, settings, state_limit),
+                            host=settings.host, port=settings.port,
+                            log_level=settings.log_level, access_log=False,
+                            timeout_graceful_shutdown=int(settings.shutdown_grace_seconds) or None)
+    DrainingServer(config, app, settings.shutdown_grace_seconds).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Server settings: environment variables prefixed ``LINSERVE_`` or command-line flags.
+
+``linserve serve --help`` lists every setting; each flag ``--some-name`` is also
+``LINSERVE_SOME_NAME`` in the environment. Bad values fail at start-up, not on a request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "LINSERVE_"
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+class Settings(BaseSettings):
+    """All server configuration. Defaults serve ``weights/linear`` on 127.0.0.1:8000."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    weights: Path = Field(Path("weights/linear"), description="model folder (config.json, "
+                          "model.safetensors, tokenizer.json)")
+    model: str = Field("", description="a Hugging Face checkpoint: a folder (config.json, "
+                       "safetensors, tokenizer.json) or a repo id owner/name, resolved through "
+                       "huggingface_hub's cache (downloaded when online; HF_HUB_OFFLINE=1 reads "
+                       "the cache only); overrides --weights")
+    served_model_name: str = Field("", description="name served in /v1/models (default: "
+                                   "--model as given, else the weights folder's name)")
+    model_name: str = Field("", description="the same as --served-model-name (older name)")
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="weight dtype; 'auto' picks bfloat16 where the CPU has native bf16 "
+        "dot products (AVX512-BF16 or AMX), float32 otherwise; recurrent state and KV caches "
+        "are always float32")
+    quantization: Literal["none", "int8", "int4"] = Field(
+        "none", description="quantization of every projection, MLP and output-head weight at "
+        "load time: int8 (per output channel) or int4 (groups of 32, fp16 scales, as "
+        "llama.cpp's Q4_0), multiplied as integer dot products with the GEMM's input rounded "
+        "to int8 per block of 32 (as llama.cpp's Q8_0); embeddings, norms, states and KV "
+        "caches stay as they are")
+    threads: int = Field(0, ge=0, description="torch threads for the engine (0: auto)")
+    chat_template: str = Field("", description="a Jinja chat template file that replaces the "
+                               "checkpoint's own")
+    tool_call_parser: Literal["", "qwen3_xml", "qwen3_coder", "hermes", "lfm2", "pythonic",
+                              "nemotron"] = Field(
+        "", description="how tool calls are read from the output (vLLM's names; default: "
+        "from the template: qwen3_xml for <function=…> calls, lfm2 for LFM2's Python calls, "
+        "nemotron for <TOOLCALL> arrays, else hermes)")
+    reasoning_parser: Literal["", "qwen3", "deepseek_r1"] = Field(
+        "", description="put <think>…</think> text in reasoning_content (vLLM's names)")
+    fused_step: bool = Field(
+        True, description="decode with the native fused step (elu+1 and softmax models; "
+        "compiled once, or LINSERVE_KERNEL_LIB); the eager step is used where it is "
+        "unavailable")
+    batch_invariant: bool = Field(
+        True, description="batch-invariant kernels: a request's logits do not depend on the "
+        "requests batched with it, so a seeded request gives the same text alone and under "
+        "load on any CPU (--no-batch-invariant: ATen's GEMMs, faster for bf16 at large "
+        "batches; greedy identical, seeded best-effort)")
+    engine_mode: Literal["process", "thread"] = Field(
+        "process", description="run the engine in its own process (no GIL contention with "
+        "HTTP) or as a thread of the server process")
+    engine_stall_seconds: float = Field(
+        10.0, gt=0, description="an engine that completes no iteration for this long is "
+        "declared stuck and restarted (an iteration is bounded by step_token_budget)")
+    engine_max_restarts: int = Field(
+        5, ge=0, description="restarts allowed within engine_restart_window; past that the "
+        "supervisor gives up and /health/live answers 503")
+    engine_restart_window: float = Field(300.0, gt=0, description="seconds; see "
+                                         "engine_max_restarts")
+    fault_injection: bool = Field(
+        False, description="TESTING ONLY: honour the request field linserve_fault "
+        "(submit|prefill|first_token|decode) to make the engine fail that request")
+    session_store: str = Field("memory", description="'memory' or redis://HOST:PORT/DB")
+    session_ttl: float = Field(3600.0, gt=0, description="seconds an idle session is kept")
+    session_lock_seconds: float = Field(
+        10.0, gt=0, description="Redis busy-lock lifetime (renewed while a request runs)")
+    malloc_mmap_threshold: int = Field(
+        65536, ge=0, description="glibc mmap threshold of the HTTP process, so that freed "
+        "session buffers go back to the system (0: malloc defaults); see linserve/server/malloc.py")
+    session_memory_bytes: int = Field(
+        8 * 2**30, gt=0, description="byte budget of the in-memory session store (LRU)")
+    max_running: int = Field(64, ge=1, le=1024, description="sequences decoded together")
+    max_waiting: int = Field(256, ge=0, description="queued requests before 429")
+    max_memory: int = Field(
+        0, ge=0, description="bytes the engine may use for weights, session states, KV caches "
+        "and the prefix cache; requests whose KV cache would not fit wait in the queue (then "
+        "429), and one that could never fit is refused (400). 0: four fifths of the memory "
+        "available at start (the cgroup limit, else MemAvailable)")
+    max_prompt_tokens: int = Field(32768, ge=1, description="longest prompt accepted")
+    max_tokens_limit: int = Field(8192, ge=1, description="largest max_tokens accepted")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest JSON request body")
+    prefill_chunk: int = Field(512, ge=16, description="prompt tokens per prefill chunk")
+    step_token_budget: int = Field(
+        512, ge=1, description="prompt tokens prefilled per engine iteration")
+    prefix_cache_bytes: int = Field(
+        512 << 20, ge=0, description="byte budget of the automatic prefix-state cache for "
+        "requests without a session_id (LRU; 0 turns it off)")
+    next_turn_cache: bool = Field(
+        True, description="after a stateless chat reply with a checkpoint's template, "
+        "prefill the conversation as the template renders it for the next turn into the "
+        "prefix cache, so a client that resends the whole conversation prefills only its "
+        "new messages")
+    prefix_cache_interval: int = Field(
+        1024, ge=0, description="also keep a prefix state every this many tokens inside a "
+        "long prefill, so a prompt that diverges inside it resumes nearby (0: off)")
+    prefix_cache_redis_ttl: float = Field(
+        600.0, gt=0, description="with a Redis session store, prefix states are also "
+        "published to Redis for the other replicas, kept this many seconds")
+    prefix_cache_redis_max_entry_bytes: int = Field(
+        4 << 20, ge=0, description="largest prefix state published to Redis (a softmax KV "
+        "prefix grows 8 KiB a token; a linear state is 296 KiB)")
+    api_keys: str = Field("", description="comma-separated Bearer keys (empty: open server)")
+    api_keys_file: Path | None = Field(None, description="file with one API key per line")
+    cors_origins: str = Field("", description="comma-separated allowed CORS origins")
+    keepalive_seconds: float = Field(10.0, gt=0, description="SSE keep-alive comment interval")
+    shutdown_grace_seconds: float = Field(
+        15.0, ge=0, description="time in-flight streams get to finish on shutdown")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("session_store")
+    @classmethod
+    def _check_store(cls, value: str) -> str:
+        if value != "memory" and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("session_store must be 'memory' or a redis:// URL")
+        return value
+
+    @field_validator("weights")
+    @classmethod
+    def _find_weights(cls, value: Path) -> Path:
+        """A relative folder is looked up from the working directory, then from the project
+        root (so the default works from anywhere in a checkout); a missing one fails here,
+        with the setting's name, not later with a raw FileNotFoundError."""
+        candidates = [value] if value.is_absolute() else [value, PROJECT_ROOT / value]
+        for path in candidates:
+            if (path / "config.json").is_file():
+                return path
+        raise ValueError(f"no model folder (config.json) at {value}; give --weights PATH "
+                         f"or {ENV_PREFIX}WEIGHTS")
+
+    def keys(self) -> set[str]:
+        """The configured API keys (from ``api_keys`` and ``api_keys_file``)."""
+        keys = {k.strip() for k in self.api_keys.split(",") if k.strip()}
+        if self.api_keys_file is not None:
+            keys |= {line.strip() for line in self.api_keys_file.read_text().splitlines()
+                     if line.strip() and not line.startswith("#")}
+        return keys
+
+    @property
+    def served_name(self) -> str:
+        return (self.served_model_name or self.model_name or self.model
+                or self.weights.resolve().name)
+
+
+def parse_cli(argv: list[str] | None = None) -> Settings:
+    """Settings from flags, then environment, then defaults; ``--help`` lists them all."""
+    from pydantic_settings import CliSettingsSource
+
+    class CliSettings(Settings):
+        model_config = SettingsConfigDict(
+            env_prefix=ENV_PREFIX, extra="ignore", cli_kebab_case=True,
+            cli_prog_name="linserve serve", cli_implicit_flags=True)
+
+    source: CliSettingsSource[CliSettings] = CliSettingsSource(
+        CliSettings, cli_parse_args=argv if argv is not None else True)
+    return Settings(**CliSettings(_cli_settings_source=source).model_dump())  # type: ignore[call-arg]

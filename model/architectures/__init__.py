@@ -1,2 +1,0 @@
-"""Architectures behind :mod:`model.interface`, one module each: ``linserve`` (the project's own
-checkpoints)."""

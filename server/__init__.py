@@ -1,1 +1,0 @@
-"""linserve: an OpenAI-compatible server for models with constant-size recurrent state."""
