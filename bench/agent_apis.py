@@ -176,9 +176,8 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3.5-0.8b-shapes"),
                    help="a Qwen3.5 folder (python -m bench.hf --make builds the 0.8B shapes)")
-    p.add_argument("--server-args", type=shlex.split, default=["--engine-stall-seconds", "120"],
-                   help="more server flags (a 512-token prefill step of the 0.8B shapes in "
-                   "fp32 takes over the default 10 s watchdog on a 2-core AVX2 CPU)")
+    p.add_argument("--server-args", type=shlex.split, default=[],
+                   help="more server flags")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     args = p.parse_args(argv)
     runs: dict[str, list[dict[str, Any]]] = {}

@@ -85,7 +85,7 @@ def one_kind(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     port = lc.free_port()
     ours_cmd = [sys.executable, "-m", "linserve", "serve", "--model", str(args.checkpoint),
                 "--dtype", "bfloat16", "--quantization", TYPES[kind], "--port", str(port),
-                "--threads", "2", "--engine-stall-seconds", "600", *getattr(args, "ours_args", [])]
+                "--threads", "2", *getattr(args, "ours_args", [])]
     theirs_cmd, theirs_port = lc.llama_server_cmd(lc.gguf(args.checkpoint, GGUF[kind]), 16,
                                                   2048)
     theirs_cmd += ["-t", "2"]

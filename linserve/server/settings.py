@@ -65,8 +65,9 @@ class Settings(BaseSettings):
         "process", description="run the engine in its own process (no GIL contention with "
         "HTTP) or as a thread of the server process")
     engine_stall_seconds: float = Field(
-        10.0, gt=0, description="an engine that completes no iteration for this long is "
-        "declared stuck and restarted (an iteration is bounded by step_token_budget)")
+        10.0, gt=0, description="an engine that makes no progress for this long (its thread "
+        "neither finishes an iteration nor computes: stopped, deadlocked or blocked) is "
+        "declared stuck and restarted; a long step that computes never trips it")
     engine_max_restarts: int = Field(
         5, ge=0, description="restarts allowed within engine_restart_window; past that the "
         "supervisor gives up and /health/live answers 503")

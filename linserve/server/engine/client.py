@@ -11,6 +11,7 @@ from typing import Protocol
 
 from linserve.server import metrics
 from linserve.server.engine.engine import Engine, Sink
+from linserve.server.engine.progress import ProgressWatch
 from linserve.server.engine.types import GenerationRequest, Output
 
 
@@ -143,6 +144,7 @@ class EngineClient:
 
     def start(self) -> None:
         self.thread.start()
+        ProgressWatch.start(self.thread, self._beat, self.stall_seconds)
         self.health.set_up()
 
     async def start_async(self) -> None:

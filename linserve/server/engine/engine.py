@@ -187,6 +187,10 @@ class Engine:
             seq = Sequence(req, self.tok.detokenizer(), self._stop_ids(req))
             if req.fault == "submit":
                 raise RuntimeError("injected fault: submit")
+            if req.fault == "deadlock":  # the engine thread waits on a lock held by itself
+                held = threading.Lock()
+                held.acquire()
+                held.acquire()
             if req.grammar is not None:
                 seq.matcher = self.grammars.matcher(req.grammar)
             if self.prefix is not None:

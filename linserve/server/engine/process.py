@@ -30,6 +30,7 @@ from linserve.server import metrics
 from linserve.server.engine.client import EngineHealth, EngineUnavailable, RequestHandle
 from linserve.server.engine.engine import Engine, EngineLimits, Overloaded
 from linserve.server.engine.loading import load_engine_model, state_budget, warm_up
+from linserve.server.engine.progress import ProgressWatch
 from linserve.server.engine.types import GenerationRequest, Output
 from linserve.server.settings import Settings
 
@@ -78,8 +79,9 @@ def apply_metric_events(events: list[MetricEvent]) -> None:
 
 def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbeat: Any) -> None:
     """Entry point of the engine process. ``heartbeat`` (a shared double) gets the monotonic
-    time at every engine iteration while the command pump is alive: the parent's supervisor
-    reads it to tell a stuck engine from a busy one."""
+    time at every engine iteration, and during a long one as the engine thread computes
+    (:class:`ProgressWatch`), while the command pump is alive: the parent's supervisor reads
+    it to tell a stuck engine from a busy one."""
 
     _setup_process(settings)
     events: list[MetricEvent] = []
@@ -139,6 +141,8 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
     pump_thread.start()
     threading.Thread(target=flush_metrics, daemon=True).start()
     ready.set()
+    # Long steps beat from inside the work: the engine thread's CPU clock (progress.py).
+    ProgressWatch.start(threading.current_thread(), beat, settings.engine_stall_seconds)
     engine.run()
 
 
