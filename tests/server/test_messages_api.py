@@ -134,9 +134,11 @@ def test_a_tool_use_round_trip(qwen_agent: ServerProcess) -> None:
     with c.messages.stream(model="q", messages=ask, tools=TOOLS, max_tokens=80,
                            tool_choice={"type": "any"},
                            extra_body={"temperature": 1.0, "seed": 1}) as stream:
-        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        deltas = [e.delta for e in stream if e.type == "content_block_delta"]
         streamed = stream.get_final_message()
-    assert "input_json_delta" in deltas
+    pieces = [d.partial_json for d in deltas if d.type == "input_json_delta"]
+    assert len(pieces) > 2, "the input streams as it is generated, not whole at the end"
+    assert json.loads("".join(pieces)) == uses[0].input
     assert [b.input for b in streamed.content if b.type == "tool_use"] == \
         [u.input for u in uses]
     follow = c.messages.create(model="q", tools=TOOLS, messages=[

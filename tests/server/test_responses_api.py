@@ -182,9 +182,12 @@ def test_a_tool_round_trip(qwen_agent: ServerProcess) -> None:
     with c.responses.stream(model="q", input=ask, tools=TOOLS, tool_choice="required",
                             max_output_tokens=80,
                             extra_body={"seed": 1}) as stream:
-        kinds = [e.type for e in stream]
+        events = list(stream)
         streamed = stream.get_final_response()
-    assert "response.function_call_arguments.delta" in kinds
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(pieces) > 2, "the arguments stream as they are generated, not whole at the end"
+    assert done == ["".join(pieces)] == [calls[0].arguments]
     assert [(o.type, getattr(o, "arguments", None)) for o in streamed.output] == \
         [(o.type, getattr(o, "arguments", None)) for o in first.output]
     result = [{"type": "function_call_output", "call_id": calls[0].call_id,

@@ -102,6 +102,26 @@ def test_forced_calls_stream_and_reassemble(server: ServerProcess) -> None:
             jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
 
 
+def test_forced_arguments_stream_through_the_sdk_helper(server: ServerProcess) -> None:
+    """The openai SDK's stream helper sees each call's arguments in many pieces as they are
+    generated; joined they are the final arguments, and the non-streamed reply's."""
+    c = client(server)
+    for seed in range(3):
+        kwargs: dict[str, Any] = {"model": "q", "messages": ASK, "tools": TOOLS,
+                                  "tool_choice": "required", "seed": seed, "max_tokens": 300,
+                                  "parallel_tool_calls": False}
+        whole = c.chat.completions.create(**kwargs).choices[0].message.tool_calls
+        with c.chat.completions.stream(**kwargs) as stream:
+            events = list(stream)
+            final = stream.get_final_completion().choices[0].message.tool_calls
+        pieces = [e.arguments_delta for e in events
+                  if e.type == "tool_calls.function.arguments.delta"]
+        done = [e.arguments for e in events if e.type == "tool_calls.function.arguments.done"]
+        assert len(pieces) > 2, "arguments must stream, not come whole at the end"
+        assert done == ["".join(pieces)] == [final[0].function.arguments]
+        assert [t.function.arguments for t in whole] == done
+
+
 def test_auto_and_none_answer_in_text_without_crashing(server: ServerProcess) -> None:
     """A random model writes no calls: with auto its text stays content (and reasoning);
     with none the tools are not even rendered."""

@@ -89,13 +89,60 @@ LFM2_MALFORMED = [
 
 
 @pytest.mark.parametrize(("parser", "text"), [
-    *((p, t) for p in ("qwen3_xml", "hermes") for t in MALFORMED),
+    *((p, t) for p in ("qwen3_xml", "hermes") for t in MALFORMED
+      if (p, t) not in (("qwen3_xml", MALFORMED[1]), ("qwen3_xml", MALFORMED[2]))),
     *(("lfm2", t) for t in LFM2_MALFORMED),
     ("nemotron", '<TOOLCALL>[{"name": "nope", "arguments": {}}]</TOOLCALL>'),
     ("nemotron", "<TOOLCALL>[]</TOOLCALL>")])
 def test_malformed_calls_stay_content(parser: str, text: str) -> None:
+    """A block that never names a known function stays content, verbatim."""
     content, calls = _whole(parser, text)
     assert calls == [] and content == text
+
+
+def test_a_named_call_stands_and_a_cut_off_one_ends_as_valid_json() -> None:
+    """Once a known function is named the call has been streamed: stray text between its
+    parameters is skipped, and a call cut off by the end of the output is closed where it
+    stopped (its arguments still JSON), as OpenAI's stream leaves a call cut by max_tokens."""
+    assert _whole("qwen3_xml", MALFORMED[1]) == ("", [("add", {"a": 1})])
+    assert _whole("qwen3_xml", MALFORMED[2]) == ("", [("add", {"a": 1})])
+    cut = "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew Yo"
+    assert _whole("qwen3_xml", cut) == ("", [("get_weather", {"city": "New Yo"})])
+
+
+def _pieces(parser: str, text: str, step: int = 3) -> list[tuple[str, str]]:
+    """(kind, text) of each event when ``text`` arrives ``step`` characters at a time."""
+    stream = tool_calls.ToolStream(parser, TOOLS)
+    events = [e for i in range(0, len(text), step) for e in stream.feed(text[i:i + step])]
+    events += stream.finish()
+    return [("call", e.name) if isinstance(e, tool_calls.ToolCall) else
+            ("args", e.text) if isinstance(e, tool_calls.ArgsPiece) else ("content", e)
+            for e in events]
+
+
+@pytest.mark.parametrize(("parser", "text"), [("qwen3_xml", XML), ("hermes", HERMES),
+                                              ("nemotron", NEMOTRON)])
+def test_arguments_stream_as_they_are_generated(parser: str, text: str) -> None:
+    """Each call opens as soon as its name is read, and its arguments come in many pieces
+    (not whole at the block's end) that join to the whole reply's arguments."""
+    events = _pieces(parser, text)
+    _, calls = tool_calls.extract(parser, text, TOOLS)
+    opened = [i for i, (kind, _) in enumerate(events) if kind == "call"]
+    assert len(opened) == len(calls)
+    bounds = [*opened, len(events)]
+    for call, start, end in zip(calls, bounds, bounds[1:], strict=False):
+        pieces = [t for kind, t in events[start:end] if kind == "args"]
+        assert "".join(pieces) == call.arguments
+        if "Oslo" not in call.arguments or parser != "hermes":  # a string holding JSON
+            assert len(pieces) > 2, (call.name, pieces)  # comes whole, once decoded
+
+
+def test_json_arguments_are_the_models_own_text() -> None:
+    """Hermes and Nemotron arguments are passed on as written, so the pieces streamed are
+    exactly the final arguments."""
+    text = '<tool_call>{"name": "add", "arguments": {"a":1,   "b": 2.50}}</tool_call>'
+    _, calls = tool_calls.extract("hermes", text, TOOLS)
+    assert [c.arguments for c in calls] == ['{"a":1,   "b": 2.50}']
 
 
 @pytest.mark.parametrize(("parser", "text"), [("qwen3_xml", XML), ("hermes", HERMES),
@@ -106,9 +153,8 @@ def test_streaming_in_any_split_equals_the_whole(parser: str, text: str) -> None
     for cut in range(1, len(text)):
         stream = tool_calls.ToolStream(parser, TOOLS)
         events = stream.feed(text[:cut]) + stream.feed(text[cut:]) + stream.finish()
-        content = "".join(e for e in events if isinstance(e, str))
-        calls = [(e.name, json.loads(e.arguments)) for e in events
-                 if isinstance(e, tool_calls.ToolCall)]
+        content, found = tool_calls.assemble(events)
+        calls = [(c.name, json.loads(c.arguments)) for c in found]
         assert (content, calls) == want, cut
 
 
@@ -159,8 +205,10 @@ def test_chat_deltas_reassemble_to_the_whole_message() -> None:
 def test_forced_calls_parse_from_the_grammar_shape() -> None:
     schema = tool_calls.forced_schema(TOOLS, "add", parallel=False)
     assert schema["maxItems"] == 1 and schema["items"]["properties"]["name"] == {"const": "add"}
-    calls = tool_calls.parse_forced('[{"name": "add", "parameters": {"a": 1, "b": 2}}]')
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
+    text = '[{"name": "add", "parameters": {"a": 1, "b": 2}}]'
+    content, calls = tool_calls.extract_forced(text, TOOLS)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1, "b": 2}')]
+    assert tool_calls.extract_forced('[{"name": "ad', TOOLS) == ('[{"name": "ad', [])
 
 
 CONVERSATIONS: list[dict[str, Any]] = [

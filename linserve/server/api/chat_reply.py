@@ -4,7 +4,8 @@
 The order of the splits: the reasoning parser (server.api.reasoning) takes ``<think>`` text
 first; what follows is the answer, in which the tool-call parser (server.api.tool_calls)
 finds calls. A forced call (``tool_choice`` required or named) is a JSON array the grammar
-guaranteed, read whole at the end.
+guaranteed. Either way a call's arguments stream as they are generated: its opening delta
+(id, name, empty arguments) once the name is read, then argument pieces.
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ class ChatShape:
                           else (None, text))
         calls: list[ToolCall] = []
         if self.forced:
-            forced = tool_calls.parse_forced(content)
-            calls, content = (forced, "") if forced is not None else ([], content)
+            content, calls = tool_calls.extract_forced(content, self.tools)
         elif self.tools:
             content, calls = tool_calls.extract(self.parser, content, self.tools)
         msg: dict[str, Any] = {"role": "assistant",
@@ -65,6 +65,7 @@ class ChatDeltas:
                       if shape.thinking is not None else None)
         self.tools = (tool_calls.ToolStream(shape.parser, shape.tools)
                       if shape.tools and not shape.forced else None)
+        self.forced = tool_calls.forced_reader(shape.tools) if shape.forced else None
         self.forced_text = ""
         self.strip = StripStream()
         self.calls = 0
@@ -79,9 +80,9 @@ class ChatDeltas:
         out = self._deltas(parts)
         if self.tools is not None:
             out += self._answer(self.tools.finish())
-        if self.shape.forced:
-            forced = tool_calls.parse_forced(self.forced_text)
-            out += self._answer(list(forced) if forced is not None else [self.forced_text])
+        if self.forced is not None:
+            closing = self.forced.close(True)
+            out += self._answer(closing if closing is not None else [self.forced_text])
         return out
 
     def _deltas(self, parts: list[tuple[str, str]]) -> list[dict[str, Any]]:
@@ -89,15 +90,16 @@ class ChatDeltas:
         for kind, text in parts:
             if kind == "reasoning":
                 out.append({"reasoning_content": text})
-            elif self.shape.forced:
+            elif self.forced is not None:
                 self.forced_text += text
+                out += self._answer(self.forced.feed(text))
             elif self.tools is not None:
                 out += self._answer(self.tools.feed(text))
             else:
                 out += self._answer([text])
         return out
 
-    def _answer(self, events: list[str | ToolCall]) -> list[dict[str, Any]]:
+    def _answer(self, events: list[tool_calls.Event]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for event in events:
             if isinstance(event, str):
@@ -105,12 +107,18 @@ class ChatDeltas:
                 if text:
                     out.append({"content": text})
                 continue
-            index, self.calls = self.calls, self.calls + 1
-            event = self.shape.name_call(event, index)
-            out.append({"tool_calls": [{"index": index, "id": event.id, "type": "function",
-                                        "function": {"name": event.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": index,
-                                        "function": {"arguments": event.arguments}}]})
+            if isinstance(event, ToolCall):
+                index, self.calls = self.calls, self.calls + 1
+                event = self.shape.name_call(event, index)
+                out.append({"tool_calls": [{"index": index, "id": event.id, "type": "function",
+                                            "function": {"name": event.name,
+                                                         "arguments": ""}}]})
+                pieces = event.arguments
+            else:
+                pieces = event.text
+            if pieces and self.calls:  # more of the open call's arguments
+                out.append({"tool_calls": [{"index": self.calls - 1,
+                                            "function": {"arguments": pieces}}]})
         return out
 
 

@@ -22,38 +22,35 @@ Each format wraps calls between two markers:
 - ``nemotron`` (Nemotron-H / Nemotron-Nano-v2): a JSON array of calls,
   ``<TOOLCALL>[{"name": …, "arguments": {…}}, ...]</TOOLCALL>``.
 
-Text outside the markers stays ``content``. A block that does not parse (malformed, an unknown
-function, an unterminated call at the end of the output) stays ``content`` too, verbatim:
-nothing the model wrote is dropped.
+Text outside the markers stays ``content``. A block is read as it is generated
+(:mod:`linserve.server.api.tool_blocks`), so a call's arguments stream: once its function's
+name is read and is one of the request's tools, the call is given out and its arguments
+follow in pieces. A block that never names a known function (malformed, an unknown one)
+stays ``content``, verbatim: nothing the model wrote is dropped.
 
 ``tool_choice`` ``required`` or a named function is enforced the way vLLM does it: the output
 is constrained (llguidance, :func:`forced_schema`) to a JSON array of calls of the allowed
-tools with schema-valid arguments, and :func:`parse_forced` reads it back.
+tools with schema-valid arguments, read back by the same JSON reader (:func:`forced_reader`).
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import re
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object, as text
-    id: str = ""
-
-    def __post_init__(self) -> None:
-        self.id = self.id or "call_" + secrets.token_hex(12)
-
-    def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+from linserve.server.api.tool_blocks import (
+    ArgsPiece,
+    BlockReader,
+    JsonCalls,
+    Schemas,
+    ToolCall,
+    WholeBlock,
+    XmlCall,
+    held_suffix,
+)
 
 
 def default_parser(template: str | None) -> str:
@@ -77,72 +74,6 @@ def _schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         fn = tool.get("function", {})
         out[str(fn.get("name"))] = fn.get("parameters") or {}
     return out
-
-
-def _convert(value: str, schema: dict[str, Any]) -> Any:
-    """An XML parameter's text as the type its schema names (text when it does not fit)."""
-    kind = schema.get("type")
-    kinds = kind if isinstance(kind, list) else [kind]
-    if "string" in kinds or (kind is None and "enum" not in schema):
-        return value
-    try:
-        parsed = json.loads(value)
-    except ValueError:
-        if "boolean" in kinds and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        return value
-    return parsed
-
-
-XML_FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*)</function>\s*$", re.S)
-XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
-
-
-def _parse_xml(block: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
-    match = XML_FUNCTION.match(block)
-    if match is None or match.group(1).strip() not in schemas:
-        return None
-    name, body = match.group(1).strip(), match.group(2)
-    props = schemas[name].get("properties", {})
-    args = {p.strip(): _convert(v, props.get(p.strip(), {}))
-            for p, v in XML_PARAMETER.findall(body)}
-    if XML_PARAMETER.sub("", body).strip():
-        return None  # text between parameters: not a well-formed call
-    return ToolCall(name, json.dumps(args, ensure_ascii=False))
-
-
-def _json_call(obj: Any, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
-    """``{"name", "arguments"}`` (or ``parameters``; arguments an object or JSON text) as a
-    call of a known function."""
-    if not isinstance(obj, dict) or obj.get("name") not in schemas:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(str(obj["name"]), json.dumps(args, ensure_ascii=False))
-
-
-def _parse_hermes(block: str, schemas: dict[str, dict[str, Any]]) -> list[ToolCall] | None:
-    try:
-        call = _json_call(json.loads(block), schemas)
-    except ValueError:
-        return None
-    return None if call is None else [call]
-
-
-def _parse_json_array(block: str, schemas: dict[str, dict[str, Any]]
-                      ) -> list[ToolCall] | None:
-    try:
-        items = json.loads(block)
-    except ValueError:
-        return None
-    calls = [_json_call(item, schemas) for item in items] if isinstance(items, list) else []
-    return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
 
 
 def _python_call(node: ast.expr, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
@@ -170,107 +101,126 @@ def _parse_python(block: str, schemas: dict[str, dict[str, Any]]) -> list[ToolCa
     return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
 
 
-def _parse_xml_block(block: str, schemas: dict[str, dict[str, Any]]) -> list[ToolCall] | None:
-    call = _parse_xml(block, schemas)
-    return None if call is None else [call]
-
-
 @dataclass(frozen=True)
 class Format:
-    """A tool-call format: the markers around a block and how a block reads (None: not a
-    valid block, kept as content)."""
+    """A tool-call format: the markers around a block and its reader."""
 
     start: str
     end: str
-    parse: Callable[[str, dict[str, dict[str, Any]]], list[ToolCall] | None]
+    reader: Callable[[Schemas], BlockReader]
 
 
 FORMATS: dict[str, Format] = {
-    "qwen3_xml": Format("<tool_call>", "</tool_call>", _parse_xml_block),
-    "hermes": Format("<tool_call>", "</tool_call>", _parse_hermes),
-    "lfm2": Format("<|tool_call_start|>", "<|tool_call_end|>", _parse_python),
-    "nemotron": Format("<TOOLCALL>", "</TOOLCALL>", _parse_json_array),
+    "qwen3_xml": Format("<tool_call>", "</tool_call>", XmlCall),
+    "hermes": Format("<tool_call>", "</tool_call>",
+                     lambda s: JsonCalls(s, 1, ("arguments", "parameters"))),
+    "lfm2": Format("<|tool_call_start|>", "<|tool_call_end|>",
+                   lambda s: WholeBlock(lambda text: _parse_python(text, s))),
+    "nemotron": Format("<TOOLCALL>", "</TOOLCALL>",
+                       lambda s: JsonCalls(s, 2, ("arguments", "parameters"))),
 }
 ALIASES = {"qwen3_coder": "qwen3_xml", "pythonic": "lfm2"}
 PARSERS = (*FORMATS, *ALIASES)
+Event = str | ToolCall | ArgsPiece  # content, a call's opening, more of its arguments
 
 
 def format_of(parser: str) -> Format:
     return FORMATS[ALIASES.get(parser, parser)]
 
 
-def parse_block(parser: str, block: str, tools: list[dict[str, Any]]) -> list[ToolCall] | None:
-    """The calls in the text between the markers, or None when it is not a valid block."""
-    return format_of(parser).parse(block, _schemas(tools))
+def assemble(events: list[Event]) -> tuple[str, list[ToolCall]]:
+    """The content and the calls (arguments joined) of a whole reply's events."""
+    content, calls = "", []
+    for event in events:
+        if isinstance(event, str):
+            content += event
+        elif isinstance(event, ToolCall):
+            calls.append(ToolCall(event.name, event.arguments))
+        elif calls:
+            calls[-1].arguments += event.text
+    return content, calls
 
 
 def extract(parser: str, text: str, tools: list[dict[str, Any]]
             ) -> tuple[str, list[ToolCall]]:
-    """The content (text outside valid calls) and the calls of a whole output."""
+    """The content (text outside calls) and the calls of a whole output."""
     stream = ToolStream(parser, tools)
-    events = stream.feed(text) + stream.finish()
-    content = "".join(e for e in events if isinstance(e, str))
-    return content, [e for e in events if isinstance(e, ToolCall)]
+    return assemble(stream.feed(text) + stream.finish())
 
 
 class ToolStream:
     """Incremental :func:`extract`: :meth:`feed` output text as it comes, get back content
-    strings and :class:`ToolCall` objects in order. Text that may be the start of a marker is
-    held back until it is decided."""
+    strings, call openings and argument pieces in order. Text that may be the start of a
+    marker is held back until it is decided."""
 
     def __init__(self, parser: str, tools: list[dict[str, Any]]) -> None:
-        self.parser, self.tools = parser, tools
-        self.fmt = format_of(parser)
-        self.pending = ""  # undecided text outside a call
-        self.block: str | None = None  # inside a call: its text so far
+        self.fmt, self.schemas = format_of(parser), _schemas(tools)
+        self.pending = ""  # undecided text
+        self.reader: BlockReader | None = None  # inside a block: its reader
+        self.raw = ""  # the block's text so far (content again if it holds no call)
         self.after_call = False
 
-    def feed(self, text: str) -> list[str | ToolCall]:
-        events: list[str | ToolCall] = []
+    def feed(self, text: str) -> list[Event]:
+        events: list[Event] = []
         self.pending += text
-        start, end = self.fmt.start, self.fmt.end
         while self.pending:
             if self.after_call:  # the newlines that follow a call belong to it
                 self.pending = self.pending.lstrip("\n")
                 if not self.pending:
                     break
                 self.after_call = False
-            if self.block is None:
-                at = self.pending.find(start)
-                if at < 0:
-                    keep = _partial_suffix(self.pending, start)
-                    if len(self.pending) > keep:
-                        events.append(self.pending[: len(self.pending) - keep])
-                        self.pending = self.pending[len(self.pending) - keep:]
-                    break
-                if at:
-                    events.append(self.pending[:at])
-                self.block, self.pending = "", self.pending[at + len(start):]
-            else:
-                buf = self.block + self.pending
-                at = buf.find(end)
-                if at < 0:
-                    self.block, self.pending = buf, ""
-                    break
-                calls = parse_block(self.parser, buf[:at], self.tools)
-                events.extend(calls if calls is not None else [start + buf[: at + len(end)]])
-                self.block, self.pending = None, buf[at + len(end):]
-                self.after_call = calls is not None
+            done = self._outside(events) if self.reader is None else self._inside(events)
+            if done:
+                break
         return events
 
-    def finish(self) -> list[str | ToolCall]:
-        """What is left at the end: held-back text, or an unterminated call, as content."""
-        rest = (self.fmt.start + self.block if self.block is not None else "") + self.pending
-        self.block, self.pending = None, ""
-        return [rest] if rest else []
+    def _outside(self, events: list[Event]) -> bool:
+        """Content up to a block's start marker; True when more text is needed."""
+        at = self.pending.find(self.fmt.start)
+        if at < 0:
+            keep = held_suffix(self.pending, self.fmt.start)
+            if len(self.pending) > keep:
+                events.append(self.pending[: len(self.pending) - keep])
+                self.pending = self.pending[len(self.pending) - keep:]
+            return True
+        if at:
+            events.append(self.pending[:at])
+        self.reader, self.raw = self.fmt.reader(self.schemas), ""
+        self.pending = self.pending[at + len(self.fmt.start):]
+        return False
 
+    def _inside(self, events: list[Event]) -> bool:
+        """The block's text to its reader, up to the end marker; True when more is needed."""
+        assert self.reader is not None
+        at = self.pending.find(self.fmt.end)
+        cut = at if at >= 0 else len(self.pending) - held_suffix(self.pending, self.fmt.end)
+        self.raw += self.pending[:cut]
+        events += self.reader.feed(self.pending[:cut])
+        if at < 0:
+            self.pending = self.pending[cut:]
+            return True
+        closing = self.reader.close(True)
+        events += (closing if closing is not None
+                   else [self.fmt.start + self.raw + self.fmt.end])
+        self.reader, self.pending = None, self.pending[at + len(self.fmt.end):]
+        self.after_call = closing is not None
+        return False
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
+    def finish(self) -> list[Event]:
+        """What is left at the end: held-back text, and a block cut off by the end of the
+        output (a call ended where it stopped, or content if it held none)."""
+        events: list[Event] = []
+        if self.reader is not None:
+            closing = self.reader.close(False)
+            if closing is None:
+                events.append(self.fmt.start + self.raw + self.pending)
+            else:
+                events += closing
+            self.pending = ""
+        if self.pending:
+            events.append(self.pending)
+        self.reader, self.pending = None, ""
+        return events
 
 
 def forced_schema(tools: list[dict[str, Any]], choice: str | None, parallel: bool
@@ -291,11 +241,16 @@ def forced_schema(tools: list[dict[str, Any]], choice: str | None, parallel: boo
     return schema
 
 
-def parse_forced(text: str) -> list[ToolCall] | None:
-    """The calls of an output constrained by :func:`forced_schema`; None when it was cut
-    off before the array closed (``max_tokens``): the text then stays content."""
-    try:
-        return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                for c in json.loads(text)]
-    except (ValueError, KeyError, TypeError):
-        return None
+def forced_reader(tools: list[dict[str, Any]]) -> JsonCalls:
+    """The reader of a reply constrained by :func:`forced_schema` (an array of
+    ``{"name", "parameters"}``)."""
+    return JsonCalls(_schemas(tools), 2, ("parameters",))
+
+
+def extract_forced(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ToolCall]]:
+    """The calls of a whole forced reply; a reply that holds none (cut off before a name)
+    stays content."""
+    reader = forced_reader(tools)
+    events: list[Event] = [*reader.feed(text)]
+    closing = reader.close(True)
+    return (text, []) if closing is None else assemble(events + closing)
