@@ -32,8 +32,8 @@ from linserve.server.engine.client import dispatch
 from linserve.server.engine.engine import Engine, EngineLimits
 from linserve.server.engine.loading import pick_dtype, warm_up
 from linserve.server.engine.types import GenerationRequest, Output
-from linserve.server.malloc import pin_mmap_threshold
 from linserve.server.settings import Settings
+from linserve.server.system.malloc import pin_mmap_threshold
 
 
 class ClosedLoop:

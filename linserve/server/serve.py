@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from linserve import __version__
 from linserve.model import kernels, loader
 from linserve.server.api.app import create_app, wrap
-from linserve.server.malloc import pin_mmap_threshold
 from linserve.server.settings import parse_cli
+from linserve.server.system.malloc import pin_mmap_threshold
 
 log = logging.getLogger("linserve")
 

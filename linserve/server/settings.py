@@ -82,7 +82,8 @@ class Settings(BaseSettings):
         10.0, gt=0, description="Redis busy-lock lifetime (renewed while a request runs)")
     malloc_mmap_threshold: int = Field(
         65536, ge=0, description="glibc mmap threshold of the HTTP process, so that freed "
-        "session buffers go back to the system (0: malloc defaults); see linserve/server/malloc.py")
+        "session buffers go back to the system (0: malloc defaults); see "
+        "linserve/server/system/malloc.py")
     session_memory_bytes: int = Field(
         8 * 2**30, gt=0, description="byte budget of the in-memory session store (LRU)")
     max_running: int = Field(64, ge=1, le=1024, description="sequences decoded together")

@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from tests.model.qwen_fixtures import SHAPES as QWEN_SHAPES
+from tests.model.qwen_fixtures import text_config as qwen_text_config
+
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "weights" / "tokenizer.json"
 VOCAB = 8192
@@ -60,6 +63,11 @@ def qwen_moe_fields(shape: dict[str, Any]) -> dict[str, Any]:
             "num_experts": experts, "num_experts_per_tok": top_k,
             "moe_intermediate_size": shape["moe"],
             "shared_expert_intermediate_size": shape["shared"]}
+
+
+def _qwen3_5(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    return t.Qwen3_5ForCausalLM(qwen_text_config(shape, VOCAB))
 
 
 def _qwen3_5_moe(shape: dict[str, Any]) -> Any:
@@ -138,6 +146,7 @@ def _falcon(shape: dict[str, Any]) -> Any:
 
 # family -> shape name -> shape
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
+    "qwen3_5": QWEN_SHAPES,  # interval: a full-attention layer every `interval` layers
     "lfm2": {
         "a2-tied": {"d": 64, "ff": 192, "heads": (4, 2), "tie": True,
                     "types": ["conv", "conv", "full_attention", "conv", "full_attention"]},
@@ -220,7 +229,7 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
                     "mamba": (64, 4, 8, 1), "rms": False},
     },
 }
-BUILDERS = {"lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_moe": _qwen3_5_moe,
+BUILDERS = {"qwen3_5": _qwen3_5, "lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_moe": _qwen3_5_moe,
             "qwen3_next": _qwen3_next, "granitemoehybrid": _granite,
             "nemotron_h": _nemotron, "falcon_h1": _falcon}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]

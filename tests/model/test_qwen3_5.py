@@ -1,6 +1,7 @@
-"""Qwen3.5 (linserve/model/architectures/qwen3_5.py) against transformers' implementation, on tiny
-random checkpoints of several shapes; and the gated delta rule's three forms against each
-other."""
+"""What is Qwen3.5's own (linserve/model/architectures/qwen3_5.py): its native prefill scan
+and decode steps against the eager forms, the vision-language wrapper, and the gated delta
+rule's forms against each other. The tests every family shares (against transformers,
+splits, batches, blobs, bf16) run on Qwen3.5 in tests/model/test_families.py."""
 
 from __future__ import annotations
 
@@ -18,13 +19,6 @@ from tests.model.qwen_fixtures import KERNEL_SHAPES, SHAPES, make_checkpoint, re
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module", params=sorted(SHAPES))
-def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-               ) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param,
-                           tokenizer="project")
-
-
 @pytest.fixture(scope="module", params=sorted(SHAPES) + sorted(KERNEL_SHAPES))
 def native_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                       ) -> Path:
@@ -37,46 +31,6 @@ def _served(path: Path) -> HFServedModel:
     model = loader.load(path, "float32")
     assert isinstance(model, HFServedModel)
     return model
-
-
-def test_whole_prompt_logits_match_transformers(checkpoint: Path) -> None:
-    """fp32 logits at every position of a 150-token prompt (past two 64-token chunks)."""
-    ours, ref = _served(checkpoint), reference(checkpoint)
-    tokens = torch.randint(0, 8192, (1, 150), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want = ref(tokens).logits[0]
-    got, _ = ours.prefill(tokens, all_logits=True)
-    assert (got[0] - want).abs().max().item() <= 1e-4
-
-
-def test_prefill_then_steps_equals_step_by_step_and_transformers(checkpoint: Path) -> None:
-    ours, ref = _served(checkpoint), reference(checkpoint)
-    tokens = torch.randint(0, 8192, (1, 90), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = ref(tokens).logits[0]
-    logits, state = ours.prefill(tokens[:, :70])
-    assert (logits[0] - want[69]).abs().max().item() <= 1e-4
-    for t in range(70, 90):
-        assert (ours.step(tokens[:, t], state)[0] - want[t]).abs().max().item() <= 1e-4
-    stepped = ours.new_state(1)
-    for t in range(90):
-        one = ours.step(tokens[:, t], stepped)
-        assert (one[0] - want[t]).abs().max().item() <= 1e-4
-
-
-def test_chunked_prefill_across_chunk_boundaries(checkpoint: Path) -> None:
-    """A prompt prefilled whole, or in pieces split at a chunk multiple (bit for bit) and
-    anywhere else (within fp32 rounding), gives the same next-token logits."""
-    ours = _served(checkpoint)
-    tokens = torch.randint(0, 8192, (1, 200), generator=torch.Generator().manual_seed(2))
-    whole, _ = ours.prefill(tokens)
-    _, a = ours.prefill(tokens[:, :128])
-    aligned, _ = ours.prefill(tokens[:, 128:], a)
-    assert torch.equal(aligned, whole)
-    _, b = ours.prefill(tokens[:, :77])
-    _, b = ours.prefill(tokens[:, 77:150], b)
-    anywhere, _ = ours.prefill(tokens[:, 150:], b)
-    assert (anywhere - whole).abs().max().item() <= 1e-4
 
 
 def test_the_native_scan_prefill_equals_the_chunked_form(native_checkpoint: Path,
@@ -106,41 +60,6 @@ def test_the_native_scan_prefill_equals_the_chunked_form(native_checkpoint: Path
     assert (native[0] - chunked[0]).abs().max().item() <= 1e-4
     for a, b in zip(native[1], chunked[1], strict=True):
         assert (a - b).abs().max().item() <= 1e-4
-
-
-def test_a_batch_of_rows_at_different_positions_equals_each_alone(checkpoint: Path) -> None:
-    ours = _served(checkpoint)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 8192, (1, n), generator=gen) for n in (5, 70, 33)]
-    rows = [ours.prefill(p)[1] for p in prompts]
-    batch = State.cat([r.copy() for r in rows])
-    nxt = torch.randint(0, 8192, (3, 5), generator=gen)
-    for t in range(5):
-        together = ours.step(nxt[:, t], batch)
-        for i, row in enumerate(rows):
-            assert torch.equal(together[i], ours.step(nxt[i : i + 1, t], row)[0])
-
-
-def test_state_blobs_round_trip_and_continue(checkpoint: Path) -> None:
-    ours = _served(checkpoint)
-    tokens = torch.randint(0, 8192, (1, 40), generator=torch.Generator().manual_seed(4))
-    _, state = ours.prefill(tokens[:, :30])
-    back, _ = ours.state_from_bytes(ours.state_to_bytes(state))
-    for t in range(30, 40):
-        assert torch.equal(ours.step(tokens[:, t], state), ours.step(tokens[:, t], back))
-    assert not state.truncatable and state.grows  # GDN sums cannot be cut; the KV part grows
-
-
-def test_bf16_weights_track_fp32(checkpoint: Path) -> None:
-    """bf16 weights (activations and state fp32): the next-token distributions stay within
-    a KL of 1e-2 nats of fp32's over 60 positions (bf16 keeps 8 mantissa bits; on these
-    random weights with logits of a few units that is the rounding seen)."""
-    fp32, bf16 = _served(checkpoint), loader.load(checkpoint, "bfloat16")
-    tokens = torch.randint(0, 8192, (1, 60), generator=torch.Generator().manual_seed(5))
-    want = torch.log_softmax(fp32.prefill(tokens, all_logits=True)[0][0], -1)
-    got = torch.log_softmax(bf16.prefill(tokens, all_logits=True)[0][0], -1)
-    kl = (want.exp() * (want - got)).sum(-1).max().item()
-    assert kl < 1e-2
 
 
 def test_the_vision_language_checkpoint_loads_its_text_model(tmp_path: Path) -> None:
@@ -255,25 +174,3 @@ def test_a_rows_native_step_does_not_depend_on_the_batch(native_checkpoint: Path
         assert torch.equal(alone[0], together[i])
 
 
-def test_a_ragged_prefill_equals_each_prompt_alone(checkpoint: Path) -> None:
-    """Prompts of 1, 63, 65 and 150 tokens after states of 0, 3 and 70 tokens, prefilled in
-    one right-padded batch: each row's logits are the same bits as its prompt alone, and its
-    state steps on to the same bits."""
-    model = _served(checkpoint)
-    gen = torch.Generator().manual_seed(10)
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(0, 8192, (n,), generator=gen).tolist()
-
-    before = [None, model.prefill(torch.tensor([ids(3)]))[1],
-              model.prefill(torch.tensor([ids(70)]))[1], None]
-    prompts = [ids(1), ids(63), ids(65), ids(150)]
-    logits, states = model.prefill_ragged(prompts, before)
-    for i, prompt in enumerate(prompts):
-        alone, state = model.prefill(torch.tensor([prompt]), before[i])
-        assert torch.equal(logits[i], alone[0]), i
-        assert torch.equal(states[i].lengths, state.lengths)
-        for token in ids(3):
-            a = model.step(torch.tensor([token]), states[i])
-            b = model.step(torch.tensor([token]), state)
-            assert torch.equal(a, b), i

@@ -12,8 +12,8 @@ from linserve.model import kernels
 from linserve.model.sampling import BatchParams, SamplingParams, sample
 from linserve.model.tokenizer import Tokenizer
 from linserve.server.api.formatting import StripStream
-from linserve.server.cpus import available_cpus, cgroup_cpu_limit
 from linserve.server.sessions.transcript import chat_turn_text, common_prefix, session_tokens
+from linserve.server.system.cpus import available_cpus, cgroup_cpu_limit
 
 ROOT = Path(__file__).resolve().parents[2]
 

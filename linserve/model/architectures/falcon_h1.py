@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from linserve.model.architectures.family import HFFamily, renamer
+from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
 from linserve.model.architectures.granite_hybrid import json_float
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.decoder import DecoderLM
@@ -25,18 +25,14 @@ from linserve.model.layers.mlp import SwiGLU
 from linserve.model.layers.norms import RMSNorm
 
 
-@dataclass(frozen=True)
-class FalconH1Config:
-    vocab_size: int
-    hidden_size: int
+@dataclass(frozen=True, kw_only=True)
+class FalconH1Config(DecoderConfig):
     num_hidden_layers: int
     intermediate_size: int
     attention: AttentionShape
     mamba: Mamba2Shape
     eps: float
     multipliers: dict[str, Any]
-    max_position_embeddings: int
-    tie_word_embeddings: bool
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> FalconH1Config:
@@ -58,7 +54,7 @@ class FalconH1Config:
             "attention_out_multiplier", "ssm_out_multiplier")}
         mult["mlp"] = tuple(float(m) for m in c.get("mlp_multipliers") or [1.0, 1.0])
         return cls(
-            vocab_size=int(c["vocab_size"]), hidden_size=d,
+            **DecoderConfig.shared(c, 8192, False),
             num_hidden_layers=int(c["num_hidden_layers"]),
             intermediate_size=int(c["intermediate_size"]),
             attention=AttentionShape(
@@ -77,9 +73,7 @@ class FalconH1Config:
                 gated_norm=bool(c.get("mamba_rms_norm", False)),
                 in_multiplier=float(c.get("ssm_in_multiplier", 1.0)),
                 proj_multipliers=(ssm[0], ssm[1], ssm[2], ssm[3], ssm[4])),
-            eps=eps, multipliers=mult,
-            max_position_embeddings=int(c.get("max_position_embeddings", 8192)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+            eps=eps, multipliers=mult)
 
 
 class ParallelBlock(nn.Module):

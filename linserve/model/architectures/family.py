@@ -7,12 +7,13 @@ here, so a new family is one module that defines a :class:`HFFamily`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -23,6 +24,31 @@ from linserve.model.layers.decoder import DecoderLM
 from linserve.model.state import KVEntry
 
 log = logging.getLogger("linserve")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """The fields every Hugging Face family's config shares, read alike from config.json
+    (:meth:`shared`); each family's config (``Lfm2Config``, ``Qwen35Config``, …) adds its
+    own fields beside them."""
+
+    vocab_size: int
+    hidden_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @staticmethod
+    def shared(c: dict[str, Any], max_positions: int, tie: bool) -> dict[str, Any]:
+        """The shared fields of ``c`` (config.json, or its text part), with the family's
+        defaults for the two a checkpoint may leave out."""
+        return {"vocab_size": int(c["vocab_size"]), "hidden_size": int(c["hidden_size"]),
+                "max_position_embeddings": int(c.get("max_position_embeddings", max_positions)),
+                "tie_word_embeddings": bool(c.get("tie_word_embeddings", tie))}
+
+    def tied(self, tie: bool) -> Self:
+        """This config with ``tie_word_embeddings`` as the family decides it (where it is
+        not config.json's field alone)."""
+        return dataclasses.replace(self, tie_word_embeddings=tie)
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ from typing import Any
 
 from torch import nn
 
-from linserve.model.architectures.family import HFFamily, renamer
+from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
 from linserve.model.layers.attention import Attention, AttentionShape
-from linserve.model.layers.decoder import Block, DecoderLM
+from linserve.model.layers.block import Block
+from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.mamba2 import Mamba2, Mamba2Shape
 from linserve.model.layers.mlp import SwiGLU
 from linserve.model.layers.moe import RouterSpec, SparseMoE
@@ -27,10 +28,8 @@ from linserve.model.layers.norms import RMSNorm
 MAMBA, ATTENTION = ("mamba", "linear_attention"), ("attention", "full_attention")
 
 
-@dataclass(frozen=True)
-class GraniteHybridConfig:
-    vocab_size: int
-    hidden_size: int
+@dataclass(frozen=True, kw_only=True)
+class GraniteHybridConfig(DecoderConfig):
     shared_intermediate_size: int
     layer_types: tuple[str, ...]  # "mamba" or "attention"
     attention: AttentionShape
@@ -39,8 +38,6 @@ class GraniteHybridConfig:
     embedding_multiplier: float
     residual_multiplier: float
     logits_scaling: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
     router: RouterSpec | None  # None: dense
     expert_size: int
 
@@ -63,7 +60,7 @@ class GraniteHybridConfig:
             raise ValueError("mamba_n_heads × mamba_d_head is not mamba_expand × hidden_size")
         limit = c.get("time_step_limit") or (0.0, float("inf"))
         return cls(
-            vocab_size=int(c["vocab_size"]), hidden_size=d,
+            **DecoderConfig.shared(c, 131_072, False),
             shared_intermediate_size=int(c["shared_intermediate_size"]),
             layer_types=tuple("mamba" if t in MAMBA else "attention" for t in types),
             attention=AttentionShape(
@@ -82,8 +79,6 @@ class GraniteHybridConfig:
             embedding_multiplier=float(c.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(c.get("residual_multiplier", 1.0)),
             logits_scaling=float(c.get("logits_scaling", 1.0)),
-            max_position_embeddings=int(c.get("max_position_embeddings", 131_072)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             router=RouterSpec(experts, int(c["num_experts_per_tok"]), scoring="softmax_topk")
             if experts else None,
             expert_size=int(c.get("intermediate_size") or 0))

@@ -16,18 +16,17 @@ from typing import Any
 
 from torch import nn
 
-from linserve.model.architectures.family import HFFamily, renamer
+from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
 from linserve.model.layers.attention import Attention, AttentionShape
-from linserve.model.layers.decoder import Block, DecoderLM
+from linserve.model.layers.block import Block
+from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.mlp import SwiGLU
 from linserve.model.layers.norms import RMSNorm
 from linserve.model.layers.short_conv import ShortConv
 
 
-@dataclass(frozen=True)
-class Lfm2Config:
-    vocab_size: int
-    hidden_size: int
+@dataclass(frozen=True, kw_only=True)
+class Lfm2Config(DecoderConfig):
     ff_size: int  # the MLP's hidden size after the block_* rule
     layer_types: tuple[str, ...]  # "conv" or "full_attention"
     num_attention_heads: int
@@ -36,8 +35,6 @@ class Lfm2Config:
     rope_theta: float
     conv_width: int
     conv_bias: bool
-    max_position_embeddings: int
-    tie_word_embeddings: bool
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> Lfm2Config:
@@ -54,15 +51,13 @@ class Lfm2Config:
         if int(c["hidden_size"]) % heads:
             raise ValueError("hidden_size is not a multiple of num_attention_heads")
         return cls(
-            vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
-            ff_size=ff_size(c), layer_types=tuple(types), num_attention_heads=heads,
+            **DecoderConfig.shared(c, 128_000, True), ff_size=ff_size(c),
+            layer_types=tuple(types), num_attention_heads=heads,
             num_key_value_heads=int(c["num_key_value_heads"]),
             norm_eps=float(c.get("norm_eps", 1e-5)),
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 1_000_000.0))),
             conv_width=int(c.get("conv_L_cache", 3)), conv_bias=bool(c.get("conv_bias", False)),
-            max_position_embeddings=int(c.get("max_position_embeddings", 128_000)),
-            tie_word_embeddings=bool(c.get("tie_embedding", c.get("tie_word_embeddings",
-                                                                    True))))
+        ).tied(bool(c.get("tie_embedding", c.get("tie_word_embeddings", True))))
 
 
 def ff_size(c: dict[str, Any]) -> int:

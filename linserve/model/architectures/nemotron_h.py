@@ -19,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from linserve.model.architectures.family import HFFamily, renamer
+from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
 from linserve.model.layers.attention import Attention, AttentionShape
-from linserve.model.layers.decoder import Block, DecoderLM
+from linserve.model.layers.block import Block
+from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.mamba2 import Mamba2, Mamba2Shape
 from linserve.model.layers.mlp import ReluSquaredMLP
 from linserve.model.layers.moe import ExpertsSpec, RouterSpec, SparseMoE
@@ -53,18 +54,14 @@ class MoeShape:
                    int(c.get("moe_shared_expert_intermediate_size") or 0))
 
 
-@dataclass(frozen=True)
-class NemotronHConfig:
-    vocab_size: int
-    hidden_size: int
+@dataclass(frozen=True, kw_only=True)
+class NemotronHConfig(DecoderConfig):
     layer_types: tuple[str, ...]  # linear_attention (Mamba2), full_attention, mlp
     attention: AttentionShape
     mamba: Mamba2Shape
     intermediate_size: int
     mlp_bias: bool
     eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
     moe: MoeShape | None = None
 
     @classmethod
@@ -87,7 +84,7 @@ class NemotronHConfig:
         eps = float(c.get("layer_norm_epsilon", 1e-5))
         m_heads, m_dim = int(c["mamba_num_heads"]), int(c["mamba_head_dim"])
         return cls(
-            vocab_size=int(c["vocab_size"]), hidden_size=d, layer_types=tuple(types),
+            **DecoderConfig.shared(c, 4096, False), layer_types=tuple(types),
             attention=AttentionShape(d, heads, int(c.get("num_key_value_heads") or heads),
                                      head_dim, rotary_dim=0,
                                      bias=bool(c.get("attention_bias", False)),
@@ -101,9 +98,8 @@ class NemotronHConfig:
                 (float(c.get("time_step_min", c.get("mamba_dt_min", 0.001))), float("inf"))),
             intermediate_size=int(c["intermediate_size"]),
             mlp_bias=bool(c.get("mlp_bias", False)), eps=eps,
-            max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=False,  # never tied: transformers' class ties nothing
-            moe=MoeShape.from_hf(c) if "moe" in types else None)
+            moe=MoeShape.from_hf(c) if "moe" in types else None,
+        ).tied(False)  # never tied: transformers' class ties nothing
 
 
 def build(cfg: NemotronHConfig) -> DecoderLM:

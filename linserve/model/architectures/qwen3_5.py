@@ -27,6 +27,7 @@ from torch import nn
 
 from linserve.model import invariant, kernels
 from linserve.model.architectures import hf
+from linserve.model.architectures.family import DecoderConfig
 from linserve.model.interface import CheckpointError
 from linserve.model.invariant import Linear
 from linserve.model.layers import native_step
@@ -69,12 +70,10 @@ class QwenExperts:
                    tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
 
 
-@dataclass(frozen=True)
-class Qwen35Config:
+@dataclass(frozen=True, kw_only=True)
+class Qwen35Config(DecoderConfig):
     """The text model's shape, from a Hugging Face ``config.json`` (see :meth:`from_hf`)."""
 
-    vocab_size: int
-    hidden_size: int
     intermediate_size: int
     layer_types: tuple[str, ...]
     num_attention_heads: int
@@ -88,8 +87,6 @@ class Qwen35Config:
     rms_norm_eps: float
     rope_theta: float
     partial_rotary_factor: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
     experts: QwenExperts | None = None  # None: every layer's MLP dense
 
     @classmethod
@@ -106,7 +103,7 @@ class Qwen35Config:
             "full_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) == 0
             else "linear_attention" for i in range(n)]
         cfg = cls(
-            vocab_size=int(text["vocab_size"]), hidden_size=int(text["hidden_size"]),
+            **DecoderConfig.shared(text, 262_144, False),
             intermediate_size=int(text.get("intermediate_size") or 0), layer_types=tuple(types),
             num_attention_heads=int(text["num_attention_heads"]),
             num_key_value_heads=int(text["num_key_value_heads"]),
@@ -121,8 +118,7 @@ class Qwen35Config:
             rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))),
             partial_rotary_factor=float(rope.get("partial_rotary_factor",
                                                  text.get("partial_rotary_factor", 0.25))),
-            max_position_embeddings=int(text.get("max_position_embeddings", 262_144)),
-            tie_word_embeddings=tie, experts=QwenExperts.from_hf(text, n))
+            experts=QwenExperts.from_hf(text, n)).tied(tie)
         cfg.check()
         return cfg
 

@@ -469,6 +469,10 @@ inline void store_tile(const __m512 (&acc)[ROWS][NV], const ColScales& col_s, fl
     for (int64_t r = 0; r < ROWS; ++r) {
       float* out = y + r * ldy + 16 * j;
       __m512 v = INT4 ? acc[r][j] : _mm512_mul_ps(acc[r][j], sw);
+      // The product is rounded before the add, as store_out keeps it: left to itself GCC
+      // fused the two into an FMA in some tiles and not others, so a row's bits changed
+      // with its batch (Qwen3.5 int8: project_add; tests/model/test_families.py).
+      asm("" : "+v"(v));
       if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), v);
       _mm512_mask_storeu_ps(out, m, v);
     }

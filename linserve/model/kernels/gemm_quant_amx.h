@@ -174,6 +174,7 @@ inline void amx_quant_tile(const QuantActs& a, const int8_t* x, int64_t r0, int6
   if (r0 + r < rows) {                                                                \
     float* out = y + r * ldy;                                                         \
     __m512 v = INT4 ? acc##r : _mm512_mul_ps(acc##r, sw);                             \
+    asm("" : "+v"(v)); /* rounded before the add, as store_tile does */               \
     if (accumulate) v = _mm512_add_ps(_mm512_loadu_ps(out), v);                       \
     _mm512_storeu_ps(out, v);                                                         \
   }

@@ -8,13 +8,13 @@ A *mixer* (attention, short convolution, Mamba2) is an ``nn.Module`` with
 :mod:`linserve.model.state` entries and is updated *in place* (a decode step runs on a view of the
 slot pool's rows: a tensor replaced on the view would be lost when the view is rebuilt).
 A *layer* takes ``(x, entries, lengths, one_token, new)`` and owns ``new_entries`` too
-(:class:`Block` is the common pre-norm residual one).
+(:class:`~linserve.model.layers.block.Block` is the common pre-norm residual one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,72 +22,8 @@ from torch import nn
 from linserve.model import invariant, kernels
 from linserve.model.invariant import Linear
 from linserve.model.layers import native_step
+from linserve.model.layers.block import build_weights
 from linserve.model.state import State
-
-
-class Mixer(Protocol):
-    def __call__(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
-                 new: torch.Tensor | None = None) -> torch.Tensor: ...
-
-    def step(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor
-             ) -> torch.Tensor: ...
-
-    def new_entries(self, batch: int, max_context: int) -> dict[str, Any]: ...
-
-
-@torch.inference_mode()
-def build_weights(module: nn.Module) -> None:
-    """Build the packed weights a warm-up on one input does not reach: those of every
-    submodule with a ``build_weights`` method (the experts a router did not choose)."""
-    for m in module.modules():
-        build = getattr(m, "build_weights", None)
-        if m is not module and callable(build):
-            build()
-
-
-class Block(nn.Module):
-    """``x + r·mixer(norm(x))``, then ``x + r·mlp(norm(x))`` (either part may be absent, as
-    in Nemotron-H's single-purpose blocks); r is Granite's ``residual_multiplier``. A
-    feed-forward may stand in the mixer's place (Nemotron-H's MLP and MoE blocks): a module
-    without ``new_entries`` is called on the normed rows alone and holds no state.
-    Parameter names: ``input_layernorm``, ``mixer``, ``post_attention_layernorm``, ``mlp``."""
-
-    def __init__(self, mixer: nn.Module | None, mlp: nn.Module | None,
-                 norm: type[nn.Module] | Any, dim: int, eps: float,
-                 residual_scale: float = 1.0) -> None:
-        super().__init__()
-        self.mixer: Any
-        self.mlp: Any
-        if mixer is not None:
-            self.input_layernorm = norm(dim, eps)
-            self.mixer = mixer
-        if mlp is not None:
-            self.post_attention_layernorm = norm(dim, eps)
-            self.mlp = mlp
-        self.has_mixer, self.has_mlp = mixer is not None, mlp is not None
-        self.stateful = hasattr(mixer, "new_entries")
-        self.residual_scale = residual_scale
-
-    def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
-        return self.mixer.new_entries(batch, max_context) if self.stateful else {}
-
-    def _residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return x + y * self.residual_scale if self.residual_scale != 1.0 else x + y
-
-    def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
-                one_token: bool = False, new: torch.Tensor | None = None) -> torch.Tensor:
-        if self.has_mixer:
-            h = self.input_layernorm(x)
-            if not self.stateful:
-                h = self.mixer(h)
-            elif one_token:
-                h = self.mixer.step(h, entries, lengths)
-            else:
-                h = self.mixer(h, entries, lengths, new)
-            x = self._residual(x, h)
-        if self.has_mlp:
-            x = self._residual(x, self.mlp(self.post_attention_layernorm(x)))
-        return x
 
 
 class Body(nn.Module):

@@ -21,6 +21,7 @@ from torch import nn
 
 from linserve.model import invariant
 from linserve.model.layers.attention import Attention
+from linserve.model.layers.block import Block
 from linserve.model.layers.mamba2 import Mamba2
 from linserve.model.layers.mlp import ReluSquaredMLP, SwiGLU
 from linserve.model.layers.moe import SparseMoE
@@ -159,8 +160,6 @@ def _part(module: nn.Module | None, norm: nn.Module | None, out: Plan
 def plan(model: Any) -> Plan | None:
     """The kernel's arguments for ``model`` (a DecoderLM), or None if a layer is not one the
     kernel implements."""
-    from linserve.model.layers.decoder import Block
-
     if type(model.model.norm) is not RMSNorm:
         return None
     emb = model.model.embed_tokens

@@ -24,6 +24,7 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 
 from linserve.model.sampling import SamplingParams
+from linserve.server.api.tool_calls import forced_schema
 from linserve.server.grammar.spec import GrammarError, GrammarSpec, from_request
 
 
@@ -352,8 +353,6 @@ class ChatRequest(SamplingFields):
         if super().grammar_spec() is not None:
             raise GrammarError("tool_choice 'required' or a named function cannot be combined "
                                "with another output constraint", "tool_choice")
-        from linserve.server.api.tool_calls import forced_schema
-
         schema = forced_schema(self.tool_dicts(), name, self.parallel_tool_calls)
         return from_request({"type": "json_schema", "json_schema": {
             "name": "tool_calls", "schema": schema}}, {})

@@ -16,8 +16,8 @@ from linserve.model.heap import keep_scratch, trim
 from linserve.model.interface import ModelInfo, ServedModel
 from linserve.model.kernels import bf16_gemm  # noqa: F401 (re-exported for the app's startup)
 from linserve.model.loader import batch_invariant_active, load, pick_dtype
-from linserve.server.cpus import available_cpus
 from linserve.server.settings import Settings
+from linserve.server.system.cpus import available_cpus
 
 log = logging.getLogger("linserve")
 # Loading a checkpoint this large leaves gigabytes of freed temporaries in the heap; below it

@@ -1,7 +1,7 @@
 """The engine's side of the memory report: the bytes its tensors hold, part by part.
 
 Parts (``linserve_memory_bytes{part=…}`` and ``/health``'s ``memory``; the HTTP process adds
-``sessions`` and the ``runtime``, see :mod:`linserve.server.memory_report`):
+``sessions`` and the ``runtime``, see :mod:`linserve.server.system.memory`):
 
 - ``weights``: the GEMM weights as packed (quantized), norms and the other parameters;
 - ``embeddings``: an embedding table held beside them (0 for a tied table held once);

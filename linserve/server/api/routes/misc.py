@@ -13,7 +13,7 @@ from linserve.server.api.chat_template import render_chat
 from linserve.server.api.errors import APIError
 from linserve.server.api.protocol import DetokenizeRequest, TokenizeRequest, now
 from linserve.server.api.routes.docs import ERRORS
-from linserve.server.memory_report import report as memory_report
+from linserve.server.system.memory import report as memory_report
 
 router = APIRouter()
 

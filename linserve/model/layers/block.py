@@ -1,0 +1,77 @@
+"""The common pre-norm residual layer of the decoder families (:class:`Block`), the mixer
+interface it calls, and :func:`build_weights`. Its own module so that both the decoder
+(:mod:`linserve.model.layers.decoder`) and the native step's planner
+(:mod:`linserve.model.layers.native_step`) import it, and neither imports the other's
+importer."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class Mixer(Protocol):
+    def __call__(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
+                 new: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def step(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor
+             ) -> torch.Tensor: ...
+
+    def new_entries(self, batch: int, max_context: int) -> dict[str, Any]: ...
+
+
+@torch.inference_mode()
+def build_weights(module: nn.Module) -> None:
+    """Build the packed weights a warm-up on one input does not reach: those of every
+    submodule with a ``build_weights`` method (the experts a router did not choose)."""
+    for m in module.modules():
+        build = getattr(m, "build_weights", None)
+        if m is not module and callable(build):
+            build()
+
+
+class Block(nn.Module):
+    """``x + r·mixer(norm(x))``, then ``x + r·mlp(norm(x))`` (either part may be absent, as
+    in Nemotron-H's single-purpose blocks); r is Granite's ``residual_multiplier``. A
+    feed-forward may stand in the mixer's place (Nemotron-H's MLP and MoE blocks): a module
+    without ``new_entries`` is called on the normed rows alone and holds no state.
+    Parameter names: ``input_layernorm``, ``mixer``, ``post_attention_layernorm``, ``mlp``."""
+
+    def __init__(self, mixer: nn.Module | None, mlp: nn.Module | None,
+                 norm: type[nn.Module] | Any, dim: int, eps: float,
+                 residual_scale: float = 1.0) -> None:
+        super().__init__()
+        self.mixer: Any
+        self.mlp: Any
+        if mixer is not None:
+            self.input_layernorm = norm(dim, eps)
+            self.mixer = mixer
+        if mlp is not None:
+            self.post_attention_layernorm = norm(dim, eps)
+            self.mlp = mlp
+        self.has_mixer, self.has_mlp = mixer is not None, mlp is not None
+        self.stateful = hasattr(mixer, "new_entries")
+        self.residual_scale = residual_scale
+
+    def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
+        return self.mixer.new_entries(batch, max_context) if self.stateful else {}
+
+    def _residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y * self.residual_scale if self.residual_scale != 1.0 else x + y
+
+    def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
+                one_token: bool = False, new: torch.Tensor | None = None) -> torch.Tensor:
+        if self.has_mixer:
+            h = self.input_layernorm(x)
+            if not self.stateful:
+                h = self.mixer(h)
+            elif one_token:
+                h = self.mixer.step(h, entries, lengths)
+            else:
+                h = self.mixer(h, entries, lengths, new)
+            x = self._residual(x, h)
+        if self.has_mlp:
+            x = self._residual(x, self.mlp(self.post_attention_layernorm(x)))
+        return x
