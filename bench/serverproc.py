@@ -32,15 +32,18 @@ class ServerProcess:
 
     def __init__(self, weights: Path | str, env: dict[str, str] | None = None,
                  args: list[str] | None = None, port: int | None = None,
-                 ready_timeout: float = 90.0) -> None:
+                 ready_timeout: float = 90.0, command: list[str] | None = None,
+                 cwd: Path | None = None) -> None:
+        """``command``: what runs in place of ``python -m linserve serve --weights WEIGHTS``
+        (the flags for host and port and ``args`` follow it), from ``cwd`` (the checkout)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"linserve-{self.port}.log"
-        cmd = [sys.executable, "-m", "linserve", "serve", "--weights", str(weights),
-               "--host", "127.0.0.1", "--port", str(self.port), *(args or [])]
+        head = command or [sys.executable, "-m", "linserve", "serve", "--weights", str(weights)]
+        cmd = [*head, "--host", "127.0.0.1", "--port", str(self.port), *(args or [])]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self._log,
+        self.proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=full_env, stdout=self._log,
                                      stderr=subprocess.STDOUT)
         ServerProcess.live.add(self)
         try:

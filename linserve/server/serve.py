@@ -47,9 +47,9 @@ class DrainingServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse the settings from ``argv`` (default: ``sys.argv[1:]``), check the checkpoint,
-    make the native kernels ready (compiled on a machine's first start, and said so) and
-    serve until SIGTERM / SIGINT."""
+    """Parse the settings from ``argv`` (default: ``sys.argv[1:]``), check the checkpoint
+    (a bad one is one line and exit status 1), make the native kernels ready (compiled on a
+    machine's first start, and said so) and serve until SIGTERM / SIGINT."""
     boot = time.monotonic()
     try:
         settings = parse_cli(argv)
@@ -57,11 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"linserve: invalid settings\n{exc}") from None
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("linserve %s: starting %s on %s:%d (engine: %s; every setting: linserve serve "
-             "--help)", __version__, settings.model or settings.weights, settings.host,
-             settings.port, settings.engine_mode)
     pin_mmap_threshold(settings.malloc_mmap_threshold)
-    kernels.load()  # here, logged, before either process needs them: a first start compiles
     try:
         if settings.model:  # a folder or a repo id: both processes load the resolved folder
             settings = settings.model_copy(update={"weights": loader.resolve(settings.model)})
@@ -74,6 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     except (loader.CheckpointError, OSError, ValueError) as exc:  # one line, no traceback
         raise SystemExit(f"linserve: cannot load {settings.model or settings.weights}: "
                          f"{exc}") from None
+    log.info("linserve %s: starting %s on %s:%d (engine: %s; every setting: linserve serve "
+             "--help)", __version__, settings.model or settings.weights, settings.host,
+             settings.port, settings.engine_mode)
+    kernels.load()  # here, logged, before either process needs them: a first start compiles
     app = create_app(settings)
     app.state.boot_time = boot
     config = uvicorn.Config(wrap(app, settings, state_limit),

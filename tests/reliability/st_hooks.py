@@ -64,15 +64,16 @@ def map_case(context: Any, case: Any) -> Any:
 
 @schemathesis.hook
 def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
-    """``best_of`` below ``n`` dropped again right before each call: the stateful phase
-    edits cases after ``map_case`` (its links fill fields from earlier responses), and one
-    sent it. The agent rules are not re-applied here: a link's ``previous_response_id``
-    names a response that exists, which is what that phase tests."""
+    """``best_of`` below ``n`` and a thinking budget over ``max_tokens`` dropped again right
+    before each call: the stateful phase edits cases after ``map_case`` (its links fill
+    fields from earlier responses), and one sent it. The other agent rules are not re-applied: a
+    link's ``previous_response_id`` names a response that exists, which is what that phase tests."""
     meta = getattr(case, "meta", None)
     if meta is not None and str(getattr(meta.generation.mode, "value", "")) == "negative":
         return
     if isinstance(case.body, dict):
         keep_valid_best_of(case.body)
+        keep_valid_thinking(case.body)
 
 
 def keep_valid(case: Any) -> None:
@@ -102,9 +103,20 @@ def keep_valid_agent_rules(body: dict[str, Any]) -> None:
         if schema is not None and compiles("response_format", {
                 "type": "json_schema", "json_schema": {"schema": schema}}, None) is False:
             del body[outer]
+    keep_valid_thinking(body)
+
+
+def _number(v: Any) -> bool:
+    """A JSON number as the schema's integers take it (whole floats such as ``8.0`` too)."""
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def keep_valid_thinking(body: dict[str, Any]) -> None:
+    """Drop a thinking budget that is not under ``max_tokens``, whichever numbers carry
+    them (refused as Anthropic refuses it; tested in tests/server/test_messages_api.py)."""
     thinking, limit = body.get("thinking"), body.get("max_tokens")
-    if isinstance(thinking, dict) and isinstance(thinking.get("budget_tokens"), int) and \
-            isinstance(limit, int) and thinking["budget_tokens"] >= limit:
+    if isinstance(thinking, dict) and _number(thinking.get("budget_tokens")) and \
+            _number(limit) and thinking["budget_tokens"] >= limit:
         del body["thinking"]
 
 
@@ -123,11 +135,7 @@ def keep_valid_best_of(body: dict[str, Any]) -> None:
     integers take whole floats such as ``8.0`` too: an int-only check let the stateful phase
     send ``n: 8.0, best_of: 4``)."""
     best_of, n = body.get("best_of"), body.get("n", 1)
-
-    def number(v: Any) -> bool:
-        return isinstance(v, int | float) and not isinstance(v, bool)
-
-    if number(best_of) and number(n) and best_of < n:
+    if _number(best_of) and _number(n) and best_of < n:
         del body["best_of"]
 
 

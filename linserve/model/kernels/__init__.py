@@ -115,9 +115,15 @@ def load() -> bool:
     try:
         if not ok:
             t0 = time.monotonic()
-            torch.ops.load_library(lib or build())
+            if lib:
+                torch.ops.load_library(lib)
+                _state["source"] = f"prebuilt {lib}"
+            else:
+                built = build()
+                torch.ops.load_library(built.path)
+                _state["source"] = ("compiled for this CPU" if built.compiled
+                                    else "this CPU's cached build")
             _state["seconds"] = time.monotonic() - t0
-            _state["source"] = f"prebuilt {lib}" if lib else "compiled for this CPU"
         ok = is_loaded()
     except Exception as exc:  # no compiler, no ninja, a bad library: fall back to eager
         _state["error"] = f"{type(exc).__name__}: {exc}"
@@ -166,4 +172,4 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] != "build":
         raise SystemExit("usage: linserve build-kernels DIR")
-    print(build(args[1], verbose=True))
+    print(build(args[1], verbose=True).path)

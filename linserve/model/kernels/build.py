@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("linserve.kernels")
@@ -159,9 +160,17 @@ def run_ninja(build_dir: Path, arch: str, verbose: bool) -> None:
         raise RuntimeError("kernel build failed:\n" + "".join(output[-60:]))
 
 
-def build(directory: str | Path | None = None, verbose: bool = False) -> str:
+@dataclass(frozen=True)
+class Built:
+    """A build's library and whether this call compiled it (else it was up to date)."""
+
+    path: str
+    compiled: bool
+
+
+def build(directory: str | Path | None = None, verbose: bool = False) -> Built:
     """Compile the kernels (cached: ninja rebuilds only what changed) into ``directory``, by
-    default a per-checkout, per-``LINSERVE_KERNEL_ARCH`` cache folder; returns the .so path.
+    default a per-checkout, per-``LINSERVE_KERNEL_ARCH`` cache folder.
     The default cache keeps one build per -march, so switching ``LINSERVE_KERNEL_ARCH`` (the
     tests run each instruction set this CPU has) does not rebuild over the other."""
     arch = os.environ.get("LINSERVE_KERNEL_ARCH", "native")
@@ -170,8 +179,9 @@ def build(directory: str | Path | None = None, verbose: bool = False) -> str:
     build_dir = Path(directory) if directory is not None else default_build_dir(name)
     with build_lock(build_dir):
         library = write_ninja(build_dir, arch)
-        if not (library.exists() and up_to_date(build_dir)):
-            t0 = time.monotonic()
-            run_ninja(build_dir, arch, verbose)
-            log.info("kernels: built in %.1f s: %s", time.monotonic() - t0, library)
-    return str(library)
+        if library.exists() and up_to_date(build_dir):
+            return Built(str(library), compiled=False)
+        t0 = time.monotonic()
+        run_ninja(build_dir, arch, verbose)
+        log.info("kernels: built in %.1f s: %s", time.monotonic() - t0, library)
+    return Built(str(library), compiled=True)
