@@ -23,6 +23,12 @@ BATCH_SIZE = Gauge("linserve_batch_size", "Rows in the last decode step")
 SESSIONS = Gauge("linserve_sessions", "Live sessions in the store")
 SESSION_BYTES = Gauge("linserve_session_bytes", "Bytes of state held by live sessions")
 PROMPT_TOKENS = Counter("linserve_prompt_tokens", "Prompt tokens prefilled")
+PROMPT_COMPUTED = Counter("linserve_prompt_tokens_computed", "Prompt tokens the model ran, by "
+                          "request kind: client (a request's own prompt), next_turn (a "
+                          "conversation prefilled after its reply), session", ["kind"])
+PROMPT_REUSED = Counter("linserve_prompt_tokens_reused", "Prompt tokens not run, taken from "
+                        "the prefix cache, by request kind (as prompt_tokens_computed)",
+                        ["kind"])
 GENERATION_TOKENS = Counter("linserve_generation_tokens", "Tokens generated")
 REQUESTS = Counter("linserve_requests", "Finished engine requests by status", ["status"])
 HTTP_REQUESTS = Counter("linserve_http_requests", "HTTP responses by route and status code",

@@ -64,11 +64,14 @@ async def start_chat(svc: GenerationService, body: ChatRequest, owner: str,
     prep = prepare(svc, body, owner, prompt_ids, DEFAULT_CHAT_TOKENS, n_lp,
                    body.stop_list() + stops, await svc.grammar_of(body))
     prep.turn, prep.meta = turn, meta
+    # a stateless reply whose conversation is prefilled again after it (next_turn.py)
+    turns = svc.next_turns if body.session_id is None and body.n == 1 else None
+    if turns is not None and body.add_generation_prompt and not body.continue_final_message:
+        prep.keep_at = turns.boundary(body.messages, _render_vars(svc, body), prompt_ids)
     handles = await svc.start_choices(prep, body.n)
-    if body.session_id is None and body.n == 1 and svc.next_turns is not None:
-        svc.next_turns.remember(handles[0],
-                                [m.model_dump(exclude_none=True) for m in body.messages],
-                                _render_vars(svc, body), lambda reply: shape.message(reply)[0])
+    if turns is not None:
+        turns.remember(handles[0], [m.model_dump(exclude_none=True) for m in body.messages],
+                       _render_vars(svc, body), lambda reply: shape.message(reply)[0])
     return ChatRun(handles, shape, prompt_ids)
 
 

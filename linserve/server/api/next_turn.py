@@ -8,26 +8,50 @@ engine's prefix cache keeps. The engine's own entry after a generation holds the
 the model wrote it, which a template renders differently (without its reasoning, with its
 end tokens), so without this the next turn resumes only from the previous prompt.
 
+That prefill resumes where the next rendering leaves the previous prompt: the start of its
+generation prompt (``<|im_start|>assistant\n`` and, thinking off, ``<think>\n\n</think>\n\n``),
+which the rendered history replaces with the reply's own header. A recurrent state cannot
+step back there, so the previous prompt's prefill keeps one (:meth:`NextTurns.boundary`,
+the request's ``keep_at``): the prefill then runs only the reply as re-rendered and the next
+turn's header, not the last user message again.
+
 A client that sends its next turn at once (an agent running a tool instantly) would race
 that prefill: a request whose prompt extends a conversation being prefilled waits for it
-(:meth:`NextTurns.settled`), then takes the cached state.
+(:meth:`NextTurns.settled`), then takes the cached state; the prefills of the other kinds
+of next turn (a user message where tool results came) are cancelled, so it never waits
+behind tokens it does not need.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from linserve.server.api.chat_session import Transcript, next_turn_texts
 from linserve.server.api.chat_template import TemplateChat
 from linserve.server.api.errors import APIError
+from linserve.server.api.protocol import ChatMessage
 from linserve.server.engine.client import RequestHandle
 from linserve.server.engine.types import Output
+from linserve.server.sessions.transcript import common_prefix
 
 log = logging.getLogger("linserve.service")
 SETTLE_SECONDS = 60.0  # the longest a request waits for a conversation's prefill
+
+
+@dataclass(eq=False)
+class _Prefill:
+    """One remembered conversation's prefill in flight; ``group``: the reply it follows (the
+    kinds of next turn of one reply share it)."""
+
+    ids: list[int]
+    group: int
+    done: asyncio.Future[None]
+    task: asyncio.Task[None] | None = None
 
 
 class NextTurns:
@@ -36,10 +60,23 @@ class NextTurns:
     def __init__(self, chat: TemplateChat, specials: Sequence[str],
                  encode: Callable[[str], list[int]],
                  prefill: Callable[[list[int]], Coroutine[Any, Any, object]],
-                 spawn: Callable[[Coroutine[Any, Any, None]], None], max_tokens: int) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+                 max_tokens: int) -> None:
         self.chat, self.specials, self.encode = chat, specials, encode
         self.prefill, self.spawn, self.max_tokens = prefill, spawn, max_tokens
-        self.running: list[tuple[list[int], asyncio.Future[None]]] = []
+        self.running: list[_Prefill] = []
+        self._groups = itertools.count()
+
+    def boundary(self, messages: Sequence[ChatMessage], render: dict[str, Any],
+                 prompt_ids: list[int]) -> int:
+        """Where ``prompt_ids`` (``messages`` rendered with the generation prompt) leave the
+        conversation rendered without it: the state to keep for the next turn (0: none)."""
+        try:
+            history = self.encode(self.chat.render(list(messages), False, **render))
+        except (APIError, ValueError):
+            return 0
+        at = common_prefix(prompt_ids, history)
+        return at if 0 < at < len(prompt_ids) else 0
 
     def remember(self, handle: RequestHandle, messages: list[dict[str, Any]],
                  render: dict[str, Any], reply: Callable[[str], dict[str, Any]]) -> None:
@@ -49,11 +86,12 @@ class NextTurns:
         def done(out: Output) -> None:
             if out.finish_reason not in ("stop", "length"):
                 return
+            group = next(self._groups)
             for ids in self._next_ids(messages, render, reply(handle.text)):
                 if len(handle.req.input_ids) < len(ids) <= self.max_tokens:
-                    future = asyncio.get_running_loop().create_future()
-                    self.running.append((ids, future))
-                    self.spawn(self._prefill(ids, future))
+                    run = _Prefill(ids, group, asyncio.get_running_loop().create_future())
+                    self.running.append(run)
+                    run.task = self.spawn(self._prefill(run))
 
         handle.on_finish(done)
 
@@ -67,19 +105,28 @@ class NextTurns:
             return []
         return [self.encode(text) for text in texts]
 
-    async def _prefill(self, ids: list[int], future: asyncio.Future[None]) -> None:
+    async def _prefill(self, run: _Prefill) -> None:
         try:
-            await self.prefill(ids)
+            await self.prefill(run.ids)
         except APIError as exc:  # the engine is busy or down: no entry, no harm
             log.debug("next turn not cached: %s", exc.message)
+        except asyncio.CancelledError:  # the next turn came, and it is another kind
+            log.debug("next turn prefill of %d tokens cancelled", len(run.ids))
         finally:
-            self.running.remove((ids, future))
-            future.set_result(None)
+            self.running.remove(run)
+            run.done.set_result(None)
 
     async def settled(self, prompt_ids: list[int]) -> None:
         """Wait until no remembered conversation that ``prompt_ids`` extends is still being
-        prefilled (at most ``SETTLE_SECONDS``)."""
-        waits = [future for ids, future in self.running
-                 if len(ids) <= len(prompt_ids) and prompt_ids[:len(ids)] == ids]
+        prefilled (at most ``SETTLE_SECONDS``): the part it shares is computed once. The
+        prefills of the same reply's other kinds of next turn, which it does not extend,
+        are cancelled rather than waited behind."""
+        waits = [run for run in self.running
+                 if len(run.ids) <= len(prompt_ids) and prompt_ids[:len(run.ids)] == run.ids]
+        groups = {run.group for run in waits}
+        for run in self.running:
+            if run.group in groups and run not in waits and run.task is not None:
+                run.task.cancel()
         if waits:
-            await asyncio.wait([asyncio.shield(f) for f in waits], timeout=SETTLE_SECONDS)
+            await asyncio.wait([asyncio.shield(run.done) for run in waits],
+                               timeout=SETTLE_SECONDS)

@@ -61,6 +61,7 @@ class Prepared:
     fault: str | None = None
     grammar: GrammarSpec | None = None
     turn: ChatTurn | None = None  # a template chat session's turn (server.api.chat_session)
+    keep_at: int = 0  # keep a prefix-cache state after prompt_ids[:keep_at] (next_turn.py)
     # What the session keeps beside its state once the reply is whole (its text, its last
     # output): a stored response (server.api.responses.stored), written with the state.
     meta: Callable[[str, Output], dict[str, Any]] | None = None
@@ -107,8 +108,9 @@ class GenerationService:
         self.remote: RemotePrefixes | None = None  # prefix states shared through Redis
         self._grammars: GrammarCompiler | None = None  # validates grammars before the engine
         self.next_turns = (NextTurns(self.chat, self.tok.special_tokens(),
-                                     self.prompt_tokens.encode, self._prefill, self.spawn,
-                                     settings.max_prompt_tokens)
+                                     self.prompt_tokens.encode,
+                                     lambda ids: self._prefill(ids, kind="next_turn"),
+                                     self.spawn, settings.max_prompt_tokens)
                            if self.chat is not None and settings.prefix_cache_bytes > 0
                            and settings.next_turn_cache else None)
 
@@ -189,7 +191,8 @@ class GenerationService:
                 await self.next_turns.settled(prep.prompt_ids)
             req = GenerationRequest(new_id("cmpl"), prep.prompt_ids, prep.params, prep.stop,
                                     prompt_logprobs=prep.prompt_logprobs, chat=prep.chat,
-                                    fault=prep.fault, grammar=prep.grammar)
+                                    fault=prep.fault, grammar=prep.grammar,
+                                    keep_at=prep.keep_at)
             if self.remote is not None and not prep.prompt_logprobs:
                 hint = await self.remote.lookup(prep.prompt_ids, len(prep.prompt_ids) - 1)
                 if hint is not None:
@@ -273,7 +276,11 @@ class GenerationService:
             await self.store.release(sid, token)
             raise
         handle.saved = asyncio.get_running_loop().create_future()
-        handle.on_finish(lambda out: self.spawn(self._save(sess, token, out, handle, prep)))
+
+        def save(out: Output) -> None:
+            self.spawn(self._save(sess, token, out, handle, prep))
+
+        handle.on_finish(save)
         return handle
 
     async def lock_session(self, sid: str, owner: str) -> tuple[Session, str]:
@@ -314,10 +321,12 @@ class GenerationService:
             raise APIError(503, f"the engine is unavailable ({exc}); retry shortly", None,
                            "engine_unavailable", OVERLOADED_HEADERS) from exc
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``coro`` in the background, held until it ends."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _save(self, sess: Session, token: str, out: Output,
                     handle: RequestHandle, prep: Prepared) -> None:
@@ -389,13 +398,20 @@ class GenerationService:
         return state, pending
 
     async def _prefill(self, prompt_ids: list[int], start: State | None = None,
-                       start_tokens: int = 0) -> tuple[State, list[int], int]:
+                       start_tokens: int = 0, kind: str = "client"
+                       ) -> tuple[State, list[int], int]:
         """A prefill-only request (after ``start``, which holds ``start_tokens``): the state,
-        the pending tokens, and how many prompt tokens the prefix cache served."""
+        the pending tokens, and how many prompt tokens the prefix cache served. ``kind``
+        names it in the prompt-token counters."""
         params = SamplingParams(max_tokens=0)
         req = GenerationRequest(new_id("prefill"), prompt_ids, params, want_state=True,
-                                start_state=start, start_tokens=start_tokens)
-        out = await self.collect(self._submit(req))
+                                start_state=start, start_tokens=start_tokens, kind=kind)
+        handle = self._submit(req)
+        try:
+            out = await self.collect(handle)
+        except asyncio.CancelledError:  # nobody waits for it any more: stop it in the engine
+            handle.cancel()
+            raise
         if out.final_state is None:
             raise APIError(503, "engine could not build the session state", None)
         return out.final_state, out.final_pending, out.cached_tokens

@@ -8,6 +8,7 @@ single thread-safe call. HTTP handlers never touch tensors; they talk to :class:
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -195,6 +196,7 @@ class Engine:
                 seq.matcher = self.grammars.matcher(req.grammar)
             if self.prefix is not None:
                 self.prefix.lookup(seq)
+                metrics.PROMPT_REUSED.labels(kind=req.kind).inc(seq.cached)
         except Exception as exc:
             log.exception("request %s rejected by the engine", req.request_id)
             self._fail_unstarted(req, f"the engine could not start this request: {exc}")
@@ -282,14 +284,19 @@ class Engine:
             if seq.prompt_logprobs is not None:
                 self._add_prompt_logprobs(seq, logits[0], todo[:n])
                 logits = logits[:, -1]
-            seq.prefilled += n
-            metrics.PROMPT_TOKENS.inc(n)
-            if self.prefix is not None:
-                self.prefix.after_prefill(seq, n)
+            self._consumed(seq, n)
         if seq.prefilled >= seq.prefill_target:
             self.prefilling.popleft()
             self._prefill_done(seq, logits)
         return n
+
+    def _consumed(self, seq: Sequence, n: int) -> None:
+        """``seq``'s state now holds ``n`` more of its prompt's tokens."""
+        seq.prefilled += n
+        metrics.PROMPT_TOKENS.inc(n)
+        metrics.PROMPT_COMPUTED.labels(kind=seq.req.kind).inc(n)
+        if self.prefix is not None:
+            self.prefix.after_prefill(seq, n)
 
     def _prefill_batched(self, budget: int) -> int:
         """One ragged prefill over the leading prompts that fit the budget (padded size);
@@ -319,10 +326,7 @@ class Engine:
             return budget
         for i, (seq, n) in enumerate(group):
             seq.state = states[i]
-            seq.prefilled += n
-            metrics.PROMPT_TOKENS.inc(n)
-            if self.prefix is not None:
-                self.prefix.after_prefill(seq, n)
+            self._consumed(seq, n)
             if seq.prefilled >= seq.prefill_target:
                 self.prefilling.remove(seq)
                 self._prefill_done(seq, logits[i : i + 1])
@@ -339,6 +343,10 @@ class Engine:
 
     def _prefill_done(self, seq: Sequence, logits: torch.Tensor | None) -> None:
         """A prompt is in: hand a prefill-only request its state, else start decoding."""
+        if seq.req.kind == "next_turn":  # what the post-reply prefill found and ran
+            log.info(json.dumps({"event": "next_turn_prefill", "id": seq.req.request_id,
+                                 "tokens": seq.prompt_len, "reused": seq.cached,
+                                 "computed": seq.prefilled - seq.cached}))
         if seq.prefill_only or logits is None:
             seq.finish_reason = "prefilled"
             state = seq.state if seq.state is not None else self.model.new_state(1)

@@ -69,12 +69,19 @@ class Sequence:
         return len(self.req.input_ids)
 
     @property
+    def keep_points(self) -> tuple[int, int]:
+        """Where the prefix cache wants a state inside this prompt: ``branch``, and the
+        request's ``keep_at`` (where a chat template's generation prompt begins)."""
+        return self.branch, self.req.keep_at
+
+    @property
     def to_prefill(self) -> list[int]:
         """Input tokens not yet consumed, leaving the last one for the first sample (and
-        stopping first at ``branch``, where the prefix cache wants a state)."""
+        stopping first at each of :attr:`keep_points`)."""
         end = self.prefill_target
-        if self.prefilled < self.branch < end:
-            end = self.branch
+        for point in self.keep_points:
+            if self.prefilled < point < end:
+                end = point
         return self.req.input_ids[self.prefilled : end]
 
     @property

@@ -5,10 +5,13 @@ and when, and the metrics. Runs on the engine thread only (no locks).
   log-probs (those need the logits of every prompt token). The hit leaves at least the last
   prompt token to prefill, whose logits the first sample needs.
 - Stored, at no copy: the state at the end of every prompt's prefill, every ``interval``
-  tokens inside a long prefill (``prefill`` returns a fresh state per chunk), and at the
+  tokens inside a long prefill (``prefill`` returns a fresh state per chunk), at the
   *branch point* where a prompt leaves the path of an earlier one (its prefill stops there
   once): a system prompt shared by many requests is kept after the second one, whatever
-  its length.
+  its length; and at a request's ``keep_at``: where a chat template's generation prompt
+  begins, which is where the next turn's rendering of the conversation leaves this prompt
+  (``<|im_start|>assistant\n<think>\n\n</think>\n\n`` becomes the reply's own header), so
+  the conversation prefilled after the reply resumes there and runs only the reply.
 - Stored, at one row copy: the state after a finished generation (input + generated tokens
   but the last), so a client that resends the whole conversation resumes after the reply.
   A chat reply's stop string ``\\nUser:`` is exactly how the next turn's rendering goes on,
@@ -70,8 +73,8 @@ class EnginePrefixCache:
             return
         done = seq.prefilled
         crossed = self.interval > 0 and done // self.interval > (done - n) // self.interval
-        if done >= seq.prefill_target or done == seq.branch or crossed:
-            landmark = done >= seq.prefill_target or done == seq.branch
+        landmark = done >= seq.prefill_target or done in seq.keep_points
+        if landmark or crossed:
             self._insert(seq.req.input_ids[:done], seq.state, publish=landmark)
 
     def after_generation(self, seq: Sequence, take_row: State) -> None:
