@@ -113,6 +113,29 @@ def test_a_tool_call_turn_runs_only_the_call(srv: ServerProcess) -> None:
         assert event["computed"] <= rendered - prompt + 2 * SLACK, (event, rendered, prompt)
 
 
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_other_apis_resent_whole_get_the_same(srv: ServerProcess, api: str) -> None:
+    """Anthropic's Messages and the Responses API (``store: false``) resent whole go the same
+    chat path: the post-reply prefill resumes at the previous prompt's boundary."""
+    text = f"Tell me ({api}). {WORDS}"
+    if api == "messages":
+        url, body = "/v1/messages", {"model": "q", "max_tokens": 16, "messages": [
+            {"role": "user", "content": text}]}
+    else:
+        url, body = "/v1/responses", {"model": "q", "max_output_tokens": 16, "input": text,
+                                      "store": False}
+    seen = len(next_turn_events(srv, 0))
+    out = httpx.post(srv.url + url, json={**body, "temperature": 0}, timeout=120).json()
+    deadline = time.monotonic() + 30
+    while not next_turn_events(srv, seen) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    events = next_turn_events(srv, seen)
+    usage = out["usage"]  # Messages counts cache reads apart from input_tokens
+    prompt = usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
+    assert events and all(e["reused"] >= prompt - SLACK for e in events), (events, prompt)
+    assert all(e["computed"] <= 16 + 2 * SLACK for e in events), events
+
+
 def _conversation(srv: ServerProcess, pause: float) -> list[tuple[list[int], int]]:
     """Three turns, the next sent ``pause`` seconds after each reply: each reply's token
     ids and cached prompt tokens."""

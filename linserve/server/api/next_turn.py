@@ -65,6 +65,7 @@ class NextTurns:
         self.chat, self.specials, self.encode = chat, specials, encode
         self.prefill, self.spawn, self.max_tokens = prefill, spawn, max_tokens
         self.running: list[_Prefill] = []
+        self.preparing: list[asyncio.Future[None]] = []  # conversations being rendered
         self._groups = itertools.count()
 
     def boundary(self, messages: Sequence[ChatMessage], render: dict[str, Any],
@@ -82,18 +83,33 @@ class NextTurns:
                  render: dict[str, Any], reply: Callable[[str], dict[str, Any]]) -> None:
         """When ``handle`` (a stateless reply to ``messages``) finishes whole, prefill the
         conversation as its next turn will render it. Registered as the reply ends, before
-        its client can send the next turn."""
+        its client can send the next turn; the rendering and tokenizing (a long
+        conversation, once per kind of next turn) run in a thread, and a request that
+        arrives meanwhile waits for them (:meth:`settled`)."""
         def done(out: Output) -> None:
             if out.finish_reason not in ("stop", "length"):
                 return
             group = next(self._groups)
-            for ids in self._next_ids(messages, render, reply(handle.text)):
-                if len(handle.req.input_ids) < len(ids) <= self.max_tokens:
+            ready = asyncio.get_running_loop().create_future()
+            self.preparing.append(ready)
+            self.spawn(self._start(group, ready, messages, render, reply(handle.text),
+                                   len(handle.req.input_ids)))
+
+        handle.on_finish(done)
+
+    async def _start(self, group: int, ready: asyncio.Future[None],
+                     messages: list[dict[str, Any]], render: dict[str, Any],
+                     reply: dict[str, Any], prompt_len: int) -> None:
+        try:
+            texts = await asyncio.to_thread(self._next_ids, messages, render, reply)
+            for ids in texts:
+                if prompt_len < len(ids) <= self.max_tokens:
                     run = _Prefill(ids, group, asyncio.get_running_loop().create_future())
                     self.running.append(run)
                     run.task = self.spawn(self._prefill(run))
-
-        handle.on_finish(done)
+        finally:
+            self.preparing.remove(ready)
+            ready.set_result(None)
 
     def _next_ids(self, messages: list[dict[str, Any]], render: dict[str, Any],
                   reply: dict[str, Any]) -> list[list[int]]:
@@ -121,6 +137,9 @@ class NextTurns:
         prefilled (at most ``SETTLE_SECONDS``): the part it shares is computed once. The
         prefills of the same reply's other kinds of next turn, which it does not extend,
         are cancelled rather than waited behind."""
+        if self.preparing:  # rendered in a moment: then it is known which to wait for
+            await asyncio.wait([asyncio.shield(f) for f in self.preparing],
+                               timeout=SETTLE_SECONDS)
         waits = [run for run in self.running
                  if len(run.ids) <= len(prompt_ids) and prompt_ids[:len(run.ids)] == run.ids]
         groups = {run.group for run in waits}

@@ -109,7 +109,7 @@ class GenerationService:
         self._grammars: GrammarCompiler | None = None  # validates grammars before the engine
         self.next_turns = (NextTurns(self.chat, self.tok.special_tokens(),
                                      self.prompt_tokens.encode,
-                                     lambda ids: self._prefill(ids, kind="next_turn"),
+                                     lambda ids: self.warm(ids, "next_turn"),
                                      self.spawn, settings.max_prompt_tokens)
                            if self.chat is not None and settings.prefix_cache_bytes > 0
                            and settings.next_turn_cache else None)
@@ -398,23 +398,30 @@ class GenerationService:
         return state, pending
 
     async def _prefill(self, prompt_ids: list[int], start: State | None = None,
-                       start_tokens: int = 0, kind: str = "client"
-                       ) -> tuple[State, list[int], int]:
+                       start_tokens: int = 0) -> tuple[State, list[int], int]:
         """A prefill-only request (after ``start``, which holds ``start_tokens``): the state,
-        the pending tokens, and how many prompt tokens the prefix cache served. ``kind``
-        names it in the prompt-token counters."""
-        params = SamplingParams(max_tokens=0)
-        req = GenerationRequest(new_id("prefill"), prompt_ids, params, want_state=True,
-                                start_state=start, start_tokens=start_tokens, kind=kind)
-        handle = self._submit(req)
-        try:
-            out = await self.collect(handle)
-        except asyncio.CancelledError:  # nobody waits for it any more: stop it in the engine
-            handle.cancel()
-            raise
+        the pending tokens, and how many prompt tokens the prefix cache served."""
+        out = await self._run_prefill(GenerationRequest(
+            new_id("prefill"), prompt_ids, SamplingParams(max_tokens=0), want_state=True,
+            start_state=start, start_tokens=start_tokens))
         if out.final_state is None:
             raise APIError(503, "engine could not build the session state", None)
         return out.final_state, out.final_pending, out.cached_tokens
+
+    async def warm(self, prompt_ids: list[int], kind: str) -> None:
+        """Prefill ``prompt_ids`` into the engine's prefix cache only: the state stays
+        there (not sent back, which for a long conversation's KV is megabytes); ``kind``
+        names it in the prompt-token counters."""
+        await self._run_prefill(GenerationRequest(
+            new_id("prefill"), prompt_ids, SamplingParams(max_tokens=0), kind=kind))
+
+    async def _run_prefill(self, req: GenerationRequest) -> Output:
+        handle = self._submit(req)
+        try:
+            return await self.collect(handle)
+        except asyncio.CancelledError:  # nobody waits for it any more: stop it in the engine
+            handle.cancel()
+            raise
 
     async def create_session(self, owner: str, prompt_ids: list[int]) -> Session:
         self._check_context(0, len(prompt_ids), 0)

@@ -10,6 +10,7 @@ boundaries before them cannot have moved); otherwise the whole text is encoded.
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections import OrderedDict
 
@@ -25,13 +26,16 @@ class PromptTokens:
         self.tok = tok
         self.capacity = capacity
         self.recent: OrderedDict[str, list[tuple[str, array[int]]]] = OrderedDict()
+        self._lock = threading.Lock()  # next turns are tokenized in a thread too
 
     def encode(self, text: str) -> list[int]:
         """``tok.encode(text)``, reusing an earlier prompt that ``text`` extends."""
         if len(text) < MIN_CHARS:
             return self.tok.encode(text)
         key = text[:KEY_CHARS]
-        ids = self._extend(text, self.recent.get(key, []))
+        with self._lock:
+            candidates = list(self.recent.get(key, []))
+        ids = self._extend(text, candidates)
         if ids is None:
             ids = self.tok.encode(text)
         self._remember(key, text, ids)
@@ -53,7 +57,8 @@ class PromptTokens:
         return old_ids[:-OVERLAP].tolist() + fresh
 
     def _remember(self, key: str, text: str, ids: list[int]) -> None:
-        entries = [e for e in self.recent.pop(key, []) if not text.startswith(e[0])]
-        self.recent[key] = [*entries[-1:], (text, array("i", ids))]
-        while len(self.recent) > self.capacity:
-            self.recent.popitem(last=False)
+        with self._lock:
+            entries = [e for e in self.recent.pop(key, []) if not text.startswith(e[0])]
+            self.recent[key] = [*entries[-1:], (text, array("i", ids))]
+            while len(self.recent) > self.capacity:
+                self.recent.popitem(last=False)
