@@ -137,10 +137,11 @@ def run_ninja(build_dir: Path, arch: str, verbose: bool) -> None:
     """Run the build, logging one line as each unit finishes; raises with the compiler's
     output when it fails."""
     t0 = time.monotonic()
-    log.info("kernels: compiling the native kernels for this CPU (-march=%s) into %s: %d "
-             "units, %d sources; the first build on a machine usually takes ~%d s on 2 cores, "
-             "later starts load the cached library at once (LINSERVE_KERNEL_DIR: prebuilt "
-             "ones)", arch, build_dir, len(UNITS), len(SOURCES), TYPICAL_SECONDS)
+    log.info("kernels: no up-to-date build for this CPU and checkout, so compiling the "
+             "native kernels for this CPU (-march=%s) into %s: %d units, %d sources; the "
+             "first build on a machine usually takes ~%d s on 2 cores, later starts load the "
+             "cached library at once (LINSERVE_KERNEL_DIR: prebuilt ones)", arch, build_dir,
+             len(UNITS), len(SOURCES), TYPICAL_SECONDS)
     jobs = str(max(1, min(len(UNITS), os.cpu_count() or 1)))
     env = {**os.environ, "NINJA_STATUS": "[%f/%t] "}
     proc = subprocess.Popen([ninja_command(), "-C", str(build_dir), "-j", jobs], env=env,
