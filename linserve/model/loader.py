@@ -4,7 +4,8 @@ Each architecture family registers how to recognise its checkpoints and load the
 server calls :func:`load` and :func:`max_state_bytes` and never imports a family itself.
 Known: the project's own checkpoints (:mod:`linserve.model.architectures.linserve`), Qwen3.5 and
 Qwen3.5-MoE (:mod:`linserve.model.architectures.qwen3_5`), Qwen3-Next, and the Hugging Face families
-of :data:`HF_FAMILIES` (LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H, Falcon-H1).
+of :data:`HF_FAMILIES` (LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H, Falcon-H1, Mamba and
+Falcon-Mamba).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from linserve.model.architectures import (
     hf,
     lfm2,
     lfm2_moe,
+    mamba,
     nemotron_h,
     qwen3_5,
     qwen3_next,
@@ -56,7 +58,7 @@ FAMILIES = [
       for v in (qwen3_5.QWEN3_5, qwen3_next.VARIANT)),
 ]
 HF_FAMILIES: list[HFFamily] = [lfm2.FAMILY, lfm2_moe.FAMILY, granite_hybrid.FAMILY,
-                               nemotron_h.FAMILY, falcon_h1.FAMILY]
+                               nemotron_h.FAMILY, falcon_h1.FAMILY, mamba.FAMILY]
 FAMILIES += [Family(f.name, f.recognise, f.load, f.max_state_bytes, f.check, f.params)
              for f in HF_FAMILIES]
 # Bytes a parameter takes as served under each quantization (int8: one fp32 scale per output

@@ -144,6 +144,19 @@ def _falcon(shape: dict[str, Any]) -> Any:
     return t.FalconH1ForCausalLM(cfg)
 
 
+def _mamba(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    falcon = shape.get("falcon", False)
+    cls, config = ((t.FalconMambaForCausalLM, t.FalconMambaConfig) if falcon
+                   else (t.MambaForCausalLM, t.MambaConfig))
+    cfg = config(vocab_size=VOCAB, hidden_size=shape["d"], intermediate_size=shape["inner"],
+                 num_hidden_layers=shape["layers"], state_size=shape["state"],
+                 time_step_rank=shape["rank"], conv_kernel=shape.get("conv", 4),
+                 use_conv_bias=shape.get("conv_bias", True), tie_word_embeddings=shape["tie"],
+                 **({"mixer_rms_eps": 1e-6} if falcon else {}))
+    return cls(cfg)
+
+
 # family -> shape name -> shape
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3_5": QWEN_SHAPES,  # interval: a full-attention layer every `interval` layers
@@ -217,6 +230,15 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
                             "scaling": 2.5,
                             "types": ["moe", "linear_attention", "full_attention", "mlp"]},
     },
+    "mamba": {  # Mamba-1: inner width, d_state, dt rank; falcon: Falcon-Mamba's norms
+        # scale: its logits' fp32 rounding (transformers' own is 9e-5 from fp64 at 3x) under
+        # the tests' 1e-4
+        "tied-r4": {"d": 32, "inner": 64, "state": 8, "rank": 4, "layers": 3, "tie": True,
+                    "scale": 2.0},
+        "falcon-untied": {"d": 48, "inner": 96, "state": 16, "rank": 3, "layers": 2,
+                          "tie": False, "falcon": True, "conv": 3, "conv_bias": False,
+                          "scale": 2.0},
+    },
     "falcon_h1": {  # mamba: (d_ssm, heads, d_state, groups)
         "norm-g2": {"d": 64, "ff": 96, "layers": 3, "heads": (4, 2), "tie": False,
                     "mamba": (96, 6, 16, 2), "rms": True, "mult": {
@@ -231,19 +253,22 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
 }
 BUILDERS = {"qwen3_5": _qwen3_5, "lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_moe": _qwen3_5_moe,
             "qwen3_next": _qwen3_next, "granitemoehybrid": _granite,
-            "nemotron_h": _nemotron, "falcon_h1": _falcon}
+            "nemotron_h": _nemotron, "falcon_h1": _falcon, "mamba": _mamba}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 
 
 def make(path: Path, family: str, name: str, seed: int = 0, scale: float = 3.0) -> Path:
     """Save a random-weight checkpoint of ``SHAPES[family][name]``, its matrices ``scale``
-    times transformers' initialisation (so layers matter), with the project's tokenizer."""
+    (or the shape's own) times transformers' initialisation (so layers matter; Mamba-1's
+    ``[inner, N]`` A_log, the log of its decay rates, stays as initialised), with the
+    project's tokenizer."""
     torch.manual_seed(seed)
     model = BUILDERS[family](SHAPES[family][name])
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(scale if p.dim() > 1 else 1.0)
+        for pname, p in model.named_parameters():  # matrices; Mamba-1's A_log is a decay
+            p.mul_(SHAPES[family][name].get("scale", scale)
+                   if p.dim() > 1 and not pname.endswith("A_log") else 1.0)
         for name, b in model.named_buffers():
             if name.endswith(("expert_bias", "correction_bias")):  # zero at init: choose
                 b.copy_(torch.rand(b.shape, generator=gen) - 0.5)

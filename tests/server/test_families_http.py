@@ -177,6 +177,7 @@ def test_quantized_weights_serve_batch_invariantly(checkpoint: Path, mode: str) 
     ("lfm2_moe", {"num_experts_per_tok": 12}, "top_k 12 is not in 1..6 experts"),
     ("lfm2", {"num_attention_heads": 5}, "hidden_size is not a multiple"),
     ("falcon_h1", {"mamba_n_heads": 5}, "mamba_n_heads"),
+    ("mamba", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not served"),
 ])
 def test_an_unserved_or_bad_config_gets_one_line(tmp_path: Path, family: str,
                                                  change: dict, says: str) -> None:
