@@ -18,6 +18,7 @@
 #include "attention.h"
 #include "dense.h"
 #include "gdn.h"
+#include "mamba1.h"
 #include "mamba2.h"
 #include "moe.h"
 #include "parallel.h"
@@ -150,6 +151,47 @@ at::Tensor mamba2_scan_(at::Tensor s, at::Tensor y, const at::Tensor& x, const a
     linserve::mamba2::scan_head(s.data_ptr<float>() + (r * heads + h) * p * n,
                                 -std::exp(a_log.data_ptr<float>()[h]), in, count[r], p, n);
     for (int64_t t = count[r]; t < t_len; ++t) std::fill_n(in.y + t * in.y_ld, p, 0.f);
+  });
+  return y;
+}
+
+// Mamba-1's selective scan of every row (mamba1.h), tasks of (row, 16 channels): s [B, D, N]
+// fp32, contiguous, updated in place; y [B, T, D] written (each row's first counts[r]
+// tokens, zeros past them); x, dt [B, T, D] and b, c [B, T, N] fp32 with unit last stride;
+// a [D, N] = -exp(A_log) fp32; counts [B] int64, each at most T.
+at::Tensor mamba1_scan_(at::Tensor s, at::Tensor y, const at::Tensor& x, const at::Tensor& dt,
+                        const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                        const at::Tensor& counts) {
+  TORCH_CHECK(s.dim() == 3 && s.is_contiguous() && s.scalar_type() == at::kFloat,
+              "mamba1_scan_ takes a contiguous fp32 state [B, D, N]");
+  const int64_t rows = s.size(0), d = s.size(1), n = s.size(2), t_len = x.size(1);
+  const at::Tensor* inputs[] = {&y, &x, &dt, &b, &c};
+  for (const at::Tensor* t : inputs)
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == rows && t->size(1) == t_len &&
+                    t->stride(2) == 1 && t->scalar_type() == at::kFloat,
+                "mamba1_scan_ takes fp32 [B, T, C] inputs with unit last stride");
+  TORCH_CHECK(x.size(2) == d && dt.size(2) == d && y.size(2) == d && b.size(2) == n &&
+                  c.size(2) == n, "mamba1_scan_: x, dt, y [B, T, D]; b, c [B, T, N]");
+  TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.numel() == d * n &&
+                  counts.scalar_type() == at::kLong && counts.is_contiguous() &&
+                  counts.numel() == rows,
+              "mamba1_scan_: a [D, N] fp32, counts [B] int64");
+  const int64_t* count = counts.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(count[r] >= 0 && count[r] <= t_len, "mamba1_scan_: a count past T");
+  const int64_t blocks = (d + linserve::mamba1::kLanes - 1) / linserve::mamba1::kLanes;
+  linserve::for_each_task(rows * blocks, [&](int64_t task) {
+    const int64_t r = task / blocks, d0 = task % blocks * linserve::mamba1::kLanes;
+    const int64_t live = std::min(linserve::mamba1::kLanes, d - d0);
+    const linserve::mamba1::RowTokens in{
+        x.data_ptr<float>() + r * x.stride(0), dt.data_ptr<float>() + r * dt.stride(0),
+        b.data_ptr<float>() + r * b.stride(0), c.data_ptr<float>() + r * c.stride(0),
+        y.data_ptr<float>() + r * y.stride(0), x.stride(1), dt.stride(1), b.stride(1),
+        y.stride(1)};
+    const linserve::mamba2::FlushDenormals flush;
+    linserve::mamba1::scan_channels(s.data_ptr<float>() + r * d * n, a.data_ptr<float>(), in,
+                                    count[r], d0, live, n);
+    for (int64_t t = count[r]; t < t_len; ++t) std::fill_n(in.y + t * in.y_ld + d0, live, 0.f);
   });
   return y;
 }
@@ -292,6 +334,8 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
         "float eps, bool before) -> Tensor(a!)");
   m.def("mamba2_scan_(Tensor(a!) s, Tensor(b!) y, Tensor x, Tensor dt, Tensor a_log, Tensor b, "
         "Tensor c, Tensor counts) -> Tensor(b!)");
+  m.def("mamba1_scan_(Tensor(a!) s, Tensor(b!) y, Tensor x, Tensor dt, Tensor a_mat, Tensor b, "
+        "Tensor c, Tensor counts) -> Tensor(b!)");
   m.def("swiglu_rows(Tensor gate_up) -> Tensor");
   m.def("gelu_tanh_(Tensor(a!) x) -> Tensor(a!)");
   m.def("qkv_features(Tensor qkv, int heads) -> Tensor[]");
@@ -303,6 +347,7 @@ TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("causal_conv", &causal_conv);
   m.impl("mamba2_gate_", &mamba2_gate_);
   m.impl("mamba2_scan_", &mamba2_scan_);
+  m.impl("mamba1_scan_", &mamba1_scan_);
   m.impl("swiglu_rows", &swiglu_rows);
   m.impl("gelu_tanh_", &gelu_tanh_);
   m.impl("qkv_features", &qkv_features);

@@ -7,9 +7,11 @@ its bias added after the product; the selective scan; the D skip; y · silu(z); 
 Unlike Mamba2 the decay is per channel *and* state: A = −exp(A_log) ``[inner, N]``, so per
 channel i the state s_i ``[N]`` takes s_i ← exp(dt_i A_i) ⊙ s_i + dt_i x_i B, and
 y_i = s_i · C + D_i x_i. A prefill runs the recurrence a token at a time (the step's
-arithmetic, so a prompt's split does not change a row's result); each row's padded tokens
-get dt = 0 (no decay, no write). State: a :class:`linserve.model.state.RecurrentEntry`
-``s [B, inner, 1, N]`` and the conv window ``[B, K−1, inner]``, fp32, constant in size.
+arithmetic, so a prompt's split does not change a row's result), natively where built
+(``mamba1_scan_``, ``kernels/mamba1.h``) and in ATen otherwise, the two tested equal within
+fp32 rounding; each row's padded tokens get dt = 0 (no decay, no write). State: a
+:class:`linserve.model.state.RecurrentEntry` ``s [B, inner, 1, N]`` and the conv window
+``[B, K−1, inner]``, fp32, constant in size.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linserve.model import invariant
+from linserve.model import invariant, kernels
 from linserve.model.invariant import Linear
 from linserve.model.layers.norms import rms
 from linserve.model.layers.short_conv import advance_window, causal_conv
@@ -85,10 +87,19 @@ class Mamba1(nn.Module):
         return xs, z, dt, b, c
 
     def _scan(self, xs: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-              s: torch.Tensor) -> torch.Tensor:
+              s: torch.Tensor, new: torch.Tensor | None) -> torch.Tensor:
         """The recurrence over T tokens: xs, dt ``[B, T, inner]``, b, c ``[B, T, N]``,
-        s ``[B, inner, N]`` (updated in place) -> y ``[B, T, inner]`` with the D skip."""
+        s ``[B, inner, N]`` (updated in place), ``new [B]`` or None -> y ``[B, T, inner]``
+        with the D skip. Natively where built (``mamba1_scan_``: one read and one write of
+        the state, sixteen channels a vector), else token by token in ATen."""
         a = -self.A_log.float().exp()
+        if kernels.available() and not torch.is_grad_enabled():
+            rows, t = xs.shape[:2]
+            counts = (torch.full((rows,), t, dtype=torch.long) if new is None
+                      else new.to(torch.long).contiguous())
+            y = torch.empty_like(xs)
+            torch.ops.linserve.mamba1_scan_(s, y, xs, dt, a.contiguous(), b, c, counts)
+            return y + xs * self.D.float()
         y = torch.empty_like(xs)
         for t in range(xs.shape[1]):
             decay = invariant.rowwise(torch.exp, dt[:, t, :, None] * a)  # [B, inner, N]
@@ -103,7 +114,7 @@ class Mamba1(nn.Module):
         del lengths
         rec: RecurrentEntry = entries["recurrent"]
         xs, z, dt, b, c = self._inputs(x, entries["conv"], new)
-        y = self._scan(xs, dt, b, c, rec.s.squeeze(2))
+        y = self._scan(xs, dt, b, c, rec.s.squeeze(2), new)
         gated = y * invariant.rowwise(F.silu, z)
         return self.out_proj.forward_fp32(gated).to(x.dtype)
 
