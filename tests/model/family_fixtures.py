@@ -157,6 +157,16 @@ def _mamba(shape: dict[str, Any]) -> Any:
     return cls(cfg)
 
 
+def _mamba2(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    heads, head_dim, state, groups = shape["mamba"]
+    cfg = t.Mamba2Config(vocab_size=VOCAB, hidden_size=shape["d"], num_heads=heads,
+                         head_dim=head_dim, expand=heads * head_dim // shape["d"],
+                         state_size=state, n_groups=groups, num_hidden_layers=shape["layers"],
+                         conv_kernel=4, chunk_size=32, tie_word_embeddings=shape["tie"])
+    return t.Mamba2ForCausalLM(cfg)
+
+
 # family -> shape name -> shape
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3_5": QWEN_SHAPES,  # interval: a full-attention layer every `interval` layers
@@ -239,6 +249,10 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
                           "tie": False, "falcon": True, "conv": 3, "conv_bias": False,
                           "scale": 2.0},
     },
+    "mamba2": {  # mamba: (heads, head_dim, d_state, groups)
+        "g2-untied": {"d": 32, "mamba": (8, 8, 16, 2), "layers": 3, "tie": False},
+        "g1-tied": {"d": 48, "mamba": (6, 16, 24, 1), "layers": 2, "tie": True},
+    },
     "falcon_h1": {  # mamba: (d_ssm, heads, d_state, groups)
         "norm-g2": {"d": 64, "ff": 96, "layers": 3, "heads": (4, 2), "tie": False,
                     "mamba": (96, 6, 16, 2), "rms": True, "mult": {
@@ -253,7 +267,7 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
 }
 BUILDERS = {"qwen3_5": _qwen3_5, "lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_moe": _qwen3_5_moe,
             "qwen3_next": _qwen3_next, "granitemoehybrid": _granite,
-            "nemotron_h": _nemotron, "falcon_h1": _falcon, "mamba": _mamba}
+            "nemotron_h": _nemotron, "falcon_h1": _falcon, "mamba": _mamba, "mamba2": _mamba2}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 
 

@@ -16,8 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
-from linserve.model.architectures.granite_hybrid import json_float
+from linserve.model.architectures.family import DecoderConfig, HFFamily, json_float, renamer
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.mamba2 import Mamba2, Mamba2Shape

@@ -132,6 +132,14 @@ class HFFamily:
                                 else "eager (layer by layer)")
 
 
+def json_float(value: Any) -> float:
+    """A float from config.json, where transformers writes infinity as
+    ``{"__float__": "Infinity"}``."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
 def renamer(rules: list[tuple[str, str]]) -> Callable[[str], str]:
     """A checkpoint-name mapping from ``(regex, replacement)`` rules: the first rule that
     matches a name rewrites it; a name no rule matches stays as it is."""

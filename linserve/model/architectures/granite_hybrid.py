@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
+from linserve.model.architectures.family import DecoderConfig, HFFamily, json_float, renamer
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.block import Block
 from linserve.model.layers.decoder import DecoderLM
@@ -82,14 +82,6 @@ class GraniteHybridConfig(DecoderConfig):
             router=RouterSpec(experts, int(c["num_experts_per_tok"]), scoring="softmax_topk")
             if experts else None,
             expert_size=int(c.get("intermediate_size") or 0))
-
-
-def json_float(value: Any) -> float:
-    """A float from config.json, where transformers writes infinity as
-    ``{"__float__": "Infinity"}``."""
-    if isinstance(value, dict) and "__float__" in value:
-        return float(value["__float__"])
-    return float(value)
 
 
 def build(cfg: GraniteHybridConfig) -> DecoderLM:
