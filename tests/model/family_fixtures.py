@@ -167,6 +167,21 @@ def _mamba2(shape: dict[str, Any]) -> Any:
     return t.Mamba2ForCausalLM(cfg)
 
 
+def _bamba(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    heads, d_state, groups = shape["mamba"]
+    cfg = t.BambaConfig(
+        vocab_size=VOCAB, hidden_size=shape["d"], intermediate_size=shape["ff"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"][0],
+        num_key_value_heads=shape["heads"][1], attn_layer_indices=shape["attn"],
+        mamba_n_heads=heads, mamba_d_state=d_state, mamba_n_groups=groups, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=32, max_position_embeddings=4096,
+        tie_word_embeddings=shape["tie"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                         "partial_rotary_factor": shape.get("rotary", 1.0)})
+    return t.BambaForCausalLM(cfg)
+
+
 # family -> shape name -> shape
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3_5": QWEN_SHAPES,  # interval: a full-attention layer every `interval` layers
@@ -253,6 +268,12 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
         "g2-untied": {"d": 32, "mamba": (8, 8, 16, 2), "layers": 3, "tie": False},
         "g1-tied": {"d": 48, "mamba": (6, 16, 24, 1), "layers": 2, "tie": True},
     },
+    "bamba": {  # mamba: (heads, d_state, groups); attn: attn_layer_indices
+        "half-rope-g2": {"d": 64, "ff": 96, "heads": (4, 2), "layers": 4, "attn": [1, 3],
+                         "mamba": (8, 16, 2), "tie": False, "rotary": 0.5},
+        "full-rope-g1": {"d": 48, "ff": 80, "heads": (3, 1), "layers": 3, "attn": [0],
+                         "mamba": (4, 8, 1), "tie": True},
+    },
     "falcon_h1": {  # mamba: (d_ssm, heads, d_state, groups)
         "norm-g2": {"d": 64, "ff": 96, "layers": 3, "heads": (4, 2), "tie": False,
                     "mamba": (96, 6, 16, 2), "rms": True, "mult": {
@@ -267,7 +288,8 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
 }
 BUILDERS = {"qwen3_5": _qwen3_5, "lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_moe": _qwen3_5_moe,
             "qwen3_next": _qwen3_next, "granitemoehybrid": _granite,
-            "nemotron_h": _nemotron, "falcon_h1": _falcon, "mamba": _mamba, "mamba2": _mamba2}
+            "nemotron_h": _nemotron, "falcon_h1": _falcon, "mamba": _mamba, "mamba2": _mamba2,
+            "bamba": _bamba}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 
 

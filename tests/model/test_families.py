@@ -167,7 +167,7 @@ def test_steps_on_views_of_a_pooled_state_update_the_pool(checkpoint: Path) -> N
 # families whose layers a whole-model native step implements: decoder_step.cpp
 # (linserve/model/layers/native_step.py) or, for the Qwen families, qwen35_step.cpp
 NATIVE = {"lfm2", "lfm2_moe", "nemotron_h", "granitemoehybrid", "qwen3_5", "qwen3_5_moe",
-          "qwen3_next", "mamba2"}
+          "qwen3_next", "mamba2", "bamba"}
 
 
 def test_native_step_equals_the_eager_step(checkpoint: Path) -> None:

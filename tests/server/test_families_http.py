@@ -179,6 +179,7 @@ def test_quantized_weights_serve_batch_invariantly(checkpoint: Path, mode: str) 
     ("falcon_h1", {"mamba_n_heads": 5}, "mamba_n_heads"),
     ("mamba", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not served"),
     ("mamba2", {"num_heads": 5}, "num_heads × head_dim is not expand × hidden_size"),
+    ("bamba", {"mamba_n_heads": 5}, "mamba_n_heads × mamba_d_head"),
 ])
 def test_an_unserved_or_bad_config_gets_one_line(tmp_path: Path, family: str,
                                                  change: dict, says: str) -> None:
