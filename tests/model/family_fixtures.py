@@ -182,6 +182,20 @@ def _bamba(shape: dict[str, Any]) -> Any:
     return t.BambaForCausalLM(cfg)
 
 
+def _jamba(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    experts, top_k = shape.get("experts", (1, 1))
+    cfg = t.JambaConfig(
+        vocab_size=VOCAB, hidden_size=shape["d"], intermediate_size=shape["ff"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"][0],
+        num_key_value_heads=shape["heads"][1], attn_layer_period=shape["attn"][0],
+        attn_layer_offset=shape["attn"][1], expert_layer_period=2, expert_layer_offset=1,
+        num_experts=experts, num_experts_per_tok=top_k, mamba_d_state=shape["state"],
+        mamba_dt_rank=shape["rank"], mamba_expand=2, mamba_d_conv=4,
+        max_position_embeddings=4096, tie_word_embeddings=shape["tie"])
+    return t.JambaForCausalLM(cfg)
+
+
 # family -> shape name -> shape
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3_5": QWEN_SHAPES,  # interval: a full-attention layer every `interval` layers
@@ -274,6 +288,12 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
         "full-rope-g1": {"d": 48, "ff": 80, "heads": (3, 1), "layers": 3, "attn": [0],
                          "mamba": (4, 8, 1), "tie": True},
     },
+    "jamba": {  # attn: (attn_layer_period, attn_layer_offset); experts every second layer
+        "moe-e4k2": {"d": 32, "ff": 64, "heads": (4, 2), "layers": 4, "attn": (2, 1),
+                     "state": 8, "rank": 4, "experts": (4, 2), "tie": False, "scale": 2.0},
+        "dense-tied": {"d": 48, "ff": 80, "heads": (3, 1), "layers": 3, "attn": (3, 0),
+                       "state": 16, "rank": 3, "tie": True, "scale": 2.0},
+    },
     "falcon_h1": {  # mamba: (d_ssm, heads, d_state, groups)
         "norm-g2": {"d": 64, "ff": 96, "layers": 3, "heads": (4, 2), "tie": False,
                     "mamba": (96, 6, 16, 2), "rms": True, "mult": {
@@ -289,7 +309,7 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
 BUILDERS = {"qwen3_5": _qwen3_5, "lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_moe": _qwen3_5_moe,
             "qwen3_next": _qwen3_next, "granitemoehybrid": _granite,
             "nemotron_h": _nemotron, "falcon_h1": _falcon, "mamba": _mamba, "mamba2": _mamba2,
-            "bamba": _bamba}
+            "bamba": _bamba, "jamba": _jamba}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 
 

@@ -180,6 +180,7 @@ def test_quantized_weights_serve_batch_invariantly(checkpoint: Path, mode: str) 
     ("mamba", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not served"),
     ("mamba2", {"num_heads": 5}, "num_heads × head_dim is not expand × hidden_size"),
     ("bamba", {"mamba_n_heads": 5}, "mamba_n_heads × mamba_d_head"),
+    ("jamba", {"hidden_act": "relu"}, "hidden_act 'relu' is not served"),
 ])
 def test_an_unserved_or_bad_config_gets_one_line(tmp_path: Path, family: str,
                                                  change: dict, says: str) -> None:

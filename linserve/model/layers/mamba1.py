@@ -1,8 +1,9 @@
 """The Mamba-1 mixer (Mamba, Falcon-Mamba, Jamba's Mamba layers), as transformers' slow path
 computes it: ``in_proj`` to x and z; a causal depthwise convolution and SiLU over x;
 ``x_proj`` to the time step's low-rank input (``time_step_rank``), B and C (Falcon-Mamba
-normalises the three, without weights, ``mixer_rms_eps``); dt = softplus(``dt_proj``(…)),
-its bias added after the product; the selective scan; the D skip; y · silu(z); ``out_proj``.
+normalises the three, without weights, ``mixer_rms_eps``; Jamba with weights); dt =
+softplus(``dt_proj``(…)), its bias added after the product; the selective scan; the D skip; y ·
+silu(z); ``out_proj``.
 
 Unlike Mamba2 the decay is per channel *and* state: A = −exp(A_log) ``[inner, N]``, so per
 channel i the state s_i ``[N]`` takes s_i ← exp(dt_i A_i) ⊙ s_i + dt_i x_i B, and
@@ -25,15 +26,16 @@ from torch import nn
 
 from linserve.model import invariant, kernels
 from linserve.model.invariant import Linear
-from linserve.model.layers.norms import rms
+from linserve.model.layers.norms import RMSNorm, rms
 from linserve.model.layers.short_conv import advance_window, causal_conv
 from linserve.model.state import ConvEntry, RecurrentEntry
 
 
 @dataclass(frozen=True)
 class Mamba1Shape:
-    """``inner``: the expanded width; ``dt_rank``: ``time_step_rank``; ``bcdt_eps``:
-    Falcon-Mamba's weightless RMS norms on B, C and dt (None: none)."""
+    """``inner``: the expanded width; ``dt_rank``: ``time_step_rank``; ``bcdt_eps``: RMS
+    norms on dt, B and C (None: none), weightless (Falcon-Mamba) or, with ``bcdt_weights``,
+    with weights (Jamba's ``dt_layernorm``, ``b_layernorm``, ``c_layernorm``)."""
 
     hidden: int
     inner: int
@@ -43,6 +45,7 @@ class Mamba1Shape:
     conv_bias: bool = True
     proj_bias: bool = False
     bcdt_eps: float | None = None
+    bcdt_weights: bool = False
 
 
 class Mamba1(nn.Module):
@@ -62,6 +65,11 @@ class Mamba1(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(s.inner, s.d_state))
         self.D = nn.Parameter(torch.ones(s.inner))
         self.out_proj = Linear(s.inner, s.hidden, bias=s.proj_bias)
+        if s.bcdt_weights:
+            assert s.bcdt_eps is not None
+            self.dt_layernorm = RMSNorm(s.dt_rank, s.bcdt_eps)
+            self.b_layernorm = RMSNorm(s.d_state, s.bcdt_eps)
+            self.c_layernorm = RMSNorm(s.d_state, s.bcdt_eps)
 
     def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
         del max_context
@@ -78,7 +86,9 @@ class Mamba1(nn.Module):
         weight = self.conv1d.weight.detach().float().squeeze(1).t().contiguous()
         xs = causal_conv(advance_window(conv, xs, new), weight, self.conv1d.bias, silu=True)
         low, b, c = self.x_proj.forward_fp32(xs).split([s.dt_rank, s.d_state, s.d_state], -1)
-        if s.bcdt_eps is not None:
+        if s.bcdt_weights:
+            low, b, c = self.dt_layernorm(low), self.b_layernorm(b), self.c_layernorm(c)
+        elif s.bcdt_eps is not None:
             low, b, c = (rms(y, s.bcdt_eps) for y in (low, b, c))
         dt = invariant.rowwise(F.softplus, self.dt_proj.forward_fp32(low))
         if new is not None:  # a ragged batch's padding: dt 0 keeps the state as it is
