@@ -8,7 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from linserve.model.architectures.family import DecoderConfig, HFFamily, json_float, renamer
+from linserve.model.architectures.family import (
+    DecoderConfig,
+    HFFamily,
+    json_float,
+    renamer,
+    require_activation,
+)
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.block import Block
 from linserve.model.layers.decoder import DecoderLM
@@ -29,8 +35,7 @@ class BambaConfig(DecoderConfig):
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> BambaConfig:
-        if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {c['hidden_act']!r} is not served (silu is)")
+        require_activation(c)
         d, n = int(c["hidden_size"]), int(c["num_hidden_layers"])
         heads = int(c["num_attention_heads"])
         head_dim = int(c.get("head_dim") or d // heads)

@@ -132,6 +132,13 @@ class HFFamily:
                                 else "eager (layer by layer)")
 
 
+def require_activation(c: dict[str, Any], served: str = "silu", key: str = "hidden_act"
+                       ) -> None:
+    """Raise ValueError unless config.json's ``key`` (absent: the default) is ``served``."""
+    if c.get(key, served) != served:
+        raise ValueError(f"{key} {c[key]!r} is not served ({served} is)")
+
+
 def json_float(value: Any) -> float:
     """A float from config.json, where transformers writes infinity as
     ``{"__float__": "Infinity"}``."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
+from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer, require_activation
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.block import Block
 from linserve.model.layers.decoder import DecoderLM
@@ -34,8 +34,7 @@ class JambaConfig(DecoderConfig):
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> JambaConfig:
-        if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {c['hidden_act']!r} is not served (silu is)")
+        require_activation(c)
         d, n = int(c["hidden_size"]), int(c["num_hidden_layers"])
         heads = int(c["num_attention_heads"])
         eps = float(c.get("rms_norm_eps", 1e-6))

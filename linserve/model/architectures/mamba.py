@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
+from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer, require_activation
 from linserve.model.layers.block import Block
 from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.mamba1 import Mamba1, Mamba1Shape
@@ -29,8 +29,7 @@ class MambaConfig(DecoderConfig):
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> MambaConfig:
-        if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {c['hidden_act']!r} is not served (silu is)")
+        require_activation(c)
         d = int(c["hidden_size"])
         inner = int(c.get("intermediate_size") or int(c.get("expand", 2)) * d)
         rank = c.get("time_step_rank", "auto")

@@ -9,7 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from linserve.model.architectures.family import DecoderConfig, HFFamily, json_float, renamer
+from linserve.model.architectures.family import (
+    DecoderConfig,
+    HFFamily,
+    json_float,
+    renamer,
+    require_activation,
+)
 from linserve.model.architectures.mamba import MAX_POSITIONS, RENAMES
 from linserve.model.layers.block import Block
 from linserve.model.layers.decoder import DecoderLM
@@ -25,8 +31,7 @@ class Mamba2Config(DecoderConfig):
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> Mamba2Config:
-        if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {c['hidden_act']!r} is not served (silu is)")
+        require_activation(c)
         d, heads, head_dim = int(c["hidden_size"]), int(c["num_heads"]), int(c["head_dim"])
         if heads * head_dim != int(c.get("expand", 2)) * d:
             raise ValueError("num_heads × head_dim is not expand × hidden_size")
