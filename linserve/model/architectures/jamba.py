@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from linserve.model.architectures import bamba
 from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer, require_activation
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.block import Block
@@ -77,13 +78,9 @@ def build(cfg: JambaConfig) -> DecoderLM:
                      cfg.tie_word_embeddings)
 
 
-RENAMES = [
-    (r"^(model\.layers\.\d+)\.(?:mamba|self_attn)\.", r"\1.mixer."),
-    (r"^(model\.layers\.\d+)\.feed_forward\.router\.", r"\1.mlp.gate."),
-    (r"^(model\.layers\.\d+)\.feed_forward\.", r"\1.mlp."),
-    (r"^(model\.layers\.\d+)\.pre_ff_layernorm\.", r"\1.post_attention_layernorm."),
-    (r"^model\.final_layernorm\.", "model.norm."),
-]
+# Bamba's names (Jamba's layout), and the experts' router
+RENAMES = [(r"^(model\.layers\.\d+)\.feed_forward\.router\.", r"\1.mlp.gate."),
+           *bamba.RENAMES]
 
 
 def describe(cfg: JambaConfig) -> str:
