@@ -196,6 +196,21 @@ def _jamba(shape: dict[str, Any]) -> Any:
     return t.JambaForCausalLM(cfg)
 
 
+def _zamba2(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    heads, kv_heads = shape["heads"]
+    cfg = t.Zamba2Config(
+        vocab_size=VOCAB, hidden_size=shape["d"], intermediate_size=shape["ff"],
+        num_hidden_layers=len(shape["types"]), layers_block_type=shape["types"],
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
+        n_mamba_heads=shape["mamba"][0], mamba_d_state=shape["mamba"][1],
+        mamba_ngroups=shape["mamba"][2], mamba_expand=2, mamba_d_conv=4, chunk_size=32,
+        num_mem_blocks=shape["blocks"], use_shared_attention_adapter=shape["adapters"],
+        adapter_rank=shape["rank"], use_mem_rope=shape["rope"], max_position_embeddings=4096,
+        tie_word_embeddings=shape["tie"], time_step_min=1e-9)  # the limit never binds
+    return t.Zamba2ForCausalLM(cfg)
+
+
 # family -> shape name -> shape
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3_5": QWEN_SHAPES,  # interval: a full-attention layer every `interval` layers
@@ -294,6 +309,15 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
         "dense-tied": {"d": 48, "ff": 80, "heads": (3, 1), "layers": 3, "attn": (3, 0),
                        "state": 16, "rank": 3, "tie": True, "scale": 2.0},
     },
+    "zamba2": {  # mamba: (heads, d_state, groups); blocks: shared blocks used in turn
+        "two-blocks-adapters": {"d": 32, "ff": 48, "heads": (4, 4), "mamba": (4, 16, 1),
+                                "blocks": 2, "adapters": True, "rank": 8, "rope": True,
+                                "tie": True, "types": ["mamba", "hybrid", "mamba", "hybrid",
+                                                       "hybrid", "mamba"]},
+        "gqa-one-block": {"d": 48, "ff": 64, "heads": (6, 2), "mamba": (6, 8, 2),
+                          "blocks": 1, "adapters": False, "rank": 4, "rope": False,
+                          "tie": False, "types": ["hybrid", "mamba", "mamba", "hybrid"]},
+    },
     "falcon_h1": {  # mamba: (d_ssm, heads, d_state, groups)
         "norm-g2": {"d": 64, "ff": 96, "layers": 3, "heads": (4, 2), "tie": False,
                     "mamba": (96, 6, 16, 2), "rms": True, "mult": {
@@ -309,7 +333,8 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
 BUILDERS = {"qwen3_5": _qwen3_5, "lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_moe": _qwen3_5_moe,
             "qwen3_next": _qwen3_next, "granitemoehybrid": _granite,
             "nemotron_h": _nemotron, "falcon_h1": _falcon, "mamba": _mamba, "mamba2": _mamba2,
-            "bamba": _bamba, "jamba": _jamba}
+            "bamba": _bamba, "jamba": _jamba,
+            "zamba2": _zamba2}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 
 

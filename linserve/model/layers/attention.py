@@ -24,7 +24,8 @@ from linserve.model.state import KVEntry
 @dataclass(frozen=True)
 class AttentionShape:
     """``rotary_dim`` 0: no positions (Nemotron-H); ``qk_norm`` False: no q/k norm;
-    ``scale`` None: head_dim^-0.5; ``key_multiplier`` scales k (Falcon-H1)."""
+    ``scale`` None: head_dim^-0.5; ``key_multiplier`` scales k (Falcon-H1); ``out_dim``
+    None: the output is ``hidden`` wide (Zamba2's shared block reads 2·d and writes d)."""
 
     hidden: int
     heads: int
@@ -38,6 +39,7 @@ class AttentionShape:
     key_multiplier: float = 1.0
     bias: bool = False
     out_bias: bool = False
+    out_dim: int | None = None
 
 
 class Attention(nn.Module):
@@ -53,7 +55,7 @@ class Attention(nn.Module):
         self.q_proj = Linear(s.hidden, s.heads * s.head_dim, bias=s.bias)
         self.k_proj = Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.bias)
         self.v_proj = Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.bias)
-        self.o_proj = Linear(s.heads * s.head_dim, s.hidden, bias=s.out_bias)
+        self.o_proj = Linear(s.heads * s.head_dim, s.out_dim or s.hidden, bias=s.out_bias)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.eps)
             self.k_norm = RMSNorm(s.head_dim, s.eps)
@@ -70,14 +72,17 @@ class Attention(nn.Module):
         return invariant.gemm_weight(self, self.q_proj.weight, self.k_proj.weight,
                                      self.v_proj.weight)
 
-    def _qkv(self, x: torch.Tensor, pos: torch.Tensor
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor, delta: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x ``[B, T, d]`` -> q ``[B, H, T, D]``, k, v ``[B, Hkv, T, D]`` (fp32, rotated)."""
+        """x ``[B, T, d]`` -> q ``[B, H, T, D]``, k, v ``[B, Hkv, T, D]`` (fp32, rotated).
+        ``delta [B, T, (H + 2·Hkv)·D]`` is added to the projection (Zamba2's adapters)."""
         b, t, _ = x.shape
         s = self.shape
         qkv = invariant.project(x, self.qkv_weight()).to(x.dtype)
         if self.q_proj.bias is not None:
             qkv = qkv + torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        if delta is not None:
+            qkv = qkv + delta.to(qkv.dtype)
         q, k, v = qkv.float().split([s.heads * s.head_dim, s.kv_heads * s.head_dim,
                                      s.kv_heads * s.head_dim], dim=-1)
         q, k, v = (y.reshape(b, t, -1, s.head_dim) for y in (q, k, v))
@@ -97,33 +102,39 @@ class Attention(nn.Module):
         b, _, t, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1).to(x.dtype))
 
-    def _attend(self, x: torch.Tensor, kv: KVEntry, rows: slice, start: int) -> torch.Tensor:
+    def _attend(self, x: torch.Tensor, kv: KVEntry, rows: slice, start: int,
+                delta: torch.Tensor | None = None) -> torch.Tensor:
         """T new tokens ``[b, T, d]`` of ``rows`` at positions start … start+T−1."""
         t = x.shape[1]
-        q, k, v = self._qkv(x, torch.arange(start, start + t)[None])
+        q, k, v = self._qkv(x, torch.arange(start, start + t)[None], delta)
         kv.k[rows, :, start : start + t] = k
         kv.v[rows, :, start : start + t] = v
         keys, values = kv.k[rows, :, : start + t], kv.v[rows, :, : start + t]
         return self._out(invariant.attention(q, keys, values, start), x)
 
     def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
-                new: torch.Tensor | None = None) -> torch.Tensor:
+                new: torch.Tensor | None = None, delta: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """T new tokens ``[B, T, d]`` after ``lengths [B]`` (all equal, unless ``new [B]``
         gives a right-padded ragged batch's real counts: then each row attends alone and
-        padding gives zeros)."""
+        padding gives zeros) -> ``[B, T, out]``; ``delta`` as in :meth:`_qkv`."""
         kv: KVEntry = entries["kv"]
         if new is None:
-            return self._attend(x, kv, slice(None), int(lengths[0]))
-        out = torch.zeros_like(x)
+            return self._attend(x, kv, slice(None), int(lengths[0]), delta)
+        out = x.new_zeros(*x.shape[:2], self.o_proj.out_features)
         for i, (start, n) in enumerate(zip(lengths.tolist(), new.tolist(), strict=True)):
-            out[i : i + 1, :n] = self._attend(x[i : i + 1, :n], kv, slice(i, i + 1), start)
+            part = None if delta is None else delta[i : i + 1, :n]
+            out[i : i + 1, :n] = self._attend(x[i : i + 1, :n], kv, slice(i, i + 1), start,
+                                              part)
         return out
 
-    def step(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor
-             ) -> torch.Tensor:
-        """One token per row ``[B, d]`` at each row's own position ``lengths [B]``."""
+    def step(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
+             delta: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row ``[B, d]`` at each row's own position ``lengths [B]``;
+        ``delta [B, (H + 2·Hkv)·D]`` as in :meth:`_qkv`."""
         kv: KVEntry = entries["kv"]
-        q, k, v = self._qkv(x.unsqueeze(1), lengths[:, None])
+        q, k, v = self._qkv(x.unsqueeze(1), lengths[:, None],
+                            None if delta is None else delta.unsqueeze(1))
         rows = torch.arange(x.shape[0])
         kv.k[rows, :, lengths] = k[:, :, 0]
         kv.v[rows, :, lengths] = v[:, :, 0]

@@ -67,7 +67,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 def _attention(m: Attention) -> tuple[Part, tuple[int, ...]] | None:
     s = m.shape
-    if s.bias or s.out_bias or s.head_dim % 16:
+    if s.bias or s.out_bias or s.head_dim % 16 or s.out_dim is not None:
         return None
     norms = [m.q_norm.scale().contiguous(), m.k_norm.scale().contiguous()] if s.qk_norm \
         else [EMPTY, EMPTY]
