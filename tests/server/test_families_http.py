@@ -181,6 +181,8 @@ def test_quantized_weights_serve_batch_invariantly(checkpoint: Path, mode: str) 
     ("mamba2", {"num_heads": 5}, "num_heads × head_dim is not expand × hidden_size"),
     ("bamba", {"mamba_n_heads": 5}, "mamba_n_heads × mamba_d_head"),
     ("jamba", {"hidden_act": "relu"}, "hidden_act 'relu' is not served"),
+    ("zamba2", {"use_shared_attention_adapter": True},
+     "attention adapters need num_key_value_heads = num_attention_heads"),
 ])
 def test_an_unserved_or_bad_config_gets_one_line(tmp_path: Path, family: str,
                                                  change: dict, says: str) -> None:
