@@ -7,8 +7,8 @@
 #   bash bench/llamacpp.sh convert HF_DIR OUT.gguf TYPE   # TYPE: f32 | bf16 | f16 | q8_0
 #   bash bench/llamacpp.sh quantize IN.gguf OUT.gguf TYPE # TYPE: Q4_0, Q8_0, ...
 #   bash bench/llamacpp.sh bin NAME                  # prints the path of a built program
-# `convert` uses llama.cpp's own convert_hf_to_gguf.py in a venv of its own (torch 2.13.0 CPU,
-# transformers, and the vendored gguf-py), so nothing is installed into the project's venv.
+# `convert` uses llama.cpp's own convert_hf_to_gguf.py in a venv of its own (over the project's
+# torch and transformers, with the vendored gguf-py), so nothing is installed into the project's venv.
 set -euo pipefail
 DIR=${LLAMACPP_DIR:-$HOME/.cache/linserve-llamacpp}
 VERSION=0.3.36
@@ -40,8 +40,10 @@ build() {
 convert_venv() {
   local venv=$DIR/venv
   if [ ! -x "$venv/bin/python" ]; then
-    python -m venv "$venv"
-    "$venv/bin/pip" install -q torch==2.13.0 numpy sentencepiece protobuf transformers==5.23.0
+    # the project's torch 2.13.0 CPU and transformers seen through, so nothing is fetched
+    # twice; the vendored gguf-py installed in the venv shadows any other gguf
+    python -m venv --system-site-packages "$venv"
+    "$venv/bin/pip" install -q numpy sentencepiece protobuf
     "$venv/bin/pip" install -q "$SRC/gguf-py"
   fi
   echo "$venv/bin/python"

@@ -5,7 +5,7 @@ server calls :func:`load` and :func:`max_state_bytes` and never imports a family
 Known: the project's own checkpoints (:mod:`linserve.model.architectures.linserve`), Qwen3.5 and
 Qwen3.5-MoE (:mod:`linserve.model.architectures.qwen3_5`), Qwen3-Next, and the Hugging Face families
 of :data:`HF_FAMILIES` (LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H, Falcon-H1, Mamba and
-Falcon-Mamba, Mamba2, Bamba, Jamba, Zamba2).
+Falcon-Mamba, Mamba2, Bamba, Jamba, Zamba2, RecurrentGemma).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from linserve.model.architectures import (
     nemotron_h,
     qwen3_5,
     qwen3_next,
+    recurrent_gemma,
     zamba2,
 )
 from linserve.model.architectures.family import HFFamily
@@ -64,7 +65,7 @@ FAMILIES = [
 HF_FAMILIES: list[HFFamily] = [lfm2.FAMILY, lfm2_moe.FAMILY, granite_hybrid.FAMILY,
                                nemotron_h.FAMILY, falcon_h1.FAMILY, mamba.FAMILY,
                                mamba2.FAMILY, bamba.FAMILY, jamba.FAMILY,
-                               zamba2.FAMILY]
+                               zamba2.FAMILY, recurrent_gemma.FAMILY]
 FAMILIES += [Family(f.name, f.recognise, f.load, f.max_state_bytes, f.check, f.params)
              for f in HF_FAMILIES]
 # Bytes a parameter takes as served under each quantization (int8: one fp32 scale per output

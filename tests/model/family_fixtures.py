@@ -211,6 +211,18 @@ def _zamba2(shape: dict[str, Any]) -> Any:
     return t.Zamba2ForCausalLM(cfg)
 
 
+def _recurrent_gemma(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    heads, kv_heads = shape["heads"]
+    cfg = t.RecurrentGemmaConfig(
+        vocab_size=VOCAB, hidden_size=shape["d"], intermediate_size=shape["ff"],
+        num_hidden_layers=shape["layers"], num_attention_heads=heads,
+        num_key_value_heads=kv_heads, lru_width=shape.get("lru"),
+        attention_window_size=shape["window"], block_types=shape["types"],
+        logits_soft_cap=shape.get("cap", 30.0), tie_word_embeddings=True)
+    return t.RecurrentGemmaForCausalLM(cfg)
+
+
 # family -> shape name -> shape
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3_5": QWEN_SHAPES,  # interval: a full-attention layer every `interval` layers
@@ -318,6 +330,12 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
                           "blocks": 1, "adapters": False, "rank": 4, "rope": False,
                           "tie": False, "types": ["hybrid", "mamba", "mamba", "hybrid"]},
     },
+    "recurrent_gemma": {  # window: the local attention's, smaller than the tests' prompts
+        "w16-gqa": {"d": 32, "ff": 96, "heads": (4, 1), "layers": 4, "window": 16,
+                    "types": ["recurrent", "recurrent", "attention"], "cap": 3.0},
+        "w24-lru48": {"d": 48, "ff": 128, "heads": (6, 6), "layers": 3, "window": 24,
+                      "lru": 48, "types": ["attention", "recurrent"]},
+    },
     "falcon_h1": {  # mamba: (d_ssm, heads, d_state, groups)
         "norm-g2": {"d": 64, "ff": 96, "layers": 3, "heads": (4, 2), "tie": False,
                     "mamba": (96, 6, 16, 2), "rms": True, "mult": {
@@ -334,7 +352,7 @@ BUILDERS = {"qwen3_5": _qwen3_5, "lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_
             "qwen3_next": _qwen3_next, "granitemoehybrid": _granite,
             "nemotron_h": _nemotron, "falcon_h1": _falcon, "mamba": _mamba, "mamba2": _mamba2,
             "bamba": _bamba, "jamba": _jamba,
-            "zamba2": _zamba2}
+            "zamba2": _zamba2, "recurrent_gemma": _recurrent_gemma}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 
 

@@ -183,6 +183,7 @@ def test_quantized_weights_serve_batch_invariantly(checkpoint: Path, mode: str) 
     ("jamba", {"hidden_act": "relu"}, "hidden_act 'relu' is not served"),
     ("zamba2", {"use_shared_attention_adapter": True},
      "attention adapters need num_key_value_heads = num_attention_heads"),
+    ("recurrent_gemma", {"hidden_activation": "relu"}, "hidden_activation 'relu' is not served"),
 ])
 def test_an_unserved_or_bad_config_gets_one_line(tmp_path: Path, family: str,
                                                  change: dict, says: str) -> None:

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from linserve.model import invariant
 from linserve.model.invariant import Linear
 from linserve.model.layers.norms import RMSNorm
+from linserve.model.layers.ops.softmax import local_mask
 from linserve.model.layers.rope import inv_freq, rope
 from linserve.model.state import KVEntry
 
@@ -25,7 +27,9 @@ from linserve.model.state import KVEntry
 class AttentionShape:
     """``rotary_dim`` 0: no positions (Nemotron-H); ``qk_norm`` False: no q/k norm;
     ``scale`` None: head_dim^-0.5; ``key_multiplier`` scales k (Falcon-H1); ``out_dim``
-    None: the output is ``hidden`` wide (Zamba2's shared block reads 2·d and writes d)."""
+    None: the output is ``hidden`` wide (Zamba2's shared block reads 2·d and writes d);
+    ``window`` W > 0: local attention over the last W tokens, their keys a ring of W slots
+    (RecurrentGemma's)."""
 
     hidden: int
     heads: int
@@ -40,6 +44,7 @@ class AttentionShape:
     bias: bool = False
     out_bias: bool = False
     out_dim: int | None = None
+    window: int = 0
 
 
 class Attention(nn.Module):
@@ -65,7 +70,7 @@ class Attention(nn.Module):
 
     def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
         return {"kv": KVEntry.empty(batch, self.shape.kv_heads, self.shape.head_dim,
-                                    max_context)}
+                                    max_context, window=self.shape.window)}
 
     def qkv_weight(self) -> torch.Tensor:
         """q, k and v as one GEMM weight ``[d, (H + 2·Hkv)·D]``."""
@@ -107,10 +112,48 @@ class Attention(nn.Module):
         """T new tokens ``[b, T, d]`` of ``rows`` at positions start … start+T−1."""
         t = x.shape[1]
         q, k, v = self._qkv(x, torch.arange(start, start + t)[None], delta)
+        if self.shape.window:
+            return self._out(self._attend_ring(q, k, v, kv, rows, start), x)
         kv.k[rows, :, start : start + t] = k
         kv.v[rows, :, start : start + t] = v
         keys, values = kv.k[rows, :, : start + t], kv.v[rows, :, : start + t]
         return self._out(invariant.attention(q, keys, values, start), x)
+
+    def _attend_ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVEntry,
+                     rows: slice, start: int) -> torch.Tensor:
+        """Local attention of T new tokens at start … start+T−1 (q ``[b, H, T, D]``, k, v
+        ``[b, Hkv, T, D]``) over the ring's past keys any of them sees and their own; then the
+        last min(T, W) new keys go into their slots (position mod W). -> ``[b, H, T, D]``."""
+        w, t = self.shape.window, q.shape[2]
+        pos = torch.arange(start, start + t)
+        past = torch.arange(max(0, start - w + 1), start)
+        keys = torch.cat([kv.k[rows][:, :, past % w], k], dim=2)
+        values = torch.cat([kv.v[rows][:, :, past % w], v], dim=2)
+        if invariant.active():
+            o = self._ring_invariant(q, keys, values, start - len(past))
+        else:
+            mask = local_mask(pos, torch.cat([past, pos]), w)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        keep = pos[-w:]
+        kv.k[rows, :, keep % w] = k[:, :, -w:]
+        kv.v[rows, :, keep % w] = v[:, :, -w:]
+        return o
+
+    def _ring_invariant(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        first: int) -> torch.Tensor:
+        """:meth:`_attend_ring`'s attention, batch- and split-invariant: each query over
+        exactly its window's keys, in position order, by :func:`invariant.attention` (the
+        queries whose window starts at the first key, in one call). q ``[b, H, T, D]``; keys,
+        values ``[b, Hkv, S, D]`` at positions first … first+S−1 -> ``[b, H, T, D]``."""
+        w, t, s = self.shape.window, q.shape[2], keys.shape[2]
+        start = s - t  # the first query's index among the keys
+        head = max(0, min(t, w - start)) if first == 0 else 0
+        outs = [invariant.attention(q[:, :, :head], keys, values, start)] if head else []
+        for j in range(head, t):
+            hi = start + j + 1
+            outs.append(invariant.attention(q[:, :, j : j + 1], keys[:, :, hi - w : hi],
+                                            values[:, :, hi - w : hi], w - 1))
+        return torch.cat(outs, dim=2)
 
     def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
                 new: torch.Tensor | None = None, delta: torch.Tensor | None = None
@@ -136,9 +179,11 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x.unsqueeze(1), lengths[:, None],
                             None if delta is None else delta.unsqueeze(1))
         rows = torch.arange(x.shape[0])
-        kv.k[rows, :, lengths] = k[:, :, 0]
-        kv.v[rows, :, lengths] = v[:, :, 0]
+        slots = lengths % self.shape.window if self.shape.window else lengths
+        kv.k[rows, :, slots] = k[:, :, 0]
+        kv.v[rows, :, slots] = v[:, :, 0]
+        # each row over its own keys (a ring's in slot order: softmax does not mind)
         outs = [invariant.attention(q[i : i + 1], kv.k[i : i + 1, :, :n], kv.v[i : i + 1, :, :n],
                                     n - 1)
-                for i, n in enumerate((lengths + 1).tolist())]  # each row over its own keys
+                for i, n in enumerate(kv.slots_used(lengths + 1).tolist())]
         return self._out(torch.cat(outs), x.unsqueeze(1)).squeeze(1)

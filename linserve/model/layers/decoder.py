@@ -40,17 +40,19 @@ class Body(nn.Module):
 class DecoderLM(nn.Module):
     """``model.embed_tokens``, ``linserve.model.layers``, ``model.norm`` and ``lm_head`` (None when
     tied), as Hugging Face checkpoints name them after a family's renames. Logits are
-    ``head(norm(x)) / logits_scaling`` fp32; embeddings are scaled by ``embedding_scale``.
+    ``head(norm(x)) / logits_scaling`` fp32, then ``cap · tanh(logits / cap)`` with a
+    ``logits_soft_cap`` (Gemma's); embeddings are scaled by ``embedding_scale``.
     ``cfg`` is the family's config (``vocab_size``, ``max_position_embeddings`` at least)."""
 
     def __init__(self, cfg: Any, vocab: int, dim: int, layers: Sequence[nn.Module],
                  norm: nn.Module, tie: bool, embedding_scale: float = 1.0,
-                 logits_scaling: float = 1.0) -> None:
+                 logits_scaling: float = 1.0, logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.model = Body(vocab, dim, layers, norm)
         self.lm_head = None if tie else Linear(dim, vocab, bias=False)
         self.embedding_scale, self.logits_scaling = embedding_scale, logits_scaling
+        self.logits_soft_cap = logits_soft_cap
         self.native = True  # step in one native call where the layers allow (native_step)
         self._plan: tuple[Any, native_step.Plan | None] | None = None
 
@@ -71,7 +73,10 @@ class DecoderLM(nn.Module):
         else:
             emb = self.model.embed_tokens
             logits = invariant.linear(x, emb.weight, emb).float()
-        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        cap = self.logits_soft_cap
+        return logits if cap is None else invariant.rowwise(torch.tanh, logits / cap) * cap
 
     def _run(self, x: torch.Tensor, state: State, one_token: bool = False,
              new: torch.Tensor | None = None, lengths: torch.Tensor | None = None

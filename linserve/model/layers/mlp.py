@@ -12,7 +12,6 @@ from torch import nn
 from linserve.model import invariant, kernels
 from linserve.model.invariant import Linear
 
-
 # the gate's activations a gated MLP takes, by the names configs give them
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "gelu": F.gelu,

@@ -160,7 +160,7 @@ def _part(module: nn.Module | None, norm: nn.Module | None, out: Plan
 def plan(model: Any) -> Plan | None:
     """The kernel's arguments for ``model`` (a DecoderLM), or None if a layer is not one the
     kernel implements."""
-    if type(model.model.norm) is not RMSNorm:
+    if type(model.model.norm) is not RMSNorm or model.logits_soft_cap is not None:
         return None
     emb = model.model.embed_tokens
     head = invariant.gemm_weight(emb, emb.weight) if model.lm_head is None \

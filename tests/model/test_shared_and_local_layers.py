@@ -1,0 +1,77 @@
+"""What the family-wide checks (test_families.py) do not see of Zamba2's shared blocks and
+RecurrentGemma's RG-LRU and local attention: shared weights held once, a session's state
+constant in size past the window, and the RG-LRU's batch-invariant gates equal to the
+plain product."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from linserve.model import invariant, loader
+from linserve.model.architectures.hf import HFServedModel
+from linserve.model.layers.rg_lru import RGLRU
+from linserve.model.layers.shared_block import MambaLayer
+from tests.model.family_fixtures import make, reference
+
+pytest.importorskip("transformers")
+
+
+def _served(path: Path) -> HFServedModel:
+    model = loader.load(path, "float32")
+    assert isinstance(model, HFServedModel)
+    return model
+
+
+def test_zamba2_holds_each_shared_block_once(tmp_path: Path) -> None:
+    """Three hybrid layers over two shared blocks (tied, as transformers ties them): layers
+    1 and 4 use one block object; the parameters are transformers' unique ones."""
+    path = make(tmp_path / "z", "zamba2", "two-blocks-adapters")
+    module = _served(path).module
+    assert len(module.model.shared_blocks) == 2
+    layers = [m for m in module.model.layers if isinstance(m, MambaLayer)]
+    hybrid = [m for m in layers if m.block is not None]
+    assert [m.block for m in hybrid] == [0, 1, 0]
+    assert hybrid[0].shared[0] is hybrid[2].shared[0] is module.model.shared_blocks[0]
+    ref = reference(path)
+    unique = {p.data_ptr(): p.numel() for p in ref.parameters()}
+    assert len(unique) < len(list(ref.named_parameters(remove_duplicate=False)))
+    assert module.n_params() == sum(unique.values())
+
+
+def test_recurrent_gemma_state_stays_constant_past_the_window(tmp_path: Path) -> None:
+    """The local attention's keys are a ring of W slots: a session's state has the same size
+    after W, 3·W and 10·W tokens, and nothing in it grows with the context."""
+    path = make(tmp_path / "rg", "recurrent_gemma", "w16-gqa")
+    served = _served(path)
+    sizes = []
+    state = None
+    for _ in range(3):
+        _, state = served.module.prefill(torch.randint(0, 8192, (1, 16 * 3)), state)
+        sizes.append(state.nbytes)
+    assert int(state.lengths[0]) == 144 and len(set(sizes)) == 1
+    assert not state.truncatable  # a ring has overwritten what it would forget
+    windows = [e.capacity for e in state.kv_entries]
+    assert windows and all(c == 16 for c in windows)
+
+
+def test_rg_lru_gates_are_the_same_product_with_the_mode_on() -> None:
+    """The per-head batch-invariant products equal the plain block-diagonal one."""
+    torch.manual_seed(0)
+    lru = RGLRU(48, 6)
+    with torch.no_grad():
+        for p in lru.parameters():
+            p.normal_()
+    u = torch.randn(3, 5, 48)
+    was = invariant.enabled()
+    try:
+        invariant.set_enabled(False)
+        plain = lru._gates(u)
+        invariant.set_enabled(True)
+        fixed = lru._gates(u)
+    finally:
+        invariant.set_enabled(was)
+    for a, b in zip(plain, fixed, strict=True):
+        assert (a - b).abs().max().item() <= 1e-5
