@@ -13,7 +13,12 @@ Checkpoints of published shapes with random weights, made with transformers (``-
   token;
 - ``qwen3.5-35b-a3b-8l``: Qwen3.5-35B-A3B's shapes with its first 8 of 40 layers (256
   experts of 512, top 8, a shared expert, vocabulary 248,320): in bf16 the whole model
-  does not fit this disk.
+  does not fit this disk;
+- ``falcon-mamba-7b-8l``, ``mamba-codestral-7b-8l``: Falcon-Mamba-7B (Mamba-1, hidden 4096,
+  inner 8192, d_state 16) and Mamba-Codestral-7B (Mamba2, 128 heads x 64, d_state 128,
+  8 groups) with their first 8 of 64 layers;
+- ``jamba-8l-e4``: Jamba-v0.1's layers, 8 of them (attention at the fifth), with 4 of its
+  16 experts.
 
 For each weight type (bf16, int8 against Q8_0, int4 against Q4_0) both servers are up at
 once (:func:`bench.memory.one_kind`: this server as a user starts it, ``llama-server -t 2
@@ -78,17 +83,45 @@ GRANITE_4_H_MICRO: dict[str, Any] = {
     "residual_multiplier": 0.22, "attention_multiplier": 0.015625, "logits_scaling": 8.0,
     "tie_word_embeddings": True, "max_position_embeddings": 131072,
     "layer_types": ["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)]}
+# the state-space families: published shapes, their first 8 layers
+FALCON_MAMBA_7B_8L: dict[str, Any] = {
+    "model_type": "falcon_mamba", "vocab_size": 65024, "hidden_size": 4096,
+    "intermediate_size": 8192, "state_size": 16, "num_hidden_layers": 8,
+    "time_step_rank": 256, "conv_kernel": 4, "use_bias": False, "use_conv_bias": True,
+    "mixer_rms_eps": 1e-6, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False}
+MAMBA_CODESTRAL_7B_8L: dict[str, Any] = {
+    "model_type": "mamba2", "vocab_size": 32768, "hidden_size": 4096, "num_heads": 128,
+    "head_dim": 64, "expand": 2, "state_size": 128, "n_groups": 8, "conv_kernel": 4,
+    "num_hidden_layers": 8, "use_bias": False, "use_conv_bias": True,
+    "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False}
+# Jamba-v0.1's layers (Mamba-1 of 8192 x 16 with rank 256, GQA 32/8, FFN 14336; attention
+# at layer 4 of 8, experts on the odd layers) with 4 experts of its 16, top 2: 4.8B
+# parameters, so that both servers fit this machine's 24 GB at once in int8
+JAMBA_8L_E4: dict[str, Any] = {
+    "model_type": "jamba", "vocab_size": 65536, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 8, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "attn_layer_period": 8, "attn_layer_offset": 4,
+    "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 4,
+    "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+    "mamba_dt_rank": 256, "mamba_conv_bias": True, "mamba_proj_bias": False,
+    "max_position_embeddings": 262144, "tie_word_embeddings": False}
 MODELS = {"lfm2-1.2b": LFM2_1_2B, "granite-4.0-h-micro": GRANITE_4_H_MICRO,
-          "lfm2-8b-a1b": LFM2_8B_A1B, "qwen3.5-35b-a3b-8l": QWEN35_35B_A3B_8L}
+          "lfm2-8b-a1b": LFM2_8B_A1B, "qwen3.5-35b-a3b-8l": QWEN35_35B_A3B_8L,
+          "falcon-mamba-7b-8l": FALCON_MAMBA_7B_8L,
+          "mamba-codestral-7b-8l": MAMBA_CODESTRAL_7B_8L, "jamba-8l-e4": JAMBA_8L_E4}
 CLASSES = {"lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
            "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM"),
            "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
-           "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}
+           "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+           "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM"),
+           "mamba2": ("Mamba2Config", "Mamba2ForCausalLM"),
+           "jamba": ("JambaConfig", "JambaForCausalLM")}
 
 
 # the published checkpoints' names for one expert's projections: (gate, up, down)
 EXPERT_NAMES = {"lfm2_moe": ("w1", "w3", "w2"),
-                "qwen3_5_moe_text": ("gate_proj", "up_proj", "down_proj")}
+                "qwen3_5_moe_text": ("gate_proj", "up_proj", "down_proj"),
+                "jamba": ("gate_proj", "up_proj", "down_proj")}
 SHARD_BYTES = 2 << 30
 COLORS = {"bf16": "C2", "int8": "C0", "int4": "C1"}
 
