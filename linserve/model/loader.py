@@ -5,7 +5,8 @@ server calls :func:`load` and :func:`max_state_bytes` and never imports a family
 Known: the project's own checkpoints (:mod:`linserve.model.architectures.linserve`), Qwen3.5 and
 Qwen3.5-MoE (:mod:`linserve.model.architectures.qwen3_5`), Qwen3-Next, and the Hugging Face families
 of :data:`HF_FAMILIES` (LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H, Falcon-H1, Mamba and
-Falcon-Mamba, Mamba2, Bamba, Jamba, Zamba2, RecurrentGemma).
+Falcon-Mamba, Mamba2, Bamba, Jamba, Zamba2, RecurrentGemma, LFM3,
+OLMo-Hybrid).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from linserve.model.architectures import (
     jamba,
     lfm2,
     lfm2_moe,
+    lfm3,
     mamba,
     mamba2,
     nemotron_h,
+    olmo_hybrid,
     qwen3_5,
     qwen3_next,
     recurrent_gemma,
@@ -65,7 +68,8 @@ FAMILIES = [
 HF_FAMILIES: list[HFFamily] = [lfm2.FAMILY, lfm2_moe.FAMILY, granite_hybrid.FAMILY,
                                nemotron_h.FAMILY, falcon_h1.FAMILY, mamba.FAMILY,
                                mamba2.FAMILY, bamba.FAMILY, jamba.FAMILY,
-                               zamba2.FAMILY, recurrent_gemma.FAMILY]
+                               zamba2.FAMILY, recurrent_gemma.FAMILY, lfm3.FAMILY,
+                               olmo_hybrid.FAMILY]
 FAMILIES += [Family(f.name, f.recognise, f.load, f.max_state_bytes, f.check, f.params)
              for f in HF_FAMILIES]
 # Bytes a parameter takes as served under each quantization (int8: one fp32 scale per output

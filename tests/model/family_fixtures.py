@@ -223,6 +223,35 @@ def _recurrent_gemma(shape: dict[str, Any]) -> Any:
     return t.RecurrentGemmaForCausalLM(cfg)
 
 
+def _lfm3(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    heads, kv_heads = shape["heads"]
+    cfg = t.Lfm3Config(
+        vocab_size=VOCAB, hidden_size=shape["d"], intermediate_size=shape["ff"],
+        num_hidden_layers=len(shape["types"]), layer_types=shape["types"],
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=shape["head_dim"],
+        sliding_window=shape["window"], conv_L_cache=shape["L"],
+        use_sandwich_norm=shape["sandwich"], use_attention_gate=shape["gate"],
+        tie_word_embeddings=shape["tie"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return t.Lfm3ForCausalLM(cfg)
+
+
+def _olmo_hybrid(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    heads, kv_heads = shape["heads"]
+    kh, vh, dk, dv = shape["linear"]
+    rope = {"rope_type": "default", "rope_theta": 10_000.0} if shape["rope"] else None
+    cfg = t.OlmoHybridConfig(
+        vocab_size=VOCAB, hidden_size=shape["d"], intermediate_size=shape["ff"],
+        num_hidden_layers=len(shape["types"]), layer_types=shape["types"],
+        num_attention_heads=heads, num_key_value_heads=kv_heads, linear_num_key_heads=kh,
+        linear_num_value_heads=vh, linear_key_head_dim=dk, linear_value_head_dim=dv,
+        linear_allow_neg_eigval=shape["neg"], rope_parameters=rope,
+        max_position_embeddings=4096, tie_word_embeddings=shape["tie"], pad_token_id=0,
+        eos_token_id=2)
+    return t.OlmoHybridForCausalLM(cfg)
+
+
 # family -> shape name -> shape
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3_5": QWEN_SHAPES,  # interval: a full-attention layer every `interval` layers
@@ -321,6 +350,27 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
         "dense-tied": {"d": 48, "ff": 80, "heads": (3, 1), "layers": 3, "attn": (3, 0),
                        "state": 16, "rank": 3, "tie": True, "scale": 2.0},
     },
+    "lfm3": {  # window: the sliding layers', smaller than the tests' prompts
+        "w16-gate-sandwich": {"d": 64, "ff": 96, "heads": (4, 2), "head_dim": 16, "window": 16,
+                              "L": 7, "sandwich": True, "gate": True, "tie": True,
+                              "types": ["conv", "sliding_attention", "full_attention",
+                                        "conv", "sliding_attention"]},
+        "w24-plain": {"d": 48, "ff": 80, "heads": (6, 3), "head_dim": 16, "window": 24,
+                      "L": 3, "sandwich": False, "gate": False, "tie": False,
+                      "types": ["sliding_attention", "conv", "full_attention"]},
+    },
+    # linear: (key heads, value heads, key dim, value dim), as many key channels as value
+    # ones: transformers saves the q, k and v conv kernels as equal thirds of the whole (its
+    # published layout has each at its own width, which loads; a third each does not)
+    "olmo_hybrid": {  # neg: β in (0, 2)
+        "rope-neg": {"d": 64, "ff": 96, "heads": (4, 2), "linear": (2, 4, 16, 8),
+                     "neg": True, "rope": True, "tie": False,
+                     "types": ["linear_attention", "linear_attention", "full_attention"]},
+        "nope-pos": {"d": 48, "ff": 80, "heads": (3, 3), "linear": (3, 3, 16, 16),
+                     "neg": False, "rope": False, "tie": True,
+                     "types": ["full_attention", "linear_attention", "linear_attention",
+                               "full_attention"]},
+    },
     "zamba2": {  # mamba: (heads, d_state, groups); blocks: shared blocks used in turn
         "two-blocks-adapters": {"d": 32, "ff": 48, "heads": (4, 4), "mamba": (4, 16, 1),
                                 "blocks": 2, "adapters": True, "rank": 8, "rope": True,
@@ -352,7 +402,8 @@ BUILDERS = {"qwen3_5": _qwen3_5, "lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_
             "qwen3_next": _qwen3_next, "granitemoehybrid": _granite,
             "nemotron_h": _nemotron, "falcon_h1": _falcon, "mamba": _mamba, "mamba2": _mamba2,
             "bamba": _bamba, "jamba": _jamba,
-            "zamba2": _zamba2, "recurrent_gemma": _recurrent_gemma}
+            "zamba2": _zamba2, "recurrent_gemma": _recurrent_gemma, "lfm3": _lfm3,
+            "olmo_hybrid": _olmo_hybrid}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 
 

@@ -182,6 +182,7 @@ inline void gated_norm(float* o, const float* z, const float* w, int64_t dv, flo
 struct Shape {
   int64_t key_heads, hv, dk, dv, c_len, k;
   float eps;
+  float beta_scale = 1.f;  // beta = sigmoid(b) times this (2: OLMo-Hybrid's negative eigenvalues)
 };
 
 // Inputs of one step for B rows, each a row-major [B, width] block read with its own row
@@ -233,7 +234,7 @@ inline void scan(const float* conv, const Inputs& in, const float* a_log, const 
           continue;
         }
         const float g = decay_rate * softplus(in.a[i * in.ld + h] + dt_bias[h]);
-        const float beta = 1.f / (1.f + std::exp(-in.b[i * in.ld + h]));
+        const float beta = 1.f / (1.f + std::exp(-in.b[i * in.ld + h])) * sh.beta_scale;
         const float* xt = x(t);
         if (t + 1 < n) {
           delta_pass<true>(state, xt + kh * dk, xt + key_dim + kh * dk, xt + 2 * key_dim + h * dv,

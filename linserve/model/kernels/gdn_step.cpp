@@ -20,7 +20,8 @@ namespace gdn_step_cpp {  // named, not anonymous: unity units (build.py) join s
 at::Tensor gdn_step(const at::Tensor& mixed, const at::Tensor& window, const at::Tensor& conv_w,
                     const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
                     const at::Tensor& dt_bias, const at::Tensor& s, const at::Tensor& z,
-                    const at::Tensor& norm_w, int64_t key_heads, double eps) {
+                    const at::Tensor& norm_w, int64_t key_heads, double eps,
+                    double beta_scale) {
   for (const at::Tensor* t : {&mixed, &window, &conv_w, &a, &b, &a_log, &dt_bias, &s, &z,
                               &norm_w}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
@@ -39,7 +40,8 @@ at::Tensor gdn_step(const at::Tensor& mixed, const at::Tensor& window, const at:
   const float* p = proj.data_ptr<float>();
   const int64_t ld = proj.size(1);
   at::Tensor out = at::empty({rows, hv * dv}, mixed.options());
-  const linserve::gdn::Shape sh{key_heads, hv, dk, dv, c_len, k, static_cast<float>(eps)};
+  const linserve::gdn::Shape sh{key_heads, hv, dk, dv, c_len, k, static_cast<float>(eps),
+                                static_cast<float>(beta_scale)};
   linserve::gdn::step({p, p + c_len, p + c_len + hv * dv + hv, p + c_len + hv * dv, ld},
                       window.data_ptr<float>(), conv_w.data_ptr<float>(),
                       a_log.data_ptr<float>(), dt_bias.data_ptr<float>(), s.data_ptr<float>(),
@@ -70,7 +72,7 @@ at::Tensor convolve(const at::Tensor& full, const at::Tensor& w, const linserve:
 at::Tensor gdn_scan(const at::Tensor& full, const at::Tensor& conv_wt, const at::Tensor& zba,
                     const at::Tensor& a_log, const at::Tensor& dt_bias, const at::Tensor& s,
                     const at::Tensor& norm_w, const at::Tensor& lengths, int64_t key_heads,
-                    double eps) {
+                    double eps, double beta_scale) {
   for (const at::Tensor* t : {&full, &conv_wt, &zba, &a_log, &dt_bias, &s, &norm_w}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
                 "gdn_scan takes contiguous fp32 tensors");
@@ -87,7 +89,7 @@ at::Tensor gdn_scan(const at::Tensor& full, const at::Tensor& conv_wt, const at:
   const at::Tensor n = lengths.to(at::kLong).contiguous();
   TORCH_CHECK(n.numel() == rows, "gdn_scan: one length a row");
   const linserve::gdn::Shape sh{key_heads, hv, dk, dv, c_len, conv_wt.size(0),
-                                 static_cast<float>(eps)};
+                                 static_cast<float>(eps), static_cast<float>(beta_scale)};
   at::Tensor x = convolve(full, conv_wt, sh);
   const float* xp = x.data_ptr<float>();
   const float* p = zba.data_ptr<float>();
@@ -105,10 +107,10 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def(
       "gdn_step(Tensor mixed, Tensor(a!) window, Tensor conv_w, Tensor a, Tensor b, "
       "Tensor a_log, Tensor dt_bias, Tensor(b!) s, Tensor z, Tensor norm_w, int key_heads, "
-      "float eps) -> Tensor");
+      "float eps, float beta_scale=1.0) -> Tensor");
   m.def(
       "gdn_scan(Tensor full, Tensor conv_wt, Tensor zba, Tensor a_log, Tensor dt_bias, Tensor(a!) s, "
-      "Tensor norm_w, Tensor lengths, int key_heads, float eps) -> Tensor");
+      "Tensor norm_w, Tensor lengths, int key_heads, float eps, float beta_scale=1.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {

@@ -19,7 +19,7 @@ from linserve.model import invariant
 from linserve.model.invariant import Linear
 from linserve.model.layers.norms import RMSNorm
 from linserve.model.layers.ops.softmax import local_mask
-from linserve.model.layers.rope import inv_freq, rope
+from linserve.model.layers.rope import inv_freq, proportional_freqs, rope
 from linserve.model.state import KVEntry
 
 
@@ -29,7 +29,10 @@ class AttentionShape:
     ``scale`` None: head_dim^-0.5; ``key_multiplier`` scales k (Falcon-H1); ``out_dim``
     None: the output is ``hidden`` wide (Zamba2's shared block reads 2·d and writes d);
     ``window`` W > 0: local attention over the last W tokens, their keys a ring of W slots
-    (RecurrentGemma's)."""
+    (RecurrentGemma's, LFM3's sliding layers); ``head_gate``: each head's output times
+    sigmoid(``g_proj``(x)) (LFM3); ``proportional``: "proportional" rotary positions, the
+    first ``rotary_dim / 2`` of the head's D/2 pairs (i, i + D/2) rotating at θ^(−2i/D), the
+    rest still."""
 
     hidden: int
     heads: int
@@ -45,6 +48,9 @@ class AttentionShape:
     out_bias: bool = False
     out_dim: int | None = None
     window: int = 0
+    head_gate: bool = False
+    proportional: bool = False
+    qk_norm_whole: bool = False  # the q/k RMSNorm over all heads at once (OLMo's), not per head
 
 
 class Attention(nn.Module):
@@ -62,9 +68,13 @@ class Attention(nn.Module):
         self.v_proj = Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.bias)
         self.o_proj = Linear(s.heads * s.head_dim, s.out_dim or s.hidden, bias=s.out_bias)
         if s.qk_norm:
-            self.q_norm = RMSNorm(s.head_dim, s.eps)
-            self.k_norm = RMSNorm(s.head_dim, s.eps)
-        self.freqs = inv_freq(s.rotary_dim, s.rope_theta) if s.rotary_dim else None
+            whole = s.qk_norm_whole
+            self.q_norm = RMSNorm(s.head_dim * (s.heads if whole else 1), s.eps)
+            self.k_norm = RMSNorm(s.head_dim * (s.kv_heads if whole else 1), s.eps)
+        if s.head_gate:
+            self.g_proj = Linear(s.hidden, s.heads, bias=False)
+        self.freqs = (proportional_freqs(s.head_dim, s.rotary_dim, s.rope_theta) if s.proportional
+                      else inv_freq(s.rotary_dim, s.rope_theta) if s.rotary_dim else None)
         # invariant.attention scales scores by head_dim^-0.5; another scale goes on q
         self.q_scale = 1.0 if s.scale is None else s.scale * s.head_dim ** 0.5
 
@@ -90,8 +100,10 @@ class Attention(nn.Module):
             qkv = qkv + delta.to(qkv.dtype)
         q, k, v = qkv.float().split([s.heads * s.head_dim, s.kv_heads * s.head_dim,
                                      s.kv_heads * s.head_dim], dim=-1)
+        if s.qk_norm and s.qk_norm_whole:
+            q, k = self.q_norm(q).float(), self.k_norm(k).float()
         q, k, v = (y.reshape(b, t, -1, s.head_dim) for y in (q, k, v))
-        if s.qk_norm:
+        if s.qk_norm and not s.qk_norm_whole:
             q, k = self.q_norm(q).float(), self.k_norm(k).float()
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))
         if self.freqs is not None:
@@ -103,8 +115,12 @@ class Attention(nn.Module):
         return q, k, v
 
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o ``[B, H, T, D]`` -> projected ``[B, T, d]``."""
+        """o ``[B, H, T, D]`` (and the layer's input x ``[B, T, d]``, for a head gate) ->
+        projected ``[B, T, d]``."""
         b, _, t, _ = o.shape
+        if self.shape.head_gate:
+            gate = invariant.rowwise(torch.sigmoid, self.g_proj.forward_fp32(x))  # [B, T, H]
+            o = o * gate.transpose(1, 2)[..., None]
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1).to(x.dtype))
 
     def _attend(self, x: torch.Tensor, kv: KVEntry, rows: slice, start: int,
@@ -182,8 +198,11 @@ class Attention(nn.Module):
         slots = lengths % self.shape.window if self.shape.window else lengths
         kv.k[rows, :, slots] = k[:, :, 0]
         kv.v[rows, :, slots] = v[:, :, 0]
-        # each row over its own keys (a ring's in slot order: softmax does not mind)
-        outs = [invariant.attention(q[i : i + 1], kv.k[i : i + 1, :, :n], kv.v[i : i + 1, :, :n],
-                                    n - 1)
-                for i, n in enumerate(kv.slots_used(lengths + 1).tolist())]
+        outs = []
+        for i, n in enumerate(kv.slots_used(lengths + 1).tolist()):  # each row alone
+            keys, values = kv.k[i : i + 1, :, :n], kv.v[i : i + 1, :, :n]
+            if self.shape.window and int(lengths[i]) + 1 > n:  # a full ring: in position order,
+                order = (torch.arange(n) + int(lengths[i]) + 1) % n  # as a prefill reads them
+                keys, values = keys[:, :, order], values[:, :, order]
+            outs.append(invariant.attention(q[i : i + 1], keys, values, n - 1))
         return self._out(torch.cat(outs), x.unsqueeze(1)).squeeze(1)

@@ -37,19 +37,31 @@ class Block(nn.Module):
     in Nemotron-H's single-purpose blocks); r is Granite's ``residual_multiplier``. A
     feed-forward may stand in the mixer's place (Nemotron-H's MLP and MoE blocks): a module
     without ``new_entries`` is called on the normed rows alone and holds no state.
-    Parameter names: ``input_layernorm``, ``mixer``, ``post_attention_layernorm``, ``mlp``."""
+    ``sandwich``: each part's output is normed too before it joins x (LFM3's
+    ``use_sandwich_norm``); without ``pre_norms`` only after (OLMo's post-norm blocks).
+    Parameter names: ``input_layernorm``, ``mixer``, ``post_attention_layernorm``, ``mlp``
+    (and ``post_mixer_norm``, ``post_mlp_norm``)."""
 
     def __init__(self, mixer: nn.Module | None, mlp: nn.Module | None,
                  norm: type[nn.Module] | Any, dim: int, eps: float,
-                 residual_scale: float = 1.0) -> None:
+                 residual_scale: float = 1.0, sandwich: bool = False,
+                 pre_norms: bool = True) -> None:
         super().__init__()
+        self.sandwich = sandwich or not pre_norms
+        self.pre_norms = pre_norms
+        self.post_mixer_norm: Any
+        self.post_mlp_norm: Any
+        if self.sandwich and mixer is not None:
+            self.post_mixer_norm = norm(dim, eps)
+        if self.sandwich and mlp is not None:
+            self.post_mlp_norm = norm(dim, eps)
         self.mixer: Any
         self.mlp: Any
         if mixer is not None:
-            self.input_layernorm = norm(dim, eps)
+            self.input_layernorm = norm(dim, eps) if pre_norms else nn.Identity()
             self.mixer = mixer
         if mlp is not None:
-            self.post_attention_layernorm = norm(dim, eps)
+            self.post_attention_layernorm = norm(dim, eps) if pre_norms else nn.Identity()
             self.mlp = mlp
         self.has_mixer, self.has_mlp = mixer is not None, mlp is not None
         self.stateful = hasattr(mixer, "new_entries")
@@ -71,7 +83,8 @@ class Block(nn.Module):
                 h = self.mixer.step(h, entries, lengths)
             else:
                 h = self.mixer(h, entries, lengths, new)
-            x = self._residual(x, h)
+            x = self._residual(x, self.post_mixer_norm(h) if self.sandwich else h)
         if self.has_mlp:
-            x = self._residual(x, self.mlp(self.post_attention_layernorm(x)))
+            h = self.mlp(self.post_attention_layernorm(x))
+            x = self._residual(x, self.post_mlp_norm(h) if self.sandwich else h)
         return x

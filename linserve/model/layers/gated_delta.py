@@ -14,6 +14,7 @@ chunked WY form; a step runs natively (``gdn_step``) or in eager PyTorch, the re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,8 @@ class DeltaShape:
     head_v_dim: int
     conv_kernel: int
     eps: float
+    separate_qkv: bool = False  # q, k and v projections stored apart (OLMo-Hybrid)
+    beta_scale: float = 1.0  # β = sigmoid(b) times this (2: OLMo-Hybrid's allow_neg_eigval)
 
     @property
     def conv_dim(self) -> int:
@@ -58,12 +61,22 @@ class GatedDeltaNet(nn.Module):
         hk, hv = sh.key_heads, sh.value_heads
         dk, dv = sh.head_k_dim, sh.head_v_dim
         self.key_dim, self.value_dim = hk * dk, hv * dv
-        self.in_proj_qkv = Linear(sh.hidden, sh.conv_dim, bias=False)
+        if sh.separate_qkv:
+            self.in_proj_q = Linear(sh.hidden, self.key_dim, bias=False)
+            self.in_proj_k = Linear(sh.hidden, self.key_dim, bias=False)
+            self.in_proj_v = Linear(sh.hidden, self.value_dim, bias=False)
+        else:
+            self.in_proj_qkv = Linear(sh.hidden, sh.conv_dim, bias=False)
         self.in_proj_z = Linear(sh.hidden, self.value_dim, bias=False)
         self.in_proj_b = Linear(sh.hidden, hv, bias=False)
         self.in_proj_a = Linear(sh.hidden, hv, bias=False)
-        self.conv1d = nn.Conv1d(sh.conv_dim, sh.conv_dim, sh.conv_kernel,
-                                groups=sh.conv_dim, bias=False)
+        if sh.separate_qkv:  # q, k and v convolved apart (their kernels stored apart)
+            self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+                nn.Conv1d(n, n, sh.conv_kernel, groups=n, bias=False)
+                for n in (self.key_dim, self.key_dim, self.value_dim))
+        else:
+            self.conv1d = nn.Conv1d(sh.conv_dim, sh.conv_dim, sh.conv_kernel,
+                                    groups=sh.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(hv))
         self.A_log = nn.Parameter(torch.zeros(hv))
         self.norm = GatedRMSNorm(dv, sh.eps, norm_before_gate=True)
@@ -76,14 +89,16 @@ class GatedDeltaNet(nn.Module):
         if kernels.available() and not torch.is_grad_enabled():
             return torch.ops.linserve.causal_conv(full.contiguous(),
                                                   self.conv_weight())
-        return F.conv1d(full.transpose(1, 2), self.conv1d.weight.float(),
+        return F.conv1d(full.transpose(1, 2), self.conv_kernel().float(),
                         groups=full.shape[2]).transpose(1, 2)
 
     def in_weight(self) -> torch.Tensor:
         """The four input projections (qkv, z, b, a) as one GEMM weight
         ``[d, C + Hv·Dv + 2·Hv]`` (:func:`invariant.gemm_weight`)."""
-        return invariant.gemm_weight(self, self.in_proj_qkv.weight, self.in_proj_z.weight,
-                                     self.in_proj_b.weight, self.in_proj_a.weight)
+        qkv = ([self.in_proj_q.weight, self.in_proj_k.weight, self.in_proj_v.weight]
+               if self.shape.separate_qkv else [self.in_proj_qkv.weight])
+        return invariant.gemm_weight(self, *qkv, self.in_proj_z.weight, self.in_proj_b.weight,
+                                     self.in_proj_a.weight)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x ``[..., d]`` -> the projections mixed ``[..., C]``, z ``[..., Hv·Dv]``, b and a
@@ -105,6 +120,8 @@ class GatedDeltaNet(nn.Module):
                 for y in (q, k))
         v = v.reshape(b, t, sh.value_heads, -1)
         beta = invariant.rowwise(torch.sigmoid, b_in.float())
+        if sh.beta_scale != 1.0:
+            beta = beta * sh.beta_scale
         g = -self.A_log.float().exp() * invariant.rowwise(
             F.softplus, a_in.float() + self.dt_bias.float())
         q, k, v, g, beta = (y.transpose(1, 2) for y in (q, k, v, g, beta))
@@ -165,7 +182,7 @@ class GatedDeltaNet(nn.Module):
             full.contiguous(), self.conv_weight(), zba,
             self.A_log.float().contiguous(), self.dt_bias.float().contiguous(), s,
             self.norm.weight.float().contiguous(),
-            lengths, sh.key_heads, sh.eps)
+            lengths, sh.key_heads, sh.eps, sh.beta_scale)
         rec.s = s
         return self.out_proj(out.to(x.dtype))
 
@@ -179,15 +196,21 @@ class GatedDeltaNet(nn.Module):
             mixed.contiguous(), conv.window, self.conv_weight(), a.contiguous(), b.contiguous(),
             self.A_log.float().contiguous(), self.dt_bias.float().contiguous(), rec.s,
             z.contiguous(), self.norm.weight.float().contiguous(), sh.key_heads,
-            sh.eps)
+            sh.eps, sh.beta_scale)
         return self.out_proj(out.to(x.dtype))
+
+    def conv_kernel(self) -> torch.Tensor:
+        """The depthwise kernel ``[C, 1, K]`` as one (q, k and v's side by side)."""
+        if self.shape.separate_qkv:
+            return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+        return self.conv1d.weight
 
     def conv_weight(self) -> torch.Tensor:
         """The depthwise kernel transposed, ``[K, C]`` fp32 (cached with the stacked weights):
         the native kernels' loops run over C."""
-        if self._conv is None or self._conv[0] != self.conv1d.weight.data_ptr():
-            self._conv = (self.conv1d.weight.data_ptr(),
-                          self.conv1d.weight.detach().float().squeeze(1).t().contiguous())
+        first = (self.q_conv1d if self.shape.separate_qkv else self.conv1d).weight.data_ptr()
+        if self._conv is None or self._conv[0] != first:
+            self._conv = (first, self.conv_kernel().detach().float().squeeze(1).t().contiguous())
         return self._conv[1]
 
     def step(self, x: torch.Tensor, rec: RecurrentEntry, conv: ConvEntry) -> torch.Tensor:
@@ -203,8 +226,37 @@ class GatedDeltaNet(nn.Module):
         mixed = mixed.float()  # [B, C]
         window = torch.cat([conv.window, mixed.unsqueeze(1)], dim=1)  # [B, K, C]
         conv.window.copy_(window[:, 1:])
-        w = self.conv1d.weight.float().squeeze(1)  # [C, K]
+        w = self.conv_kernel().float().squeeze(1)  # [C, K]
         mixed = invariant.rowwise(F.silu, (window * w.T).sum(1))
         q, k, v, g, beta = self._heads(mixed.unsqueeze(1), b_in.unsqueeze(1), a_in.unsqueeze(1))
         o = delta_rule_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], rec.s)
         return self._finish(o.unsqueeze(2), z.unsqueeze(1), x.unsqueeze(1)).squeeze(1)
+
+
+class DeltaMixer(nn.Module):
+    """A :class:`GatedDeltaNet` (``delta``) behind the decoder's mixer interface, for a
+    :class:`~linserve.model.layers.block.Block` (OLMo-Hybrid's linear layers). State:
+    ``{"recurrent": S [B, Hv, Dk, Dv], "conv": the last K−1 projections}``."""
+
+    def __init__(self, sh: DeltaShape) -> None:
+        super().__init__()
+        self.delta = GatedDeltaNet(sh)
+
+    def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
+        del max_context
+        sh = self.delta.shape
+        return {"recurrent": RecurrentEntry.empty(batch, sh.value_heads, sh.head_k_dim,
+                                                  sh.head_v_dim, with_z=False),
+                "conv": ConvEntry.empty(batch, sh.conv_kernel, sh.conv_dim)}
+
+    def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
+                new: torch.Tensor | None = None) -> torch.Tensor:
+        """T new tokens ``[B, T, d]`` -> ``[B, T, d]`` (``new``: a ragged batch's counts)."""
+        del lengths
+        return self.delta(x, entries["recurrent"], entries["conv"], new)
+
+    def step(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor
+             ) -> torch.Tensor:
+        """One token per row ``[B, d]``; the entries updated in place."""
+        del lengths
+        return self.delta.step(x, entries["recurrent"], entries["conv"])

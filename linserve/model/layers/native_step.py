@@ -67,7 +67,8 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 def _attention(m: Attention) -> tuple[Part, tuple[int, ...]] | None:
     s = m.shape
-    if s.bias or s.out_bias or s.head_dim % 16 or s.out_dim is not None:
+    if (s.bias or s.out_bias or s.head_dim % 16 or s.out_dim is not None or s.head_gate
+            or s.window or s.qk_norm_whole):
         return None
     norms = [m.q_norm.scale().contiguous(), m.k_norm.scale().contiguous()] if s.qk_norm \
         else [EMPTY, EMPTY]
@@ -75,7 +76,8 @@ def _attention(m: Attention) -> tuple[Part, tuple[int, ...]] | None:
     freqs = EMPTY if m.freqs is None else m.freqs.contiguous()
     part = Part(ATTENTION, [m.qkv_weight(), *norms, invariant.packed(m.o_proj), freqs],
                 floats=(m.q_scale, s.key_multiplier, eps))
-    return part, (s.heads, s.kv_heads, s.head_dim, s.rotary_dim)
+    rot = 0 if m.freqs is None else 2 * m.freqs.shape[0]  # proportional: the whole head
+    return part, (s.heads, s.kv_heads, s.head_dim, rot)
 
 
 def _short_conv(m: ShortConv) -> tuple[Part, tuple[int, ...]] | None:
@@ -168,7 +170,7 @@ def plan(model: Any) -> Plan | None:
     out = Plan([invariant.embedding_table(emb), head, model.model.norm.scale().contiguous()],
                [], [], [], [])
     for layer in model.model.layers:
-        if type(layer) is not Block:
+        if type(layer) is not Block or layer.sandwich:
             return None
         parts = [_part(layer.mixer if layer.has_mixer else None,
                        layer.input_layernorm if layer.has_mixer else None, out),

@@ -13,6 +13,16 @@ def inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (steps / rotary_dim))
 
 
+def proportional_freqs(head_dim: int, rotary_dim: int, theta: float) -> torch.Tensor:
+    """Proportional RoPE's frequencies ``[head_dim / 2]`` fp32 (transformers'
+    ``proportional`` type): the first ``rotary_dim / 2`` at θ^(−2i/head_dim), zeros after
+    them (those pairs keep cos 1, sin 0). Applied over the whole head by :func:`rope`."""
+    angles = rotary_dim // 2
+    steps = torch.arange(0, 2 * angles, 2, dtype=torch.float, device="cpu")
+    rotating = 1.0 / (theta ** (steps / head_dim))
+    return torch.cat([rotating, torch.zeros(head_dim // 2 - angles, device="cpu")])
+
+
 def rope(x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Rotary positions on the first ``2 · len(freqs)`` channels of each head (halves
     rotated; the rest pass through). x ``[B, H, T, D]``, pos ``[B, T]`` (or ``[1, T]``)."""
