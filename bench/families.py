@@ -225,8 +225,13 @@ def active_bytes(path: Path, kind: str) -> dict[str, float]:
                  for m in moes)
     total = module.n_params()
     active = total - experts + chosen
+    # what a token reads: the active weights but one row of the embedding table
+    emb = module.model.embed_tokens.weight
+    tied = module.lm_head is None
+    read = active - (0 if tied else emb.numel())
     return {"params": total, "active_params": active,
-            "active_bytes": loader.weight_bytes(active, torch.bfloat16, memory.TYPES[kind])}
+            "active_bytes": loader.weight_bytes(active, torch.bfloat16, memory.TYPES[kind]),
+            "read_bytes": loader.weight_bytes(read, torch.bfloat16, memory.TYPES[kind])}
 
 
 def plot(result: dict[str, Any]) -> None:
@@ -276,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         plot(result)
         return
     read_gbs = read_bandwidth_gbs()
+    read_gbs_2 = read_bandwidth_gbs(threads=2)  # what two threads together reach
     for name in args.models:
         path = args.root / name
         if not (path / "config.json").exists():
@@ -283,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"{path} is missing: pass --make")
             make(name, path)
         entry: dict[str, Any] = result["models"].get(name) or {"types": {}}
-        entry.update(command=command, machine=machine(), read_gbs_one_thread=read_gbs)
+        entry.update(command=command, machine=machine(), read_gbs_one_thread=read_gbs,
+                     read_gbs_two_threads=read_gbs_2)
         for kind in args.kinds:
             sizes = active_bytes(path, kind)
             entry.update(params=sizes["params"], active_params=sizes["active_params"])
@@ -294,9 +301,15 @@ def main(argv: list[str] | None = None) -> None:
             run["active_bytes"] = sizes["active_bytes"]
             run["command"], run["machine"] = command, machine()  # weight types of other runs stay
             run["roofline_fraction_batch1"] = sizes["active_bytes"] * tok_s / (2 * read_gbs * 1e9)
+            # the same against two threads' measured read bandwidth, and per token of the
+            # decode alone (time per output token, not the run's tokens/s with its first)
+            tpot = run["ours"]["batch1"]["tpot_ms"]["mean"]
+            run["roofline_fraction_batch1_two_threads"] = (
+                sizes["read_bytes"] / (tpot / 1e3) / (read_gbs_2 * 1e9))
             entry["types"][kind] = run
             print(name, kind, run["ratios"], "roofline",
-                  round(run["roofline_fraction_batch1"], 3), flush=True)
+                  round(run["roofline_fraction_batch1"], 3), "(two threads, per token",
+                  round(run["roofline_fraction_batch1_two_threads"], 3), ")", flush=True)
             result["models"][name] = entry
             write_json("families", {"result": result})
     plot(result)

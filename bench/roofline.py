@@ -106,9 +106,9 @@ def stream_read() -> Any:
     return mod.stream_read
 
 
-def read_bandwidth_gbs(mib: int = 512) -> float:
-    """Best-of GB/s of one thread reading a large buffer once: the ceiling of a batch-1
-    decode step, which reads its weights and writes almost nothing. The best of five
+def read_bandwidth_gbs(mib: int = 512, threads: int = 1) -> float:
+    """Best-of GB/s of ``threads`` threads reading a large buffer once: the ceiling of a
+    batch-1 decode step, which reads its weights and writes almost nothing. The best of five
     read-only kernels (the native four-stream read; ATen's fp32 sum, amax and dot, bf16
     sum), each best of 5: one kernel alone understates it."""
     src = torch.ones(mib * 2**20 // 4)
@@ -118,8 +118,8 @@ def read_bandwidth_gbs(mib: int = 512) -> float:
     native = stream_read()
     if native is not None:
         kernels.append((lambda: native(src), src))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         best = 0.0
         for fn, t in kernels:
@@ -129,7 +129,7 @@ def read_bandwidth_gbs(mib: int = 512) -> float:
                 fn()
                 best = max(best, t.numel() * t.element_size() / (time.perf_counter() - t0))
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     return best / 1e9
 
 

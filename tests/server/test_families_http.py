@@ -184,6 +184,10 @@ def test_quantized_weights_serve_batch_invariantly(checkpoint: Path, mode: str) 
     ("zamba2", {"use_shared_attention_adapter": True},
      "attention adapters need num_key_value_heads = num_attention_heads"),
     ("recurrent_gemma", {"hidden_activation": "relu"}, "hidden_activation 'relu' is not served"),
+    ("lfm3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6}}},
+     "rope_type 'yarn' is not served"),
+    ("olmo_hybrid", {"linear_num_value_heads": 4},
+     "linear_num_value_heads 4 is not a multiple of linear_num_key_heads 3"),
 ])
 def test_an_unserved_or_bad_config_gets_one_line(tmp_path: Path, family: str,
                                                  change: dict, says: str) -> None:
