@@ -6,7 +6,7 @@ Known: the project's own checkpoints (:mod:`linserve.model.architectures.linserv
 Qwen3.5-MoE (:mod:`linserve.model.architectures.qwen3_5`), Qwen3-Next, and the Hugging Face families
 of :data:`HF_FAMILIES` (LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H, Falcon-H1, Mamba and
 Falcon-Mamba, Mamba2, Bamba, Jamba, Zamba2, RecurrentGemma, LFM3,
-OLMo-Hybrid).
+OLMo-Hybrid, MiniMax).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from linserve.model.architectures import (
     lfm3,
     mamba,
     mamba2,
+    minimax,
     nemotron_h,
     olmo_hybrid,
     qwen3_5,
@@ -69,7 +70,7 @@ HF_FAMILIES: list[HFFamily] = [lfm2.FAMILY, lfm2_moe.FAMILY, granite_hybrid.FAMI
                                nemotron_h.FAMILY, falcon_h1.FAMILY, mamba.FAMILY,
                                mamba2.FAMILY, bamba.FAMILY, jamba.FAMILY,
                                zamba2.FAMILY, recurrent_gemma.FAMILY, lfm3.FAMILY,
-                               olmo_hybrid.FAMILY]
+                               olmo_hybrid.FAMILY, minimax.FAMILY]
 FAMILIES += [Family(f.name, f.recognise, f.load, f.max_state_bytes, f.check, f.params)
              for f in HF_FAMILIES]
 # Bytes a parameter takes as served under each quantization (int8: one fp32 scale per output

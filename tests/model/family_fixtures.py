@@ -252,6 +252,20 @@ def _olmo_hybrid(shape: dict[str, Any]) -> Any:
     return t.OlmoHybridForCausalLM(cfg)
 
 
+def _minimax(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    heads, kv_heads = shape["heads"]
+    experts, top_k = shape["experts"]
+    cfg = t.MiniMaxConfig(
+        vocab_size=VOCAB, hidden_size=shape["d"], intermediate_size=shape["ff"],
+        num_hidden_layers=len(shape["types"]), layer_types=shape["types"],
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=shape["head_dim"],
+        num_local_experts=experts, num_experts_per_tok=top_k, block_size=shape["block"],
+        max_position_embeddings=4096, tie_word_embeddings=shape["tie"],
+        **shape.get("factors", {}))
+    return t.MiniMaxForCausalLM(cfg)
+
+
 # family -> shape name -> shape
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3_5": QWEN_SHAPES,  # interval: a full-attention layer every `interval` layers
@@ -371,6 +385,20 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
                      "types": ["full_attention", "linear_attention", "linear_attention",
                                "full_attention"]},
     },
+    "minimax": {  # block: the lightning prefill's block, not dividing the tests' prompts
+        "b24-factors": {"d": 64, "ff": 48, "heads": (4, 2), "head_dim": 16, "experts": (4, 2),
+                        "block": 24, "tie": False,
+                        "types": ["linear_attention", "full_attention", "linear_attention"],
+                        "factors": {"linear_attn_alpha_factor": 1.5,
+                                    "linear_attn_beta_factor": 0.75,
+                                    "full_attn_alpha_factor": 0.9,
+                                    "full_attn_beta_factor": 1.2, "mlp_alpha_factor": 1.1,
+                                    "mlp_beta_factor": 0.8}},
+        "b16-tied": {"d": 48, "ff": 32, "heads": (3, 1), "head_dim": 16, "experts": (6, 3),
+                     "block": 16, "tie": True,
+                     "types": ["full_attention", "linear_attention", "linear_attention",
+                               "full_attention"]},
+    },
     "zamba2": {  # mamba: (heads, d_state, groups); blocks: shared blocks used in turn
         "two-blocks-adapters": {"d": 32, "ff": 48, "heads": (4, 4), "mamba": (4, 16, 1),
                                 "blocks": 2, "adapters": True, "rank": 8, "rope": True,
@@ -403,7 +431,7 @@ BUILDERS = {"qwen3_5": _qwen3_5, "lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_
             "nemotron_h": _nemotron, "falcon_h1": _falcon, "mamba": _mamba, "mamba2": _mamba2,
             "bamba": _bamba, "jamba": _jamba,
             "zamba2": _zamba2, "recurrent_gemma": _recurrent_gemma, "lfm3": _lfm3,
-            "olmo_hybrid": _olmo_hybrid}
+            "olmo_hybrid": _olmo_hybrid, "minimax": _minimax}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 
 
