@@ -186,6 +186,7 @@ def test_quantized_weights_serve_batch_invariantly(checkpoint: Path, mode: str) 
     ("recurrent_gemma", {"hidden_activation": "relu"}, "hidden_activation 'relu' is not served"),
     ("lfm3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6}}},
      "rope_type 'yarn' is not served"),
+    ("minimax", {"sliding_window": 32}, "sliding_window is not served for MiniMax"),
     ("olmo_hybrid", {"linear_num_value_heads": 4},
      "linear_num_value_heads 4 is not a multiple of linear_num_key_heads 3"),
 ])
