@@ -279,6 +279,16 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.to(torch.promote_types(x.dtype, w.dtype)).view(*x.shape[:-1], w.shape[1])
 
 
+def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Each head's own product: x ``[..., H, K]`` fp32 and w ``[H, K, N]`` -> ``[..., H, N]``
+    (block-diagonal weights: Griffin's gates, MLA's absorbed key and value maps),
+    batch-invariant when :func:`active` (a :func:`matmul` a head)."""
+    w = w.float()
+    if active():
+        return torch.stack([matmul(x[..., h, :], w[h]) for h in range(w.shape[0])], dim=-2)
+    return torch.einsum("...hk,hkn->...hn", x, w)
+
+
 # ATen's vectorised loops run two vectors per iteration (2 x 16 fp32 lanes on AVX-512, 2 x 8 on
 # AVX2) and leave the rest to a scalar loop: rows padded to 32 never reach that tail.
 LANES = 32

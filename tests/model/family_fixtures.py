@@ -266,6 +266,24 @@ def _minimax(shape: dict[str, Any]) -> Any:
     return t.MiniMaxForCausalLM(cfg)
 
 
+def _kimi_linear(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    experts, top_k, groups, top_groups = shape["experts"]
+    n = len(shape["types"])
+    cfg = t.KimiLinearConfig(
+        vocab_size=VOCAB, hidden_size=shape["d"], intermediate_size=shape["ff"],
+        moe_intermediate_size=shape["moe"], num_hidden_layers=n, layer_types=shape["types"],
+        mlp_layer_types=["dense"] + ["sparse"] * (n - 1), num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["heads"], q_lora_rank=shape.get("q_lora"),
+        kv_lora_rank=shape["kv_lora"], qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, linear_num_heads=shape["linear"][0], linear_head_dim=shape["linear"][1],
+        num_local_experts=experts, num_experts_per_tok=top_k, n_group=groups,
+        topk_group=top_groups, routed_scaling_factor=shape.get("scaling", 1.0),
+        max_position_embeddings=4096, tie_word_embeddings=shape["tie"], pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    return t.KimiLinearForCausalLM(cfg)
+
+
 # family -> shape name -> shape
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3_5": QWEN_SHAPES,  # interval: a full-attention layer every `interval` layers
@@ -399,6 +417,16 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
                      "types": ["full_attention", "linear_attention", "linear_attention",
                                "full_attention"]},
     },
+    "kimi_linear": {  # experts: (experts, top k, groups, groups chosen); linear: KDA heads
+        "qlora-groups": {"d": 64, "ff": 96, "moe": 32, "heads": 4, "q_lora": 24,
+                         "kv_lora": 32, "linear": (4, 16), "experts": (8, 2, 4, 2),
+                         "scaling": 2.5, "tie": False,
+                         "types": ["linear_attention", "full_attention", "linear_attention"]},
+        "plain-q": {"d": 48, "ff": 64, "moe": 24, "heads": 3, "kv_lora": 16,
+                    "linear": (3, 16), "experts": (6, 3, 1, 1), "tie": True,
+                    "types": ["full_attention", "linear_attention", "linear_attention",
+                              "full_attention"]},
+    },
     "zamba2": {  # mamba: (heads, d_state, groups); blocks: shared blocks used in turn
         "two-blocks-adapters": {"d": 32, "ff": 48, "heads": (4, 4), "mamba": (4, 16, 1),
                                 "blocks": 2, "adapters": True, "rank": 8, "rope": True,
@@ -431,7 +459,7 @@ BUILDERS = {"qwen3_5": _qwen3_5, "lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_
             "nemotron_h": _nemotron, "falcon_h1": _falcon, "mamba": _mamba, "mamba2": _mamba2,
             "bamba": _bamba, "jamba": _jamba,
             "zamba2": _zamba2, "recurrent_gemma": _recurrent_gemma, "lfm3": _lfm3,
-            "olmo_hybrid": _olmo_hybrid, "minimax": _minimax}
+            "olmo_hybrid": _olmo_hybrid, "minimax": _minimax, "kimi_linear": _kimi_linear}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 
 

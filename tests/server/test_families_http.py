@@ -187,6 +187,7 @@ def test_quantized_weights_serve_batch_invariantly(checkpoint: Path, mode: str) 
     ("lfm3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6}}},
      "rope_type 'yarn' is not served"),
     ("minimax", {"sliding_window": 32}, "sliding_window is not served for MiniMax"),
+    ("kimi_linear", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not served"),
     ("olmo_hybrid", {"linear_num_value_heads": 4},
      "linear_num_value_heads 4 is not a multiple of linear_num_key_heads 3"),
 ])

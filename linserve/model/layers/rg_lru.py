@@ -68,13 +68,8 @@ class RGLRU(nn.Module):
         out = []
         for weight, bias in ((self.input_gate_weight, self.input_gate_bias),
                              (self.recurrent_gate_weight, self.recurrent_gate_bias)):
-            w, bf = weight.float(), bias.float()
-            if invariant.active():
-                g = torch.stack([invariant.matmul(blocks[:, :, h], w[h])
-                                 for h in range(self.heads)], dim=2)
-            else:
-                g = torch.einsum("btsi,sio->btso", blocks, w)
-            out.append(invariant.rowwise(torch.sigmoid, (g + bf).reshape(b, t, width)))
+            g = invariant.per_head(blocks, weight) + bias.float()
+            out.append(invariant.rowwise(torch.sigmoid, g.reshape(b, t, width)))
         return out[0], out[1]
 
     def forward(self, u: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
