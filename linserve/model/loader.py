@@ -6,7 +6,7 @@ Known: the project's own checkpoints (:mod:`linserve.model.architectures.linserv
 Qwen3.5-MoE (:mod:`linserve.model.architectures.qwen3_5`), Qwen3-Next, and the Hugging Face families
 of :data:`HF_FAMILIES` (LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H, Falcon-H1, Mamba and
 Falcon-Mamba, Mamba2, Bamba, Jamba, Zamba2, RecurrentGemma, LFM3,
-OLMo-Hybrid, MiniMax, Kimi-Linear).
+OLMo-Hybrid, MiniMax, Kimi-Linear, the Ling hybrids).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from linserve.model import invariant, kernels
 from linserve.model.architectures import (
+    bailing_hybrid,
     bamba,
     falcon_h1,
     granite_hybrid,
@@ -71,7 +72,8 @@ HF_FAMILIES: list[HFFamily] = [lfm2.FAMILY, lfm2_moe.FAMILY, granite_hybrid.FAMI
                                nemotron_h.FAMILY, falcon_h1.FAMILY, mamba.FAMILY,
                                mamba2.FAMILY, bamba.FAMILY, jamba.FAMILY,
                                zamba2.FAMILY, recurrent_gemma.FAMILY, lfm3.FAMILY,
-                               olmo_hybrid.FAMILY, minimax.FAMILY, kimi_linear.FAMILY]
+                               olmo_hybrid.FAMILY, minimax.FAMILY, kimi_linear.FAMILY,
+                               bailing_hybrid.FAMILY]
 FAMILIES += [Family(f.name, f.recognise, f.load, f.max_state_bytes, f.check, f.params)
              for f in HF_FAMILIES]
 # Bytes a parameter takes as served under each quantization (int8: one fp32 scale per output

@@ -284,6 +284,23 @@ def _kimi_linear(shape: dict[str, Any]) -> Any:
     return t.KimiLinearForCausalLM(cfg)
 
 
+def _bailing_hybrid(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    experts, top_k, groups, top_groups = shape["experts"]
+    cfg = t.BailingHybridConfig(
+        vocab_size=VOCAB, hidden_size=shape["d"], intermediate_size=shape["ff"],
+        moe_intermediate_size=shape["moe"], num_hidden_layers=shape["layers"],
+        layer_group_size=shape["group"], first_k_dense_replace=1,
+        num_attention_heads=shape["heads"], num_key_value_heads=shape["heads"],
+        q_lora_rank=None, kv_lora_rank=shape["kv_lora"], qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, linear_num_heads=shape["linear"][0],
+        linear_head_dim=shape["linear"][1], num_experts=experts, n_routed_experts=experts,
+        num_experts_per_token=top_k, num_expert_group=groups, topk_group=top_groups,
+        kda_safe_gate=shape["safe"], routed_scaling_factor=2.5, model_max_length=4096,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return t.BailingHybridForCausalLM(cfg)
+
+
 # family -> shape name -> shape
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3_5": QWEN_SHAPES,  # interval: a full-attention layer every `interval` layers
@@ -427,6 +444,13 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
                     "types": ["full_attention", "linear_attention", "linear_attention",
                               "full_attention"]},
     },
+    "bailing_hybrid": {  # group: layer_group_size (its last layer MLA); safe: kda_safe_gate
+        "safe-g3": {"d": 64, "ff": 96, "moe": 32, "heads": 4, "kv_lora": 32, "layers": 3,
+                    "group": 3, "linear": (4, 16), "experts": (8, 2, 4, 2), "safe": True},
+        "softplus-g2": {"d": 48, "ff": 64, "moe": 24, "heads": 3, "kv_lora": 16, "layers": 4,
+                        "group": 2, "linear": (3, 16), "experts": (6, 3, 1, 1),
+                        "safe": False},
+    },
     "zamba2": {  # mamba: (heads, d_state, groups); blocks: shared blocks used in turn
         "two-blocks-adapters": {"d": 32, "ff": 48, "heads": (4, 4), "mamba": (4, 16, 1),
                                 "blocks": 2, "adapters": True, "rank": 8, "rope": True,
@@ -459,7 +483,8 @@ BUILDERS = {"qwen3_5": _qwen3_5, "lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_
             "nemotron_h": _nemotron, "falcon_h1": _falcon, "mamba": _mamba, "mamba2": _mamba2,
             "bamba": _bamba, "jamba": _jamba,
             "zamba2": _zamba2, "recurrent_gemma": _recurrent_gemma, "lfm3": _lfm3,
-            "olmo_hybrid": _olmo_hybrid, "minimax": _minimax, "kimi_linear": _kimi_linear}
+            "olmo_hybrid": _olmo_hybrid, "minimax": _minimax, "kimi_linear": _kimi_linear,
+            "bailing_hybrid": _bailing_hybrid}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 
 

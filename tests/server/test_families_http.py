@@ -188,6 +188,8 @@ def test_quantized_weights_serve_batch_invariantly(checkpoint: Path, mode: str) 
      "rope_type 'yarn' is not served"),
     ("minimax", {"sliding_window": 32}, "sliding_window is not served for MiniMax"),
     ("kimi_linear", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not served"),
+    ("bailing_hybrid", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 6e6}},
+     "rope_type 'yarn' is not served"),
     ("olmo_hybrid", {"linear_num_value_heads": 4},
      "linear_num_value_heads 4 is not a multiple of linear_num_key_heads 3"),
 ])

@@ -1,5 +1,5 @@
-"""Kimi Delta Attention (KDA, Kimi-Linear's linear layers): the gated delta rule with a decay
-per key *channel*, not per head.
+"""Kimi Delta Attention (KDA, Kimi-Linear's and Ling's linear layers): the gated delta rule
+with a decay per key *channel*, not per head.
 
 For x ``[B, T, d]``: q, k, v = silu(conv(``q_proj``, ``k_proj``, ``v_proj`` of x)) per head
 (a causal depthwise conv of width K over the three); q and k L2-normalised, q scaled by
@@ -31,13 +31,19 @@ from linserve.model.state import ConvEntry, RecurrentEntry
 
 @dataclass(frozen=True)
 class KdaShape:
-    """Model width, heads and their size (Dk = Dv), the conv width, the norm's eps."""
+    """Model width, heads and their size (Dk = Dv), the conv width, the norm's eps.
+    ``low_rank_gates``: Kimi's forget and output gates through a head-sized bottleneck
+    (``f_a_proj``/``f_b_proj``, ``g_a_proj``/``g_b_proj``; else Ling's ``f_proj``,
+    ``g_proj``); ``safe_lower``: Ling's safe gate, g = lower · sigmoid(e^A_log · f) in
+    place of −e^A_log · softplus(f) (None: the latter)."""
 
     hidden: int
     heads: int
     head_dim: int
     conv_width: int
     eps: float
+    low_rank_gates: bool = True
+    safe_lower: float | None = None
 
     @property
     def width(self) -> int:
@@ -64,13 +70,18 @@ class KimiDeltaAttention(nn.Module):
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (
             nn.Conv1d(s.width, s.width, s.conv_width, groups=s.width, bias=False)
             for _ in range(3))
-        self.f_a_proj = Linear(s.hidden, s.head_dim, bias=False)
-        self.f_b_proj = Linear(s.head_dim, s.width, bias=False)
+        if s.low_rank_gates:
+            self.f_a_proj = Linear(s.hidden, s.head_dim, bias=False)
+            self.f_b_proj = Linear(s.head_dim, s.width, bias=False)
+            self.g_a_proj = Linear(s.hidden, s.head_dim, bias=False)
+            self.g_b_proj = Linear(s.head_dim, s.width, bias=False)
+            self.A_log = nn.Parameter(torch.zeros(1, 1, s.heads, 1))
+        else:
+            self.f_proj = Linear(s.hidden, s.width, bias=False)
+            self.g_proj = Linear(s.hidden, s.width, bias=False)
+            self.A_log = nn.Parameter(torch.zeros(s.heads))
         self.dt_bias = nn.Parameter(torch.zeros(s.width))
-        self.A_log = nn.Parameter(torch.zeros(1, 1, s.heads, 1))
         self.b_proj = Linear(s.hidden, s.heads, bias=False)
-        self.g_a_proj = Linear(s.hidden, s.head_dim, bias=False)
-        self.g_b_proj = Linear(s.head_dim, s.width, bias=False)
         self.o_norm = RMSNorm(s.head_dim, s.eps)
         self.o_proj = Linear(s.width, s.hidden, bias=False)
 
@@ -94,10 +105,21 @@ class KimiDeltaAttention(nn.Module):
         mixed = invariant.rowwise(F.silu, causal_conv(advance_window(conv, mixed, new), weight))
         q, k, v = (y.reshape(b, t, s.heads, s.head_dim) for y in mixed.split(s.width, dim=-1))
         q = l2norm(q) * s.head_dim ** -0.5
-        f = self.f_b_proj.forward_fp32(self.f_a_proj(x)) + self.dt_bias.float()
-        g = -self.A_log.float().exp() * invariant.rowwise(F.softplus, f).view(b, t, s.heads, -1)
+        g = self._log_decay(x)
         beta = invariant.rowwise(torch.sigmoid, self.b_proj.forward_fp32(x))
         return q, l2norm(k), v, invariant.rowwise(torch.exp, g), beta
+
+    def _log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, T, d]`` -> the log-decay g ``[B, T, H, Dk]`` fp32 (see :class:`KdaShape`)."""
+        s = self.shape
+        b, t, _ = x.shape
+        f = (self.f_b_proj.forward_fp32(self.f_a_proj(x)) if s.low_rank_gates
+             else self.f_proj.forward_fp32(x)) + self.dt_bias.float()
+        f = f.view(b, t, s.heads, s.head_dim)
+        rate = self.A_log.float().exp().view(s.heads, 1)
+        if s.safe_lower is not None:
+            return s.safe_lower * invariant.rowwise(torch.sigmoid, rate * f)
+        return -rate * invariant.rowwise(F.softplus, f)
 
     @staticmethod
     def _token(st: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -114,7 +136,8 @@ class KimiDeltaAttention(nn.Module):
         """o ``[B, T, H, Dv]`` -> the gated per-head norm and ``o_proj`` ``[B, T, d]``."""
         s = self.shape
         b, t = x.shape[:2]
-        gate = self.g_b_proj.forward_fp32(self.g_a_proj(x)).view(b, t, s.heads, -1)
+        gate = (self.g_b_proj.forward_fp32(self.g_a_proj(x)) if s.low_rank_gates
+                else self.g_proj.forward_fp32(x)).view(b, t, s.heads, -1)
         out = self.o_norm(o).float() * invariant.rowwise(torch.sigmoid, gate)
         return self.o_proj(out.reshape(b, t, -1).to(x.dtype))
 

@@ -21,11 +21,21 @@ from linserve.model import invariant
 from linserve.model.invariant import Linear
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.norms import RMSNorm
+from linserve.model.layers.rope import inv_freq, rope
+
+
+def interleaved_to_halves(x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved rotary pairs (x0, x1), (x2, x3), … laid out as the halves the
+    rotate-half form pairs: ``[..., D]`` -> ``[x0, x2, …, x1, x3, …]``."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
 
 @dataclass(frozen=True)
 class MlaShape:
-    """``q_lora_rank`` 0: q projected directly; the latent norms' eps is MLA's 1e-6."""
+    """``q_lora_rank`` 0: q projected directly; the latent norms' eps is MLA's 1e-6.
+    ``rope_theta`` 0: no positions (Kimi-Linear); else DeepSeek's interleaved rotary
+    positions on the rope parts (Ling). ``head_gate``: each head's output times
+    sigmoid(``g_proj``(x)) (Ling)."""
 
     hidden: int
     heads: int
@@ -35,6 +45,8 @@ class MlaShape:
     rope_dim: int
     v_dim: int
     bias: bool = False
+    rope_theta: float = 0.0
+    head_gate: bool = False
 
     @property
     def qk_dim(self) -> int:
@@ -63,6 +75,9 @@ class LatentAttention(Attention):
         self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(s.kv_lora_rank, s.heads * (s.nope_dim + s.v_dim), bias=False)
         self.o_proj = Linear(s.heads * s.v_dim, s.hidden, bias=s.bias)
+        if s.head_gate:
+            self.g_proj = Linear(s.hidden, s.heads, bias=False)
+        self.rope_freqs = inv_freq(s.rope_dim, s.rope_theta) if s.rope_theta else None
         self._maps: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,22 +94,29 @@ class LatentAttention(Attention):
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x ``[B, T, d]`` -> the absorbed queries ``[B, H, T, rank + rope]`` (scaled for the
         head's qk size) and the latent ``[B, 1, T, rank + rope]`` as keys and as values."""
-        del pos, delta
+        del delta
         s = self.mla
         b, t, _ = x.shape
         q = (self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if s.q_lora_rank
              else self.q_proj(x)).float().view(b, t, s.heads, s.qk_dim)
         kb, _ = self.absorbed()
-        q = torch.cat([invariant.per_head(q[..., : s.nope_dim], kb), q[..., s.nope_dim :]], -1)
+        q_rot = q[..., s.nope_dim :].transpose(1, 2)
+        c, k_rot = self.kv_a_proj_with_mqa(x).float().split([s.kv_lora_rank, s.rope_dim], -1)
+        k_rot = k_rot[:, None]
+        if self.rope_freqs is not None:
+            q_rot, k_rot = (rope(interleaved_to_halves(y), pos, self.rope_freqs)
+                            for y in (q_rot, k_rot))
+        q = torch.cat([invariant.per_head(q[..., : s.nope_dim], kb).transpose(1, 2), q_rot], -1)
         # invariant.attention scales by (rank + rope)^-1/2; MLA's scale is the head's qk size's
         q = q * ((s.kv_lora_rank + s.rope_dim) ** 0.5 * s.qk_dim ** -0.5)
-        c, k_rot = self.kv_a_proj_with_mqa(x).float().split([s.kv_lora_rank, s.rope_dim], -1)
-        latent = torch.cat([self.kv_a_layernorm(c).float(), k_rot], dim=-1)[:, None]
-        return q.transpose(1, 2), latent, latent
+        latent = torch.cat([self.kv_a_layernorm(c).float()[:, None], k_rot], dim=-1)
+        return q, latent, latent
 
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o ``[B, H, T, rank + rope]`` (weighted latents) -> ``[B, T, d]``."""
         s = self.mla
         _, vb = self.absorbed()
         heads = invariant.per_head(o[..., : s.kv_lora_rank].transpose(1, 2), vb)
+        if s.head_gate:
+            heads = heads * invariant.rowwise(torch.sigmoid, self.g_proj.forward_fp32(x))[..., None]
         return self.o_proj(heads.reshape(*heads.shape[:2], -1).to(x.dtype))
