@@ -75,3 +75,27 @@ def test_rg_lru_gates_are_the_same_product_with_the_mode_on() -> None:
         invariant.set_enabled(was)
     for a, b in zip(plain, fixed, strict=True):
         assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_the_native_kda_scan_equals_its_pytorch_recurrence() -> None:
+    """``kda_scan_`` against :meth:`KimiDeltaAttention.scan_eager`: outputs and states within
+    fp32 rounding, a ragged batch's padding left alone."""
+    from linserve.model import kernels
+    from linserve.model.layers.kimi_delta import KdaShape, KimiDeltaAttention
+
+    if not kernels.available():
+        pytest.skip("the native kernels are not built")
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(KdaShape(32, 3, 16, 4, 1e-6))
+    b, t, h, d = 3, 9, 3, 16
+    q, k = (torch.nn.functional.normalize(torch.randn(b, t, h, d), dim=-1) for _ in range(2))
+    v = torch.randn(b, t, h, d)
+    decay, beta = torch.rand(b, t, h, d) * 0.5 + 0.5, torch.rand(b, t, h)
+    new = torch.tensor([9, 4, 7])
+    s0 = torch.randn(b, h, d, d)
+    want_s = s0.clone()
+    want = layer.scan_eager(want_s, q, k, v, decay, beta, new)
+    got_s, got = s0.clone(), torch.empty_like(v)
+    torch.ops.linserve.kda_scan_(got_s, got, q, k, v, decay, beta, new)
+    assert (got - want).abs().max().item() <= 1e-4
+    assert (got_s - want_s).abs().max().item() <= 1e-4

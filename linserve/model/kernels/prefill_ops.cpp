@@ -18,6 +18,7 @@
 #include "attention.h"
 #include "dense.h"
 #include "gdn.h"
+#include "kda.h"
 #include "mamba1.h"
 #include "mamba2.h"
 #include "moe.h"
@@ -196,6 +197,46 @@ at::Tensor mamba1_scan_(at::Tensor s, at::Tensor y, const at::Tensor& x, const a
   return y;
 }
 
+// Kimi Delta Attention's recurrence of every row (kda.h), a task per (row, head): s
+// [B, H, Dk, Dv] fp32, contiguous, updated in place; o [B, T, H, Dv] written (each row's first
+// counts[r] tokens, zeros past them); q, k, decay [B, T, H, Dk], v [B, T, H, Dv], beta
+// [B, T, H], all fp32 and contiguous; counts [B] int64, each at most T.
+at::Tensor kda_scan_(at::Tensor s, at::Tensor o, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& decay, const at::Tensor& beta,
+                     const at::Tensor& counts) {
+  const at::Tensor* all[] = {&s, &o, &q, &k, &v, &decay, &beta};
+  for (const at::Tensor* t : all)
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat,
+                "kda_scan_ takes contiguous fp32 tensors");
+  TORCH_CHECK(s.dim() == 4 && q.dim() == 4, "kda_scan_: s [B, H, Dk, Dv], q [B, T, H, Dk]");
+  const int64_t rows = s.size(0), heads = s.size(1), dk = s.size(2), dv = s.size(3);
+  const int64_t t_len = q.size(1);
+  TORCH_CHECK(q.sizes() == k.sizes() && q.sizes() == decay.sizes() && q.size(0) == rows &&
+                  q.size(2) == heads && q.size(3) == dk && v.size(3) == dv &&
+                  o.sizes() == v.sizes() && v.size(1) == t_len && beta.size(2) == heads &&
+                  beta.size(1) == t_len,
+              "kda_scan_: q, k, decay [B, T, H, Dk]; v, o [B, T, H, Dv]; beta [B, T, H]");
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.is_contiguous() &&
+                  counts.numel() == rows, "kda_scan_: counts [B] int64");
+  const int64_t* count = counts.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(count[r] >= 0 && count[r] <= t_len, "kda_scan_: a count past T");
+  linserve::for_each_task(rows * heads, [&](int64_t task) {
+    const int64_t r = task / heads, h = task % heads;
+    const int64_t qk_at = (r * t_len * heads + h) * dk, v_at = (r * t_len * heads + h) * dv;
+    const linserve::kda::HeadTokens in{
+        q.data_ptr<float>() + qk_at, k.data_ptr<float>() + qk_at,
+        v.data_ptr<float>() + v_at, decay.data_ptr<float>() + qk_at,
+        beta.data_ptr<float>() + r * t_len * heads + h, o.data_ptr<float>() + v_at,
+        heads * dk, heads * dv, heads, heads * dv};
+    const linserve::mamba2::FlushDenormals flush;
+    linserve::kda::scan_head(s.data_ptr<float>() + (r * heads + h) * dk * dv, in, count[r], dk,
+                             dv);
+    for (int64_t t = count[r]; t < t_len; ++t) std::fill_n(in.o + t * in.o_ld, dv, 0.f);
+  });
+  return o;
+}
+
 // SwiGLU's activation over prefill rows: silu(gate) up of gate_up [R, 2f] fp32 (gate first)
 // -> [R, f] fp32, as the native steps compute it (moe.h). In ATen, with the model's bf16
 // between, it took four passes and two roundings (the projection's output to bf16, SiLU,
@@ -336,6 +377,8 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
         "Tensor c, Tensor counts) -> Tensor(b!)");
   m.def("mamba1_scan_(Tensor(a!) s, Tensor(b!) y, Tensor x, Tensor dt, Tensor a_mat, Tensor b, "
         "Tensor c, Tensor counts) -> Tensor(b!)");
+  m.def("kda_scan_(Tensor(a!) s, Tensor(b!) o, Tensor q, Tensor k, Tensor v, Tensor decay, "
+        "Tensor beta, Tensor counts) -> Tensor(b!)");
   m.def("swiglu_rows(Tensor gate_up) -> Tensor");
   m.def("gelu_tanh_(Tensor(a!) x) -> Tensor(a!)");
   m.def("qkv_features(Tensor qkv, int heads) -> Tensor[]");
@@ -348,6 +391,7 @@ TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("mamba2_gate_", &mamba2_gate_);
   m.impl("mamba2_scan_", &mamba2_scan_);
   m.impl("mamba1_scan_", &mamba1_scan_);
+  m.impl("kda_scan_", &kda_scan_);
   m.impl("swiglu_rows", &swiglu_rows);
   m.impl("gelu_tanh_", &gelu_tanh_);
   m.impl("qkv_features", &qkv_features);

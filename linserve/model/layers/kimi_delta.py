@@ -10,7 +10,8 @@ Dk^-1/2; the log-decay g = −exp(A_log_h) · softplus(``f_b_proj``(``f_a_proj``
 
 then o is RMS-normed per head, times sigmoid(``g_b_proj``(``g_a_proj``(x))), and projected
 (``o_proj``). A prefill runs the step's update a token at a time (the same bits however a
-prompt is split; no T × T matrix). State: S ``[B, H, Dk, Dv]`` and the conv window, fp32.
+prompt is split; no T × T matrix), natively where built (``kda_scan_``). State: S
+``[B, H, Dk, Dv]`` and the conv window, fp32.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linserve.model import invariant
+from linserve.model import invariant, kernels
 from linserve.model.invariant import Linear
 from linserve.model.layers.norms import RMSNorm
 from linserve.model.layers.short_conv import advance_window, causal_conv
@@ -144,21 +145,40 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
                 new: torch.Tensor | None = None) -> torch.Tensor:
         """T new tokens ``[B, T, d]`` (``new [B]``: a right-padded ragged batch's real
-        counts; padding leaves the state alone) -> ``[B, T, d]``."""
+        counts; padding leaves the state alone) -> ``[B, T, d]``. The recurrence runs
+        natively where built (``kda_scan_``, kda.h: a task per row and head, its S read and
+        written once), else token by token in PyTorch (:meth:`scan_eager`, the reference)."""
         del lengths
         q, k, v, decay, beta = self._inputs(x, entries["conv"], new)
         st: torch.Tensor = entries["recurrent"].s
+        if kernels.available() and not torch.is_grad_enabled() and st.is_contiguous():
+            b, t = x.shape[:2]
+            counts = (torch.full((b,), t, dtype=torch.long) if new is None
+                      else new.to(torch.long).contiguous())
+            o = torch.empty_like(v)
+            torch.ops.linserve.kda_scan_(st, o, q.contiguous(), k.contiguous(), v.contiguous(),
+                                         decay.contiguous(), beta.contiguous(), counts)
+        else:
+            o = self.scan_eager(st, q, k, v, decay, beta, new)
+        return self._out(o, x)
+
+    def scan_eager(self, st: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   decay: torch.Tensor, beta: torch.Tensor, new: torch.Tensor | None
+                   ) -> torch.Tensor:
+        """The recurrence token by token in PyTorch: q, k, decay ``[B, T, H, Dk]``, v
+        ``[B, T, H, Dv]``, β ``[B, T, H]``, st ``[B, H, Dk, Dv]`` (updated in place) -> o
+        ``[B, T, H, Dv]`` (zeros past a row's count)."""
         o = torch.zeros_like(v)
-        for t in range(x.shape[1]):
-            rows = slice(None) if new is None else (new > t).nonzero().flatten()
+        for t in range(q.shape[1]):
             if new is None:
                 o[:, t] = self._token(st, q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t])
-            else:
-                part = st[rows]
-                o[rows, t] = self._token(part, q[rows, t], k[rows, t], v[rows, t],
-                                         decay[rows, t], beta[rows, t])
-                st[rows] = part
-        return self._out(o, x)
+                continue
+            rows = (new > t).nonzero().flatten()
+            part = st[rows]
+            o[rows, t] = self._token(part, q[rows, t], k[rows, t], v[rows, t], decay[rows, t],
+                                     beta[rows, t])
+            st[rows] = part
+        return o
 
     def step(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor
              ) -> torch.Tensor:
