@@ -6,7 +6,7 @@ tests need are kept, under ``$LINSERVE_TEST_CACHE`` (default ``~/.cache/linserve
 - ``models/ggml-vocab-qwen35.gguf``: a Qwen-family byte-level BPE (151,936 ids) with the
   Qwen3.5 pre-tokenizer, and its ``.inp`` / ``.out`` test vectors;
 - ``models/templates/*.jinja``: real chat templates (Qwen3.5, Qwen3-Coder, Hermes, LFM2,
-  Granite-4.0, Nemotron-Nano-v2).
+  Granite-4.0, Nemotron-Nano-v2, Kimi-K2, Ling 3.0, MiniMax-M1).
 
 :func:`qwen_tokenizer_json` turns the GGUF vocabulary into a Hugging Face ``tokenizer.json``.
 """
@@ -38,6 +38,10 @@ WANTED = (
     "models/templates/NVIDIA-Nemotron-Nano-v2.jinja",
     "models/templates/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
     "models/templates/Qwen-Qwen3-0.6B.jinja",
+    "models/templates/moonshotai-Kimi-K2.jinja",
+    "models/templates/Kimi-K2-Instruct.jinja",
+    "models/templates/inclusionai-ling-3.0-flash.jinja",
+    "models/templates/MiniMax-M1.jinja",
 )
 
 # The pre-tokenizer regex of Qwen3.5's tokenizer.json, as llama.cpp's llama-vocab.cpp quotes it.

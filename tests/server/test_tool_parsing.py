@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench.llamacpp_assets import write_qwen_tokenizer_files
+from bench.llamacpp_assets import vendored, write_qwen_tokenizer_files
 from linserve.server.api import reasoning, tool_calls
 from linserve.server.api.chat_reply import ChatDeltas, ChatShape
 from linserve.server.api.chat_template import TemplateChat
@@ -40,6 +40,16 @@ LFM2 = ('I will look.<|tool_call_start|>[get_weather(city="New York", days=3, me
         'hours=[1, 2]), add(a=1.5, b=2)]<|tool_call_end|>Done.')
 NEMOTRON = ('<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
             '{"name": "add", "arguments": {"a": 1, "b": 2}}]</TOOLCALL>')
+KIMI = ('Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+        '<|tool_call_argument_begin|>{"city": "Oslo", "days": 3}<|tool_call_end|>'
+        '<|tool_call_begin|>functions.add:1<|tool_call_argument_begin|>{"a": 1, "b": 2}'
+        '<|tool_call_end|><|tool_calls_section_end|>')
+GLM45 = ("Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York"
+         "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+         "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1.5</arg_value>\n<arg_key>b"
+         "</arg_key>\n<arg_value>2</arg_value>\n</tool_call>")
+MINIMAX = ('Checking.<tool_calls>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+           '{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_calls>')
 MALFORMED = [
     "<tool_call>\n<function=nope>\n</function>\n</tool_call>",  # an unknown function
     "<tool_call>\n<function=add>\nstray<parameter=a>\n1\n</parameter>\n</function>\n"
@@ -79,6 +89,26 @@ def test_lfm2_python_calls_and_nemotron_json_arrays() -> None:
                                                  ("add", {"a": 1, "b": 2})])
 
 
+def test_kimi_glm45_and_minimax_calls() -> None:
+    """Kimi's sections, Ling's (GLM-4.5's) key/value pairs typed by the schema, MiniMax's
+    JSON lines."""
+    assert _whole("kimi_k2", KIMI) == ("Checking.", [("get_weather", {"city": "Oslo", "days": 3}),
+                                                     ("add", {"a": 1, "b": 2})])
+    assert _whole("glm45", GLM45) == ("Checking.", [
+        ("get_weather", {"city": "New York", "days": 3}), ("add", {"a": 1.5, "b": 2})])
+    assert _whole("minimax", MINIMAX) == ("Checking.", [("get_weather", {"city": "Oslo"}),
+                                                        ("add", {"a": 1, "b": 2})])
+
+
+@pytest.mark.parametrize(("name", "parser"), [
+    ("moonshotai-Kimi-K2.jinja", "kimi_k2"), ("Kimi-K2-Instruct.jinja", "kimi_k2"),
+    ("inclusionai-ling-3.0-flash.jinja", "glm45"), ("MiniMax-M1.jinja", "minimax")])
+def test_the_real_templates_imply_their_parsers(name: str, parser: str) -> None:
+    """llama.cpp's copies of the published templates (the llama-cpp-python sdist's)."""
+    path = vendored(f"models/templates/{name}")
+    assert tool_calls.default_parser(path.read_text()) == parser
+
+
 LFM2_MALFORMED = [
     "<|tool_call_start|>[nope(a=1)]<|tool_call_end|>",  # an unknown function
     "<|tool_call_start|>[add(1, 2)]<|tool_call_end|>",  # positional arguments
@@ -93,7 +123,15 @@ LFM2_MALFORMED = [
       if (p, t) not in (("qwen3_xml", MALFORMED[1]), ("qwen3_xml", MALFORMED[2]))),
     *(("lfm2", t) for t in LFM2_MALFORMED),
     ("nemotron", '<TOOLCALL>[{"name": "nope", "arguments": {}}]</TOOLCALL>'),
-    ("nemotron", "<TOOLCALL>[]</TOOLCALL>")])
+    ("nemotron", "<TOOLCALL>[]</TOOLCALL>"),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.nope:0"
+                "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0"
+                "<|tool_call_argument_begin|>{not json}<|tool_call_end|>"
+                "<|tool_calls_section_end|>"),
+    ("glm45", "<tool_call>nope\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"),
+    ("minimax", '<tool_calls>\n{"name": "add", "arguments": [1]}\n</tool_calls>'),
+    ("minimax", "<tool_calls>\nnot json\n</tool_calls>")])
 def test_malformed_calls_stay_content(parser: str, text: str) -> None:
     """A block that never names a known function stays content, verbatim."""
     content, calls = _whole(parser, text)
@@ -147,7 +185,9 @@ def test_json_arguments_are_the_models_own_text() -> None:
 
 @pytest.mark.parametrize(("parser", "text"), [("qwen3_xml", XML), ("hermes", HERMES),
                                               ("qwen3_xml", MALFORMED[2]), ("lfm2", LFM2),
-                                              ("nemotron", "Sure. " + NEMOTRON)])
+                                              ("nemotron", "Sure. " + NEMOTRON),
+                                              ("kimi_k2", KIMI), ("glm45", GLM45),
+                                              ("minimax", MINIMAX)])
 def test_streaming_in_any_split_equals_the_whole(parser: str, text: str) -> None:
     want = _whole(parser, text)
     for cut in range(1, len(text)):

@@ -21,6 +21,14 @@ Each format wraps calls between two markers:
   with :mod:`ast` (literals only: nothing is evaluated).
 - ``nemotron`` (Nemotron-H / Nemotron-Nano-v2): a JSON array of calls,
   ``<TOOLCALL>[{"name": …, "arguments": {…}}, ...]</TOOLCALL>``.
+- ``kimi_k2`` (Kimi-K2, Kimi-Linear): ``<|tool_calls_section_begin|>`` then, per call,
+  ``<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{…}<|tool_call_end|>``,
+  then ``<|tool_calls_section_end|>``.
+- ``glm45`` (the Ling 3.0 hybrids, GLM-4.5): ``<tool_call>get_weather`` then
+  ``<arg_key>city</arg_key><arg_value>Paris</arg_value>`` pairs, ``</tool_call>``; values
+  typed by the tool's schema as ``qwen3_xml``'s are.
+- ``minimax`` (MiniMax-M1 / Text-01): ``<tool_calls>`` then one JSON object a line,
+  ``{"name": …, "arguments": {…}}``, then ``</tool_calls>``.
 
 Text outside the markers stays ``content``. A block is read as it is generated
 (:mod:`linserve.server.api.tool_blocks`), so a call's arguments stream: once its function's
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,15 +58,23 @@ from linserve.server.api.tool_blocks import (
     ToolCall,
     WholeBlock,
     XmlCall,
+    convert,
     held_suffix,
 )
 
 
 def default_parser(template: str | None) -> str:
     """The parser a chat template implies: Qwen3.5's XML calls, LFM2's Python calls,
-    Nemotron's JSON array, else Hermes JSON (Granite-4.0's too)."""
+    Nemotron's JSON array, Kimi's sections, Ling's key/value pairs, MiniMax's JSON lines,
+    else Hermes JSON (Granite-4.0's too)."""
     if not template:
         return "hermes"
+    if "<|tool_calls_section_begin|>" in template:
+        return "kimi_k2"
+    if "<arg_key>" in template:
+        return "glm45"
+    if "<tool_calls>" in template:
+        return "minimax"
     if "<function=" in template:
         return "qwen3_xml"
     if "<TOOLCALL>" in template:
@@ -101,6 +118,61 @@ def _parse_python(block: str, schemas: dict[str, dict[str, Any]]) -> list[ToolCa
     return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
 
 
+_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([\w.\-]+?)(?::\d+)?\s*"
+                        r"<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.DOTALL)
+_ARG_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _known(name: str, arguments: Any, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
+    """A call of a known function with an object of arguments (None: not one)."""
+    if name not in schemas or not isinstance(arguments, dict):
+        return None
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _parse_kimi(block: str, schemas: dict[str, dict[str, Any]]) -> list[ToolCall] | None:
+    """Kimi's calls: ``functions.NAME:INDEX`` and a JSON object each."""
+    calls = []
+    for name, args in _KIMI_CALL.findall(block):
+        try:
+            call = _known(name, json.loads(args), schemas)
+        except ValueError:
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+def _parse_arg_pairs(block: str, schemas: dict[str, dict[str, Any]]) -> list[ToolCall] | None:
+    """One GLM-4.5-style call: its name, then ``<arg_key>``/``<arg_value>`` pairs, each value
+    typed by the function's schema."""
+    name = block.split("<arg_key>", 1)[0].strip()
+    props = (schemas.get(name) or {}).get("properties") or {}
+    args = {key.strip(): convert(value.strip(), props.get(key.strip()) or {})
+            for key, value in _ARG_PAIR.findall(block)}
+    call = _known(name, args, schemas)
+    return None if call is None else [call]
+
+
+def _parse_json_lines(block: str, schemas: dict[str, dict[str, Any]]) -> list[ToolCall] | None:
+    """MiniMax's calls: one ``{"name": …, "arguments": {…}}`` object a line."""
+    calls = []
+    for line in block.strip().splitlines():
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError:
+            return None
+        call = _known(str(item.get("name")), item.get("arguments"), schemas) \
+            if isinstance(item, dict) else None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
 @dataclass(frozen=True)
 class Format:
     """A tool-call format: the markers around a block and its reader."""
@@ -118,8 +190,14 @@ FORMATS: dict[str, Format] = {
                    lambda s: WholeBlock(lambda text: _parse_python(text, s))),
     "nemotron": Format("<TOOLCALL>", "</TOOLCALL>",
                        lambda s: JsonCalls(s, 2, ("arguments", "parameters"))),
+    "kimi_k2": Format("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                      lambda s: WholeBlock(lambda text: _parse_kimi(text, s))),
+    "glm45": Format("<tool_call>", "</tool_call>",
+                    lambda s: WholeBlock(lambda text: _parse_arg_pairs(text, s))),
+    "minimax": Format("<tool_calls>", "</tool_calls>",
+                      lambda s: WholeBlock(lambda text: _parse_json_lines(text, s))),
 }
-ALIASES = {"qwen3_coder": "qwen3_xml", "pythonic": "lfm2"}
+ALIASES = {"qwen3_coder": "qwen3_xml", "pythonic": "lfm2", "glm4_moe": "glm45"}
 PARSERS = (*FORMATS, *ALIASES)
 Event = str | ToolCall | ArgsPiece  # content, a call's opening, more of its arguments
 
