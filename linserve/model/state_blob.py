@@ -142,5 +142,5 @@ def _check_entry(name: str, e: Any, ref: Any, lengths: torch.Tensor) -> None:
         if e.capacity > e.slot_limit:
             raise StateError(f"KV cache capacity {e.capacity} exceeds the model's limit of "
                              f"{e.slot_limit} slots")
-        if e.v.shape != e.k.shape or int(e.slots_used(lengths).max()) > e.capacity:
+        if e.v.shape[:3] != e.k.shape[:3] or int(e.slots_used(lengths).max()) > e.capacity:
             raise StateError("KV cache lengths are out of range")

@@ -99,3 +99,19 @@ def test_the_native_kda_scan_equals_its_pytorch_recurrence() -> None:
     torch.ops.linserve.kda_scan_(got_s, got, q, k, v, decay, beta, new)
     assert (got - want).abs().max().item() <= 1e-4
     assert (got_s - want_s).abs().max().item() <= 1e-4
+
+
+def test_mla_caches_the_latent_once(tmp_path: Path) -> None:
+    """Kimi-Linear's latent attention keeps kv_lora_rank + qk_rope_head_dim floats a token
+    and layer (its keys; no values), and a session's per-token bytes say so."""
+    from linserve.model.architectures import kimi_linear
+    from linserve.model.architectures.family import state_sizes
+
+    path = make(tmp_path / "k", "kimi_linear", "qlora-groups")
+    served = _served(path)
+    _, state = served.module.prefill(torch.randint(0, 8192, (1, 20)))
+    caches = state.kv_entries
+    assert len(caches) == 1  # one MLA layer in the shape
+    assert caches[0].k.shape[-1] == 32 + 8 and caches[0].v.shape[-1] == 0
+    cfg = kimi_linear.FAMILY.read_config(path)
+    assert state_sizes(served.module, cfg.max_position_embeddings)[1] == (32 + 8) * 4

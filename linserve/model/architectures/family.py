@@ -166,7 +166,7 @@ def state_sizes(module: DecoderLM, max_context: int) -> tuple[int, int]:
     """(the largest one-session state in bytes, the bytes each token of context adds): the
     constant entries of a fresh state plus its full KV caches (fp32 keys and values)."""
     state = module.new_state(1, max_context)
-    per_token = sum(2 * e.k.shape[1] * e.k.shape[3] * 4 for e in state.entries()
-                    if isinstance(e, KVEntry) and not e.window)
+    per_token = sum((e.k.shape[1] * e.k.shape[3] + e.v.shape[1] * e.v.shape[3]) * 4
+                    for e in state.entries() if isinstance(e, KVEntry) and not e.window)
     constant = sum(e.nbytes for e in state.entries() if not isinstance(e, KVEntry))
     return constant + per_token * max_context + 8, per_token

@@ -114,6 +114,12 @@ class Attention(nn.Module):
             q = q * self.q_scale
         return q, k, v
 
+    def values_of(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The values attention reads beside ``keys``: the cache's (MLA's latent cache
+        keeps none: its keys are its values too)."""
+        del keys
+        return values
+
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o ``[B, H, T, D]`` (and the layer's input x ``[B, T, d]``, for a head gate) ->
         projected ``[B, T, d]``."""
@@ -132,7 +138,8 @@ class Attention(nn.Module):
             return self._out(self._attend_ring(q, k, v, kv, rows, start), x)
         kv.k[rows, :, start : start + t] = k
         kv.v[rows, :, start : start + t] = v
-        keys, values = kv.k[rows, :, : start + t], kv.v[rows, :, : start + t]
+        keys = kv.k[rows, :, : start + t]
+        values = self.values_of(keys, kv.v[rows, :, : start + t])
         return self._out(invariant.attention(q, keys, values, start), x)
 
     def _attend_ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVEntry,
@@ -200,7 +207,8 @@ class Attention(nn.Module):
         kv.v[rows, :, slots] = v[:, :, 0]
         outs = []
         for i, n in enumerate(kv.slots_used(lengths + 1).tolist()):  # each row alone
-            keys, values = kv.k[i : i + 1, :, :n], kv.v[i : i + 1, :, :n]
+            keys = kv.k[i : i + 1, :, :n]
+            values = self.values_of(keys, kv.v[i : i + 1, :, :n])
             if self.shape.window and int(lengths[i]) + 1 > n:  # a full ring: in position order,
                 order = (torch.arange(n) + int(lengths[i]) + 1) % n  # as a prefill reads them
                 keys, values = keys[:, :, order], values[:, :, order]

@@ -6,13 +6,14 @@ A head's key is ``[W_kb c, k_rot]`` and its value ``W_vb c`` (``kv_b_proj`` spli
 W_vb per head). Both maps are absorbed: the query becomes ``[W_kbᵀ q_nope, q_rot]``, scored
 against the latent ``[c, k_rot]`` itself (one key head for all), and the head's output is
 ``W_vb`` times the attention-weighted sum of the latents. The same numbers as expanding the
-keys and values, in other rounding. The cache holds the latent as its keys and, again, as its
-values (``KVEntry`` keeps both): 2·(rank + rope) floats a token.
+keys and values, in other rounding. The cache holds the latent once, as its keys (its values
+are zero-wide): rank + rope floats a token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from linserve.model.invariant import Linear
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.norms import RMSNorm
 from linserve.model.layers.rope import inv_freq, rope
+from linserve.model.state import KVEntry
 
 
 def interleaved_to_halves(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +104,7 @@ class LatentAttention(Attention):
         kb, _ = self.absorbed()
         q_rot = q[..., s.nope_dim :].transpose(1, 2)
         c, k_rot = self.kv_a_proj_with_mqa(x).float().split([s.kv_lora_rank, s.rope_dim], -1)
-        k_rot = k_rot[:, None]
+        k_rot = k_rot[:, None]  # [B, 1, T, rope]
         if self.rope_freqs is not None:
             q_rot, k_rot = (rope(interleaved_to_halves(y), pos, self.rope_freqs)
                             for y in (q_rot, k_rot))
@@ -110,7 +112,16 @@ class LatentAttention(Attention):
         # invariant.attention scales by (rank + rope)^-1/2; MLA's scale is the head's qk size's
         q = q * ((s.kv_lora_rank + s.rope_dim) ** 0.5 * s.qk_dim ** -0.5)
         latent = torch.cat([self.kv_a_layernorm(c).float()[:, None], k_rot], dim=-1)
-        return q, latent, latent
+        return q, latent, latent[..., :0]
+
+    def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
+        """The latent cache: keys ``[B, 1, C, rank + rope]``, zero-wide values."""
+        entry = KVEntry.empty(batch, 1, self.shape.head_dim, max_context)
+        return {"kv": KVEntry(entry.k, entry.v[..., :0].contiguous(), max_context)}
+
+    def values_of(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        del values
+        return keys
 
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o ``[B, H, T, rank + rope]`` (weighted latents) -> ``[B, T, d]``."""
