@@ -105,23 +105,41 @@ JAMBA_8L_E4: dict[str, Any] = {
     "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
     "mamba_dt_rank": 256, "mamba_conv_bias": True, "mamba_proj_bias": False,
     "max_position_embeddings": 262144, "tie_word_embeddings": False}
+# Kimi-Linear-48B-A3B's layers (KDA of 32 heads x 128, MLA with a 512 latent, 256 experts of
+# 1024, top 8, a shared expert; vocabulary 163,840), its first 4 of 27: three KDA layers and
+# the first MLA one. In int8 only: 6.3B parameters, both servers in 24 GB.
+KIMI_LINEAR_48B_4L: dict[str, Any] = {
+    "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304,
+    "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_hidden_layers": 4,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "kv_lora_rank": 512,
+    "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "num_local_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 1,
+    "topk_group": 1, "routed_scaling_factor": 2.446, "linear_num_heads": 32,
+    "linear_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
+    "max_position_embeddings": 1048576, "pad_token_id": 0, "bos_token_id": 1,
+    "eos_token_id": 2,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}
 MODELS = {"lfm2-1.2b": LFM2_1_2B, "granite-4.0-h-micro": GRANITE_4_H_MICRO,
           "lfm2-8b-a1b": LFM2_8B_A1B, "qwen3.5-35b-a3b-8l": QWEN35_35B_A3B_8L,
           "falcon-mamba-7b-8l": FALCON_MAMBA_7B_8L,
-          "mamba-codestral-7b-8l": MAMBA_CODESTRAL_7B_8L, "jamba-8l-e4": JAMBA_8L_E4}
+          "mamba-codestral-7b-8l": MAMBA_CODESTRAL_7B_8L, "jamba-8l-e4": JAMBA_8L_E4,
+          "kimi-linear-48b-a3b-4l": KIMI_LINEAR_48B_4L}
 CLASSES = {"lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
            "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM"),
            "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
            "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
            "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM"),
            "mamba2": ("Mamba2Config", "Mamba2ForCausalLM"),
-           "jamba": ("JambaConfig", "JambaForCausalLM")}
+           "jamba": ("JambaConfig", "JambaForCausalLM"),
+           "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM")}
 
 
 # the published checkpoints' names for one expert's projections: (gate, up, down)
 EXPERT_NAMES = {"lfm2_moe": ("w1", "w3", "w2"),
                 "qwen3_5_moe_text": ("gate_proj", "up_proj", "down_proj"),
-                "jamba": ("gate_proj", "up_proj", "down_proj")}
+                "jamba": ("gate_proj", "up_proj", "down_proj"),
+                "kimi_linear": ("w1", "w3", "w2")}
 SHARD_BYTES = 2 << 30
 COLORS = {"bf16": "C2", "int8": "C0", "int4": "C1"}
 
@@ -149,6 +167,8 @@ def make(name: str, path: Path) -> None:
     config.save_pretrained(path)
     if kind == "granitemoehybrid":  # transformers saves its own names; llama.cpp reads these
         _publish_layer_types(path / "config.json", fields["layer_types"])
+    if kind == "kimi_linear":
+        _publish_kimi(path / "config.json", fields)
     shutil.copy(Path(__file__).resolve().parents[1] / "weights" / "tokenizer.json",
                 path / "tokenizer.json")
     gen = torch.Generator().manual_seed(0)
@@ -157,13 +177,32 @@ def make(name: str, path: Path) -> None:
     for tname, shape in shapes.items():
         if tname == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the checkpoint holds the embedding table only
-        for out_name, out_shape in _published(tname, shape, EXPERT_NAMES.get(kind)):
+        for out_name, out_shape in _published(tname, shape, EXPERT_NAMES.get(kind),
+                                              kind == "kimi_linear"):
             shard[out_name] = _random(out_name, out_shape, gen)
             if sum(t.numel() * 2 for t in shard.values()) >= SHARD_BYTES:
                 _write(path, shard, index, save_file)
     if shard:
         _write(path, shard, index, save_file)
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+
+
+def _publish_kimi(config: Path, fields: dict[str, Any]) -> None:
+    """Kimi-Linear's config as published (what llama.cpp's converter reads): the linear
+    layers' ``linear_attn_config`` with 1-based layer lists, and the expert counts' names."""
+    import json
+
+    data = json.loads(config.read_text())
+    types = fields["layer_types"]
+    data["linear_attn_config"] = {
+        "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+        "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"],
+        "head_dim": fields["linear_head_dim"], "num_heads": fields["linear_num_heads"],
+        "short_conv_kernel_size": fields["linear_conv_kernel_dim"]}
+    data.update(num_experts=fields["num_local_experts"],
+                num_experts_per_token=fields["num_experts_per_tok"],
+                num_shared_experts=fields["n_shared_experts"], first_k_dense_replace=1)
+    config.write_text(json.dumps(data, indent=2))
 
 
 def _publish_layer_types(config: Path, types: list[str]) -> None:
@@ -175,10 +214,17 @@ def _publish_layer_types(config: Path, types: list[str]) -> None:
     config.write_text(json.dumps(data, indent=2))
 
 
-def _published(name: str, shape: tuple[int, ...], names: tuple[str, str, str] | None
-               ) -> list[tuple[str, tuple[int, ...]]]:
+def _published(name: str, shape: tuple[int, ...], names: tuple[str, str, str] | None,
+               kimi: bool = False) -> list[tuple[str, tuple[int, ...]]]:
     """A tensor of transformers' module as the published checkpoint names it: the stacked
-    experts one by one (``names``: a family's names for one expert's projections)."""
+    experts one by one (``names``: a family's names for one expert's projections); for
+    Kimi-Linear, its ``block_sparse_moe``, the forget gate's tensors unnested and the q, k
+    and v conv kernels apart."""
+    if kimi:
+        name = name.replace(".mlp.", ".block_sparse_moe.").replace(".forget_gate.", ".")
+        if name.endswith(".self_attn.conv1d.weight"):
+            prefix, third = name.removesuffix("conv1d.weight"), shape[0] // 3
+            return [(f"{prefix}{p}_conv1d.weight", (third, *shape[1:])) for p in "qkv"]
     if names is None:
         return [(name, shape)]
     if name.endswith(".experts.gate_up_proj"):
