@@ -218,10 +218,12 @@ def _published(name: str, shape: tuple[int, ...], names: tuple[str, str, str] | 
                kimi: bool = False) -> list[tuple[str, tuple[int, ...]]]:
     """A tensor of transformers' module as the published checkpoint names it: the stacked
     experts one by one (``names``: a family's names for one expert's projections); for
-    Kimi-Linear, its ``block_sparse_moe``, the forget gate's tensors unnested and the q, k
-    and v conv kernels apart."""
+    Kimi-Linear, its experts under ``block_sparse_moe``, the forget gate's tensors unnested
+    and the q, k and v conv kernels apart."""
     if kimi:
-        name = name.replace(".mlp.", ".block_sparse_moe.").replace(".forget_gate.", ".")
+        if any(f".mlp.{part}" in name for part in ("experts", "gate.", "shared_experts")):
+            name = name.replace(".mlp.", ".block_sparse_moe.")  # the dense layers keep mlp
+        name = name.replace(".forget_gate.", ".")
         if name.endswith(".self_attn.conv1d.weight"):
             prefix, third = name.removesuffix("conv1d.weight"), shape[0] // 3
             return [(f"{prefix}{p}_conv1d.weight", (third, *shape[1:])) for p in "qkv"]
