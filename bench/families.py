@@ -201,7 +201,8 @@ def _publish_kimi(config: Path, fields: dict[str, Any]) -> None:
         "short_conv_kernel_size": fields["linear_conv_kernel_dim"]}
     data.update(num_experts=fields["num_local_experts"],
                 num_experts_per_token=fields["num_experts_per_tok"],
-                num_shared_experts=fields["n_shared_experts"], first_k_dense_replace=1)
+                num_shared_experts=fields["n_shared_experts"], first_k_dense_replace=1,
+                moe_router_activation_func="sigmoid")
     config.write_text(json.dumps(data, indent=2))
 
 
