@@ -14,12 +14,14 @@ WORKDIR /src
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ \
  && rm -rf /var/lib/apt/lists/*
-# CPU-only torch: from wheels/ if a wheel is there, else from the PyTorch CPU index.
+# CPU-only torch: from wheels/ if a wheel is there, else from the PyTorch CPU index. A CUDA
+# build fails the image (grep reads the whole list: under pipefail, `grep -q` stopping at the
+# first match would fail `pip list` with SIGPIPE and hide that match).
 COPY wheels/ /wheels/
 RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --retries 1 --timeout 10 --find-links /wheels \
       --extra-index-url "${TORCH_INDEX_URL}" "torch==2.13.0" \
- && if /opt/venv/bin/pip list 2>/dev/null | grep -qi nvidia; then echo "CUDA packages found" >&2; exit 1; fi
+ && if /opt/venv/bin/pip list 2>/dev/null | grep -i nvidia >/dev/null; then echo "CUDA packages found" >&2; exit 1; fi
 COPY pyproject.toml README.md ./
 COPY linserve/ linserve/
 RUN /opt/venv/bin/pip install --find-links /wheels /src
