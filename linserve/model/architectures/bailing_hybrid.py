@@ -14,31 +14,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
-
+from linserve.model.architectures import kimi_linear
 from linserve.model.architectures.family import DecoderConfig, HFFamily, require_activation
-from linserve.model.layers.block import Block
-from linserve.model.layers.decoder import DecoderLM
-from linserve.model.layers.kimi_delta import KdaShape, KimiDeltaAttention
-from linserve.model.layers.mla import LatentAttention, MlaShape
-from linserve.model.layers.mlp import SwiGLU
-from linserve.model.layers.moe import RouterSpec, SparseMoE
-from linserve.model.layers.norms import RMSNorm
-
-LINEAR, FULL = "linear_attention", "full_attention"
+from linserve.model.architectures.kimi_linear import FULL, LINEAR, KimiLinearConfig
+from linserve.model.layers.kimi_delta import KdaShape
+from linserve.model.layers.mla import MlaShape
+from linserve.model.layers.moe import RouterSpec
 
 
 @dataclass(frozen=True, kw_only=True)
-class BailingHybridConfig(DecoderConfig):
-    intermediate_size: int
-    moe_intermediate_size: int
-    shared_size: int
-    layer_types: tuple[str, ...]
-    sparse_layers: frozenset[int]
-    kda: KdaShape
-    mla: MlaShape
-    router: RouterSpec
-    eps: float
+class BailingHybridConfig(KimiLinearConfig):
+    """Kimi-Linear's fields (the layer plan, KDA and MLA shapes, routing), read from Ling's
+    config."""
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> BailingHybridConfig:
@@ -87,21 +74,6 @@ class BailingHybridConfig(DecoderConfig):
                    ).tied(False)  # transformers never ties its head
 
 
-def build(cfg: BailingHybridConfig) -> DecoderLM:
-    d = cfg.hidden_size
-
-    def mlp(i: int) -> nn.Module:
-        if i in cfg.sparse_layers:
-            return SparseMoE(d, cfg.moe_intermediate_size, cfg.router, shared=cfg.shared_size)
-        return SwiGLU(d, cfg.intermediate_size)
-
-    layers = [Block(KimiDeltaAttention(cfg.kda) if kind == LINEAR else LatentAttention(cfg.mla),
-                    mlp(i), RMSNorm, d, cfg.eps)
-              for i, kind in enumerate(cfg.layer_types)]
-    return DecoderLM(cfg, cfg.vocab_size, d, layers, RMSNorm(d, cfg.eps),
-                     cfg.tie_word_embeddings)
-
-
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _PARTS = [  # the published names (and transformers' own) to ours, within a layer
     (re.compile(r"\.(?:attention|self_attn)\.(?:forget_gate\.)?"), ".mixer."),
@@ -137,5 +109,6 @@ def describe(cfg: BailingHybridConfig) -> str:
             f"{cfg.router.experts} experts, top {cfg.router.top_k})")
 
 
-FAMILY = HFFamily("bailing_hybrid", ("bailing_hybrid",), BailingHybridConfig.from_hf, build,
+FAMILY = HFFamily("bailing_hybrid", ("bailing_hybrid",), BailingHybridConfig.from_hf,
+                  kimi_linear.build,
                   lambda n: n, describe, rename_for=renames)
