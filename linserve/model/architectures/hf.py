@@ -27,6 +27,9 @@ from torch import nn
 from tqdm import tqdm
 
 from linserve.model import heap, invariant, kernels
+from linserve.model.gguf.checkpoint import GGUFCheckpoint
+from linserve.model.gguf.checkpoint import checkpoint as gguf_checkpoint
+from linserve.model.gguf.files import GGUFFileError, is_gguf
 from linserve.model.interface import CheckpointError, ModelInfo
 from linserve.model.layers import moe
 from linserve.model.state import State
@@ -38,12 +41,19 @@ ALLOW = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
 
 
 def resolve(path_or_id: str | Path) -> Path:
-    """A local folder as it is; otherwise a Hub repo id, through huggingface_hub's cache."""
+    """A local folder or GGUF file as it is; otherwise a Hub repo id (``owner/name``, or
+    ``owner/name:FILE.gguf`` for one GGUF file of it), through huggingface_hub's cache."""
     path = Path(path_or_id)
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and is_gguf(path)):
         return path
+    repo, _, file = str(path_or_id).partition(":")
+    if file and is_gguf(file) and repo.count("/") == 1 and not path.exists():
+        return _hub_file(repo, file)
+    if is_gguf(path):
+        raise CheckpointError(f"{path_or_id}: no such GGUF file")
     if path.exists() or str(path_or_id).count("/") != 1:
-        raise CheckpointError(f"{path_or_id}: not a checkpoint folder or a repo id (owner/name)")
+        raise CheckpointError(f"{path_or_id}: not a checkpoint folder, a GGUF file or a repo "
+                              f"id (owner/name)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
@@ -55,6 +65,50 @@ def resolve(path_or_id: str | Path) -> Path:
         where = "the local Hugging Face cache" if offline else "the Hub or the local cache"
         raise CheckpointError(f"{path_or_id}: not found in {where} "
                               f"({type(exc).__name__})") from None
+
+
+def _hub_file(repo: str, file: str) -> Path:
+    """One GGUF file of a Hub repo (every shard of a split one), through the cache."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    try:
+        first = Path(hf_hub_download(repo, file, local_files_only=offline))
+        for shard in gguf_shard_names(first)[1:]:
+            hf_hub_download(repo, str(Path(file).with_name(shard)), local_files_only=offline)
+        return first
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as exc:
+        where = "the local Hugging Face cache" if offline else "the Hub or the local cache"
+        raise CheckpointError(f"{repo}:{file}: not found in {where} "
+                              f"({type(exc).__name__})") from None
+
+
+def gguf_shard_names(first: Path) -> list[str]:
+    """The file names of every shard of the split GGUF model ``first`` names."""
+    from linserve.model.gguf.files import SPLIT
+
+    hit = SPLIT.match(first.name)
+    if hit is None:
+        return [first.name]
+    n = int(hit.group("n"))
+    return [f"{hit.group('stem')}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+
+
+def gguf(path: Path) -> GGUFCheckpoint:
+    """The GGUF model at ``path``; any problem with it is a one-line CheckpointError."""
+    try:
+        return gguf_checkpoint(path)
+    except GGUFFileError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def config_json(path: Path) -> dict[str, Any]:
+    """The checkpoint's ``config.json`` (for a GGUF file, the one its metadata stands for,
+    :mod:`linserve.model.gguf.archs`)."""
+    if is_gguf(path):
+        return dict(gguf(path).config)
+    return read_json(path / "config.json")
 
 
 def read_json(path: Path, required: bool = True) -> dict[str, Any]:
@@ -77,13 +131,14 @@ def parse_config(path: Path, parse: Callable[[dict[str, Any]], Any]) -> Any:
     TypeError, ValueError naming it), or a variant not served (NotImplementedError), is a
     one-line :class:`CheckpointError`."""
     try:
-        return parse(read_json(path / "config.json"))
+        return parse(config_json(path))
     except NotImplementedError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise
-        raise CheckpointError(f"{path}/config.json: inconsistent or incomplete "
+        where = path if is_gguf(path) else f"{path}/config.json"
+        raise CheckpointError(f"{where}: inconsistent or incomplete "
                               f"({type(exc).__name__}: {exc})") from None
 
 
@@ -124,9 +179,8 @@ def plan(module: nn.Module, path: Path, rename: Callable[[str], str | None],
     several with its parts (``split``; by default a tensor that stacks every expert of a
     layer, :func:`moe.split_stacked`). Returns {parameter: (file, name, part)} and the
     checkpoint names left unused."""
-    files = tensor_files(path)
-    shapes = _shapes(files)
     ours = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    files, shapes = _tensors(path, rename, split, set(ours))
     wanted: Wanted = {}
     unused = []
     for name, file in files.items():
@@ -150,8 +204,31 @@ def plan(module: nn.Module, path: Path, rename: Callable[[str], str | None],
     return wanted, unused
 
 
+def _tensors(path: Path, rename: Callable[[str], str | None], split: Split, ours: set[str]
+             ) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
+    """Every tensor name of the checkpoint, the file holding it, and its shape. A GGUF
+    file's tensors are named as the Hugging Face checkpoint named them, where ``rename``
+    takes that name to one of ``ours`` (or ``split`` to parts of several)."""
+    if not is_gguf(path):
+        files = tensor_files(path)
+        return files, _shapes(files)
+
+    def accept(name: str, shape: tuple[int, ...]) -> bool:
+        target = rename(name)
+        if target is None:
+            return False
+        parts = [target] if target in ours else [t for t, _ in split(target, shape) or []]
+        return bool(parts) and all(t in ours for t in parts)
+
+    ck = gguf(path)
+    names = ck.names(accept)
+    return {n: path for n in names}, {n: ck.shape(n) for n in names}
+
+
 def checkpoint_params(path: Path) -> int:
     """Parameters stored in the checkpoint at ``path`` (from its safetensors headers)."""
+    if is_gguf(path):
+        return gguf(path).params()
     total = 0
     for shape in _shapes(tensor_files(path)).values():
         n = 1
@@ -272,6 +349,11 @@ def read_into(file: Path, pairs: list[tuple[torch.Tensor, str, Index]]) -> None:
     by_name: dict[str, list[tuple[torch.Tensor, Index]]] = {}
     for dest, name, index in pairs:
         by_name.setdefault(name, []).append((dest, index))
+    if is_gguf(file):
+        ck = gguf(file)
+        for name, dests in by_name.items():
+            _scatter(ck.read(name), dests)
+        return
     with file.open("rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
         header = json.loads(fh.read(size))
@@ -307,6 +389,8 @@ def _scatter(t: torch.Tensor, dests: list[tuple[torch.Tensor, Index]]) -> None:
 
 def fingerprint(path: Path) -> str:
     """blake2b over config.json and every weight file's bytes."""
+    if is_gguf(path):
+        return gguf(path).fingerprint()
     h = hashlib.blake2b(digest_size=16)
     h.update((path / "config.json").read_bytes())
     for f in sorted(set(tensor_files(path).values())):
@@ -318,7 +402,9 @@ def fingerprint(path: Path) -> str:
 
 def load_tokenizer(path: Path, config: dict[str, Any], vocab_size: int) -> Tokenizer:
     """``tokenizer.json`` with the end-of-sequence ids of ``generation_config.json`` (else
-    the config's)."""
+    the config's; for a GGUF file, its own vocabulary)."""
+    if is_gguf(path):
+        return gguf(path).tokenizer(vocab_size)
     file = path / "tokenizer.json"
     if not file.is_file():
         raise CheckpointError(f"{path}: tokenizer.json is missing")
@@ -336,7 +422,10 @@ def load_tokenizer(path: Path, config: dict[str, Any], vocab_size: int) -> Token
 
 
 def chat_template(path: Path) -> str | None:
-    """``chat_template.jinja``, else the ``chat_template`` of ``tokenizer_config.json``."""
+    """``chat_template.jinja``, else the ``chat_template`` of ``tokenizer_config.json`` (a
+    GGUF file's ``tokenizer.chat_template``)."""
+    if is_gguf(path):
+        return gguf(path).chat_template()
     file = path / "chat_template.jinja"
     if file.is_file():
         return file.read_text()

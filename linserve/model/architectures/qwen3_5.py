@@ -488,7 +488,7 @@ class Variant:
     def recognise(self, path: Path) -> bool:
         """A checkpoint of this variant: its config's model_type."""
         try:
-            return hf.read_json(path / "config.json").get("model_type") in self.model_types
+            return hf.config_json(path).get("model_type") in self.model_types
         except CheckpointError:
             return False
 
@@ -519,7 +519,7 @@ class Variant:
         with torch.device("meta"):
             module = Qwen35ForCausalLM(cfg)
         hf.plan(module, path, _rename, self.split_for(cfg))
-        hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+        hf.load_tokenizer(path, hf.config_json(path), cfg.vocab_size)
 
     def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
              ) -> hf.HFServedModel:
@@ -529,7 +529,7 @@ class Variant:
         del fused  # the whole-model native step serves every dense shape
         self.check(path, dtype)
         cfg = self.config(path)
-        tok = hf.load_tokenizer(path, hf.read_json(path / "config.json"), cfg.vocab_size)
+        tok = hf.load_tokenizer(path, hf.config_json(path), cfg.vocab_size)
         with torch.device("meta"):
             module = hf.cast(Qwen35ForCausalLM(cfg), dtype).eval()  # never all of it in fp32
         if weights:

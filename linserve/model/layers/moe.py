@@ -282,7 +282,7 @@ class SparseMoE(nn.Module):
         return out
 
 
-_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|up_proj|down_proj)(?:\.weight)?$")
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
 
 
 # a part of a checkpoint tensor, as the loader takes it (model.architectures.hf.Index)

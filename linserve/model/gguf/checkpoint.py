@@ -1,0 +1,159 @@
+"""A GGUF model seen as the Hugging Face checkpoint it was converted from: its
+``config.json``, its tensors under their Hugging Face names with their original values, its
+tokenizer and chat template. :mod:`linserve.model.architectures.hf` reads a ``.gguf`` path
+through this, so every family that llama.cpp writes loads from either form.
+
+Tensor names: a GGUF name (``blk.3.attn_qkv.weight``) goes back to each Hugging Face name
+gguf-py's map gives for it (:func:`archs.hf_candidates`), and the first one the loading
+family accepts is taken. Values: a quantized tensor is dequantized by ``gguf.quants`` (the
+reference implementation of every block format), then the architecture's inverse transform
+applies (:mod:`linserve.model.gguf.archs`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from linserve.model.gguf import archs, vocab
+from linserve.model.gguf.files import GGUFFileError, GGUFModel, Tensor, open_model
+from linserve.model.tokenizer import Tokenizer
+
+# The storage types served: the float ones, llama.cpp's legacy blocks and its K-quants.
+SERVED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K,
+          Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL)
+# Control tokens that end a generation in llama.cpp (its llama_vocab end-of-generation
+# list), besides tokenizer.ggml.eos_token_id / eot_token_id / eom_token_id.
+END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                     "<|eom_id|>", "<EOT>", "<|end_of_text|>", "<｜end▁of▁sentence｜>",
+                     "<|return|>", "<|call|>", "<|im_end|>")
+
+
+class GGUFCheckpoint:
+    """The model at ``path`` (any shard of it). Raises :class:`GGUFFileError` (one line) for
+    an unreadable file, an architecture not served, or metadata that is missing a key."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.model: GGUFModel = open_model(path)
+        try:
+            self.arch = archs.arch_of(self.model)
+            self.config: dict[str, Any] = self.arch.config(self.model)
+            self._candidates = archs.hf_candidates(archs.arch_enum(self.model),
+                                                   int(self.model.require("block_count")))
+        except KeyError as exc:
+            raise GGUFFileError(f"{path}: {exc.args[0]}") from None
+        self._names: dict[str, str] = {}  # Hugging Face name -> GGUF name, once accepted
+
+    def names(self, accept: Callable[[str, tuple[int, ...]], bool]) -> dict[str, str]:
+        """Hugging Face name -> GGUF name for every tensor, taking for each the first
+        Hugging Face name gguf-py maps to it that ``accept`` takes, with the shape it would
+        have (a tensor none is accepted for keeps its GGUF name, and is reported unused)."""
+        out: dict[str, str] = {}
+        for gname in self.model.tensors:
+            base, dot, suffix = gname.rpartition(".")
+            if suffix not in ("weight", "bias"):  # a bare name, such as blk.0.ssm_a
+                base, dot, suffix = gname, "", ""
+            chosen = gname
+            for cand in self._candidates.get(base, ()):
+                hf_name = self.arch.rename(f"{cand}{dot}{suffix}")
+                if accept(hf_name, self._shape(hf_name, gname)):
+                    chosen = hf_name
+                    break
+            out[chosen] = gname
+        self._names = out
+        return out
+
+    def shape(self, hf_name: str) -> tuple[int, ...]:
+        """The tensor's shape as the Hugging Face checkpoint had it."""
+        return self._shape(hf_name, self._names.get(hf_name, hf_name))
+
+    def _shape(self, hf_name: str, gguf_name: str) -> tuple[int, ...]:
+        meta = torch.empty(self.model.tensors[gguf_name].shape, device="meta")
+        return tuple(self.arch.transform(hf_name, meta, self.config).shape)
+
+    def read(self, hf_name: str) -> torch.Tensor:
+        """The tensor as the Hugging Face checkpoint had it (fp32 where it was quantized)."""
+        t = self.model.tensors[self._names.get(hf_name, hf_name)]
+        return self.arch.transform(hf_name, dequantize(t), self.config)
+
+    def quantization_types(self) -> dict[str, int]:
+        """Storage type name -> how many tensors have it."""
+        counts: dict[str, int] = {}
+        for t in self.model.tensors.values():
+            counts[t.qtype.name] = counts.get(t.qtype.name, 0) + 1
+        return counts
+
+    def check_types(self) -> None:
+        """Raise :class:`GGUFFileError` naming a storage type that is not served."""
+        for t in self.model.tensors.values():
+            if t.qtype not in SERVED:
+                raise GGUFFileError(f"{self.path}: tensor {t.name} is stored as "
+                                    f"{t.qtype.name}, which is not served (these are: "
+                                    f"{', '.join(q.name for q in SERVED)})")
+
+    def params(self) -> int:
+        return sum(int(np.prod(t.shape)) for t in self.model.tensors.values())
+
+    def file_bytes(self) -> int:
+        """The bytes of every tensor as stored."""
+        return sum(t.nbytes for t in self.model.tensors.values())
+
+    def tokenizer(self, vocab_size: int) -> Tokenizer:
+        """The file's vocabulary (:mod:`linserve.model.gguf.vocab`) with its end ids."""
+        try:
+            tok = vocab.build(self.model.meta)
+        except (vocab.VocabError, KeyError) as exc:
+            raise GGUFFileError(f"{self.path}: {exc}") from None
+        return Tokenizer(tok, self.end_ids(), vocab_size)
+
+    def end_ids(self) -> list[int]:
+        """The ids that end a generation: EOS, EOT and EOM, and the control tokens
+        llama.cpp also treats as ends."""
+        meta = self.model.meta
+        ids = [int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom")
+               if meta.get(f"tokenizer.ggml.{k}_token_id") is not None]
+        tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+        types = list(meta.get("tokenizer.ggml.token_type") or [])
+        ends = set(END_OF_GENERATION)
+        ids += [i for i, (t, k) in enumerate(zip(tokens, types, strict=False))
+                if k == vocab.CONTROL and t in ends]
+        return list(dict.fromkeys(ids))
+
+    def chat_template(self) -> str | None:
+        template = self.model.meta.get("tokenizer.chat_template")
+        return template if isinstance(template, str) else None
+
+    def fingerprint(self) -> str:
+        """blake2b over every file's bytes."""
+        h = hashlib.blake2b(digest_size=16)
+        for f in self.model.files:
+            with f.open("rb") as fh:
+                while chunk := fh.read(1 << 24):
+                    h.update(chunk)
+        return h.hexdigest()
+
+
+def dequantize(t: Tensor) -> torch.Tensor:
+    """A tensor's values as fp32 ``t.shape`` (a float type as stored, widened)."""
+    if t.qtype in (Q.F32, Q.F16):
+        return torch.from_numpy(np.array(t.raw, dtype=np.float32).reshape(t.shape))
+    if t.qtype == Q.BF16:
+        raw = np.asarray(t.raw).view(np.int16).reshape(t.shape)
+        return torch.from_numpy(raw.copy()).view(torch.bfloat16).float()
+    values = quants.dequantize(np.asarray(t.raw), t.qtype)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(t.shape))
+
+
+@lru_cache(maxsize=4)
+def checkpoint(path: Path) -> GGUFCheckpoint:
+    """The (cached) :class:`GGUFCheckpoint` of ``path``."""
+    return GGUFCheckpoint(path)

@@ -1,0 +1,142 @@
+"""GGUF files for the tests, written as users get them: by llama.cpp's own
+``convert_hf_to_gguf.py`` (the version the ``llama-cpp-python==0.3.36`` sdist vendors, run on
+its own gguf-py; nothing of llama.cpp is built), from tiny random checkpoints made with
+``transformers``. And files written directly with gguf-py's ``GGUFWriter``, for block formats
+the converter cannot write (the K-quants, which only ``llama-quantize`` writes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+from gguf.constants import GGML_QUANT_SIZES
+
+from bench import llamacpp_assets
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIM = ROOT / "bench" / "gguf_pre_shim.py"
+
+
+def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre: str | None = "gpt-2",
+            extra: tuple[str, ...] = ()) -> Path:
+    """``hf_dir`` converted to ``out`` by llama.cpp's converter. ``pre``: the pre-tokenizer
+    to name for a vocabulary the converter does not recognise (the project's tokenizer is
+    GPT-2's split, bench/gguf_pre_shim.py); None: the converter's own recognition.
+    ``extra``: more converter arguments (``--no-mtp`` for a Qwen checkpoint without MTP
+    layers, which the converter otherwise expects)."""
+    src = llamacpp_assets.converter()
+    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "NO_LOCAL_GGUF": ""}
+    args = [str(hf_dir), "--outfile", str(out), "--outtype", outtype, *extra]
+    if pre is not None:
+        env["LINSERVE_GGUF_PRE"] = pre
+        cmd = [sys.executable, str(SHIM), str(src), *args]
+    else:
+        cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        pytest.fail(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
+    return out
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0
+                  ) -> np.ndarray:
+    """``rows`` rows of ``cols`` values in ``qtype``'s blocks, with random bytes but finite
+    fp16 scales (every block format keeps its fp16 scales first or last, as gguf-py's
+    dequantizers read them): ``[rows, bytes per row]`` uint8."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for at in _fp16_offsets(qtype):
+        scale = rng.uniform(-0.05, 0.05, size=(rows, cols // block)).astype(np.float16)
+        raw[:, :, at:at + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def _fp16_offsets(qtype: GGMLQuantizationType) -> tuple[int, ...]:
+    """Byte offsets of the fp16 scales in one block of ``qtype`` (ggml-common.h)."""
+    q = GGMLQuantizationType
+    return {q.Q4_0: (0,), q.Q4_1: (0, 2), q.Q5_0: (0,), q.Q5_1: (0, 2), q.Q8_0: (0,),
+            q.Q2_K: (80, 82), q.Q3_K: (108,), q.Q4_K: (0, 2), q.Q5_K: (0, 2), q.Q6_K: (208,),
+            q.IQ4_NL: (0,), q.IQ4_XS: (0,)}[qtype]
+
+
+Pick = Callable[[str, tuple[int, ...]], GGMLQuantizationType | None]
+BLOCK_32 = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+            GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.IQ4_NL)
+BLOCK_256 = (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
+             GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.IQ4_XS)
+
+
+def cycle_formats() -> Pick:
+    """Each matrix in the next block format that fits its rows (K-quants where they are
+    multiples of 256, the 32-blocks elsewhere), vectors as they are: a mix like
+    llama-quantize's, with every format present."""
+    count = [0]
+
+    def pick(name: str, shape: tuple[int, ...]) -> GGMLQuantizationType | None:
+        del name
+        if len(shape) < 2 or shape[-1] % 32:
+            return None
+        kinds = BLOCK_256 + BLOCK_32 if shape[-1] % 256 == 0 else BLOCK_32
+        count[0] += 1
+        return kinds[count[0] % len(kinds)]
+
+    return pick
+
+
+def requantize(src: Path, out: Path, pick: Pick) -> Path:
+    """A copy of the GGUF ``src`` whose tensors ``pick`` names a format for are stored in it,
+    with random blocks (the test compares the loader with gguf-py's dequantizer, not with
+    the original values); every other tensor and all metadata as they are."""
+    def tensor(i: int, name: str, shape: tuple[int, ...], data: np.ndarray,
+               qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType]:
+        want = pick(name, shape)
+        if want is None:
+            return data, qtype
+        raw = random_blocks(want, int(np.prod(shape[:-1])), shape[-1], seed=i)
+        return raw.reshape(*shape[:-1], -1), want
+
+    return _rewrite(src, out, tensor)
+
+
+def dequantized_copy(src: Path, out: Path) -> Path:
+    """A copy of the GGUF ``src`` with every tensor stored as F32, by gguf-py's
+    dequantizer."""
+    def tensor(i: int, name: str, shape: tuple[int, ...], data: np.ndarray,
+               qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType]:
+        del i, name
+        values = quants.dequantize(data, qtype).astype(np.float32).reshape(shape)
+        return values, GGMLQuantizationType.F32
+
+    return _rewrite(src, out, tensor)
+
+
+Rewrite = Callable[[int, str, tuple[int, ...], np.ndarray, GGMLQuantizationType],
+                   tuple[np.ndarray, GGMLQuantizationType]]
+
+
+def _rewrite(src: Path, out: Path, tensor: Rewrite) -> Path:
+    """Copy the GGUF ``src`` to ``out``: all metadata, and each tensor as ``tensor`` gives
+    it (index, name, PyTorch-order shape, stored data, type -> data, type)."""
+    reader = GGUFReader(str(src))
+    writer = GGUFWriter(str(out), arch=str(reader.fields["general.architecture"].contents()))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for i, t in enumerate(reader.tensors):
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        data, qtype = tensor(i, t.name, shape, np.array(t.data), t.tensor_type)
+        writer.add_tensor(t.name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

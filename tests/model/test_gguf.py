@@ -1,0 +1,135 @@
+"""GGUF files (:mod:`linserve.model.gguf`): the vocabulary against llama.cpp's own test vectors,
+every served block format against gguf-py's dequantizer, and files written by llama.cpp's
+converter from tiny random checkpoints giving the same logits as the safetensors they came
+from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from bench import llamacpp_assets
+from linserve.model import loader
+from linserve.model.gguf import vocab
+from linserve.model.gguf.checkpoint import SERVED, dequantize
+from linserve.model.gguf.files import Tensor, open_model
+from linserve.model.interface import CheckpointError
+from tests.model import family_fixtures, gguf_fixtures
+from tests.model.qwen_fixtures import make_checkpoint
+
+BPE = ["qwen35", "qwen2", "gpt-2", "llama-bpe", "command-r", "deepseek-coder", "deepseek-llm",
+       "falcon", "mpt", "refact", "starcoder"]
+SPM = ["llama-spm", "phi-3"]
+
+
+@pytest.mark.parametrize("name", BPE + SPM)
+def test_the_vocabulary_encodes_llamacpps_test_vectors(name: str) -> None:
+    """Each ``ggml-vocab-*.gguf`` of llama.cpp with ``.inp`` / ``.out`` vectors, byte-level
+    BPE with its pre-tokenizer and SentencePiece BPE, encodes every text to llama.cpp's ids,
+    and decodes back to the text."""
+    path = llamacpp_assets.vendored(f"models/ggml-vocab-{name}.gguf")
+    tok = vocab.build(open_model(path).meta)
+    inp = Path(f"{path}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    out = [[int(x) for x in line.split()] for line in Path(f"{path}.out").read_text()
+           .split("\n")]
+    assert len(inp) > 40
+    for text, want in zip(inp, out, strict=False):
+        assert tok.encode(text, add_special_tokens=False).ids == want, text
+
+
+def test_sentencepiece_puts_bos_first_where_the_file_says() -> None:
+    meta = open_model(llamacpp_assets.vendored("models/ggml-vocab-llama-spm.gguf")).meta
+    tok = vocab.build(meta)
+    assert tok.encode("Hello world").ids[0] == meta["tokenizer.ggml.bos_token_id"]
+    assert tok.decode(tok.encode("Hello world").ids, skip_special_tokens=True) == "Hello world"
+
+
+@pytest.mark.parametrize("qtype", [q for q in SERVED if q not in (
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)],
+    ids=lambda q: q.name)
+def test_every_block_format_dequantizes_as_gguf_py_does(qtype: GGMLQuantizationType) -> None:
+    raw = gguf_fixtures.random_blocks(qtype, 6, 512)
+    t = Tensor("w", (6, 512), qtype, raw, raw.nbytes)
+    want = quants.dequantize(raw, qtype).reshape(6, 512)
+    got = dequantize(t).numpy()
+    assert np.isfinite(want).all()
+    assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+# (family, shape, converter arguments): every family llama.cpp's converter writes from
+# transformers' checkpoints as they are saved
+NO_MTP = ("--no-mtp",)  # Qwen checkpoints without MTP layers: the converter expects them
+CONVERTED = [("qwen3_5", "i2-untied", NO_MTP), ("qwen3_5", "i3-gqa", NO_MTP),
+             ("lfm2", "a1-untied", ()), ("lfm2", "a2-tied", ())]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """(safetensors folder, its F32 GGUF) for each of :data:`CONVERTED`."""
+    root = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for family, shape, extra in CONVERTED:
+        hf = family_fixtures.make(root / f"{family}-{shape}", family, shape)
+        out[f"{family}-{shape}"] = (hf, gguf_fixtures.convert(
+            hf, root / f"{family}-{shape}.gguf", extra=extra))
+    return out
+
+
+def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    model = loader.load(path, dtype="float32")
+    return model.prefill(ids, all_logits=True)[0]
+
+
+@pytest.mark.parametrize("case", [f"{f}-{s}" for f, s, _ in CONVERTED])
+def test_a_converted_file_gives_the_checkpoints_logits(
+        converted: dict[str, tuple[Path, Path]], case: str) -> None:
+    hf, file = converted[case]
+    ids = torch.randint(0, 8192, (2, 37), generator=torch.Generator().manual_seed(1))
+    want, got = _logits(hf, ids), _logits(file, ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_quantized_file_loads_each_tensor_in_its_own_format(
+        converted: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """A file mixing formats, as llama-quantize's Q4_K_M does (here every matrix in one
+    format, the next in another), loads to the same logits as the same values stored as
+    F32: each tensor is read in its own format and put in its place."""
+    _, file = converted["qwen3_5-i2-untied"]
+    mixed = gguf_fixtures.requantize(file, tmp_path / "mixed.gguf",
+                                     gguf_fixtures.cycle_formats())
+    types = {t.qtype for t in open_model(mixed).tensors.values()}
+    assert set(gguf_fixtures.BLOCK_32) <= types
+    flat = gguf_fixtures.dequantized_copy(mixed, tmp_path / "flat.gguf")
+    ids = torch.randint(0, 8192, (1, 29), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_logits(mixed, ids), _logits(flat, ids), rtol=0, atol=0)
+
+
+def test_a_real_vocabulary_and_template_come_from_the_file(tmp_path: Path) -> None:
+    """A Qwen3.5 checkpoint with its published tokenizer and chat template, converted:
+    the file's tokenizer encodes as the folder's, ends where it does, and the template is
+    the checkpoint's."""
+    hf = make_checkpoint(tmp_path / "qwen", "i4-tied")
+    file = gguf_fixtures.convert(hf, tmp_path / "qwen.gguf", pre=None, extra=NO_MTP)
+    a, b = loader.load(hf, dtype="float32"), loader.load(file, dtype="float32")
+    text = "Hello world, <|im_start|>user\nwhat's 2+2? <think>ok</think><|im_end|>"
+    assert b.tokenizer().encode(text) == a.tokenizer().encode(text)
+    assert set(a.tokenizer().eos_ids) <= set(b.tokenizer().eos_ids)
+    assert b.chat_template() == a.chat_template()
+
+
+def test_a_file_of_an_architecture_not_served_is_one_line(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(tmp_path / "x.gguf"), arch="bert")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="architecture 'bert' is not served"):
+        loader.check(tmp_path / "x.gguf")
