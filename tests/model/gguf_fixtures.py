@@ -6,6 +6,7 @@ the converter cannot write (the K-quants, which only ``llama-quantize`` writes).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -30,6 +31,7 @@ def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre: str | None = "gp
     GPT-2's split, bench/gguf_pre_shim.py); None: the converter's own recognition.
     ``extra``: more converter arguments (``--no-mtp`` for a Qwen checkpoint without MTP
     layers, which the converter otherwise expects)."""
+    as_published(hf_dir)
     src = llamacpp_assets.converter()
     env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "NO_LOCAL_GGUF": ""}
     args = [str(hf_dir), "--outfile", str(out), "--outtype", outtype, *extra]
@@ -42,6 +44,33 @@ def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre: str | None = "gp
     if done.returncode != 0:
         pytest.fail(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
     return out
+
+
+# transformers 5 saves some configs with its own names for layer kinds; the converter reads
+# the names the published checkpoints use (Granite-4.0-H's "mamba" / "attention",
+# Nemotron-H's hybrid_override_pattern, Bamba's attn_rotary_emb), so the tests write those, as
+# the Hub files have them
+PUBLISHED_KINDS = {"linear_attention": ("mamba", "M"), "full_attention": ("attention", "*"),
+                   "mlp": ("mlp", "-"), "moe": ("moe", "E")}
+
+
+def as_published(hf_dir: Path) -> Path:
+    """Rewrite ``hf_dir``'s config.json with the published checkpoints' layer-kind fields."""
+    path = hf_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    if cfg.get("model_type") == "granitemoehybrid":
+        cfg["layer_types"] = [PUBLISHED_KINDS.get(t, (t,))[0] for t in cfg["layer_types"]]
+    if cfg.get("model_type") == "nemotron_h" and "layers_block_type" in cfg:
+        cfg["hybrid_override_pattern"] = "".join(PUBLISHED_KINDS[t][1]
+                                                 for t in cfg["layers_block_type"])
+    if cfg.get("model_type") == "qwen3_next":  # llama.cpp assumes the published top-k norm
+        cfg["norm_topk_prob"] = True
+    if cfg.get("model_type") == "bamba":  # Bamba-9B names its rotary width
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+        cfg["attn_rotary_emb"] = int(head_dim * rotary)
+    path.write_text(json.dumps(cfg, indent=2))
+    return hf_dir
 
 
 def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0

@@ -180,7 +180,7 @@ def plan(module: nn.Module, path: Path, rename: Callable[[str], str | None],
     layer, :func:`moe.split_stacked`). Returns {parameter: (file, name, part)} and the
     checkpoint names left unused."""
     ours = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    files, shapes = _tensors(path, rename, split, set(ours))
+    files, shapes = _tensors(path, rename, split, ours)
     wanted: Wanted = {}
     unused = []
     for name, file in files.items():
@@ -204,11 +204,13 @@ def plan(module: nn.Module, path: Path, rename: Callable[[str], str | None],
     return wanted, unused
 
 
-def _tensors(path: Path, rename: Callable[[str], str | None], split: Split, ours: set[str]
+def _tensors(path: Path, rename: Callable[[str], str | None], split: Split,
+             ours: dict[str, tuple[int, ...]]
              ) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
     """Every tensor name of the checkpoint, the file holding it, and its shape. A GGUF
     file's tensors are named as the Hugging Face checkpoint named them, where ``rename``
-    takes that name to one of ``ours`` (or ``split`` to parts of several)."""
+    takes that name to one of ``ours`` (or ``split`` to parts of several); a tensor the
+    converter squeezed or flattened takes the shape of ours (:func:`read_into` reshapes)."""
     if not is_gguf(path):
         files = tensor_files(path)
         return files, _shapes(files)
@@ -217,12 +219,24 @@ def _tensors(path: Path, rename: Callable[[str], str | None], split: Split, ours
         target = rename(name)
         if target is None:
             return False
-        parts = [target] if target in ours else [t for t, _ in split(target, shape) or []]
+        if target in ours:
+            return _numel(shape) == _numel(ours[target])
+        parts = [t for t, _ in split(target, shape) or []]
         return bool(parts) and all(t in ours for t in parts)
 
     ck = gguf(path)
-    names = ck.names(accept)
-    return {n: path for n in names}, {n: ck.shape(n) for n in names}
+    shapes = {}
+    for name in ck.names(accept):
+        target = rename(name)
+        shapes[name] = ours[target] if target in ours else ck.shape(name)
+    return {n: path for n in shapes}, shapes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
 
 
 def checkpoint_params(path: Path) -> int:
@@ -352,7 +366,11 @@ def read_into(file: Path, pairs: list[tuple[torch.Tensor, str, Index]]) -> None:
     if is_gguf(file):
         ck = gguf(file)
         for name, dests in by_name.items():
-            _scatter(ck.read(name), dests)
+            t = ck.read(name)
+            whole = dests[0][0]
+            if dests[0][1] is None and t.shape != whole.shape and t.numel() == whole.numel():
+                t = t.reshape(whole.shape)  # squeezed or flattened by the converter
+            _scatter(t, dests)
         return
     with file.open("rb") as fh:
         size = int.from_bytes(fh.read(8), "little")

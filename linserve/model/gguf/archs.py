@@ -34,17 +34,40 @@ def _same(name: str) -> str:
     return name
 
 
+Combine = Callable[[list[torch.Tensor], dict[str, Any]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Merge:
+    """GGUF tensors the converter split from one checkpoint tensor: ``parts`` (GGUF names
+    with ``{n}`` for the block) concatenated along ``dim`` make ``into`` (its Hugging Face
+    name), or put together by ``combine`` (given the parts and the config)."""
+
+    parts: tuple[str, ...]
+    into: str
+    dim: int = 0
+    combine: Combine | None = None
+
+    def join(self, parts: list[torch.Tensor], cfg: dict[str, Any]) -> torch.Tensor:
+        return torch.cat(parts, self.dim) if self.combine is None else self.combine(parts, cfg)
+
+
 @dataclass(frozen=True)
 class GGUFArch:
     """``config``: the Hugging Face config dict for a file's metadata (raises KeyError
     naming a missing key). ``rename``: a Hugging Face tensor name as gguf-py's map gives it,
     as the checkpoint had it. ``transform``: a tensor as read (PyTorch's shape order) back
-    to the checkpoint's values, given its Hugging Face name and the config."""
+    to the checkpoint's values, given its Hugging Face name and the config (a shape the
+    converter only squeezed or flattened is put back by the loader, which knows the shape
+    it wants). ``merges``: tensors to put back together. ``names``: names gguf-py's map
+    does not give, as regular expressions over GGUF names and their replacements."""
 
     name: str
     config: Callable[[GGUFModel], dict[str, Any]]
     rename: Callable[[str], str] = _same
     transform: Transform = _keep
+    merges: Callable[[dict[str, Any]], tuple[Merge, ...]] = lambda cfg: ()
+    names: tuple[tuple[str, str], ...] = ()  # (GGUF name, Hugging Face name) gguf-py lacks
 
 
 @lru_cache(maxsize=8)
@@ -79,6 +102,35 @@ def _common(m: GGUFModel, model_type: str) -> dict[str, Any]:
             "eos_token_id": m.meta.get("tokenizer.ggml.eos_token_id")}
 
 
+def _has(m: GGUFModel, i: int, *names: str) -> bool:
+    """Whether block ``i`` has any of the tensors ``names`` (without ``blk.i.``)."""
+    return any(f"blk.{i}.{name}" in m.tensors for name in names)
+
+
+def _ssm_a(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
+    """Mamba's A_log, which the converters write as A = −exp(A_log)."""
+    del cfg
+    return torch.log(-t) if name.endswith("A_log") else t
+
+
+def _unpermute_qk(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
+    """Undo ``LlamaModel.permute``, which reorders each head of q_proj and k_proj from
+    rotate-half pairs to llama.cpp's interleaved pairs."""
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        heads = cfg["num_attention_heads"]
+    elif name.endswith(("k_proj.weight", "k_proj.bias")):
+        heads = cfg["num_key_value_heads"]
+    else:
+        return t
+    shape = t.shape
+    return (t.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2)
+            .reshape(shape))
+
+
+def _granite_transform(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
+    return _unpermute_qk(name, _ssm_a(name, t, cfg), cfg)
+
+
 def _per_layer(value: Any, n: int) -> list[int]:
     """A per-layer metadata value (a list, or one number for every layer)."""
     return [int(v) for v in value] if isinstance(value, list) else [int(value)] * n
@@ -109,12 +161,26 @@ def _qwen35_config(m: GGUFModel) -> dict[str, Any]:
             "rope_parameters": {
                 "rope_theta": float(m.get("rope.freq_base", 10_000_000.0)),
                 "partial_rotary_factor": int(m.get("rope.dimension_count", head_dim // 4))
-                / head_dim}}
+                / head_dim},
+            **_qwen_experts(m)}
 
 
-def _qwen35_rename(name: str) -> str:
-    # the converter wrote Gated DeltaNet's dt_bias as a bias of dt_proj (ssm_dt.bias)
-    return name.replace(".linear_attn.dt_proj.bias", ".linear_attn.dt_bias")
+def _qwen_experts(m: GGUFModel) -> dict[str, Any]:
+    """Qwen3.5-MoE's expert fields (none for a dense file)."""
+    if not m.get("expert_count"):
+        return {}
+    return {"model_type": "qwen3_5_moe_text", "num_experts": int(m.require("expert_count")),
+            "num_experts_per_tok": int(m.require("expert_used_count")),
+            "moe_intermediate_size": int(m.require("expert_feed_forward_length")),
+            "shared_expert_intermediate_size":
+                int(m.get("expert_shared_feed_forward_length", 0)),
+            "norm_topk_prob": True}
+
+
+def _dt_bias(name: str) -> str:
+    """Mamba2's and Gated DeltaNet's dt_bias, which the converters write as a bias of a
+    dt_proj that does not exist (ssm_dt.bias)."""
+    return re.sub(r"\.dt_proj\.bias$", ".dt_bias", name)
 
 
 def _untile_v_heads(t: torch.Tensor, dim: int, cfg: dict[str, Any], head_dim: int
@@ -132,14 +198,11 @@ def _untile_v_heads(t: torch.Tensor, dim: int, cfg: dict[str, Any], head_dim: in
 
 def _qwen35_transform(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
     """The inverse of ``Qwen3NextModel`` / ``_LinearAttentionVReorderBase.modify_tensors``."""
-    if name.endswith("norm.weight") and ".linear_attn.norm." not in name:
-        t = t - 1  # written as 1 + w: Qwen's RMSNorm scales by (1 + w)
+    t = _qwen3next_transform(name, t, cfg)
     if ".linear_attn." not in name:
         return t
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     qk = 2 * dk * cfg["linear_num_key_heads"]
-    if name.endswith(".A_log"):
-        t = torch.log(-t)  # written as -exp(A_log)
     if re.search(r"\.(A_log|dt_bias|in_proj_a\.weight|in_proj_b\.weight)$", name):
         return _untile_v_heads(t, 0, cfg, 1)
     if name.endswith(".in_proj_z.weight"):
@@ -150,6 +213,40 @@ def _qwen35_transform(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.
         t = torch.cat([t[:qk], _untile_v_heads(t[qk:], 0, cfg, dv)])
         return t.unsqueeze(1) if name.endswith(".conv1d.weight") else t  # [C, K] -> [C, 1, K]
     return t
+
+
+# ---- Qwen3-Next (qwen3next) --------------------------------------------------------------
+
+
+def _qwen3next_config(m: GGUFModel) -> dict[str, Any]:
+    # Qwen3-Next's published checkpoints renormalise the top-k (llama.cpp assumes it)
+    return {**_qwen35_config(m), **_qwen_experts(m), "model_type": "qwen3_next",
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def _qwen3next_transform(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
+    """The inverse of ``Qwen3NextModel.modify_tensors`` (values; in_proj_qkvz is a merge)."""
+    del cfg
+    if name.endswith("norm.weight") and ".linear_attn.norm." not in name:
+        return t - 1  # written as 1 + w: Qwen's RMSNorm scales by (1 + w)
+    if name.endswith(".A_log"):
+        return torch.log(-t)  # written as -exp(A_log)
+    return t
+
+
+def _qkvz(parts: list[torch.Tensor], cfg: dict[str, Any]) -> torch.Tensor:
+    """Qwen3-Next's in_proj_qkvz from the converter's qkv and z: per key head, its q, k, v
+    and z rows in turn."""
+    qkv, z = parts
+    nk, dk = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    width = qkv.shape[-1]
+    q, k, v = qkv.split([nk * dk, nk * dk, qkv.shape[0] - 2 * nk * dk])
+    heads = [x.reshape(nk, -1, width) for x in (q, k, v, z)]
+    return torch.cat(heads, 1).reshape(-1, width)
+
+
+_QWEN3NEXT_MERGES = (Merge(("blk.{n}.attn_qkv.weight", "blk.{n}.attn_gate.weight"),
+                           "model.layers.{n}.linear_attn.in_proj_qkvz.weight", combine=_qkvz),)
 
 
 # ---- LFM2 (lfm2) -------------------------------------------------------------------------
@@ -171,14 +268,212 @@ def _lfm2_config(m: GGUFModel) -> dict[str, Any]:
             "conv_bias": any(k.endswith("shortconv.conv.bias") for k in m.tensors)}
 
 
+def _lfm2moe_config(m: GGUFModel) -> dict[str, Any]:
+    return {**_lfm2_config(m), "model_type": "lfm2_moe",
+            "num_experts": int(m.require("expert_count")),
+            "num_experts_per_tok": int(m.require("expert_used_count")),
+            "moe_intermediate_size": int(m.require("expert_feed_forward_length")),
+            "num_dense_layers": int(m.get("leading_dense_block_count", 0)),
+            "use_expert_bias": any(k.endswith("exp_probs_b.bias") for k in m.tensors),
+            "norm_topk_prob": True,
+            "routed_scaling_factor": float(m.get("expert_weights_scale", 1.0))}
+
+
 def _lfm2_transform(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
     del cfg
     return t.unsqueeze(1) if name.endswith(".conv.conv.weight") else t  # [C, K] -> [C, 1, K]
 
 
+# ---- Granite-4.0-H (granitehybrid) -------------------------------------------------------
+
+
+def _granite_config(m: GGUFModel) -> dict[str, Any]:
+    """Granite-4.0-H, or Bamba, which the converter writes as the same architecture with
+    RoPE (``rope.scaling.finetuned``: Granite's converter never turns it on for a hybrid)."""
+    if m.get("rope.scaling.finetuned"):
+        return _bamba_config(m)
+    c = _common(m, "granitemoehybrid")
+    n = c["num_hidden_layers"]
+    d = c["hidden_size"]
+    heads = int(m.require("attention.head_count"))
+    m_heads = int(m.require("ssm.time_step_rank"))
+    experts = int(m.get("expert_count", 0) or 0)
+    kv = [h for h in _per_layer(m.require("attention.head_count_kv"), n) if h]
+    return {**c,
+            "layer_types": ["attention" if _has(m, i, "attn_q.weight") else "mamba"
+                            for i in range(n)],
+            "num_attention_heads": heads,
+            "num_key_value_heads": max(kv) if kv else _attention_kv(m, heads),
+            "head_dim": d // heads,
+            "position_embedding_type": "rope" if m.get("rope.scaling.finetuned") else "nope",
+            "rope_parameters": {"rope_theta": float(m.get("rope.freq_base", 10_000.0))},
+            "attention_multiplier": float(m.get("attention.scale", (d // heads) ** -0.5)),
+            "embedding_multiplier": float(m.get("embedding_scale", 1.0)),
+            "residual_multiplier": float(m.get("residual_scale", 1.0)),
+            "logits_scaling": float(m.get("logit_scale", 1.0)),
+            "rms_norm_eps": float(m.require("attention.layer_norm_rms_epsilon")),
+            "mamba_n_heads": m_heads, "mamba_d_state": int(m.require("ssm.state_size")),
+            "mamba_n_groups": int(m.require("ssm.group_count")),
+            "mamba_d_conv": int(m.require("ssm.conv_kernel")),
+            "mamba_expand": int(m.require("ssm.inner_size")) // d,
+            "mamba_d_head": int(m.require("ssm.inner_size")) // m_heads,
+            "mamba_conv_bias": any(k.endswith("ssm_conv1d.bias") for k in m.tensors),
+            "mamba_proj_bias": any(k.endswith("ssm_in.bias") for k in m.tensors),
+            "attention_bias": any(k.endswith("attn_q.bias") for k in m.tensors),
+            "num_local_experts": experts,
+            "num_experts_per_tok": int(m.get("expert_used_count", 1)),
+            "intermediate_size": int(m.get("feed_forward_length", 0)) if experts else 0,
+            "shared_intermediate_size": int(m.get("expert_shared_feed_forward_length")
+                                            or m.get("feed_forward_length", 0))}
+
+
+def _bamba_config(m: GGUFModel) -> dict[str, Any]:
+    c = _common(m, "bamba")
+    n, d = c["num_hidden_layers"], c["hidden_size"]
+    heads = int(m.require("attention.head_count"))
+    m_heads = int(m.require("ssm.time_step_rank"))
+    attn = [i for i in range(n) if _has(m, i, "attn_q.weight")]
+    return {**c,
+            "attn_layer_indices": attn, "num_attention_heads": heads,
+            "num_key_value_heads": _attention_kv(m, heads) if attn else heads,
+            "head_dim": d // heads, "intermediate_size": int(m.require("feed_forward_length")),
+            "rope_parameters": {
+                "rope_theta": float(m.get("rope.freq_base", 10_000.0)),
+                "partial_rotary_factor": int(m.get("rope.dimension_count", d // heads))
+                / (d // heads)},
+            "rms_norm_eps": float(m.require("attention.layer_norm_rms_epsilon")),
+            "mamba_n_heads": m_heads, "mamba_d_state": int(m.require("ssm.state_size")),
+            "mamba_n_groups": int(m.require("ssm.group_count")),
+            "mamba_d_conv": int(m.require("ssm.conv_kernel")),
+            "mamba_expand": int(m.require("ssm.inner_size")) // d,
+            "mamba_d_head": int(m.require("ssm.inner_size")) // m_heads,
+            "mamba_conv_bias": any(k.endswith("ssm_conv1d.bias") for k in m.tensors),
+            "mamba_proj_bias": any(k.endswith("ssm_in.bias") for k in m.tensors),
+            "attention_bias": any(k.endswith("attn_q.bias") for k in m.tensors),
+            "mlp_bias": any(k.endswith("ffn_up.bias") for k in m.tensors)}
+
+
+def _attention_kv(m: GGUFModel, heads: int) -> int:
+    """Key-value heads from the first attention layer's k projection (a converter that
+    did not see the layer types wrote no count)."""
+    k = next(t for name, t in m.tensors.items() if name.endswith("attn_k.weight"))
+    q = next(t for name, t in m.tensors.items() if name.endswith("attn_q.weight"))
+    return heads * k.shape[0] // q.shape[0]
+
+
+def _granite_merges(cfg: dict[str, Any]) -> tuple[Merge, ...]:
+    """Granite's fused shared MLP and experts (Bamba's MLP is not fused)."""
+    return _GRANITE_MERGES if cfg["model_type"] == "granitemoehybrid" else ()
+
+
+_GRANITE_MERGES = (
+    Merge(("blk.{n}.ffn_gate_shexp.weight", "blk.{n}.ffn_up_shexp.weight"),
+          "model.layers.{n}.shared_mlp.input_linear.weight"),
+    Merge(("blk.{n}.ffn_gate.weight", "blk.{n}.ffn_up.weight"),
+          "model.layers.{n}.shared_mlp.input_linear.weight"),
+    Merge(("blk.{n}.ffn_gate_exps.weight", "blk.{n}.ffn_up_exps.weight"),
+          "model.layers.{n}.block_sparse_moe.input_linear.weight", dim=1),
+)
+
+
+# ---- Nemotron-H (nemotron_h, nemotron_h_moe) ---------------------------------------------
+
+
+def _nemotron_config(m: GGUFModel) -> dict[str, Any]:
+    c = _common(m, "nemotron_h")
+    n = c["num_hidden_layers"]
+    d = c["hidden_size"]
+    heads = int(m.require("attention.head_count"))
+    m_heads = int(m.require("ssm.time_step_rank"))
+    types = ["full_attention" if _has(m, i, "attn_q.weight")
+             else "moe" if _has(m, i, "ffn_gate_inp.weight")
+             else "mlp" if _has(m, i, "ffn_up.weight") else "linear_attention"
+             for i in range(n)]
+    ff = [f for f in _per_layer(m.get("feed_forward_length", 0), n) if f]
+    dense = next((t.shape[0] for k, t in m.tensors.items() if k.endswith(".ffn_up.weight")), 0)
+    cfg = {**c, "tie_word_embeddings": False, "layers_block_type": types,
+           "num_attention_heads": heads,
+           "num_key_value_heads": _attention_kv(m, heads) if "full_attention" in types else 1,
+           "head_dim": int(m.get("attention.key_length") or d // heads),
+           "layer_norm_epsilon": float(m.require("attention.layer_norm_epsilon")),
+           "mamba_num_heads": m_heads,
+           "mamba_head_dim": int(m.require("ssm.inner_size")) // m_heads,
+           "ssm_state_size": int(m.require("ssm.state_size")),
+           "n_groups": int(m.require("ssm.group_count")),
+           "conv_kernel": int(m.require("ssm.conv_kernel")),
+           "use_conv_bias": any(k.endswith("ssm_conv1d.bias") for k in m.tensors),
+           "use_bias": any(k.endswith("ssm_in.bias") for k in m.tensors),
+           "mlp_bias": any(k.endswith("ffn_up.bias") for k in m.tensors),
+           "attention_bias": any(k.endswith("attn_q.bias") for k in m.tensors),
+           "intermediate_size": dense or (ff[0] if ff else 0)}
+    if "moe" in types:
+        cfg |= {"n_routed_experts": int(m.require("expert_count")),
+                "num_experts_per_tok": int(m.require("expert_used_count")),
+                "moe_intermediate_size": int(m.require("expert_feed_forward_length")),
+                "moe_shared_expert_intermediate_size":
+                    int(m.get("expert_shared_feed_forward_length", 0)),
+                "n_group": int(m.get("expert_group_count", 1)),
+                "topk_group": int(m.get("expert_group_used_count", 1)),
+                "norm_topk_prob": bool(m.get("expert_weights_norm", True)),
+                "routed_scaling_factor": float(m.get("expert_weights_scale", 1.0)),
+                "moe_latent_size": _latent(m)}
+    return cfg
+
+
+def _latent(m: GGUFModel) -> int:
+    """Nemotron-3's latent expert width (0: none), from its projection's shape."""
+    t = next((t for k, t in m.tensors.items() if k.endswith("ffn_latent_down.weight")), None)
+    return 0 if t is None else int(t.shape[0])
+
+
+# ---- Jamba (jamba) -----------------------------------------------------------------------
+
+
+def _jamba_config(m: GGUFModel) -> dict[str, Any]:
+    c = _common(m, "jamba")
+    n = c["num_hidden_layers"]
+    d = c["hidden_size"]
+    heads = int(m.require("attention.head_count"))
+    attn = [i for i in range(n) if _has(m, i, "attn_q.weight")]
+    moe = [i for i in range(n) if _has(m, i, "ffn_gate_inp.weight")]
+    experts = int(m.get("expert_count", 1) or 1)
+    return {**c,
+            "intermediate_size": int(m.require("feed_forward_length")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": _attention_kv(m, heads) if attn else heads,
+            "attn_layer_period": attn[1] - attn[0] if len(attn) > 1 else n,
+            "attn_layer_offset": attn[0] if attn else n,
+            "expert_layer_period": moe[1] - moe[0] if len(moe) > 1 else n,
+            "expert_layer_offset": moe[0] if moe else 0,
+            "num_experts": experts if moe else 1,
+            "num_experts_per_tok": int(m.get("expert_used_count", 1)),
+            "mamba_d_state": int(m.require("ssm.state_size")),
+            "mamba_d_conv": int(m.require("ssm.conv_kernel")),
+            "mamba_expand": int(m.require("ssm.inner_size")) // d,
+            "mamba_dt_rank": int(m.require("ssm.time_step_rank")),
+            "mamba_conv_bias": any(k.endswith("ssm_conv1d.bias") for k in m.tensors),
+            "mamba_proj_bias": any(k.endswith("ssm_in.bias") for k in m.tensors),
+            "rms_norm_eps": float(m.require("attention.layer_norm_rms_epsilon"))}
+
+
 ARCHS: dict[str, GGUFArch] = {a.name: a for a in (
-    GGUFArch("qwen35", _qwen35_config, _qwen35_rename, _qwen35_transform),
+    GGUFArch("qwen35", _qwen35_config, _dt_bias, _qwen35_transform),
+    GGUFArch("qwen35moe", _qwen35_config, _dt_bias, _qwen35_transform),
+    GGUFArch("qwen3next", _qwen3next_config, _dt_bias, _qwen3next_transform,
+             lambda cfg: _QWEN3NEXT_MERGES),
     GGUFArch("lfm2", _lfm2_config, transform=_lfm2_transform),
+    GGUFArch("lfm2moe", _lfm2moe_config, transform=_lfm2_transform),
+    GGUFArch("granitehybrid", _granite_config, _dt_bias, _granite_transform,
+             _granite_merges),
+    GGUFArch("nemotron_h", _nemotron_config, _dt_bias, _ssm_a),
+    GGUFArch("nemotron_h_moe", _nemotron_config, _dt_bias, _ssm_a, names=(
+        (r"blk\.(\d+)\.ffn_(up|down)_exps\.weight",
+         r"backbone.layers.\1.mixer.experts.\2_proj"),
+        (r"blk\.(\d+)\.exp_probs_b\.bias",
+         r"backbone.layers.\1.mixer.gate.e_score_correction_bias"),
+        (r"blk\.(\d+)\.ffn_latent_(up|down)\.weight",
+         r"backbone.layers.\1.mixer.fc\2_latent_proj.weight"))),
+    GGUFArch("jamba", _jamba_config, transform=_ssm_a),
 )}
 
 

@@ -13,6 +13,7 @@ applies (:mod:`linserve.model.gguf.archs`).
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -51,39 +52,69 @@ class GGUFCheckpoint:
                                                    int(self.model.require("block_count")))
         except KeyError as exc:
             raise GGUFFileError(f"{path}: {exc.args[0]}") from None
-        self._names: dict[str, str] = {}  # Hugging Face name -> GGUF name, once accepted
+        # Hugging Face name -> the GGUF tensors it is read from (one, or the parts of a
+        # merge), once accepted
+        self._names: dict[str, tuple[str, ...]] = {}
 
     def names(self, accept: Callable[[str, tuple[int, ...]], bool]) -> dict[str, str]:
         """Hugging Face name -> GGUF name for every tensor, taking for each the first
         Hugging Face name gguf-py maps to it that ``accept`` takes, with the shape it would
         have (a tensor none is accepted for keeps its GGUF name, and is reported unused)."""
-        out: dict[str, str] = {}
+        merged = self._merges()
+        out: dict[str, tuple[str, ...]] = {}
+        taken = {part for parts in merged.values() for part in parts}
         for gname in self.model.tensors:
+            if gname in taken:
+                continue
             base, dot, suffix = gname.rpartition(".")
             if suffix not in ("weight", "bias"):  # a bare name, such as blk.0.ssm_a
                 base, dot, suffix = gname, "", ""
-            chosen = gname
-            for cand in self._candidates.get(base, ()):
-                hf_name = self.arch.rename(f"{cand}{dot}{suffix}")
-                if accept(hf_name, self._shape(hf_name, gname)):
-                    chosen = hf_name
-                    break
-            out[chosen] = gname
+            # each name with the suffix, then bare, where the converter added one (LFM2-MoE's
+            # expert_bias buffer became exp_probs_b.bias)
+            names = [re.sub(pattern, repl, gname) for pattern, repl in self.arch.names
+                     if re.fullmatch(pattern, gname)]
+            names += [self.arch.rename(n) for cand in self._candidates.get(base, ())
+                      for n in ((f"{cand}{dot}{suffix}", cand) if dot else (cand,))]
+            chosen = next((n for n in names if accept(n, self._shape(n, gname))), gname)
+            out[chosen] = (gname,)
+        out.update(merged)
         self._names = out
-        return out
+        return {name: parts[0] for name, parts in out.items()}
+
+    def _merges(self) -> dict[str, tuple[str, ...]]:
+        """Hugging Face name -> its parts, for every merge of the architecture whose parts
+        are all in the file."""
+        merged: dict[str, tuple[str, ...]] = {}
+        blocks = int(self.model.require("block_count"))
+        for rule in self.arch.merges(self.config):
+            for n in range(blocks):
+                parts = tuple(p.format(n=n) for p in rule.parts)
+                into = rule.into.format(n=n)
+                if into not in merged and all(p in self.model.tensors for p in parts):
+                    merged[into] = parts
+        return merged
 
     def shape(self, hf_name: str) -> tuple[int, ...]:
         """The tensor's shape as the Hugging Face checkpoint had it."""
-        return self._shape(hf_name, self._names.get(hf_name, hf_name))
+        return self._shape(hf_name, *self._names.get(hf_name, (hf_name,)))
 
-    def _shape(self, hf_name: str, gguf_name: str) -> tuple[int, ...]:
-        meta = torch.empty(self.model.tensors[gguf_name].shape, device="meta")
-        return tuple(self.arch.transform(hf_name, meta, self.config).shape)
+    def _shape(self, hf_name: str, *gguf_names: str) -> tuple[int, ...]:
+        metas = [torch.empty(self.model.tensors[g].shape, device="meta") for g in gguf_names]
+        return tuple(self.arch.transform(hf_name, self._join(hf_name, metas), self.config)
+                     .shape)
 
     def read(self, hf_name: str) -> torch.Tensor:
         """The tensor as the Hugging Face checkpoint had it (fp32 where it was quantized)."""
-        t = self.model.tensors[self._names.get(hf_name, hf_name)]
-        return self.arch.transform(hf_name, dequantize(t), self.config)
+        parts = [dequantize(self.model.tensors[g])
+                 for g in self._names.get(hf_name, (hf_name,))]
+        return self.arch.transform(hf_name, self._join(hf_name, parts), self.config)
+
+    def _join(self, hf_name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        if len(parts) == 1:
+            return parts[0]
+        rule = next(r for r in self.arch.merges(self.config)
+                    if re.fullmatch(r.into.replace(".", r"\.").format(n=r"\d+"), hf_name))
+        return rule.join(parts, self.config)
 
     def quantization_types(self) -> dict[str, int]:
         """Storage type name -> how many tensors have it."""
