@@ -178,7 +178,7 @@ def dequantize(t: Tensor) -> torch.Tensor:
     if t.qtype in (Q.F32, Q.F16):
         return torch.from_numpy(np.array(t.raw, dtype=np.float32).reshape(t.shape))
     if t.qtype == Q.BF16:
-        raw = np.asarray(t.raw).view(np.int16).reshape(t.shape)
+        raw = np.asarray(t.raw).view(np.int16)
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).float()
     values = quants.dequantize(np.asarray(t.raw), t.qtype)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(t.shape))

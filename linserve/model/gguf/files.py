@@ -1,21 +1,25 @@
 """Opening GGUF files: one file or the shards of a split one, their metadata and tensors.
 
-``gguf``'s :class:`GGUFReader` maps each file read-only (``numpy.memmap``): a tensor's bytes
-are read from the page cache when it is loaded, never copied whole beforehand. A split model
-is ``NAME-00001-of-0000N.gguf`` … ``NAME-0000N-of-0000N.gguf``; naming any shard loads all of
+Each file is mapped read-only (``numpy.memmap``): a tensor's bytes are read from the page
+cache when it is loaded, never copied whole beforehand. The header is parsed here rather
+than by gguf-py's ``GGUFReader``, which builds an object per element of every array and took
+6 s over a 150k-token vocabulary (this: a fraction of a second). A split model is
+``NAME-00001-of-0000N.gguf`` … ``NAME-0000N-of-0000N.gguf``; naming any shard loads all of
 them, the metadata from the first.
 """
 
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
@@ -84,28 +88,100 @@ class GGUFModel:
 @lru_cache(maxsize=4)
 def open_model(path: Path) -> GGUFModel:
     """Read the metadata and tensor table of the model ``path`` names (cached: a loader asks
-    several times, and a vocabulary of 150k strings takes a second to parse)."""
+    more than once)."""
     files = shards(path)
     meta: dict[str, Any] = {}
     tensors: dict[str, Tensor] = {}
     for i, file in enumerate(files):
         try:
-            reader = GGUFReader(str(file), "r")
-        except (ValueError, OSError, IndexError) as exc:
+            kv, table = _read(file)
+        except (ValueError, OSError, IndexError, struct.error, KeyError) as exc:
             raise GGUFFileError(f"{file}: not a readable GGUF file ({exc})") from None
         if i == 0:
-            meta = {k: _value(f) for k, f in reader.fields.items()
-                    if not k.startswith("GGUF.")}
-        for t in reader.tensors:
-            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-            tensors[t.name] = Tensor(t.name, shape, GGMLQuantizationType(t.tensor_type),
-                                     t.data, int(t.n_bytes))
+            meta = kv
+        tensors.update(table)
     return GGUFModel(tuple(files), meta, tensors)
 
 
-def _value(field: Any) -> Any:
-    """A metadata field's Python value (a string, number, bool or list of them)."""
-    try:
-        return field.contents()
-    except (ValueError, IndexError, TypeError):
-        return None
+# GGUF value types -> numpy dtypes (8: string, 9: array)
+_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+            6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+
+
+class _Cursor:
+    """Reads GGUF's little-endian values from a byte buffer."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf, self.at = buf, 0
+
+    def scalar(self, kind: int) -> Any:
+        dtype = np.dtype(_SCALARS[kind])
+        value = np.frombuffer(self.buf, dtype, 1, self.at)[0]
+        self.at += dtype.itemsize
+        return bool(value) if kind == 7 else value.item()
+
+    def string(self) -> str:
+        (n,) = struct.unpack_from("<Q", self.buf, self.at)
+        self.at += 8 + n
+        return bytes(self.buf[self.at - n:self.at]).decode("utf-8", errors="replace")
+
+    def value(self, kind: int) -> Any:
+        if kind == 8:
+            return self.string()
+        if kind != 9:
+            return self.scalar(kind)
+        sub, count = struct.unpack_from("<IQ", self.buf, self.at)
+        self.at += 12
+        if sub == 8:
+            return [self.string() for _ in range(count)]
+        if sub == 9:
+            return [self.value(9) for _ in range(count)]
+        dtype = np.dtype(_SCALARS[sub])
+        values = np.frombuffer(self.buf, dtype, count, self.at)
+        self.at += dtype.itemsize * count
+        return [bool(v) for v in values] if sub == 7 else values.tolist()
+
+
+def _read(file: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A file's metadata and tensors (each a view of the mapped file)."""
+    data = np.memmap(file, dtype=np.uint8, mode="r")
+    cur = _Cursor(memoryview(data.data))
+    magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", cur.buf, 0)
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"magic {magic!r}, version {version}")
+    cur.at = 24
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        (kind,) = struct.unpack_from("<I", cur.buf, cur.at)
+        cur.at += 4
+        meta[key] = cur.value(kind)
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        (dims,) = struct.unpack_from("<I", cur.buf, cur.at)
+        ne = struct.unpack_from(f"<{dims}Q", cur.buf, cur.at + 4)
+        kind, offset = struct.unpack_from("<IQ", cur.buf, cur.at + 4 + 8 * dims)
+        cur.at += 4 + 8 * dims + 12
+        infos.append((name, tuple(int(n) for n in reversed(ne)), GGMLQuantizationType(kind),
+                      offset))
+    align = int(meta.get("general.alignment", 32))
+    start = -(-cur.at // align) * align
+    return meta, {name: _tensor(data, start + offset, name, shape, qtype)
+                  for name, shape, qtype, offset in infos}
+
+
+def _tensor(data: np.ndarray, at: int, name: str, shape: tuple[int, ...],
+            qtype: GGMLQuantizationType) -> Tensor:
+    """The tensor at byte ``at`` of the mapped file: its values (a float type) or its
+    blocks as ``[rows, bytes per row]`` uint8."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    row_bytes = shape[-1] // block * size
+    raw = data[at:at + rows * row_bytes]
+    floats = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+              GGMLQuantizationType.BF16: np.uint16}
+    if qtype in floats:
+        values = raw.view(floats[qtype]).reshape(shape)
+        return Tensor(name, shape, qtype, values, raw.nbytes)
+    return Tensor(name, shape, qtype, raw.reshape(rows, row_bytes), raw.nbytes)
