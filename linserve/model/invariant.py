@@ -49,6 +49,29 @@ def set_quantization(mode: str) -> None:
     _quantization[0] = mode
 
 
+# A GGUF file's blocks the int4 GEMM takes as they are (Q4_0): whether loading keeps them
+# (--dtype auto), and each such weight's values by its data pointer until it is packed.
+_native_blocks = [False]
+_int4_values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def set_native_blocks(on: bool) -> None:
+    """Keep a GGUF file's Q4_0 matrices in their blocks (set by the loader: ``--dtype auto``
+    and no ``--quantization``)."""
+    _native_blocks[0] = on
+    _int4_values.clear()
+
+
+def native_blocks() -> bool:
+    return _native_blocks[0]
+
+
+def give_int4(weight: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+    """``weight [out, in]`` holds exactly q ``[out, in]`` (int8 in [−8, 7]) times the fp16
+    ``scales [out, in / 32]``: :func:`gemm_weight` packs those as int4, never quantizing."""
+    _int4_values[weight.data_ptr()] = (q, scales)
+
+
 def quantization() -> str:
     """The quantization :func:`pack` applies."""
     return _quantization[0]
@@ -61,8 +84,8 @@ def active() -> bool:
 
 def _packed_gemm() -> bool:
     """Whether linear layers run the packed GEMM: in this mode, or with quantized weights."""
-    return (active() or (_quantization[0] != "none" and kernels.available()
-                         and not torch.is_grad_enabled()))
+    return (active() or ((_quantization[0] != "none" or _native_blocks[0])
+                         and kernels.available() and not torch.is_grad_enabled()))
 
 
 def chunk_len(chunk_size: int, t: int) -> int:
@@ -115,12 +138,27 @@ def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
                            f"({type(owner).__name__}): build it before invariant.release")
     key = (_enabled[0], _quantization[0], *((p.data_ptr(), p.dtype, _version(p)) for p in parts))
     if cached is None or cached[0] != key:
+        quantized = not getattr(owner, "fp32_weights", False)
+        given = _given_int4(parts) if quantized else None
         w = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
-        cached = (key, pack(w.t(), not getattr(owner, "fp32_weights", False)), parts)
+        cached = (key, given if given is not None else pack(w.t(), quantized), parts)
         owner.__dict__["_invariant_wt"] = cached
         if _packing_once[0] is not None:
             _freeze(owner, _packing_once[0])
     return cast(torch.Tensor, cached[1])
+
+
+def _given_int4(parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """The int4 GEMM weight of ``parts`` side by side, when every part's values were given
+    (:func:`give_int4`); None otherwise."""
+    given = [_int4_values.get(p.data_ptr()) for p in parts]
+    if not all(given) or not kernels.load():
+        return None
+    q = torch.cat([g[0] for g in given if g]).t().contiguous()
+    scales = torch.cat([g[1] for g in given if g]).t().contiguous()
+    for p in parts:
+        _int4_values.pop(p.data_ptr(), None)
+    return cast(torch.Tensor, torch.ops.linserve.pack_quantized(q, scales, True))
 
 
 def packed(linear: nn.Module) -> torch.Tensor:

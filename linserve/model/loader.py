@@ -11,6 +11,7 @@ OLMo-Hybrid, MiniMax, Kimi-Linear, the Ling hybrids).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,7 @@ from linserve.model.gguf.files import is_gguf
 from linserve.model.interface import CheckpointError, ServedModel
 from linserve.model.kernels import cpu_flags
 
+log = logging.getLogger("linserve")
 # CPU flags (as /proc/cpuinfo names them) of native bf16 dot products: AVX512-BF16's
 # vdpbf16ps and AMX's tile products. Without them oneDNN emulates bf16 through fp32.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -134,6 +136,11 @@ def load(path: Path, dtype: str = "auto", fused: bool = True,
                               f"which did not load ({kernels.load_error()})")
     invariant.set_enabled(batch_invariant)
     invariant.set_quantization(quantization)
+    # a GGUF file's Q4_0 matrices stay in their blocks unless --dtype asks for floats
+    invariant.set_native_blocks(is_gguf(path) and dtype == "auto" and quantization == "none")
+    if is_gguf(path) and weights:
+        log.info("%s: %s", path.name, hf.gguf(path).load_plan(pick_dtype(dtype)[0],
+                                                              invariant.native_blocks()))
     try:
         return fam.load(path, getattr(torch, pick_dtype(dtype)[0]), fused, weights)
     except OSError as exc:
@@ -151,6 +158,15 @@ def check(path: Path, dtype: str = "auto", quantization: str = "none", budget: i
     dt = getattr(torch, pick_dtype(dtype)[0])
     need = weight_bytes(fam.params(path), dt, quantization)
     served = quantization if quantization != "none" else str(dt).removeprefix("torch.")
+    if is_gguf(path):
+        ck = hf.gguf(path)
+        ck.check_types()
+        if quantization != "none" and ck.quantized():
+            raise CheckpointError(f"{path}: its weights are quantized already "
+                                  f"({ck.describe_types()}); --quantization {quantization} "
+                                  f"would quantize them twice (leave it out)")
+        need = ck.served_bytes(dt, native=dtype == "auto" and quantization == "none")
+        served = f"{ck.describe_types()} ({served} where dequantized)"
     have = available_memory()
     if need > 0.9 * have:
         raise CheckpointError(f"{path}: the weights need {need / 2**30:.1f} GiB as {served}, "

@@ -92,7 +92,7 @@ def _fp16_offsets(qtype: GGMLQuantizationType) -> tuple[int, ...]:
     q = GGMLQuantizationType
     return {q.Q4_0: (0,), q.Q4_1: (0, 2), q.Q5_0: (0,), q.Q5_1: (0, 2), q.Q8_0: (0,),
             q.Q2_K: (80, 82), q.Q3_K: (108,), q.Q4_K: (0, 2), q.Q5_K: (0, 2), q.Q6_K: (208,),
-            q.IQ4_NL: (0,), q.IQ4_XS: (0,)}[qtype]
+            q.IQ4_NL: (0,), q.IQ4_XS: (0,), q.IQ2_XXS: (0,)}[qtype]
 
 
 Pick = Callable[[str, tuple[int, ...]], GGMLQuantizationType | None]

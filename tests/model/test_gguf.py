@@ -142,3 +142,71 @@ def test_a_file_of_an_architecture_not_served_is_one_line(tmp_path: Path) -> Non
     w.close()
     with pytest.raises(CheckpointError, match="architecture 'bert' is not served"):
         loader.check(tmp_path / "x.gguf")
+
+
+def test_q4_0_blocks_multiply_natively_as_they_are() -> None:
+    """A Q4_0 matrix goes to the int4 GEMM with its own values and scales: its product is
+    the dequantized matrix's (activations quantized as the kernel does) within fp32
+    rounding, and batch-invariant; packing it never quantizes again."""
+    from linserve.model import invariant, kernels, quantize
+    from linserve.model.gguf.checkpoint import q4_0_values
+
+    if not kernels.load():
+        pytest.skip("native kernels unavailable")
+    raw = gguf_fixtures.random_blocks(GGMLQuantizationType.Q4_0, 96, 256, seed=3)
+    q, scales = q4_0_values(Tensor("w", (96, 256), GGMLQuantizationType.Q4_0, raw, raw.nbytes))
+    layer = torch.nn.Linear(256, 96, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_0)
+                                            .reshape(96, 256)))
+    invariant.set_native_blocks(True)
+    try:
+        invariant.give_int4(layer.weight, q, scales)
+        packed = invariant.gemm_weight(layer, layer.weight)
+    finally:
+        invariant.set_native_blocks(False)
+    assert quantize.mode_of(packed) == "int4"
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4))
+    full = torch.ops.linserve.invariant_mm(x, packed)
+    for i in range(9):
+        assert torch.equal(torch.ops.linserve.invariant_mm(x[i:i + 1], packed), full[i:i + 1])
+    want = quantize.quantize_activations(x).double() @ layer.weight.detach().double().t()
+    assert (full.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_a_q4_0_file_runs_on_its_blocks_and_dtype_dequantizes(
+        converted: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """With ``--dtype auto`` a Q4_0 file's matrices run as int4 on their own blocks (its
+    logits track the dequantized model's, the activations quantized to int8 as llama.cpp
+    does); ``--dtype float32`` dequantizes at load, giving exactly the F32 file's logits."""
+    _, file = converted["qwen3_5-i2-untied"]
+    q4 = gguf_fixtures.requantize(
+        file, tmp_path / "q4_0.gguf",
+        lambda name, shape: GGMLQuantizationType.Q4_0
+        if len(shape) == 2 and shape[-1] % 32 == 0 and "ssm_alpha" not in name else None)
+    flat = gguf_fixtures.dequantized_copy(q4, tmp_path / "flat.gguf")
+    ids = torch.randint(0, 8192, (1, 33), generator=torch.Generator().manual_seed(5))
+    want = _logits(flat, ids)
+    torch.testing.assert_close(_logits(q4, ids), want, rtol=0, atol=0)  # float32: dequantized
+    native = loader.load(q4, dtype="auto")
+    # int4 matrices (the embedding table stays in floats for its lookups)
+    assert native.info.weight_bytes < 0.7 * loader.load(flat, dtype="auto").info.weight_bytes
+    got = native.prefill(ids, all_logits=True)[0]
+    assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() > 0.9
+
+
+def test_an_unserved_format_or_quantizing_twice_is_one_line(
+        converted: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    _, file = converted["qwen3_5-i2-untied"]
+    odd = gguf_fixtures.requantize(
+        file, tmp_path / "iq2.gguf", lambda name, shape: GGMLQuantizationType.IQ2_XXS
+        if name == "blk.0.ffn_down.weight" else None)
+    with pytest.raises(CheckpointError, match="stored as IQ2_XXS, which is not served"):
+        loader.check(odd)
+    q8 = gguf_fixtures.requantize(file, tmp_path / "q8.gguf", lambda name, shape:
+                                  GGMLQuantizationType.Q8_0 if len(shape) == 2
+                                  and shape[-1] % 32 == 0 else None)
+    with pytest.raises(CheckpointError, match="would quantize them twice"):
+        loader.check(q8, quantization="int8")
+    loader.check(q8)

@@ -31,6 +31,7 @@ from linserve.model.tokenizer import Tokenizer
 # The storage types served: the float ones, llama.cpp's legacy blocks and its K-quants.
 SERVED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K,
           Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL)
+FLOATS = (Q.F32, Q.F16, Q.BF16)
 # Control tokens that end a generation in llama.cpp (its llama_vocab end-of-generation
 # list), besides tokenizer.ggml.eos_token_id / eot_token_id / eom_token_id.
 END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
@@ -116,6 +117,19 @@ class GGUFCheckpoint:
                     if re.fullmatch(r.into.replace(".", r"\.").format(n=r"\d+"), hf_name))
         return rule.join(parts, self.config)
 
+    def int4_blocks(self, hf_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A Q4_0 matrix ``[out, in]`` as the int4 GEMM's values (q ``[out, in]`` int8 in
+        [−8, 7], fp16 scales ``[out, in / 32]``): the same numbers, so it is repacked, not
+        quantized again. None for any other tensor, or one the converter transformed."""
+        names = self._names.get(hf_name, (hf_name,))
+        t = self.model.tensors[names[0]]
+        if len(names) != 1 or t.qtype != Q.Q4_0 or len(t.shape) != 2:
+            return None
+        probe = torch.empty(t.shape, device="meta")
+        if self.arch.transform(hf_name, probe, self.config) is not probe:
+            return None
+        return q4_0_values(t)
+
     def quantization_types(self) -> dict[str, int]:
         """Storage type name -> how many tensors have it."""
         counts: dict[str, int] = {}
@@ -130,6 +144,34 @@ class GGUFCheckpoint:
                 raise GGUFFileError(f"{self.path}: tensor {t.name} is stored as "
                                     f"{t.qtype.name}, which is not served (these are: "
                                     f"{', '.join(q.name for q in SERVED)})")
+
+    def quantized(self) -> bool:
+        """Whether any tensor is stored in a block format."""
+        return any(t.qtype not in FLOATS for t in self.model.tensors.values())
+
+    def describe_types(self) -> str:
+        """The storage formats and how many tensors have each, e.g. "Q4_K 98, Q6_K 13,
+        F32 49"."""
+        counts = sorted(self.quantization_types().items(), key=lambda kv: -kv[1])
+        return ", ".join(f"{name} {n}" for name, n in counts)
+
+    def served_bytes(self, dtype: torch.dtype, native: bool) -> int:
+        """The bytes the weights take as served: a Q4_0 matrix its own size when ``native``
+        (it runs on its blocks), every other tensor its values in ``dtype``."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        return sum(t.nbytes if native and t.qtype == Q.Q4_0 and len(t.shape) == 2
+                   else int(np.prod(t.shape)) * size for t in self.model.tensors.values())
+
+    def load_plan(self, dtype: str, native: bool) -> str:
+        """One line for the startup log: the file's formats and what loading does with
+        each."""
+        kept = "Q4_0 matrices run as int4 on their own blocks; " if native and any(
+            t.qtype == Q.Q4_0 for t in self.model.tensors.values()) else ""
+        others = [q for q in self.quantization_types() if q not in ("F32", "F16", "BF16")
+                  and not (kept and q == "Q4_0")]
+        tail = (f"{', '.join(others)} dequantized to {dtype} at load (no native product "
+                f"for them yet)" if others else f"floats as {dtype}")
+        return f"GGUF {self.arch.name}, {self.describe_types()}: {kept}{tail}"
 
     def params(self) -> int:
         return sum(int(np.prod(t.shape)) for t in self.model.tensors.values())
@@ -182,6 +224,18 @@ def dequantize(t: Tensor) -> torch.Tensor:
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).float()
     values = quants.dequantize(np.asarray(t.raw), t.qtype)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(t.shape))
+
+
+def q4_0_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0's blocks ``[rows, blocks × 18]`` (an fp16 scale d, then 16 bytes: element j in
+    the low nibble of byte j, element j + 16 in its high nibble; value d (nibble − 8)) ->
+    q ``[rows, cols]`` int8 in [−8, 7] and d ``[rows, cols / 32]`` fp16."""
+    rows, cols = t.shape
+    blocks = torch.from_numpy(np.asarray(t.raw).reshape(rows, cols // 32, 18).copy())
+    scales = blocks[..., :2].contiguous().view(torch.float16).reshape(rows, cols // 32)
+    qs = blocks[..., 2:].to(torch.int16)
+    q = torch.cat([qs & 0xF, qs >> 4], -1).sub_(8).to(torch.int8).reshape(rows, cols)
+    return q, scales
 
 
 @lru_cache(maxsize=4)

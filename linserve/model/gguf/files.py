@@ -21,10 +21,12 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
+from linserve.model.interface import CheckpointError
+
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
-class GGUFFileError(ValueError):
+class GGUFFileError(CheckpointError):
     """A file that is not a readable GGUF model (the message says why, in one line)."""
 
 
