@@ -164,14 +164,20 @@ class GGUFCheckpoint:
 
     def load_plan(self, dtype: str, native: bool) -> str:
         """One line for the startup log: the file's formats and what loading does with
-        each."""
-        kept = "Q4_0 matrices run as int4 on their own blocks; " if native and any(
-            t.qtype == Q.Q4_0 for t in self.model.tensors.values()) else ""
-        others = [q for q in self.quantization_types() if q not in ("F32", "F16", "BF16")
-                  and not (kept and q == "Q4_0")]
-        tail = (f"{', '.join(others)} dequantized to {dtype} at load (no native product "
-                f"for them yet)" if others else f"floats as {dtype}")
-        return f"GGUF {self.arch.name}, {self.describe_types()}: {kept}{tail}"
+        each (``native``: Q4_0 kept in its blocks; otherwise every block format
+        dequantized, as ``--dtype`` or ``--quantization`` asked)."""
+        blocks = [q for q in self.quantization_types() if q not in ("F32", "F16", "BF16")]
+        head = f"GGUF {self.arch.name}, {self.describe_types()}"
+        if not blocks:
+            return f"{head}: floats as {dtype}"
+        if not native:
+            return f"{head}: every block format dequantized to {dtype} at load, as asked"
+        kept = "Q4_0" in blocks
+        rest = [q for q in blocks if q != "Q4_0"]
+        return (f"{head}: " + ("Q4_0 matrices run as int4 on their own blocks" if kept else "")
+                + ("; " if kept and rest else "")
+                + (f"{', '.join(rest)} dequantized to {dtype} at load (no native product "
+                   f"for them yet)" if rest else ""))
 
     def params(self) -> int:
         return sum(int(np.prod(t.shape)) for t in self.model.tensors.values())
