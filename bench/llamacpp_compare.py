@@ -42,7 +42,8 @@ def binary(name: str) -> Path:
     return path
 
 
-QUANTIZED = ("q4_0", "q4_k_m", "q5_0")  # made by llama-quantize from the bf16 GGUF
+# made by llama-quantize from the bf16 GGUF
+QUANTIZED = ("q4_0", "q4_k_m", "q5_0", "q5_k_m", "q6_k")
 
 
 def gguf(checkpoint: Path, kind: str) -> Path:

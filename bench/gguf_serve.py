@@ -1,0 +1,116 @@
+"""``python -m bench.gguf_serve``: the same GGUF file served by this server and by
+llama-server (never run by CI; ``bash bench/llamacpp.sh build`` first).
+
+For each checkpoint (a folder of :mod:`bench.families` or :mod:`bench.hf`, random weights of a
+published shape) and each GGUF type: llama.cpp's converter writes the bf16 file and
+``llama-quantize`` the others (``q4_0``, ``q8_0``, ``q4_k_m``, ``q6_k``, as users download
+them). Both servers are then up at once on that one file (``linserve serve FILE`` as a user
+starts it, ``llama-server -m FILE -t 2 --parallel 16``) and measured alternately with one
+client (:mod:`bench.memory`'s): time to healthy, one stream alone, a prompt of about 2,048
+tokens (``--prefill``), 16 concurrent streams, resident memory after them.
+
+Writes ``bench/results/gguf_serve.json`` (each (model, type) kept until it is run again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import llamacpp_compare as lc
+from bench import memory
+from bench.common import machine, read_json, write_json
+from bench.quant import rss_bytes
+
+RESULTS = Path(__file__).with_name("results")
+OUT = "gguf_serve"
+
+
+def healthy_after(url: str, started: float, timeout: float = 900) -> float:
+    """Seconds from ``started`` until ``url``'s /health answers 200."""
+    while time.time() - started < timeout:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return time.time() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"{url} never became healthy")
+
+
+def one_file(file: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Both servers on ``file``; figures as the module docstring says."""
+    port = lc.free_port()
+    ours_cmd = [sys.executable, "-m", "linserve", "serve", str(file), "--port", str(port),
+                "--threads", "2", *args.ours_args]
+    theirs_cmd, theirs_port = lc.llama_server_cmd(file, args.streams, 2048)
+    theirs_cmd += ["-t", "2", "--kv-unified"]
+    out: dict[str, Any] = {"ours": {}, "llama_server": {}}
+    started = time.time()
+    with lc.running(ours_cmd, port, RESULTS / "gguf-ours.log") as ours_pid:
+        out["ours"]["load_s"] = healthy_after(f"http://127.0.0.1:{port}", started)
+        started = time.time()
+        with lc.running(theirs_cmd, theirs_port, RESULTS / "gguf-llama.log") as theirs_pid:
+            out["llama_server"]["load_s"] = time.time() - started
+            servers = {"ours": (ours_pid, f"http://127.0.0.1:{port}"),
+                       "llama_server": (theirs_pid, f"http://127.0.0.1:{theirs_port}")}
+            _measure(servers, out, args)
+    ours, theirs = out["ours"], out["llama_server"]
+    out["ratios"] = {
+        "batch1_tok_s": ours["batch1"]["output_tokens_per_s"]
+        / theirs["batch1"]["output_tokens_per_s"],
+        "streams_tok_s": ours["streams"]["output_tokens_per_s"]
+        / theirs["streams"]["output_tokens_per_s"],
+        "after_streams_rss": ours["after_streams_bytes"] / theirs["after_streams_bytes"],
+        "load_s": ours["load_s"] / theirs["load_s"]}
+    if args.prefill:
+        out["ratios"]["prefill_tok_s"] = (ours["prefill"]["prompt_tokens_per_s"]
+                                          / theirs["prefill"]["prompt_tokens_per_s"])
+    return out
+
+
+def _measure(servers: dict[str, tuple[int, str]], out: dict[str, Any],
+             args: argparse.Namespace) -> None:
+    for who, (_, url) in servers.items():  # alternately: batch 1, prefill, then the streams
+        out[who]["batch1"] = memory._load(url, 1, 2, args.tokens)
+    if args.prefill:
+        for who, (_, url) in servers.items():
+            out[who]["prefill"] = memory._prefill(url, args.prefill, args.prefill_requests)
+    for who, (pid, url) in servers.items():
+        out[who]["streams"] = memory._load(url, args.streams, args.streams, args.tokens)
+        time.sleep(2.0)
+        out[who]["after_streams_bytes"] = rss_bytes(pid)
+    out["ours"]["health"] = httpx.get(servers["ours"][1] + "/health", timeout=30).json()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoints", nargs="+", type=Path, help="Hugging Face folders")
+    p.add_argument("--kinds", nargs="+", default=["q4_0", "q8_0", "q4_k_m"])
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--prefill-requests", type=int, default=2)
+    p.add_argument("--ours-args", nargs="*", default=[])
+    args = p.parse_args(argv)
+    result = read_json(OUT) if (RESULTS / f"{OUT}.json").exists() else {"runs": {}}
+    result["machine"] = machine()
+    for checkpoint in args.checkpoints:
+        for kind in args.kinds:
+            file = lc.gguf(checkpoint, kind)
+            print(f"== {checkpoint.name} {kind}: {file}", flush=True)
+            entry = one_file(file, args)
+            entry["command"] = " ".join(["python -m bench.gguf_serve", str(checkpoint),
+                                         "--kinds", kind])
+            result["runs"][f"{checkpoint.name}/{kind}"] = entry
+            print({k: round(v, 3) for k, v in entry["ratios"].items()}, flush=True)
+            write_json(OUT, result)
+
+
+if __name__ == "__main__":
+    main()
