@@ -210,3 +210,53 @@ def test_an_unserved_format_or_quantizing_twice_is_one_line(
     with pytest.raises(CheckpointError, match="would quantize them twice"):
         loader.check(q8, quantization="int8")
     loader.check(q8)
+
+
+def test_a_split_file_loads_from_any_shard(converted: dict[str, tuple[Path, Path]],
+                                           tmp_path: Path) -> None:
+    """``NAME-0000i-of-0000N.gguf`` shards as gguf-py's writer splits them: naming any shard
+    loads the whole model, with the one file's logits; a missing shard is one line."""
+    from gguf import GGUFReader, GGUFWriter
+
+    _, file = converted["lfm2-a2-tied"]
+    reader = GGUFReader(str(file))
+    writer = GGUFWriter(str(tmp_path / "m.gguf"), arch="lfm2", split_max_tensors=7)
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    parts = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert len(parts) > 2
+    ids = torch.randint(0, 8192, (1, 21), generator=torch.Generator().manual_seed(6))
+    want = _logits(file, ids)
+    torch.testing.assert_close(_logits(parts[-1], ids), want, rtol=0, atol=0)
+    parts[1].unlink()
+    with pytest.raises(CheckpointError, match="is missing"):
+        loader.check(parts[0])
+
+
+def test_a_hub_file_resolves_from_the_local_cache(converted: dict[str, tuple[Path, Path]],
+                                                  tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``owner/name:FILE.gguf`` is that file of a Hub repo, read from huggingface_hub's cache
+    offline; a file the cache lacks is one line."""
+    import huggingface_hub.constants as hub
+
+    _, file = converted["lfm2-a2-tied"]
+    repo = tmp_path / "hub" / "models--acme--lfm2-gguf"
+    (repo / "snapshots" / "0123abc").mkdir(parents=True)
+    (repo / "snapshots" / "0123abc" / "tiny-F32.gguf").write_bytes(file.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = loader.resolve("acme/lfm2-gguf:tiny-F32.gguf")
+    assert path.name == "tiny-F32.gguf" and loader.family(path).name == "lfm2"
+    with pytest.raises(CheckpointError, match="not found in the local Hugging Face cache"):
+        loader.resolve("acme/lfm2-gguf:other-Q4_K_M.gguf")
