@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
+from tokenizers import Tokenizer as HFTokenizer
 
 from linserve.model.gguf import archs, vocab
 from linserve.model.gguf.files import GGUFFileError, GGUFModel, Tensor, open_model
@@ -56,6 +57,7 @@ class GGUFCheckpoint:
         # Hugging Face name -> the GGUF tensors it is read from (one, or the parts of a
         # merge), once accepted
         self._names: dict[str, tuple[str, ...]] = {}
+        self._tokenizer: HFTokenizer | None = None
 
     def names(self, accept: Callable[[str, tuple[int, ...]], bool]) -> dict[str, str]:
         """Hugging Face name -> GGUF name for every tensor, taking for each the first
@@ -187,12 +189,15 @@ class GGUFCheckpoint:
         return sum(t.nbytes for t in self.model.tensors.values())
 
     def tokenizer(self, vocab_size: int) -> Tokenizer:
-        """The file's vocabulary (:mod:`linserve.model.gguf.vocab`) with its end ids."""
-        try:
-            tok = vocab.build(self.model.meta)
-        except (vocab.VocabError, KeyError) as exc:
-            raise GGUFFileError(f"{self.path}: {exc}") from None
-        return Tokenizer(tok, self.end_ids(), vocab_size)
+        """The file's vocabulary (:mod:`linserve.model.gguf.vocab`) with its end ids (built
+        once: a 250k-token vocabulary takes seconds, and the loader checks it before it
+        loads)."""
+        if self._tokenizer is None:
+            try:
+                self._tokenizer = vocab.build(self.model.meta)
+            except (vocab.VocabError, KeyError) as exc:
+                raise GGUFFileError(f"{self.path}: {exc}") from None
+        return Tokenizer(self._tokenizer, self.end_ids(), vocab_size)
 
     def end_ids(self) -> list[int]:
         """The ids that end a generation: EOS, EOT and EOM, and the control tokens
