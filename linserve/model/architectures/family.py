@@ -139,6 +139,16 @@ def require_activation(c: dict[str, Any], served: str = "silu", key: str = "hidd
         raise ValueError(f"{key} {c[key]!r} is not served ({served} is)")
 
 
+def layer_types(c: dict[str, Any], kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """config.json's ``layer_types``: one of ``kinds`` for each of ``num_hidden_layers``
+    (ValueError naming what is wrong otherwise)."""
+    n = int(c["num_hidden_layers"])
+    types = tuple(c.get("layer_types") or [])
+    if len(types) != n or set(types) - set(kinds):
+        raise ValueError(f"layer_types {list(types)!r} is not {n} of {' / '.join(kinds)}")
+    return types
+
+
 def json_float(value: Any) -> float:
     """A float from config.json, where transformers writes infinity as
     ``{"__float__": "Infinity"}``."""

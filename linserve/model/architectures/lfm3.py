@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from linserve.model.architectures import lfm2
-from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
+from linserve.model.architectures.family import DecoderConfig, HFFamily, layer_types, renamer
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.block import Block
 from linserve.model.layers.decoder import DecoderLM
@@ -36,10 +36,8 @@ class Lfm3Config(DecoderConfig):
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> Lfm3Config:
-        n, d = int(c["num_hidden_layers"]), int(c["hidden_size"])
-        types = tuple(c.get("layer_types") or [])
-        if len(types) != n or set(types) - set(KINDS):
-            raise ValueError(f"layer_types {list(types)!r} is not {n} of {', '.join(KINDS)}")
+        d = int(c["hidden_size"])
+        types = layer_types(c, tuple(KINDS))
         heads = int(c["num_attention_heads"])
         head_dim = int(c.get("head_dim") or d // heads)
         eps = float(c.get("norm_eps", 1e-5))

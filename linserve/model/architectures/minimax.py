@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from linserve.model.architectures import jamba
-from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer, require_activation
+from linserve.model.architectures.family import (
+    DecoderConfig,
+    HFFamily,
+    layer_types,
+    renamer,
+    require_activation,
+)
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.lightning import LightningAttention
@@ -38,11 +44,9 @@ class MiniMaxConfig(DecoderConfig):
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> MiniMaxConfig:
         require_activation(c)
-        d, n = int(c["hidden_size"]), int(c["num_hidden_layers"])
+        d = int(c["hidden_size"])
         heads = int(c["num_attention_heads"])
-        types = tuple(c.get("layer_types") or [])
-        if len(types) != n or set(types) - {LINEAR, FULL}:
-            raise ValueError(f"layer_types {list(types)!r} is not {n} of {LINEAR} / {FULL}")
+        types = layer_types(c, (LINEAR, FULL))
         head_dim = int(c.get("head_dim") or d // heads)
         rope = c.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":

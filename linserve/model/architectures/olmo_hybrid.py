@@ -13,7 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from linserve.model.architectures.family import DecoderConfig, HFFamily, require_activation
+from linserve.model.architectures.family import (
+    DecoderConfig,
+    HFFamily,
+    layer_types,
+    require_activation,
+)
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.block import Block
 from linserve.model.layers.decoder import DecoderLM
@@ -35,11 +40,9 @@ class OlmoHybridConfig(DecoderConfig):
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> OlmoHybridConfig:
         require_activation(c)
-        d, n = int(c["hidden_size"]), int(c["num_hidden_layers"])
+        d = int(c["hidden_size"])
         heads = int(c["num_attention_heads"])
-        types = tuple(c.get("layer_types") or [])
-        if len(types) != n or set(types) - {LINEAR, FULL}:
-            raise ValueError(f"layer_types {list(types)!r} is not {n} of {LINEAR} / {FULL}")
+        types = layer_types(c, (LINEAR, FULL))
         head_dim = int(c.get("head_dim") or d // heads)
         rope = c.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":
