@@ -24,7 +24,7 @@ import httpx
 
 from bench import llamacpp_compare as lc
 from bench import memory
-from bench.common import machine, read_json, write_json
+from bench.common import machine, read_json, save_figure, write_json
 from bench.quant import rss_bytes
 
 RESULTS = Path(__file__).with_name("results")
@@ -88,6 +88,27 @@ def _measure(servers: dict[str, tuple[int, str]], out: dict[str, Any],
     out["ours"]["health"] = httpx.get(servers["ours"][1] + "/health", timeout=30).json()
 
 
+def plot(result: dict[str, Any]) -> None:
+    """Bars of ours ÷ llama-server per measure, one group per (model, type): above 1 is
+    faster (or, for memory and load time, larger)."""
+    import matplotlib.pyplot as plt
+
+    measures = ["batch1_tok_s", "streams_tok_s", "prefill_tok_s", "after_streams_rss", "load_s"]
+    runs = result["runs"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(runs)
+    for i, (name, entry) in enumerate(runs.items()):
+        values = [entry["ratios"].get(m, 0.0) for m in measures]
+        ax.bar([j + i * width for j in range(len(measures))], values, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(measures))], measures)
+    ax.set_ylabel("ours ÷ llama-server (same GGUF file)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("One GGUF file, both servers (2 cores)")
+    save_figure(fig, "gguf_serve.png")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoints", nargs="+", type=Path, help="Hugging Face folders")
@@ -97,8 +118,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--prefill-requests", type=int, default=2)
     p.add_argument("--ours-args", nargs="*", default=[])
+    p.add_argument("--plot-only", action="store_true")
     args = p.parse_args(argv)
     result = read_json(OUT) if (RESULTS / f"{OUT}.json").exists() else {"runs": {}}
+    if args.plot_only:
+        plot(result)
+        return
     result["machine"] = machine()
     for checkpoint in args.checkpoints:
         for kind in args.kinds:
@@ -110,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
             result["runs"][f"{checkpoint.name}/{kind}"] = entry
             print({k: round(v, 3) for k, v in entry["ratios"].items()}, flush=True)
             write_json(OUT, result)
+    plot(result)
 
 
 if __name__ == "__main__":
