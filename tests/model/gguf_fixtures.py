@@ -63,6 +63,8 @@ def as_published(hf_dir: Path) -> Path:
     if cfg.get("model_type") == "nemotron_h" and "layers_block_type" in cfg:
         cfg["hybrid_override_pattern"] = "".join(PUBLISHED_KINDS[t][1]
                                                  for t in cfg["layers_block_type"])
+    if cfg.get("model_type") == "falcon_h1" and cfg.get("head_dim") is None:
+        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
     if cfg.get("model_type") == "qwen3_next":  # llama.cpp assumes the published top-k norm
         cfg["norm_topk_prob"] = True
     if cfg.get("model_type") == "bamba":  # Bamba-9B names its rotary width

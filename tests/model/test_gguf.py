@@ -72,7 +72,8 @@ CONVERTED = [("qwen3_5", "i2-untied", NO_MTP), ("qwen3_5", "i3-gqa", NO_MTP),
              ("granitemoehybrid", "nope-g1", ()), ("granitemoehybrid", "moe-e8k3", ()),
              ("bamba", "full-rope-g1", ()), ("bamba", "half-rope-g2", ()),
              ("nemotron_h", "a-g2", ()), ("nemotron_h", "moe-e8k2-g4", ()),
-             ("jamba", "dense-tied", ()), ("jamba", "moe-e4k2", ())]
+             ("jamba", "dense-tied", ()), ("jamba", "moe-e4k2", ()),
+             ("falcon_h1", "norm-g2", ()), ("falcon_h1", "gate-g1", ())]
 
 
 @pytest.fixture(scope="module")

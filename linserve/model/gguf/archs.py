@@ -426,6 +426,37 @@ def _latent(m: GGUFModel) -> int:
     return 0 if t is None else int(t.shape[0])
 
 
+# ---- Falcon-H1 (falcon-h1) ---------------------------------------------------------------
+
+
+def _falcon_h1_config(m: GGUFModel) -> dict[str, Any]:
+    """Falcon-H1 with every µP multiplier 1: llama.cpp's converter multiplies them into the
+    weights (each scales a projection's input or output, so the products are the same)."""
+    c = _common(m, "falcon_h1")
+    heads = int(m.require("attention.head_count"))
+    m_heads = int(m.require("ssm.time_step_rank"))
+    inner = int(m.require("ssm.inner_size"))
+    return {**c,
+            "intermediate_size": int(m.require("feed_forward_length")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(m.get("attention.head_count_kv", heads)),
+            "head_dim": int(m.get("attention.key_length") or c["hidden_size"] // heads),
+            "rms_norm_eps": float(m.require("attention.layer_norm_rms_epsilon")),
+            "rope_parameters": {"rope_theta": float(m.get("rope.freq_base", 1e11))},
+            "mamba_d_ssm": inner, "mamba_n_heads": m_heads, "mamba_d_head": inner // m_heads,
+            "mamba_d_state": int(m.require("ssm.state_size")),
+            "mamba_n_groups": int(m.require("ssm.group_count")),
+            "mamba_d_conv": int(m.require("ssm.conv_kernel")),
+            "mamba_conv_bias": any(k.endswith("ssm_conv1d.bias") for k in m.tensors),
+            "mamba_proj_bias": any(k.endswith("ssm_in.bias") for k in m.tensors),
+            "mamba_rms_norm": any(k.endswith("ssm_norm.weight") for k in m.tensors),
+            "attention_bias": any(k.endswith("attn_q.bias") for k in m.tensors),
+            "mlp_multipliers": [1.0, 1.0], "ssm_multipliers": [1.0] * 5,
+            "key_multiplier": 1.0, "ssm_in_multiplier": 1.0, "ssm_out_multiplier": 1.0,
+            "attention_in_multiplier": 1.0, "attention_out_multiplier": 1.0,
+            "embedding_multiplier": 1.0, "lm_head_multiplier": 1.0}
+
+
 # ---- Jamba (jamba) -----------------------------------------------------------------------
 
 
@@ -474,6 +505,7 @@ ARCHS: dict[str, GGUFArch] = {a.name: a for a in (
         (r"blk\.(\d+)\.ffn_latent_(up|down)\.weight",
          r"backbone.layers.\1.mixer.fc\2_latent_proj.weight"))),
     GGUFArch("jamba", _jamba_config, transform=_ssm_a),
+    GGUFArch("falcon-h1", _falcon_h1_config, _dt_bias, _ssm_a),
 )}
 
 
