@@ -72,6 +72,9 @@ def as_published(hf_dir: Path) -> Path:
         rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
         cfg["attn_rotary_emb"] = int(head_dim * rotary)
     path.write_text(json.dumps(cfg, indent=2))
+    tok_cfg = hf_dir / "tokenizer_config.json"
+    if not tok_cfg.exists():  # the tokenizer as it is (GPT-NeoX's class would add a token)
+        tok_cfg.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     return hf_dir
 
 

@@ -73,7 +73,9 @@ CONVERTED = [("qwen3_5", "i2-untied", NO_MTP), ("qwen3_5", "i3-gqa", NO_MTP),
              ("bamba", "full-rope-g1", ()), ("bamba", "half-rope-g2", ()),
              ("nemotron_h", "a-g2", ()), ("nemotron_h", "moe-e8k2-g4", ()),
              ("jamba", "dense-tied", ()), ("jamba", "moe-e4k2", ()),
-             ("falcon_h1", "norm-g2", ()), ("falcon_h1", "gate-g1", ())]
+             ("falcon_h1", "norm-g2", ()), ("falcon_h1", "gate-g1", ()),
+             ("mamba", "tied-r4", ()), ("mamba", "falcon-untied", ()),
+             ("mamba2", "g1-tied", ()), ("mamba2", "g2-untied", ())]
 
 
 @pytest.fixture(scope="module")

@@ -457,6 +457,39 @@ def _falcon_h1_config(m: GGUFModel) -> dict[str, Any]:
             "embedding_multiplier": 1.0, "lm_head_multiplier": 1.0}
 
 
+# ---- Mamba, Falcon-Mamba (mamba) and Mamba2 (mamba2) --------------------------------------
+
+
+def _mamba_config(m: GGUFModel) -> dict[str, Any]:
+    """Mamba-1, or Falcon-Mamba (``ssm.dt_b_c_rms``: its weightless norms on dt, B and C,
+    whose epsilon the file does not keep: the published models' 1e-6, transformers'
+    default, not the layer norms' that llama.cpp applies there)."""
+    falcon = bool(m.get("ssm.dt_b_c_rms", False))
+    c = _common(m, "falcon_mamba" if falcon else "mamba")
+    eps = float(m.require("attention.layer_norm_rms_epsilon"))
+    return {**c, "intermediate_size": int(m.require("ssm.inner_size")),
+            "state_size": int(m.require("ssm.state_size")),
+            "time_step_rank": int(m.require("ssm.time_step_rank")),
+            "conv_kernel": int(m.require("ssm.conv_kernel")),
+            "use_conv_bias": any(k.endswith("ssm_conv1d.bias") for k in m.tensors),
+            "use_bias": any(k.endswith("ssm_in.bias") for k in m.tensors),
+            "layer_norm_epsilon": eps, **({"mixer_rms_eps": 1e-6} if falcon else {})}
+
+
+def _mamba2_config(m: GGUFModel) -> dict[str, Any]:
+    c = _common(m, "mamba2")
+    heads = int(m.require("ssm.time_step_rank"))
+    inner = int(m.require("ssm.inner_size"))
+    return {**c, "num_heads": heads, "head_dim": inner // heads,
+            "expand": inner // c["hidden_size"],
+            "state_size": int(m.require("ssm.state_size")),
+            "n_groups": int(m.require("ssm.group_count")),
+            "conv_kernel": int(m.require("ssm.conv_kernel")),
+            "use_conv_bias": any(k.endswith("ssm_conv1d.bias") for k in m.tensors),
+            "use_bias": any(k.endswith("ssm_in.bias") for k in m.tensors),
+            "layer_norm_epsilon": float(m.require("attention.layer_norm_rms_epsilon"))}
+
+
 # ---- Jamba (jamba) -----------------------------------------------------------------------
 
 
@@ -506,6 +539,8 @@ ARCHS: dict[str, GGUFArch] = {a.name: a for a in (
          r"backbone.layers.\1.mixer.fc\2_latent_proj.weight"))),
     GGUFArch("jamba", _jamba_config, transform=_ssm_a),
     GGUFArch("falcon-h1", _falcon_h1_config, _dt_bias, _ssm_a),
+    GGUFArch("mamba", _mamba_config, transform=_ssm_a),
+    GGUFArch("mamba2", _mamba2_config, _dt_bias, _ssm_a),
 )}
 
 
