@@ -227,14 +227,31 @@ class GGUFCheckpoint:
 
 
 def dequantize(t: Tensor) -> torch.Tensor:
-    """A tensor's values as fp32 ``t.shape`` (a float type as stored, widened)."""
+    """A tensor's values as fp32 ``t.shape`` (a float type as stored, widened). Q8_0 and
+    Q4_0 in PyTorch, with gguf-py's arithmetic (fp32 scale × value), several times faster;
+    every other block format by gguf-py's dequantizer."""
     if t.qtype in (Q.F32, Q.F16):
         return torch.from_numpy(np.array(t.raw, dtype=np.float32).reshape(t.shape))
     if t.qtype == Q.BF16:
         raw = np.asarray(t.raw).view(np.int16)
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).float()
+    if t.qtype == Q.Q4_0 and len(t.shape) == 2:
+        q, scales = q4_0_values(t)
+        return _scaled(q, scales)
+    if t.qtype == Q.Q8_0:
+        rows = int(np.prod(t.shape[:-1]))
+        blocks = torch.from_numpy(np.asarray(t.raw).reshape(rows, -1, 34).copy())
+        scales = blocks[..., :2].contiguous().view(torch.float16).reshape(rows, -1)
+        q = blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1)
+        return _scaled(q, scales).reshape(t.shape)
     values = quants.dequantize(np.asarray(t.raw), t.qtype)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(t.shape))
+
+
+def _scaled(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """q ``[rows, cols]`` times its fp16 scale a block of 32, in fp32: ``[rows, cols]``."""
+    rows, cols = q.shape
+    return (scales.float()[..., None] * q.view(rows, cols // 32, 32).float()).view(rows, cols)
 
 
 def q4_0_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
