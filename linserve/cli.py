@@ -1,8 +1,8 @@
 """The ``linserve`` command (also ``python -m linserve``).
 
 - ``linserve serve [MODEL] [flags]``: start the server. MODEL is what ``--model`` takes (a
-  checkpoint folder or a hub id); every flag is a setting (``linserve serve --help``), and
-  each ``--some-name`` is also the variable ``LINSERVE_SOME_NAME``.
+  checkpoint folder, a GGUF file or a hub id); every flag is a setting (``linserve serve
+  --help``), and each ``--some-name`` is also the variable ``LINSERVE_SOME_NAME``.
 - ``linserve build-kernels DIR``: compile the native kernels into DIR ahead of time (what the
   Docker image does; ``LINSERVE_KERNEL_DIR`` / ``LINSERVE_KERNEL_LIB`` load them).
 - ``linserve --version``.

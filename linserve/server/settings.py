@@ -24,9 +24,10 @@ class Settings(BaseSettings):
     weights: Path = Field(Path("weights/linear"), description="model folder (config.json, "
                           "model.safetensors, tokenizer.json)")
     model: str = Field("", description="a Hugging Face checkpoint: a folder (config.json, "
-                       "safetensors, tokenizer.json) or a repo id owner/name, resolved through "
-                       "huggingface_hub's cache (downloaded when online; HF_HUB_OFFLINE=1 reads "
-                       "the cache only); overrides --weights")
+                       "safetensors, tokenizer.json), a GGUF file (any shard of a split one), "
+                       "or a repo id owner/name (owner/name:FILE.gguf for one GGUF file of "
+                       "it), resolved through huggingface_hub's cache (downloaded when online; "
+                       "HF_HUB_OFFLINE=1 reads the cache only); overrides --weights")
     served_model_name: str = Field("", description="name served in /v1/models (default: "
                                    "--model as given, else the weights folder's name)")
     model_name: str = Field("", description="the same as --served-model-name (older name)")
