@@ -296,7 +296,6 @@ def _granite_config(m: GGUFModel) -> dict[str, Any]:
     n = c["num_hidden_layers"]
     d = c["hidden_size"]
     heads = int(m.require("attention.head_count"))
-    m_heads = int(m.require("ssm.time_step_rank"))
     experts = int(m.get("expert_count", 0) or 0)
     kv = [h for h in _per_layer(m.require("attention.head_count_kv"), n) if h]
     return {**c,
@@ -311,15 +310,7 @@ def _granite_config(m: GGUFModel) -> dict[str, Any]:
             "embedding_multiplier": float(m.get("embedding_scale", 1.0)),
             "residual_multiplier": float(m.get("residual_scale", 1.0)),
             "logits_scaling": float(m.get("logit_scale", 1.0)),
-            "rms_norm_eps": float(m.require("attention.layer_norm_rms_epsilon")),
-            "mamba_n_heads": m_heads, "mamba_d_state": int(m.require("ssm.state_size")),
-            "mamba_n_groups": int(m.require("ssm.group_count")),
-            "mamba_d_conv": int(m.require("ssm.conv_kernel")),
-            "mamba_expand": int(m.require("ssm.inner_size")) // d,
-            "mamba_d_head": int(m.require("ssm.inner_size")) // m_heads,
-            "mamba_conv_bias": any(k.endswith("ssm_conv1d.bias") for k in m.tensors),
-            "mamba_proj_bias": any(k.endswith("ssm_in.bias") for k in m.tensors),
-            "attention_bias": any(k.endswith("attn_q.bias") for k in m.tensors),
+            **_granite_mamba(m, d),
             "num_local_experts": experts,
             "num_experts_per_tok": int(m.get("expert_used_count", 1)),
             "intermediate_size": int(m.get("feed_forward_length", 0)) if experts else 0,
@@ -327,11 +318,24 @@ def _granite_config(m: GGUFModel) -> dict[str, Any]:
                                             or m.get("feed_forward_length", 0))}
 
 
+def _granite_mamba(m: GGUFModel, d: int) -> dict[str, Any]:
+    """The Mamba2, norm and attention-bias fields Granite-4.0-H's and Bamba's configs share
+    (``mamba_*``)."""
+    heads, inner = int(m.require("ssm.time_step_rank")), int(m.require("ssm.inner_size"))
+    return {"rms_norm_eps": float(m.require("attention.layer_norm_rms_epsilon")),
+            "mamba_n_heads": heads, "mamba_d_state": int(m.require("ssm.state_size")),
+            "mamba_n_groups": int(m.require("ssm.group_count")),
+            "mamba_d_conv": int(m.require("ssm.conv_kernel")),
+            "mamba_expand": inner // d, "mamba_d_head": inner // heads,
+            "mamba_conv_bias": any(k.endswith("ssm_conv1d.bias") for k in m.tensors),
+            "mamba_proj_bias": any(k.endswith("ssm_in.bias") for k in m.tensors),
+            "attention_bias": any(k.endswith("attn_q.bias") for k in m.tensors)}
+
+
 def _bamba_config(m: GGUFModel) -> dict[str, Any]:
     c = _common(m, "bamba")
     n, d = c["num_hidden_layers"], c["hidden_size"]
     heads = int(m.require("attention.head_count"))
-    m_heads = int(m.require("ssm.time_step_rank"))
     attn = [i for i in range(n) if _has(m, i, "attn_q.weight")]
     return {**c,
             "attn_layer_indices": attn, "num_attention_heads": heads,
@@ -341,15 +345,7 @@ def _bamba_config(m: GGUFModel) -> dict[str, Any]:
                 "rope_theta": float(m.get("rope.freq_base", 10_000.0)),
                 "partial_rotary_factor": int(m.get("rope.dimension_count", d // heads))
                 / (d // heads)},
-            "rms_norm_eps": float(m.require("attention.layer_norm_rms_epsilon")),
-            "mamba_n_heads": m_heads, "mamba_d_state": int(m.require("ssm.state_size")),
-            "mamba_n_groups": int(m.require("ssm.group_count")),
-            "mamba_d_conv": int(m.require("ssm.conv_kernel")),
-            "mamba_expand": int(m.require("ssm.inner_size")) // d,
-            "mamba_d_head": int(m.require("ssm.inner_size")) // m_heads,
-            "mamba_conv_bias": any(k.endswith("ssm_conv1d.bias") for k in m.tensors),
-            "mamba_proj_bias": any(k.endswith("ssm_in.bias") for k in m.tensors),
-            "attention_bias": any(k.endswith("attn_q.bias") for k in m.tensors),
+            **_granite_mamba(m, d),
             "mlp_bias": any(k.endswith("ffn_up.bias") for k in m.tensors)}
 
 
