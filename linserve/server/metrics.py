@@ -60,3 +60,10 @@ MEMORY = Gauge("linserve_memory_bytes", "Resident bytes by part: the engine's we
                "embeddings, slot_states, kv_cache, request_states and prefix_cache, the HTTP "
                "process's sessions, and the runtime (both processes' RSS less the rest)",
                ["part"])
+SPEC_DRAFT_TOKENS = Counter("linserve_spec_decode_draft_tokens", "Draft tokens verified by "
+                            "speculative decoding (vLLM: spec_decode_num_draft_tokens)")
+SPEC_ACCEPTED_TOKENS = Counter("linserve_spec_decode_accepted_tokens", "Draft tokens the "
+                               "served model kept (vLLM: spec_decode_num_accepted_tokens)")
+SPEC_ACCEPTED_BY_POSITION = Counter("linserve_spec_decode_accepted_tokens_per_pos", "Draft "
+                                    "tokens kept, by position in the draft (0: the first)",
+                                    ["position"])

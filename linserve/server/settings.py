@@ -12,6 +12,9 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from linserve.server.speculative.config import SpeculativeConfig
+from linserve.server.speculative.config import parse as parse_speculative
+
 ENV_PREFIX = "LINSERVE_"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,6 +126,14 @@ class Settings(BaseSettings):
     keepalive_seconds: float = Field(10.0, gt=0, description="SSE keep-alive comment interval")
     shutdown_grace_seconds: float = Field(
         15.0, ge=0, description="time in-flight streams get to finish on shutdown")
+    speculative_config: str = Field(
+        "", description='speculative decoding, as JSON with vLLM\'s keys: {"method": "ngram", '
+        '"num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M} (drafts '
+        'from the request\'s own text) or {"method": "draft_model", "model": PATH_OR_ID, '
+        '"num_speculative_tokens": K} (a smaller checkpoint with the same tokenizer); '
+        '"max_batch" (default 4): speculate only while at most this many requests decode. '
+        "Output is unchanged: greedy text is the same, sampled text keeps its distribution "
+        "(a seeded request samples the same tokens)")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("session_store")
@@ -131,6 +142,17 @@ class Settings(BaseSettings):
         if value != "memory" and not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("session_store must be 'memory' or a redis:// URL")
         return value
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _check_speculative(cls, value: str) -> str:
+        parse_speculative(value)  # raises one line for a bad config
+        return value
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` parsed (None: off)."""
+        return parse_speculative(self.speculative_config)
 
     @field_validator("weights")
     @classmethod

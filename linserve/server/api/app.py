@@ -35,6 +35,7 @@ from linserve.server.playground.routes import install_playground
 from linserve.server.prefix_cache.remote import RemotePrefixes
 from linserve.server.sessions.store import MemorySessionStore, SessionStore
 from linserve.server.settings import Settings
+from linserve.server.speculative.draft import load_draft
 
 log = logging.getLogger("linserve")
 Scope = MutableMapping[str, Any]
@@ -173,8 +174,13 @@ async def startup(app: FastAPI, settings: Settings) -> None:
                               settings.prefill_chunk, settings.step_token_budget,
                               settings.prefix_cache_bytes, settings.prefix_cache_interval,
                               state_budget(settings, info))
-        client = EngineClient(lambda deliver, beat: Engine(model, limits, deliver, beat),
-                              settings.engine_stall_seconds)
+        draft = await asyncio.to_thread(load_draft, settings.speculative, settings.dtype,
+                                        settings.fused_step, settings.batch_invariant,
+                                        settings.quantization)
+        client = EngineClient(
+            lambda deliver, beat: Engine(model, limits, deliver, beat,
+                                         speculative=settings.speculative, draft=draft),
+            settings.engine_stall_seconds)
     await client.start_async()
     if isinstance(client, ProcessEngineClient):
         model.info = info = client.engine_info  # what the weights hold as the engine packed them
@@ -188,6 +194,8 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     app.state.dtype = pick_dtype(settings.dtype)
     app.state.bf16_gemm = bf16_gemm()
     app.state.batch_invariant = settings.batch_invariant
+    spec = settings.speculative
+    app.state.speculative = None if spec is None else spec.describe()
     app.state.started = int(time.time())
     app.state.client = client
     app.state.service = GenerationService(client, store, model, settings)
@@ -200,7 +208,8 @@ async def startup(app: FastAPI, settings: Settings) -> None:
         "dtype": app.state.dtype[0], "dtype_reason": app.state.dtype[1],
         "bf16_gemm": app.state.bf16_gemm,
         "decode_step": info.decode_step, "batch_invariant": settings.batch_invariant,
-        "quantization": info.quantization, "weight_bytes": info.weight_bytes,
+        "speculative": app.state.speculative, "quantization": info.quantization,
+        "weight_bytes": info.weight_bytes,
         "state_bytes_per_session": info.state_bytes,
         "state_note": "grows with context" if info.state_grows else "constant",
         "session_store": settings.session_store.split("@")[-1],

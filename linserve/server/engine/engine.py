@@ -29,6 +29,7 @@ from linserve.server.engine.memory import engine_parts
 from linserve.server.engine.pool import SlotPool
 from linserve.server.engine.replay import Replay, ReplayQueue
 from linserve.server.engine.sequence import Sequence, logprob_entries
+from linserve.server.engine.speculation import Speculator
 from linserve.server.engine.types import GenerationRequest, Output, TokenLogprob
 from linserve.server.grammar.engine_side import EngineGrammars, MaskResult, matcher_error
 from linserve.server.prefix_cache.engine_side import EnginePrefixCache, Publish
@@ -38,6 +39,7 @@ from linserve.server.sessions.transcript import (
     common_prefix,
     session_tokens,
 )
+from linserve.server.speculative.config import SpeculativeConfig
 
 log = logging.getLogger("linserve.engine")
 Sink = Callable[[Output], None]
@@ -65,7 +67,8 @@ class Engine:
 
     def __init__(self, model: ServedModel, limits: EngineLimits,
                  deliver: Deliver, beat: Callable[[], None] = lambda: None,
-                 publish: Publish | None = None) -> None:
+                 publish: Publish | None = None, speculative: SpeculativeConfig | None = None,
+                 draft: ServedModel | None = None) -> None:
         self.model = model
         self.tok = model.tokenizer()
         self.limits = limits
@@ -90,6 +93,10 @@ class Engine:
         self.steps = 0
         self._memory_reported = 0.0
         self._busy = False
+        self.spec: Speculator | None = None
+        if speculative is not None:
+            self.spec = Speculator(self, speculative, draft)
+            self.spec.calibrate()
 
     # ---- thread-safe API -------------------------------------------------------------
     def submit(self, req: GenerationRequest, sink: Sink) -> None:
@@ -406,16 +413,9 @@ class Engine:
         self._end_full_rows()
         if not self.running:
             return
-        self.pool.reserve_step()
-        tokens = torch.tensor([s.last_token for s in self.running])
-        masks = self.grammars.start([s.matcher for s in self.running])  # beside the step
-        logits = self.model.step(tokens, self.pool.view())
+        if self.spec is None or not self.spec.step():
+            self._plain_step()
         n = self.pool.n
-        try:
-            self._sample(self.running, logits, self.pool.counts[:n], self.pool.seen[:n], masks)
-        except Exception:
-            log.exception("batched sampling failed; sampling its rows one by one")
-            self._sample_rows_alone(logits)
         self.steps += 1
         metrics.BATCH_SIZE.set(n)
         metrics.STEP_TIME.observe(time.perf_counter() - t0)
@@ -426,6 +426,22 @@ class Engine:
                 finished.append(seq)
         for seq in finished:
             self._retire(seq)
+
+    def _plain_step(self) -> None:
+        """One token for every running row: one batched model step, then sampling."""
+        t0 = time.perf_counter()
+        self.pool.reserve_step()
+        tokens = torch.tensor([s.last_token for s in self.running])
+        masks = self.grammars.start([s.matcher for s in self.running])  # beside the step
+        logits = self.model.step(tokens, self.pool.view())
+        if self.spec is not None:
+            self.spec.note_plain_step(len(self.running), time.perf_counter() - t0)
+        n = self.pool.n
+        try:
+            self._sample(self.running, logits, self.pool.counts[:n], self.pool.seen[:n], masks)
+        except Exception:
+            log.exception("batched sampling failed; sampling its rows one by one")
+            self._sample_rows_alone(logits)
 
     def _end_full_rows(self) -> None:
         """KV cache: a row at the model's maximum context ends with "length" rather than
@@ -465,11 +481,19 @@ class Engine:
             self._bp_cache = (key, bp, use_pen)
         return bp, use_pen
 
+    def sample_rows(self, seqs: list[Sequence], logits: torch.Tensor, counts: torch.Tensor,
+                    seen: torch.Tensor, slots: torch.Tensor) -> None:
+        """:meth:`_sample` for running rows in pool ``slots`` (a speculative verify's
+        position), counting their tokens for the penalties there."""
+        self._sample(seqs, logits, counts, seen, slots=slots)
+
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, counts: torch.Tensor,
-                seen: torch.Tensor, masks: Future[MaskResult] | None = None) -> int:
+                seen: torch.Tensor, masks: Future[MaskResult] | None = None,
+                slots: torch.Tensor | None = None) -> int:
         """Sample one token per row, record it on each sequence; returns row 0's token.
-        ``masks``: the rows' grammar masks, if already started. A row whose bookkeeping
-        raises is failed alone."""
+        ``masks``: the rows' grammar masks, if already started; ``slots``: the rows' pool
+        slots where they are not the running batch. A row whose bookkeeping raises is
+        failed alone."""
         params = [s.params for s in seqs]
         bp, use_pen = self._batch_params(seqs)
         mask, dead = (masks.result() if masks is not None
@@ -487,6 +511,8 @@ class Engine:
                        for e, p in zip(packed, params, strict=True)]
         if use_pen and seqs is self.running:  # only penalised rows read the counts
             self.pool.record(tokens)
+        elif use_pen and slots is not None:
+            self.pool.record(tokens, slots)
         for seq, tok, entry in zip(seqs, tokens.tolist(), entries, strict=True):
             if seq.finish_reason == "error":
                 continue
@@ -619,6 +645,8 @@ class Engine:
             self._outbox.append((sink, out))
 
     def _finish(self, seq: Sequence, state: State | None, pending: list[int]) -> None:
+        if self.spec is not None:
+            self.spec.forget(seq)
         self.reserved -= seq.reserved
         seq.reserved = 0
         sink = self.sinks.pop(seq.req.request_id, None)

@@ -85,6 +85,12 @@ class SlotPool:
         self._view = None
         return slot
 
+    def put(self, slot: int, row: State) -> None:
+        """Overwrite live ``slot`` with the single-row state ``row`` (a verify's kept state)."""
+        self.state.reserve_like(row, live=self.n)
+        self.state.write_rows(slice(slot, slot + 1), row)
+        self._view = None
+
     def take(self, slot: int) -> State:
         """A standalone copy of one row (e.g. to save a session)."""
         return self.view().select([slot])
@@ -107,8 +113,8 @@ class SlotPool:
             self.state.trim_kv()  # and the KV slots the rows that left had grown
         return last if slot != last else None
 
-    def record(self, tokens: torch.Tensor) -> None:
-        """Count the tokens ``[n]`` just sampled for the live rows."""
-        rows = torch.arange(self.n)
+    def record(self, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Count the tokens ``[n]`` just sampled for the live rows (or for ``rows``)."""
+        rows = torch.arange(self.n) if rows is None else rows
         self.counts[rows, tokens] += 1
         self.seen[rows, tokens] = True

@@ -33,6 +33,7 @@ from linserve.server.engine.loading import load_engine_model, state_budget, warm
 from linserve.server.engine.progress import ProgressWatch
 from linserve.server.engine.types import GenerationRequest, Output
 from linserve.server.settings import Settings
+from linserve.server.speculative.draft import load_draft
 
 log = logging.getLogger("linserve.engine")
 MetricEvent = tuple[str, tuple[tuple[str, str], ...], str, float]
@@ -66,7 +67,8 @@ ENGINE_METRICS = ("RUNNING", "WAITING", "BATCH_SIZE", "STEP_TIME", "PREFILL_TIME
                   "QUEUE_TIME", "PROMPT_TOKENS", "PROMPT_COMPUTED", "PROMPT_REUSED",
                   "GENERATION_TOKENS", "REQUESTS", "PREFIX_QUERIES",
                   "PREFIX_HITS", "PREFIX_HIT_RATE", "PREFIX_BYTES", "PREFIX_ENTRIES",
-                  "PREFIX_EVICTIONS", "PREFIX_REMOTE_HITS", "MEMORY")
+                  "PREFIX_EVICTIONS", "PREFIX_REMOTE_HITS", "MEMORY", "SPEC_DRAFT_TOKENS",
+                  "SPEC_ACCEPTED_TOKENS", "SPEC_ACCEPTED_BY_POSITION")
 
 
 def apply_metric_events(events: list[MetricEvent]) -> None:
@@ -89,6 +91,8 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
     lock = threading.Lock()
     for name in ENGINE_METRICS:
         setattr(metrics, name, _Recorder(name, events, lock))
+    draft = load_draft(settings.speculative, settings.dtype, settings.fused_step,
+                       settings.batch_invariant, settings.quantization)
     model = load_engine_model(settings)
     warm_up(model)
 
@@ -122,7 +126,8 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
             heartbeat.value = time.monotonic()
 
     shared = settings.session_store != "memory"
-    engine = Engine(model, limits, deliver, beat, publish if shared else None)
+    engine = Engine(model, limits, deliver, beat, publish if shared else None,
+                    speculative=settings.speculative, draft=draft)
     pump_thread = threading.Thread(target=_pump, name="pump", daemon=True,
                                    args=(inbox, outbox, model, engine))
 

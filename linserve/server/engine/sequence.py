@@ -54,6 +54,8 @@ class Sequence:
         self.solo = False  # prefill alone (a ragged batch holding it failed once)
         self.last_prompt_logp: torch.Tensor | None = None  # scores the next prompt chunk's 1st
         self.matcher: LLMatcher | None = None  # structured outputs: the output's matcher
+        self.spec_drafted = 0  # speculative decoding: draft tokens verified, and kept
+        self.spec_accepted = 0
 
     @property
     def prefill_only(self) -> bool:

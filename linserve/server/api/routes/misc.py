@@ -92,6 +92,7 @@ async def health(request: Request) -> Response:
             "quantization": st.model.info.quantization,
             "weight_bytes": st.model.info.weight_bytes,
             "batch_invariant": st.batch_invariant,
+            "speculative": st.speculative,
             "memory": memory_report(st.client.health.pid)}
     return _json(body, 200 if ready else 503)
 

@@ -1,0 +1,205 @@
+"""One speculative decode iteration: draft, verify in one pass, keep what plain decoding keeps.
+
+Each running row feeds its pending token and its drafts d1..dk (:mod:`linserve.server.
+speculative.proposers`) in one call of the model's prefill with every position's logits (rows
+of different lengths in one ragged pass where the model has one). Position by position, each
+row then samples from the served model's logits exactly as a plain step would (the same
+penalties, bias, grammar mask and seeded draw at that position): the row goes on while the
+sampled token equals the next draft. With greedy drafts this is Leviathan et al.'s rejection
+sampling, and a seeded request samples the very tokens it samples without speculation.
+
+A row that kept every draft keeps the verify's state; one that stopped at position j is
+replayed, its j + 1 fed tokens prefilled from the state before the verify (one ragged call
+for every such row), so its state is the one plain prefill of those tokens writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from linserve.model.interface import ServedModel, State
+from linserve.server import metrics
+from linserve.server.speculative.acceptance import CostModel, DraftBudget
+from linserve.server.speculative.config import SpeculativeConfig
+from linserve.server.speculative.proposers import DraftModelProposer, NgramProposer, Proposer
+
+if TYPE_CHECKING:
+    from linserve.server.engine.engine import Engine
+    from linserve.server.engine.sequence import Sequence
+
+log = logging.getLogger("linserve.engine")
+
+
+@dataclass
+class Row:
+    """One row of a verify: the tokens it feeds (pending token, then drafts) and the state
+    before them."""
+
+    seq: Sequence
+    slot: int
+    feed: list[int]
+    before: State
+    fed: int = 0  # positions sampled (tokens the kept state consumes)
+
+
+def build_proposer(config: SpeculativeConfig, draft: ServedModel | None) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    assert draft is not None, "draft_model needs its model loaded"
+    return DraftModelProposer(draft)
+
+
+def prefill_rows(model: ServedModel, feeds: list[list[int]], states: list[State]
+                 ) -> tuple[list[torch.Tensor], list[State]]:
+    """Every position's logits ``[T_i, V]`` and the new state of each row fed ``feeds[i]``
+    after ``states[i]`` (not modified): one ragged pass where the model has it."""
+    if model.info.ragged_prefill and len(feeds) > 1:
+        logits, new = model.prefill_ragged(feeds, list(states), all_logits=True)
+        return [logits[i, : len(f)] for i, f in enumerate(feeds)], new
+    out, news = [], []
+    for feed, state in zip(feeds, states, strict=True):
+        logits, st = model.prefill(torch.tensor([feed]), state, all_logits=True)
+        out.append(logits[0])
+        news.append(st)
+    return out, news
+
+
+class Speculator:
+    """The engine's speculative decoding (``--speculative-config``)."""
+
+    def __init__(self, engine: Engine, config: SpeculativeConfig,
+                 draft: ServedModel | None = None) -> None:
+        self.engine, self.config = engine, config
+        self.proposer = build_proposer(config, draft)
+        self.costs = CostModel()
+        self.budget = DraftBudget(config.num_speculative_tokens, self.costs)
+        self.drafted = self.accepted = self.verifies = 0  # since start
+
+    def calibrate(self) -> None:
+        """Seed the cost model: a plain step and verifies of 1..k+1 tokens, timed alone."""
+        model = self.engine.model
+        _, state = model.prefill(torch.zeros(1, 16, dtype=torch.long))
+        for _ in range(2):
+            t0 = time.perf_counter()
+            model.step(torch.zeros(1, dtype=torch.long), state.copy())
+            self.costs.note_step(1, time.perf_counter() - t0)
+        for t in range(1, self.config.num_speculative_tokens + 2):
+            t0 = time.perf_counter()
+            model.prefill(torch.zeros(1, t, dtype=torch.long), state, all_logits=True)
+            self.costs.note_verify(t, time.perf_counter() - t0)
+
+    def forget(self, seq: Sequence) -> None:
+        """The request left: drop its draft state, and log its acceptance."""
+        key = seq.req.request_id
+        if seq.spec_drafted:
+            log.info(json.dumps({"event": "speculation", "id": key,
+                                 "drafted": seq.spec_drafted, "accepted": seq.spec_accepted,
+                                 "rate": round(seq.spec_accepted / seq.spec_drafted, 3)}))
+        self.proposer.drop(key)
+        self.budget.drop(key)
+
+    def note_plain_step(self, rows: int, seconds: float) -> None:
+        self.costs.note_step(rows, seconds)
+
+    def _limit(self, seq: Sequence) -> int:
+        """Drafts worth verifying: none past max_tokens or the model's context."""
+        room = seq.params.max_tokens - len(seq.generated)
+        ctx = self.engine.model.info.context_limit
+        if ctx is not None:
+            room = min(room, ctx - seq.total_tokens)
+        return room - 1
+
+    def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
+        t0, drafted = time.perf_counter(), 0
+        out = []
+        for seq in seqs:
+            key = seq.req.request_id
+            limit = self._limit(seq)
+            k = (self.budget.length(key, limit) if self.config.adaptive
+                 else max(0, min(self.config.num_speculative_tokens, limit)))
+            history = seq.req.input_ids + seq.generated
+            out.append(self.proposer.propose(key, history, k) if k else [])
+            drafted += len(out[-1])
+        if isinstance(self.proposer, DraftModelProposer):
+            self.costs.note_draft(drafted, time.perf_counter() - t0)
+        return out
+
+    def step(self) -> bool:
+        """Run one speculative iteration over the running rows; False (nothing done) when
+        the batch is too large or no row has a draft, so that the engine steps plainly."""
+        engine = self.engine
+        seqs = engine.running
+        if len(seqs) > self.config.max_batch:
+            return False
+        drafts = self._drafts(seqs)
+        if not any(drafts):
+            return False
+        rows = [Row(seq, i, [seq.last_token or 0, *d], engine.pool.take(i))
+                for i, (seq, d) in enumerate(zip(seqs, drafts, strict=True))]
+        t0 = time.perf_counter()
+        logits, after = prefill_rows(engine.model, [r.feed for r in rows],
+                                     [r.before for r in rows])
+        self.costs.note_verify(sum(len(r.feed) for r in rows), time.perf_counter() - t0)
+        self.verifies += 1
+        self._accept(rows, logits)
+        self._keep_states(rows, after)
+        for row, draft in zip(rows, drafts, strict=True):
+            self._record(row, len(draft))
+        return True
+
+    def _accept(self, rows: list[Row], logits: list[torch.Tensor]) -> None:
+        """Sample position by position as plain decoding would; a row goes on while its
+        sample equals its next draft and it has not finished."""
+        engine, active = self.engine, list(range(len(rows)))
+        pos = 0
+        while active:
+            seqs = [rows[r].seq for r in active]
+            idx = torch.tensor([rows[r].slot for r in active])
+            counts, seen = engine.pool.counts[idx], engine.pool.seen[idx]
+            engine.sample_rows(seqs, torch.stack([logits[r][pos] for r in active]),
+                               counts, seen, idx)
+            still = []
+            for r in active:
+                row = rows[r]
+                row.fed = pos + 1
+                seq = row.seq
+                if (seq.finish_reason is None and pos + 1 < len(row.feed)
+                        and seq.generated[-1] == row.feed[pos + 1]):
+                    still.append(r)
+            active, pos = still, pos + 1
+
+    def _keep_states(self, rows: list[Row], after: list[State]) -> None:
+        """Write each row's kept state into its pool slot (replaying a row that stopped
+        before its last position)."""
+        pool, model = self.engine.pool, self.engine.model
+        short = [i for i, r in enumerate(rows) if r.fed < len(r.feed)]
+        if short:
+            t0 = time.perf_counter()
+            _, replayed = prefill_rows(model, [rows[i].feed[: rows[i].fed] for i in short],
+                                       [rows[i].before for i in short])
+            self.costs.note_verify(sum(rows[i].fed for i in short), time.perf_counter() - t0)
+            for i, st in zip(short, replayed, strict=True):
+                after[i] = st
+        for row, st in zip(rows, after, strict=True):
+            pool.put(row.slot, st)
+
+    def _record(self, row: Row, drafted: int) -> None:
+        key = row.seq.req.request_id
+        kept = row.fed - 1
+        self.proposer.commit(key, row.feed[: row.fed])
+        self.budget.record(key, drafted, kept)
+        self.drafted += drafted
+        self.accepted += kept
+        row.seq.spec_drafted += drafted
+        row.seq.spec_accepted += kept
+        if drafted:
+            metrics.SPEC_DRAFT_TOKENS.inc(drafted)
+            metrics.SPEC_ACCEPTED_TOKENS.inc(kept)
+            for pos in range(kept):
+                metrics.SPEC_ACCEPTED_BY_POSITION.labels(position=str(pos)).inc()
