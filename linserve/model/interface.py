@@ -19,6 +19,7 @@ from linserve.model.state import State, StateError
 from linserve.model.state_blob import STATE_FORMAT_VERSION
 from linserve.model.state_codec import PackedState, pack_state, unpack_state
 from linserve.model.tokenizer import Tokenizer
+from linserve.model.verify import Trail
 
 # The state is the server's to hold, copy, compress and ship, never to look inside.
 __all__ = ["STATE_FORMAT_VERSION", "CheckpointError", "ModelInfo", "PackedState",
@@ -92,6 +93,16 @@ class ServedModel(Protocol):
 
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         """One token per row ``[B]`` -> logits ``[B, V]``; advances ``state`` in place."""
+        ...
+
+    def verify(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, Trail]:
+        """Tokens ``[B, T]`` -> logits ``[B, T, V]``, every position's as a step gives it;
+        ``state`` advanced by all T in place, and the trail to land on an earlier position
+        (speculative decoding, :mod:`linserve.model.verify`)."""
+        ...
+
+    def keep(self, state: State, trail: Trail, fed: torch.Tensor) -> None:
+        """After :meth:`verify`: put row b after the first ``fed[b]`` of its T tokens."""
         ...
 
     def prefill_split(self, todo: int, cap: int, budget: int) -> int:

@@ -377,14 +377,14 @@ class State:
             for name, e in mine.items():
                 e.reserve_like(theirs[name], live)
 
-    def reserve_step(self, live: int) -> bool:
-        """Room for one more token in each of the first ``live`` rows (a slot pool's);
-        whether any tensor was reallocated (views of this state are then stale)."""
+    def reserve_step(self, live: int, tokens: int = 1) -> bool:
+        """Room for ``tokens`` more tokens in each of the first ``live`` rows (a slot
+        pool's); whether any tensor was reallocated (views of this state are then stale)."""
         kvs = self.kv_entries
         if not (live and kvs):
             return False
         before = [e.capacity for e in kvs]
-        self.reserve(int(self.lengths[:live].max()) + 1, live)
+        self.reserve(int(self.lengths[:live].max()) + tokens, live)
         return [e.capacity for e in kvs] != before
 
     def trim_kv(self) -> None:

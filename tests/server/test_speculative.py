@@ -121,9 +121,8 @@ TEXTS = ["ROMEO. But soft, what light through yonder window breaks? It is the ea
 
 
 def shipped(name: str) -> ServedModel:
-    """A shipped model in fp32 with the eager step (its verify and its step then agree
-    within fp32 rounding, so greedy text cannot flip on a near tie)."""
-    return loader.load(ROOT / "weights" / name, "float32", fused=False)
+    """A shipped model as served by default (bf16 where the CPU has it, the fused step)."""
+    return loader.load(ROOT / "weights" / name)
 
 
 @pytest.mark.parametrize("name", ["linear", "softmax", "window", "favor"])
@@ -137,7 +136,7 @@ def test_own_models_greedy_and_states_unchanged(name: str, method: str) -> None:
     config = spec("ngram") if method == "ngram" else spec("draft_model", model="x")
     draft = {"ngram": None, "self": model, "other": other}[method]
     tok = model.tokenizer()
-    eng = same_outputs(model, config, draft, GREEDY, exact_state=False,
+    eng = same_outputs(model, config, draft, GREEDY, exact_state=True,
                        ps=[tok.encode(t) for t in TEXTS])
     assert eng.spec is not None and eng.spec.drafted > 0
     if method == "self":  # a draft that agrees: every draft kept
@@ -151,10 +150,10 @@ def test_own_models_greedy_and_states_unchanged(name: str, method: str) -> None:
                                           ("kimi_linear", "plain-q"), ("mamba", "tied-r4")])
 def test_hf_families_greedy_unchanged(family: str, shape: str, tmp_path: Path) -> None:
     """Gated DeltaNet, short convolutions, Mamba2, KDA with MLA, Mamba: the same greedy
-    tokens; states within fp32 rounding (the native step sums in its own order)."""
+    tokens and the same states, bit for bit (in bf16 too)."""
     path = make(tmp_path, family, shape)
-    model = loader.load(path, "float32")
-    other = loader.load(make(tmp_path / "draft", family, shape, seed=3), "float32")
+    model = loader.load(path, "bfloat16")
+    other = loader.load(make(tmp_path / "draft", family, shape, seed=3), "bfloat16")
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 7)]
     for config, draft in ((spec("ngram", 4), None), (spec("draft_model", 2, model="x"), other)):
         ps = prompts(1, 500)[:2]
@@ -164,7 +163,7 @@ def test_hf_families_greedy_unchanged(family: str, shape: str, tmp_path: Path) -
         assert eng.spec is not None and (draft is None or eng.spec.drafted > 0)
         for rid, want in plain.items():
             assert fast[rid].token_ids == want.token_ids
-            assert states_close(fast[rid].final_state, want.final_state, exact=False)
+            assert states_close(fast[rid].final_state, want.final_state, exact=True)
 
 
 def test_seeded_sampling_is_the_same_under_every_option() -> None:
@@ -172,7 +171,6 @@ def test_seeded_sampling_is_the_same_under_every_option() -> None:
     top-p, top-k, min-p, the penalties and a logit bias (each position sampled from the
     logits plain decoding would have there, after the same processors)."""
     model = served(tiny_model("linear"))
-    model.model.set_fused_step(False)
     params = [SamplingParams(temperature=0.9, top_p=0.8, max_tokens=24, seed=11,
                              ignore_eos=True, presence_penalty=0.5),
               SamplingParams(temperature=1.2, top_k=5, min_p=0.05, max_tokens=18, seed=3,
@@ -180,15 +178,13 @@ def test_seeded_sampling_is_the_same_under_every_option() -> None:
                              logit_bias=((5, 3.0),)),
               SamplingParams(temperature=0.7, max_tokens=30, seed=5, ignore_eos=True)]
     me = served(tiny_model("linear"))
-    me.model.set_fused_step(False)
-    same_outputs(model, spec("draft_model", 4, model="x"), me, params, exact_state=False)
-    same_outputs(model, spec("ngram", 4), None, params, exact_state=False, seed=4)
+    same_outputs(model, spec("draft_model", 4, model="x"), me, params, exact_state=True)
+    same_outputs(model, spec("ngram", 4), None, params, exact_state=True, seed=4)
 
 
 def test_stops_end_where_plain_decoding_ends() -> None:
     """An EOS id, a stop string and max_tokens inside a draft: nothing past them is sent."""
     model = served(tiny_model("linear"))
-    model.model.set_fused_step(False)
     ps = prompts(2)
     base = run_all(engine(model), requests(
         ps, [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 3, "s"))
@@ -215,7 +211,6 @@ def test_stops_end_where_plain_decoding_ends() -> None:
 
 def test_acceptance_is_counted() -> None:
     model = served(tiny_model("linear"))
-    model.model.set_fused_step(False)
     eng = engine(model, spec("draft_model", 3, model="x"), model)
     ps = prompts(3)
     run_all(eng, requests(ps[:1], GREEDY[:1], "m"))
@@ -250,7 +245,6 @@ def test_sampled_tokens_keep_the_model_distribution(monkeypatch: pytest.MonkeyPa
     from linserve.server.engine import speculation
 
     model = served(tiny_model("linear", vocab_size=8))
-    model.model.set_fused_step(False)
     draft = served(tiny_model("linear", seed=5, vocab_size=8))
     prompt = [1, 2, 3]
     joint = _pair_distribution(model, prompt)

@@ -35,6 +35,7 @@ from linserve.model.layers import moe
 from linserve.model.state import State
 from linserve.model.state_blob import state_from_bytes, state_to_bytes
 from linserve.model.tokenizer import Tokenizer
+from linserve.model.verify import Trail, keep
 
 log = logging.getLogger("linserve")
 ALLOW = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
@@ -525,6 +526,12 @@ class HFServedModel:
 
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         return self.module.step(tokens, state)
+
+    def verify(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, Trail]:
+        return self.module.verify(tokens, state)
+
+    def keep(self, state: State, trail: Trail, fed: torch.Tensor) -> None:
+        keep(state, trail, fed)
 
     def prefill_split(self, todo: int, cap: int, budget: int) -> int:
         return invariant.prefill_split(todo, cap, budget, self.chunk)

@@ -32,6 +32,7 @@ from linserve.model.layers.own_step import FusedStep
 from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
 from linserve.model.state_blob import state_from_bytes, state_to_bytes
 from linserve.model.tokenizer import Tokenizer
+from linserve.model.verify import Trail, keep, verify_by_steps
 
 
 def empty_state(cfg: ModelConfig, batch: int = 1) -> State:
@@ -310,6 +311,13 @@ class OwnModel:
 
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         return self.model.step(tokens, state)
+
+    def verify(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, Trail]:
+        state.reserve(int(state.lengths.max()) + tokens.shape[1])
+        return verify_by_steps(self.model.step, tokens, state)
+
+    def keep(self, state: State, trail: Trail, fed: torch.Tensor) -> None:
+        keep(state, trail, fed)
 
     def prefill_split(self, todo: int, cap: int, budget: int) -> int:
         return invariant.prefill_split(todo, cap, budget, self.model.cfg.chunk_size)

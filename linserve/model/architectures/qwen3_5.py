@@ -39,6 +39,7 @@ from linserve.model.layers.norms import RMSNorm
 from linserve.model.layers.rope import inv_freq as rope_freqs
 from linserve.model.layers.rope import rope as shared_rope
 from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
+from linserve.model.verify import Trail, verify_by_steps
 
 log = logging.getLogger("linserve")
 
@@ -299,6 +300,9 @@ def _layer_weights(layer: DecoderLayer, cfg: Qwen35Config, experts: list[torch.T
             invariant.packed(at.o_proj), inv_freq(cfg), empty, *tail], ints
 
 
+_EMPTY = torch.empty(0)
+
+
 def _step_tensors(entries: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's state as the native step takes it: (S, conv window) or (keys, values)."""
     if "kv" in entries:
@@ -407,6 +411,28 @@ class Qwen35ForCausalLM(DecoderLM):
             state.lengths += 1
             return logits
         return self.step_eager(tokens, state)
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, Trail]:
+        """tokens ``[B, T]`` -> logits ``[B, T, V]``, the state advanced by all T and the
+        trail to land on any of them (:mod:`linserve.model.verify`): one native call
+        (``qwen35_verify``) where the step is native, else step by step."""
+        b, t = tokens.shape
+        state.reserve(int(state.lengths.max()) + t)
+        tensors = [x for entries in state.layers for x in _step_tensors(entries)]
+        args = self.fused_args() if kernels.available() else None
+        if args is None or not all(x.is_contiguous() for x in tensors):
+            return verify_by_steps(self.step, tokens, state)
+        kinds = args.ints[::5]
+        snaps = [torch.empty(t - 1, *x.shape) if kinds[i // 2] == 0 and t > 1 else _EMPTY
+                 for i, x in enumerate(tensors)]
+        logits = torch.ops.linserve.qwen35_verify(
+            tokens.t().contiguous().flatten(), args.weights, args.experts, tensors, snaps,
+            state.lengths, args.ints, self._dims(), self.cfg.rms_norm_eps, t)
+        state.lengths += t
+        kept = [x for x in snaps if x.numel()]
+        trail = Trail([[x[i] for x in kept] for i in range(t - 1)])
+        return logits.view(t, b, -1).transpose(0, 1), trail
 
     def _dims(self) -> list[int]:
         cfg = self.cfg

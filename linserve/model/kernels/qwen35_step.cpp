@@ -29,6 +29,13 @@
 //     moe.h's scoring + 4 if the top k are renormalised;
 //   dims: d, H, Hkv, D, rot, Hk, Hv, Dk, Dv, K (the MLP widths come from its weights).
 // Returns logits [B, V] fp32.
+//
+// qwen35_verify is the same model over T tokens per row (speculative decoding's verify,
+// model/verify.py): tokens [T B] position-major; every projection over the T B rows at once
+// (one read of the weights), each mixer position after position over the B rows with the
+// step's arithmetic (so a row's logits and state at each position are the step's, bit for
+// bit, with the batch-invariant GEMMs); snaps receive the GDN states after each position
+// but the last, so that the caller can land each row on the position its drafts end.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -68,19 +75,28 @@ void mlp_add(at::Tensor& x, const at::Tensor* w, const at::Tensor* experts, cons
                                 linserve::moe::router_from(ints[3], ints[4], 0.f, 1.f)));
 }
 
-// x += out(gdn(in(norm(x)))).
+// x += out(gdn(in(norm(x)))); x holds T positions of B rows, position-major (row t B + b
+// is row b's t-th token: T = 1 for a step). The projections run over every row at once; the
+// recurrence position after position over the B rows, as T steps would. After each position
+// but the last, s and the window are copied to s_snap[t], w_snap[t] (when given).
 void gdn_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& s, at::Tensor& window,
-               const Dims& m) {
-  const int64_t rows = x.size(0), c_len = 2 * m.hk * m.dk + m.hv * m.dv;
+               const Dims& m, int64_t positions, at::Tensor* s_snap, at::Tensor* w_snap) {
+  const int64_t rows = x.size(0) / positions, c_len = 2 * m.hk * m.dk + m.hv * m.dv;
   at::Tensor proj = linserve::project(linserve::normed(x, w[0], m.eps), w[1]);
-  const float* p = proj.data_ptr<float>();
-  at::Tensor out = at::empty({rows, m.hv * m.dv}, x.options());
+  const int64_t ld = proj.size(1), vd = m.hv * m.dv;
+  at::Tensor out = at::empty({x.size(0), vd}, x.options());
   const linserve::gdn::Shape sh{m.hk, m.hv, m.dk, m.dv, c_len, m.k, m.eps};
-  const int64_t vd = m.hv * m.dv;
-  linserve::gdn::step({p, p + c_len, p + c_len + vd + m.hv, p + c_len + vd, proj.size(1)},
-                      window.data_ptr<float>(), w[2].data_ptr<float>(), w[3].data_ptr<float>(),
-                      w[4].data_ptr<float>(), s.data_ptr<float>(), w[5].data_ptr<float>(),
-                      out.data_ptr<float>(), rows, sh);
+  for (int64_t t = 0; t < positions; ++t) {
+    const float* p = proj.data_ptr<float>() + t * rows * ld;
+    linserve::gdn::step({p, p + c_len, p + c_len + vd + m.hv, p + c_len + vd, ld},
+                        window.data_ptr<float>(), w[2].data_ptr<float>(),
+                        w[3].data_ptr<float>(), w[4].data_ptr<float>(), s.data_ptr<float>(),
+                        w[5].data_ptr<float>(), out.data_ptr<float>() + t * rows * vd, rows, sh);
+    if (s_snap != nullptr && t + 1 < positions) {
+      s_snap->select(0, t).copy_(s);
+      w_snap->select(0, t).copy_(window);
+    }
+  }
   linserve::project_add(x, out, w[6]);
 }
 
@@ -110,14 +126,13 @@ void write_kv(const at::Tensor& qkv, const at::Tensor* w, at::Tensor& kc, at::Te
   }
 }
 
-// x += o(attention(norm(x)) * sigmoid(gate)).
-void attention_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& kc, at::Tensor& vc,
-                     const int64_t* lengths, const Dims& m) {
-  const int64_t rows = x.size(0), dh = m.head, rep = m.h / m.hkv, cap = kc.size(2);
-  at::Tensor qkv = linserve::project(linserve::normed(x, w[0], m.eps), w[1]);
+// One position of the B rows: their keys and values into the cache at lengths[r] and
+// attention over the cache up to them, into o [B, H D], gated.
+void attend_rows(const at::Tensor& qkv, const at::Tensor* w, at::Tensor& kc, at::Tensor& vc,
+                 const int64_t* lengths, const Dims& m, at::Tensor o) {
+  const int64_t rows = qkv.size(0), dh = m.head, rep = m.h / m.hkv, cap = kc.size(2);
   std::vector<float> q(rows * m.h * dh);
   write_kv(qkv, w, kc, vc, lengths, m, q);
-  at::Tensor o = at::empty({rows, m.h * dh}, x.options());
   const float* gates = qkv.data_ptr<float>();
   at::parallel_for(0, rows * m.hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -134,47 +149,91 @@ void attention_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& kc, at::Ten
       }
     }
   });
+}
+
+// x += o(attention(norm(x)) * sigmoid(gate)); x holds T positions of B rows as in
+// gdn_layer, position t of row r at cache position lengths[r] + t.
+void attention_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& kc, at::Tensor& vc,
+                     const int64_t* lengths, const Dims& m, int64_t positions) {
+  const int64_t rows = x.size(0) / positions;
+  at::Tensor qkv = linserve::project(linserve::normed(x, w[0], m.eps), w[1]);
+  at::Tensor o = at::empty({x.size(0), m.h * m.head}, x.options());
+  std::vector<int64_t> at_pos(lengths, lengths + rows);
+  for (int64_t t = 0; t < positions; ++t) {
+    attend_rows(qkv.narrow(0, t * rows, rows), w, kc, vc, at_pos.data(), m,
+                o.narrow(0, t * rows, rows));
+    for (int64_t& p : at_pos) ++p;
+  }
   linserve::project_add(x, o, w[4]);
 }
 
-at::Tensor qwen35_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList experts,
-                       at::TensorList state, const at::Tensor& lengths, at::IntArrayRef ints,
-                       at::IntArrayRef dims, double eps) {
+// The whole model over T positions of B rows (tokens [T B], position-major); snaps: per
+// state tensor, [T - 1, B, ...] for the GDN layers' two (empty: none kept, or a KV layer).
+at::Tensor forward(const at::Tensor& tokens, at::TensorList weights, at::TensorList experts,
+                   at::TensorList state, at::TensorList snaps, const at::Tensor& lengths,
+                   at::IntArrayRef ints, at::IntArrayRef dims, double eps, int64_t positions) {
   TORCH_CHECK(dims.size() == 10, "qwen35_step: 10 dims");
   const Dims m{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8],
                dims[9], static_cast<float>(eps)};
   const int64_t layers = static_cast<int64_t>(ints.size()) / kInts;
+  const int64_t rows = lengths.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 3 + kLayerWeights * layers &&
                   static_cast<int64_t>(state.size()) == 2 * layers,
               "qwen35_step: weights or state do not match the layer kinds");
+  TORCH_CHECK(snaps.empty() || snaps.size() == state.size(), "qwen35_step: snaps per state");
   TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
-                  lengths.size(0) == tokens.size(0), "qwen35_step: lengths [B] int64");
+                  tokens.size(0) == rows * positions, "qwen35_step: lengths [B] int64");
   for (const at::Tensor& t : state)
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                    t.size(0) == tokens.size(0), "qwen35_step: state is fp32 contiguous [B, ...]");
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.size(0) == rows,
+                "qwen35_step: state is fp32 contiguous [B, ...]");
   at::Tensor x = linserve::embed_rows(weights[0], tokens, m.d, weights[0].is_same(weights[1]));
   const int64_t* len = lengths.data_ptr<int64_t>();
+  std::vector<at::Tensor> snap(snaps.begin(), snaps.end());
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + 3 + l * kLayerWeights;
     at::Tensor a = state[2 * l], b = state[2 * l + 1];
     const int64_t* li = ints.data() + l * kInts;
     if (li[0] == 0) {
-      gdn_layer(x, w, a, b, m);
+      const bool keep = !snap.empty() && snap[2 * l].numel() > 0;
+      gdn_layer(x, w, a, b, m, positions, keep ? &snap[2 * l] : nullptr,
+                keep ? &snap[2 * l + 1] : nullptr);
     } else {
-      attention_layer(x, w, a, b, len, m);
+      attention_layer(x, w, a, b, len, m, positions);
     }
     mlp_add(x, w + kMixerWeights, experts.data(), li, m);
   }
   return linserve::project(linserve::normed(x, weights[2], m.eps), weights[1]);
 }
 
+at::Tensor qwen35_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList experts,
+                       at::TensorList state, const at::Tensor& lengths, at::IntArrayRef ints,
+                       at::IntArrayRef dims, double eps) {
+  return forward(tokens, weights, experts, state, {}, lengths, ints, dims, eps, 1);
+}
+
+// A verify: T tokens per row (tokens [T B], position-major) -> logits [T B, V], the state
+// after all T, and the GDN states after each earlier position in snaps.
+at::Tensor qwen35_verify(const at::Tensor& tokens, at::TensorList weights,
+                         at::TensorList experts, at::TensorList state, at::TensorList snaps,
+                         const at::Tensor& lengths, at::IntArrayRef ints, at::IntArrayRef dims,
+                         double eps, int64_t positions) {
+  TORCH_CHECK(positions >= 1, "qwen35_verify: at least one position");
+  return forward(tokens, weights, experts, state, snaps, lengths, ints, dims, eps, positions);
+}
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def(
       "qwen35_step(Tensor tokens, Tensor[] weights, Tensor[] experts, Tensor(a!)[] state, "
       "Tensor lengths, int[] ints, int[] dims, float eps) -> Tensor");
+  m.def(
+      "qwen35_verify(Tensor tokens, Tensor[] weights, Tensor[] experts, Tensor(a!)[] state, "
+      "Tensor(b!)[] snaps, Tensor lengths, int[] ints, int[] dims, float eps, int positions) "
+      "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("qwen35_step", &qwen35_step); }
+TORCH_LIBRARY_IMPL(linserve, CPU, m) {
+  m.impl("qwen35_step", &qwen35_step);
+  m.impl("qwen35_verify", &qwen35_verify);
+}
 
 }  // namespace qwen35_step_cpp

@@ -24,6 +24,7 @@ from linserve.model.invariant import Linear
 from linserve.model.layers import native_step
 from linserve.model.layers.block import build_weights
 from linserve.model.state import State
+from linserve.model.verify import Trail, verify_by_steps
 
 
 class Body(nn.Module):
@@ -133,6 +134,13 @@ class DecoderLM(nn.Module):
                 state.lengths += 1
                 return logits
         return self.step_eager(tokens, state)
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, Trail]:
+        """tokens ``[B, T]`` -> logits ``[B, T, V]`` and the trail of a verify
+        (:mod:`linserve.model.verify`), a step per position (families with a native verify
+        override it)."""
+        return verify_by_steps(self.step, tokens, state)
 
     @torch.inference_mode()
     def step_eager(self, tokens: torch.Tensor, state: State) -> torch.Tensor:

@@ -60,9 +60,9 @@ class SlotPool:
             self._view = self.state.rows(self.n)
         return self._view
 
-    def reserve_step(self) -> None:
-        """Make sure every live row has room for one more token (KV caches grow)."""
-        if self.state.reserve_step(self.n):
+    def reserve_step(self, tokens: int = 1) -> None:
+        """Make sure every live row has room for ``tokens`` more (KV caches grow)."""
+        if self.state.reserve_step(self.n, tokens):
             self._view = None
 
     def add(self, row: State, seen_ids: list[int], generated: list[int]) -> int:
@@ -84,12 +84,6 @@ class SlotPool:
         self.n += 1
         self._view = None
         return slot
-
-    def put(self, slot: int, row: State) -> None:
-        """Overwrite live ``slot`` with the single-row state ``row`` (a verify's kept state)."""
-        self.state.reserve_like(row, live=self.n)
-        self.state.write_rows(slice(slot, slot + 1), row)
-        self._view = None
 
     def take(self, slot: int) -> State:
         """A standalone copy of one row (e.g. to save a session)."""

@@ -1,16 +1,15 @@
 """One speculative decode iteration: draft, verify in one pass, keep what plain decoding keeps.
 
 Each running row feeds its pending token and its drafts d1..dk (:mod:`linserve.server.
-speculative.proposers`) in one call of the model's prefill with every position's logits (rows
-of different lengths in one ragged pass where the model has one). Position by position, each
-row then samples from the served model's logits exactly as a plain step would (the same
-penalties, bias, grammar mask and seeded draw at that position): the row goes on while the
-sampled token equals the next draft. With greedy drafts this is Leviathan et al.'s rejection
-sampling, and a seeded request samples the very tokens it samples without speculation.
-
-A row that kept every draft keeps the verify's state; one that stopped at position j is
-replayed, its j + 1 fed tokens prefilled from the state before the verify (one ragged call
-for every such row), so its state is the one plain prefill of those tokens writes.
+speculative.proposers`) in one :meth:`~linserve.model.interface.ServedModel.verify` of the
+slot pool's rows, in place: T = 1 + the longest draft tokens per row (shorter rows padded),
+every position's logits as a plain step computes them. Position by position, each row then
+samples from those logits exactly as a plain step would (the same penalties, bias, grammar
+mask and seeded draw at that position): the row goes on while the sampled token equals its
+next draft. With greedy drafts this is Leviathan et al.'s rejection sampling, and a seeded
+request samples the very tokens it samples without speculation. Finally
+:meth:`~linserve.model.interface.ServedModel.keep` puts each row's state after the tokens it
+kept, from the verify's trail (a KV cache by its length alone).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from linserve.model.interface import ServedModel, State
+from linserve.model.interface import ServedModel
 from linserve.server import metrics
 from linserve.server.speculative.acceptance import CostModel, DraftBudget
 from linserve.server.speculative.config import SpeculativeConfig
@@ -38,14 +37,13 @@ log = logging.getLogger("linserve.engine")
 
 @dataclass
 class Row:
-    """One row of a verify: the tokens it feeds (pending token, then drafts) and the state
-    before them."""
+    """One row of a verify: its slot, the tokens it feeds (pending token, then drafts) and
+    how many positions were sampled (the tokens its kept state consumes)."""
 
     seq: Sequence
     slot: int
     feed: list[int]
-    before: State
-    fed: int = 0  # positions sampled (tokens the kept state consumes)
+    fed: int = 0
 
 
 def build_proposer(config: SpeculativeConfig, draft: ServedModel | None) -> Proposer:
@@ -53,21 +51,6 @@ def build_proposer(config: SpeculativeConfig, draft: ServedModel | None) -> Prop
         return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
     assert draft is not None, "draft_model needs its model loaded"
     return DraftModelProposer(draft)
-
-
-def prefill_rows(model: ServedModel, feeds: list[list[int]], states: list[State]
-                 ) -> tuple[list[torch.Tensor], list[State]]:
-    """Every position's logits ``[T_i, V]`` and the new state of each row fed ``feeds[i]``
-    after ``states[i]`` (not modified): one ragged pass where the model has it."""
-    if model.info.ragged_prefill and len(feeds) > 1:
-        logits, new = model.prefill_ragged(feeds, list(states), all_logits=True)
-        return [logits[i, : len(f)] for i, f in enumerate(feeds)], new
-    out, news = [], []
-    for feed, state in zip(feeds, states, strict=True):
-        logits, st = model.prefill(torch.tensor([feed]), state, all_logits=True)
-        out.append(logits[0])
-        news.append(st)
-    return out, news
 
 
 class Speculator:
@@ -91,7 +74,7 @@ class Speculator:
             self.costs.note_step(1, time.perf_counter() - t0)
         for t in range(1, self.config.num_speculative_tokens + 2):
             t0 = time.perf_counter()
-            model.prefill(torch.zeros(1, t, dtype=torch.long), state, all_logits=True)
+            model.verify(torch.zeros(1, t, dtype=torch.long), state.copy())
             self.costs.note_verify(t, time.perf_counter() - t0)
 
     def forget(self, seq: Sequence) -> None:
@@ -140,15 +123,18 @@ class Speculator:
         drafts = self._drafts(seqs)
         if not any(drafts):
             return False
-        rows = [Row(seq, i, [seq.last_token or 0, *d], engine.pool.take(i))
-                for i, (seq, d) in enumerate(zip(seqs, drafts, strict=True))]
+        width = 1 + max(len(d) for d in drafts)
+        rows = [Row(seq, i, [seq.last_token or 0, *d]) for i, (seq, d) in
+                enumerate(zip(seqs, drafts, strict=True))]
+        tokens = torch.tensor([r.feed + [0] * (width - len(r.feed)) for r in rows])
+        engine.pool.reserve_step(width)
+        view = engine.pool.view()
         t0 = time.perf_counter()
-        logits, after = prefill_rows(engine.model, [r.feed for r in rows],
-                                     [r.before for r in rows])
-        self.costs.note_verify(sum(len(r.feed) for r in rows), time.perf_counter() - t0)
+        logits, trail = engine.model.verify(tokens, view)
+        self.costs.note_verify(tokens.numel(), time.perf_counter() - t0)
         self.verifies += 1
-        self._accept(rows, logits)
-        self._keep_states(rows, after)
+        self._accept(rows, list(logits))
+        engine.model.keep(view, trail, torch.tensor([r.fed for r in rows]))
         for row, draft in zip(rows, drafts, strict=True):
             self._record(row, len(draft))
         return True
@@ -173,21 +159,6 @@ class Speculator:
                         and seq.generated[-1] == row.feed[pos + 1]):
                     still.append(r)
             active, pos = still, pos + 1
-
-    def _keep_states(self, rows: list[Row], after: list[State]) -> None:
-        """Write each row's kept state into its pool slot (replaying a row that stopped
-        before its last position)."""
-        pool, model = self.engine.pool, self.engine.model
-        short = [i for i, r in enumerate(rows) if r.fed < len(r.feed)]
-        if short:
-            t0 = time.perf_counter()
-            _, replayed = prefill_rows(model, [rows[i].feed[: rows[i].fed] for i in short],
-                                       [rows[i].before for i in short])
-            self.costs.note_verify(sum(rows[i].fed for i in short), time.perf_counter() - t0)
-            for i, st in zip(short, replayed, strict=True):
-                after[i] = st
-        for row, st in zip(rows, after, strict=True):
-            pool.put(row.slot, st)
 
     def _record(self, row: Row, drafted: int) -> None:
         key = row.seq.req.request_id

@@ -1,0 +1,177 @@
+"""``python -m bench.spec_decode``: what speculative decoding costs and gives on a CPU.
+
+1. **Verify cost** T(k+1) ÷ T(1): one verify of k drafts (the served model's prefill of k + 1
+   tokens with every position's logits) over one plain decode step, batch 1, on a checkpoint
+   (default: random weights of Qwen3.5-0.8B's shapes, ``python -m bench.hf``), in bf16,
+   int8 and int4, timed alternately.
+2. **Speedup against acceptance** at batch 1: the engine generating with drafts that are the
+   model's own greedy continuation, each position's draft replaced by a wrong token with
+   probability 1 − α (an oracle proposer, so that α is what is measured against), k = 3,
+   and adaptive (the default) at α = 0, against plain decoding.
+3. **16 streams** with ``--speculative-config`` on (the batch is above ``max_batch``, so
+   every step is plain) against it off.
+
+Writes ``bench/results/spec_decode.json`` and ``spec_decode.png``. Never run by CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import machine, print_table, save_figure, time_interleaved, write_json
+from linserve.model import loader
+from linserve.model.interface import ServedModel
+from linserve.model.sampling import SamplingParams
+from linserve.server.engine.engine import Engine, EngineLimits
+from linserve.server.engine.types import GenerationRequest
+from linserve.server.speculative.config import SpeculativeConfig
+
+K = 3
+
+
+def verify_costs(path: Path, quant: str, k_max: int = 5) -> dict[str, Any]:
+    model = loader.load(path, "bfloat16", quantization=quant)
+    _, state = model.prefill(torch.randint(0, 1000, (1, 64)))
+    fns: dict[str, Callable[[], object]] = {
+        "step": lambda: model.step(torch.tensor([5]), state.copy())}
+    for t in range(1, k_max + 1):
+        fns[f"T{t}"] = partial(model.prefill, torch.randint(0, 1000, (1, t)), state, True)
+    ms = time_interleaved(fns, rounds=5, round_seconds=0.5)
+    row: dict[str, Any] = {"quantization": quant, "step_ms": round(ms["step"], 2)}
+    for t in range(1, k_max + 1):
+        row[f"k={t - 1}"] = round(ms[f"T{t}"] / ms["step"], 3)
+    return row
+
+
+def config(**extra: object) -> SpeculativeConfig:
+    return SpeculativeConfig.model_validate({"method": "ngram", "num_speculative_tokens": K,
+                                             **extra})
+
+
+class Oracle:
+    """Drafts the reference continuation, each token wrong with probability 1 − α."""
+
+    def __init__(self, reference: list[int], prompt_len: int, alpha: float) -> None:
+        self.ref, self.n, self.alpha = reference, prompt_len, alpha
+        self.rng = random.Random(0)
+
+    def propose(self, key: str, history: list[int], k: int) -> list[int]:
+        at = len(history) - self.n
+        out = []
+        for tok in self.ref[at: at + k]:
+            out.append(tok if self.rng.random() < self.alpha else (tok + 1) % 1000)
+        return out
+
+    def commit(self, key: str, fed: list[int]) -> None:
+        pass
+
+    def drop(self, key: str) -> None:
+        pass
+
+
+def generate(model: ServedModel, prompts: list[list[int]], n: int,
+             config: SpeculativeConfig | None, oracle: Oracle | None = None
+             ) -> tuple[float, list[list[int]], Engine]:
+    """Seconds to generate ``n`` greedy tokens for every prompt at once, and the tokens."""
+    eng = Engine(model, EngineLimits(max_running=32), lambda _: None, speculative=config)
+    if oracle is not None and eng.spec is not None:
+        eng.spec.proposer = oracle
+    outs: dict[str, list[int]] = {}
+    eng.deliver = lambda batch: [outs.setdefault(str(s), []).extend(o.token_ids)  # type: ignore
+                                 for s, o in batch]
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.submit(GenerationRequest(f"g{i}", p, params), f"g{i}")  # type: ignore[arg-type]
+    eng.iterate()  # the prompts' prefill and first tokens, not timed
+    t0 = time.perf_counter()
+    while eng.running or eng.prefilling or eng.waiting:
+        eng.iterate()
+    return time.perf_counter() - t0, [outs[f"g{i}"] for i in range(len(prompts))], eng
+
+
+def acceptance_sweep(path: Path, n: int) -> list[dict[str, Any]]:
+    model = loader.load(path, "bfloat16")
+    prompt = torch.randint(0, 1000, (48,)).tolist()
+    cfg = config(adaptive=False)
+    adaptive = config()
+    plain_s, ref, _ = generate(model, [prompt], n, None)
+    rows = []
+    for alpha in (0.0, 0.5, 0.7, 0.8, 0.9, 1.0):
+        for name, c in ((f"k={K}", cfg), ("adaptive", adaptive)):
+            if name == "adaptive" and alpha not in (0.0, 1.0):
+                continue
+            best = float("inf")
+            for _ in range(2):
+                plain_s = min(plain_s, generate(model, [prompt], n, None)[0])
+                secs, toks, eng = generate(model, [prompt], n, c, Oracle(ref[0], 48, alpha))
+                assert toks == ref, "speculation changed the greedy text"
+                best = min(best, secs)
+            assert eng.spec is not None
+            rows.append({"alpha": alpha, "mode": name, "plain_tok_s": round((n - 1) / plain_s, 2),
+                         "spec_tok_s": round((n - 1) / best, 2),
+                         "speedup": round(plain_s / best, 3),
+                         "kept": f"{eng.spec.accepted}/{eng.spec.drafted}"})
+    return rows
+
+
+def streams(path: Path, n: int, rows: int = 16) -> dict[str, Any]:
+    model = loader.load(path, "bfloat16")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1000, (32,), generator=g).tolist() for _ in range(rows)]
+    cfg = config()
+    times: dict[str, float] = {"plain": float("inf"), "spec": float("inf")}
+    for _ in range(2):
+        for name, c in (("plain", None), ("spec", cfg)):
+            times[name] = min(times[name], generate(model, prompts, n, c)[0])
+    return {"streams": rows, "plain_s": round(times["plain"], 2),
+            "spec_s": round(times["spec"], 2),
+            "ratio": round(times["plain"] / times["spec"], 3)}
+
+
+def plot(sweep: list[dict[str, Any]], costs: list[dict[str, Any]]) -> None:
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for c in costs:
+        ks = [k for k in c if k.startswith("k=")]
+        a.plot([int(k[2:]) for k in ks], [c[k] for k in ks], marker="o", label=c["quantization"])
+    a.axhline(1.3, ls=":", c="grey")
+    a.set(xlabel="drafts k", ylabel="T(k+1) / T(1)", title="verify cost, batch 1")
+    a.legend()
+    fixed = [r for r in sweep if r["mode"] == f"k={K}"]
+    b.plot([r["alpha"] for r in fixed], [r["speedup"] for r in fixed], marker="o",
+           label=f"k={K}")
+    ad = [r for r in sweep if r["mode"] == "adaptive"]
+    b.plot([r["alpha"] for r in ad], [r["speedup"] for r in ad], "s", label="adaptive")
+    b.axhline(1.0, ls=":", c="grey")
+    b.set(xlabel="acceptance α", ylabel="speedup over plain decoding",
+          title="batch 1, greedy")
+    b.legend()
+    save_figure(fig, "spec_decode.png")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3.5-0.8b-shapes"))
+    p.add_argument("--tokens", type=int, default=48)
+    args = p.parse_args()
+    costs = [verify_costs(args.checkpoint, q) for q in ("none", "int8", "int4")]
+    print_table(costs, list(costs[0]))
+    sweep = acceptance_sweep(args.checkpoint, args.tokens)
+    print_table(sweep, list(sweep[0]))
+    many = streams(args.checkpoint, 24)
+    print(many)
+    write_json("spec_decode", {"machine": machine(), "checkpoint": str(args.checkpoint),
+                               "verify_cost": costs, "acceptance": sweep, "streams": many})
+    plot(sweep, costs)
+
+
+if __name__ == "__main__":
+    main()
