@@ -1,7 +1,8 @@
 """``python -m bench.spec_decode``: what speculative decoding costs and gives on a CPU.
 
-1. **Verify cost** T(k+1) ÷ T(1): one verify of k drafts (the served model's prefill of k + 1
-   tokens with every position's logits) over one plain decode step, batch 1, on a checkpoint
+1. **Verify cost** T(k+1) ÷ T(1): one verify of k drafts (``ServedModel.verify`` of k + 1
+   tokens, the native ``qwen35_verify`` for Qwen3.5) over one plain decode step, batch 1, on
+   a checkpoint
    (default: random weights of Qwen3.5-0.8B's shapes, ``python -m bench.hf``), in bf16,
    int8 and int4, timed alternately.
 2. **Speedup against acceptance** at batch 1: the engine generating with drafts that are the
@@ -43,7 +44,8 @@ def verify_costs(path: Path, quant: str, k_max: int = 5) -> dict[str, Any]:
     fns: dict[str, Callable[[], object]] = {
         "step": lambda: model.step(torch.tensor([5]), state.copy())}
     for t in range(1, k_max + 1):
-        fns[f"T{t}"] = partial(model.prefill, torch.randint(0, 1000, (1, t)), state, True)
+        toks = torch.randint(0, 1000, (1, t))
+        fns[f"T{t}"] = partial(lambda x: model.verify(x, state.copy()), toks)
     ms = time_interleaved(fns, rounds=5, round_seconds=0.5)
     row: dict[str, Any] = {"quantization": quant, "step_ms": round(ms["step"], 2)}
     for t in range(1, k_max + 1):

@@ -87,6 +87,25 @@ def test_families_verify_is_steps(family: str, shape: str, tmp_path: Path) -> No
     _check(loader.load(make(tmp_path, family, shape), "bfloat16"))
 
 
+@pytest.mark.parametrize("family,shape", [("lfm2", "a2-tied"), ("lfm2_moe", "e6k2-tied"),
+                                          ("granitemoehybrid", "rope-g2"),
+                                          ("granitemoehybrid", "moe-e5k2"),
+                                          ("nemotron_h", "moe-e6k3-latent")])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decoder_native_verify_is_steps(family: str, shape: str, dtype: str, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """LFM2's short convolutions, Mamba2, attention and experts in ``decoder_verify``."""
+    from linserve.model.layers import decoder
+
+    def no_fallback(*_: object) -> None:
+        raise AssertionError("decoder_verify did not run")
+
+    monkeypatch.setattr(decoder, "verify_by_steps", no_fallback)
+    model = loader.load(make(tmp_path, family, shape), dtype)
+    assert model.info.decode_step.startswith("fused")
+    _check(model)
+
+
 @pytest.mark.parametrize("kind", ["linear", "gated", "softmax", "window", "favor"])
 def test_own_models_verify_is_steps(kind: str) -> None:
     extra = {"window": 8} if kind == "window" else {}

@@ -40,7 +40,8 @@
 //     gated norm's eps; experts: the top-k norm's eps, the routed scaling factor);
 //   dims: d, H, Hkv, D, rot, Hm, P, N, G;
 //   scalars: final norm eps, embedding scale, logits scale (logits are divided by it).
-// Returns logits [B, V] fp32.
+// Returns logits [B, V] fp32. decoder_verify is the same model over T tokens per row
+// (speculative decoding's verify; see Positions below and qwen35_step.cpp's header).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -118,42 +119,70 @@ void write_qkv(const at::Tensor& qkv, const at::Tensor* w, at::Tensor& kc, at::T
   }
 }
 
-// Weights: qkv, q_norm, k_norm, o, inv_freq. h [B, d] -> [B, d].
+// A verify's positions: h holds T positions of B rows, position-major (row t B + b is row
+// b's t-th token; T = 1 for a step); the projections run over every row at once, a mixer's
+// recurrence position after position over the B rows, as T steps would. After each position
+// but the last, a mixer's state tensors are copied to a[t] and b[t] of ``snaps`` (if given).
+struct Positions {
+  int64_t count = 1;
+  at::Tensor* snap_a = nullptr;
+  at::Tensor* snap_b = nullptr;
+
+  void keep(int64_t t, const at::Tensor& a, const at::Tensor& b) const {
+    if (snap_a == nullptr || t + 1 >= count) return;
+    snap_a->select(0, t).copy_(a);
+    if (snap_b != nullptr && b.defined() && b.numel() > 0) snap_b->select(0, t).copy_(b);
+  }
+};
+
+// Weights: qkv, q_norm, k_norm, o, inv_freq. h [T B, d] -> [T B, d]; position t of row r at
+// cache position lengths[r] + t.
 at::Tensor attention(const at::Tensor& h, const at::Tensor* w, at::Tensor& kc, at::Tensor& vc,
-                     const int64_t* lengths, const Dims& m, const Part& p) {
-  const int64_t rows = h.size(0), dh = m.head, rep = m.h / m.hkv, cap = kc.size(2);
+                     const int64_t* lengths, const Dims& m, const Part& p,
+                     const Positions& pos) {
+  const int64_t rows = h.size(0) / pos.count, dh = m.head, rep = m.h / m.hkv, cap = kc.size(2);
   const at::Tensor qkv = linserve::project(h, w[0]);
-  std::vector<float> q(rows * m.h * dh);
-  write_qkv(qkv, w, kc, vc, lengths, m, p, q);
-  at::Tensor o = at::empty({rows, m.h * dh}, h.options());
-  at::parallel_for(0, rows * m.hkv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t r = t / m.hkv, g = t % m.hkv, len = lengths[r] + 1;
-      std::vector<float> scores(std::min(rep, linserve::kGroupHeads) * len);
-      const int64_t at_group = (r * m.hkv + g) * cap * dh;
-      linserve::attend_group(q.data() + (r * m.h + g * rep) * dh, kc.data_ptr<float>() + at_group,
-                             vc.data_ptr<float>() + at_group, rep, len, dh,
-                             o.data_ptr<float>() + (r * m.h + g * rep) * dh, scores.data());
-    }
-  });
+  at::Tensor o = at::empty({h.size(0), m.h * dh}, h.options());
+  std::vector<int64_t> at_pos(lengths, lengths + rows);
+  for (int64_t t = 0; t < pos.count; ++t) {
+    std::vector<float> q(rows * m.h * dh);
+    write_qkv(qkv.narrow(0, t * rows, rows), w, kc, vc, at_pos.data(), m, p, q);
+    float* o_t = o.data_ptr<float>() + t * rows * m.h * dh;
+    at::parallel_for(0, rows * m.hkv, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t r = task / m.hkv, g = task % m.hkv, len = at_pos[r] + 1;
+        std::vector<float> scores(std::min(rep, linserve::kGroupHeads) * len);
+        const int64_t at_group = (r * m.hkv + g) * cap * dh;
+        linserve::attend_group(q.data() + (r * m.h + g * rep) * dh,
+                               kc.data_ptr<float>() + at_group,
+                               vc.data_ptr<float>() + at_group, rep, len, dh,
+                               o_t + (r * m.h + g * rep) * dh, scores.data());
+      }
+    });
+    for (int64_t& at : at_pos) ++at;
+  }
   return linserve::project(o, w[3]);
 }
 
-// Weights: in [d, 3d], conv [K, d], out [d, d].
+// Weights: in [d, 3d], conv [K, d], out [d, d]. h [T B, d] -> [T B, d].
 at::Tensor short_conv(const at::Tensor& h, const at::Tensor* w, at::Tensor& window,
-                      const Dims& m) {
-  const int64_t rows = h.size(0), d = m.d, k = w[1].size(0);
+                      const Dims& m, const Positions& pos) {
+  const int64_t rows = h.size(0) / pos.count, d = m.d, k = w[1].size(0);
   const at::Tensor proj = linserve::project(h, w[0]);
-  at::Tensor mixed = at::empty({rows, d}, h.options());
+  at::Tensor mixed = at::empty({h.size(0), d}, h.options());
   std::vector<float> bx(d), y(d);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* p = proj.data_ptr<float>() + r * 3 * d;  // B | C | x
-    for (int64_t c = 0; c < d; ++c) bx[c] = p[c] * p[2 * d + c];
-    float* win = window.data_ptr<float>() + r * (k - 1) * d;
-    linserve::gdn::conv_sum(win, bx.data(), w[1].data_ptr<float>(), y.data(), d, k);
-    linserve::gdn::shift_window(win, bx.data(), d, k);
-    float* out = mixed.data_ptr<float>() + r * d;
-    for (int64_t c = 0; c < d; ++c) out[c] = p[d + c] * y[c];
+  for (int64_t t = 0; t < pos.count; ++t) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = t * rows + r;
+      const float* p = proj.data_ptr<float>() + row * 3 * d;  // B | C | x
+      for (int64_t c = 0; c < d; ++c) bx[c] = p[c] * p[2 * d + c];
+      float* win = window.data_ptr<float>() + r * (k - 1) * d;
+      linserve::gdn::conv_sum(win, bx.data(), w[1].data_ptr<float>(), y.data(), d, k);
+      linserve::gdn::shift_window(win, bx.data(), d, k);
+      float* out = mixed.data_ptr<float>() + row * d;
+      for (int64_t c = 0; c < d; ++c) out[c] = p[d + c] * y[c];
+    }
+    pos.keep(t, window, at::Tensor());
   }
   return linserve::project(mixed, w[2]);
 }
@@ -186,19 +215,15 @@ void ssm_heads(const float* xbc, const float* dt_raw, const at::Tensor* w, float
   }
 }
 
-// Weights: in, conv [K, C], conv bias [C] (or empty), A_log, dt_bias, D [Hm], norm [inner]
-// (or empty), out [inner, d].
-at::Tensor mamba2(const at::Tensor& h, const at::Tensor* w, at::Tensor& s, at::Tensor& window,
-                  const Dims& m, const Part& p) {
-  const int64_t rows = h.size(0), inner = m.mh * m.mp, conv = inner + 2 * m.mg * m.mn;
+// One position of the B rows of a Mamba2 layer (proj, xbc and y from their first row):
+// the convolutions, bias and SiLU over xBC, then the SSM update of every head.
+void mamba2_rows(const float* proj_p, float* xbc_p, float* y_p, const at::Tensor* w,
+                 at::Tensor& s, at::Tensor& window, int64_t rows, const Dims& m,
+                 const Part& p) {
+  const int64_t inner = m.mh * m.mp, conv = inner + 2 * m.mg * m.mn;
   const int64_t k = w[1].size(0), width = inner + conv + m.mh;
-  const at::Tensor proj = linserve::project(h, w[0]);
-  at::Tensor xbc = at::empty({rows, conv}, h.options());
-  at::Tensor y = at::empty({rows, inner}, h.options());
   const float* conv_w = w[1].data_ptr<float>();
   const float* conv_b = w[2].numel() > 0 ? w[2].data_ptr<float>() : nullptr;
-  float* xbc_p = xbc.data_ptr<float>();
-  const float* proj_p = proj.data_ptr<float>();
   float* window_p = window.data_ptr<float>();
   // The rows' convolutions, bias and SiLU over xBC (pointers hoisted: a data_ptr call per
   // element kept this loop scalar, 58 us a row and layer at Granite's 4,352 channels).
@@ -219,15 +244,32 @@ at::Tensor mamba2(const at::Tensor& h, const at::Tensor* w, at::Tensor& s, at::T
   const int64_t per_row = (m.mh + kSsmHeadsPerTask - 1) / kSsmHeadsPerTask;
   linserve::for_each_task(rows * per_row, [&](int64_t t) {
     const int64_t r = t / per_row, h0 = t % per_row * kSsmHeadsPerTask;
-    ssm_heads(xbc.data_ptr<float>() + r * conv, proj.data_ptr<float>() + r * width + inner +
-              conv, w, s.data_ptr<float>() + r * state, y.data_ptr<float>() + r * inner, h0,
+    ssm_heads(xbc_p + r * conv, proj_p + r * width + inner + conv, w,
+              s.data_ptr<float>() + r * state, y_p + r * inner, h0,
               std::min(m.mh, h0 + kSsmHeadsPerTask), m, p);
   });
+}
+
+// Weights: in, conv [K, C], conv bias [C] (or empty), A_log, dt_bias, D [Hm], norm [inner]
+// (or empty), out [inner, d]. h [T B, d] -> [T B, d].
+at::Tensor mamba2(const at::Tensor& h, const at::Tensor* w, at::Tensor& s, at::Tensor& window,
+                  const Dims& m, const Part& p, const Positions& pos) {
+  const int64_t all = h.size(0), rows = all / pos.count, inner = m.mh * m.mp;
+  const int64_t conv = inner + 2 * m.mg * m.mn, width = inner + conv + m.mh;
+  const at::Tensor proj = linserve::project(h, w[0]);
+  at::Tensor xbc = at::empty({all, conv}, h.options());
+  at::Tensor y = at::empty({all, inner}, h.options());
+  const float* proj_p = proj.data_ptr<float>();
+  for (int64_t t = 0; t < pos.count; ++t) {
+    mamba2_rows(proj_p + t * rows * width, xbc.data_ptr<float>() + t * rows * conv,
+                y.data_ptr<float>() + t * rows * inner, w, s, window, rows, m, p);
+    pos.keep(t, s, window);
+  }
   const float* norm_w = w[6].numel() > 0 ? w[6].data_ptr<float>() : nullptr;
   const linserve::mamba2::Gate gate{inner, m.mg, norm_w != nullptr && p.i1 != 0, p.i0 != 0,
                                     p.f2};
   float* y_p = y.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, all, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       linserve::mamba2::gated_norm(y_p + r * inner, proj_p + r * width, norm_w, gate);
   });
@@ -254,11 +296,11 @@ at::Tensor sparse_experts(const at::Tensor& h, const at::Tensor* w, const at::Te
 // One part of a layer on h = norm(x): the mixer or MLP it is.
 at::Tensor run_part(const at::Tensor& h, const at::Tensor* w, const at::Tensor* experts,
                     at::Tensor& a, at::Tensor& b, const int64_t* lengths, const Dims& m,
-                    const Part& p) {
+                    const Part& p, const Positions& pos) {
   switch (p.kind) {
-    case kAttention: return attention(h, w, a, b, lengths, m, p);
-    case kShortConv: return short_conv(h, w, a, m);
-    case kMamba2: return mamba2(h, w, a, b, m, p);
+    case kAttention: return attention(h, w, a, b, lengths, m, p, pos);
+    case kShortConv: return short_conv(h, w, a, m, pos);
+    case kMamba2: return mamba2(h, w, a, b, m, p, pos);
     case kSwiGLU:
     case kReluSquared: return mlp(h, w, p);
     case kExperts: return sparse_experts(h, w, experts, p);
@@ -266,31 +308,40 @@ at::Tensor run_part(const at::Tensor& h, const at::Tensor* w, const at::Tensor* 
   }
 }
 
-at::Tensor decoder_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList experts,
-                        at::TensorList state,
-                        const at::Tensor& lengths, at::IntArrayRef ints,
-                        at::ArrayRef<double> floats, at::IntArrayRef dims,
-                        at::ArrayRef<double> scalars) {
+// The whole model over T positions of B rows (tokens [T B], position-major); snaps: per
+// state tensor, [T - 1, B, ...] for the recurrent layers' (empty: none kept, or a KV layer).
+at::Tensor forward(const at::Tensor& tokens, at::TensorList weights, at::TensorList experts,
+                   at::TensorList state, at::TensorList snaps, const at::Tensor& lengths,
+                   at::IntArrayRef ints, at::ArrayRef<double> floats, at::IntArrayRef dims,
+                   at::ArrayRef<double> scalars, int64_t positions) {
   TORCH_CHECK(dims.size() == 9 && scalars.size() == 3, "decoder_step: 9 dims, 3 scalars");
   const Dims m{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8]};
   const int64_t layers = static_cast<int64_t>(ints.size()) / kInts;
+  const int64_t rows = lengths.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 3 + kSlots * layers &&
                   static_cast<int64_t>(state.size()) == 2 * layers &&
                   static_cast<int64_t>(floats.size()) == kFloats * layers,
               "decoder_step: weights, state or parameters do not match the layers");
+  TORCH_CHECK(snaps.empty() || snaps.size() == state.size(), "decoder_step: snaps per state");
   TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
-                  lengths.size(0) == tokens.size(0), "decoder_step: lengths [B] int64");
+                  tokens.size(0) == rows * positions, "decoder_step: lengths [B] int64");
   for (const at::Tensor& t : state)
     TORCH_CHECK(t.numel() == 0 || (t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                                   t.size(0) == tokens.size(0)),
+                                   t.size(0) == rows),
                 "decoder_step: state is fp32 contiguous [B, ...]");
   at::Tensor x = linserve::embed_rows(weights[0], tokens, m.d, weights[0].is_same(weights[1]));
   if (scalars[1] != 1.0) x.mul_(scalars[1]);
   const int64_t* len = lengths.data_ptr<int64_t>();
+  std::vector<at::Tensor> snap(snaps.begin(), snaps.end());
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + 3 + l * kSlots;
     const double* f = floats.data() + l * kFloats;
     at::Tensor a = state[2 * l], b = state[2 * l + 1];
+    Positions pos{positions};
+    if (!snap.empty() && snap[2 * l].numel() > 0) {
+      pos.snap_a = &snap[2 * l];
+      pos.snap_b = &snap[2 * l + 1];
+    }
     for (int64_t part = 0; part < 2; ++part) {
       const int64_t* i = ints.data() + l * kInts + 4 * part;
       const double* pf = f + 1 + 4 * part;
@@ -299,7 +350,7 @@ at::Tensor decoder_step(const at::Tensor& tokens, at::TensorList weights, at::Te
       if (p.kind == kNone) continue;
       const at::Tensor* pw = w + part * (1 + kPart);
       const at::Tensor y = run_part(linserve::normed(x, pw[0], p.eps), pw + 1, experts.data(), a,
-                                    b, len, m, p);
+                                    b, len, m, p, pos);
       add_scaled(x, y, static_cast<float>(f[0]));
     }
   }
@@ -308,14 +359,39 @@ at::Tensor decoder_step(const at::Tensor& tokens, at::TensorList weights, at::Te
   return logits;
 }
 
+at::Tensor decoder_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList experts,
+                        at::TensorList state, const at::Tensor& lengths, at::IntArrayRef ints,
+                        at::ArrayRef<double> floats, at::IntArrayRef dims,
+                        at::ArrayRef<double> scalars) {
+  return forward(tokens, weights, experts, state, {}, lengths, ints, floats, dims, scalars, 1);
+}
+
+// A verify (model/verify.py): T tokens per row, tokens [T B] position-major -> logits
+// [T B, V]; the state after all T, the recurrent states after each earlier one in snaps.
+at::Tensor decoder_verify(const at::Tensor& tokens, at::TensorList weights,
+                          at::TensorList experts, at::TensorList state, at::TensorList snaps,
+                          const at::Tensor& lengths, at::IntArrayRef ints,
+                          at::ArrayRef<double> floats, at::IntArrayRef dims,
+                          at::ArrayRef<double> scalars, int64_t positions) {
+  TORCH_CHECK(positions >= 1, "decoder_verify: at least one position");
+  return forward(tokens, weights, experts, state, snaps, lengths, ints, floats, dims, scalars,
+                 positions);
+}
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def(
       "decoder_step(Tensor tokens, Tensor[] weights, Tensor[] experts, Tensor(a!)[] state, "
       "Tensor lengths, "
       "int[] ints, float[] floats, int[] dims, float[] scalars) -> Tensor");
+  m.def(
+      "decoder_verify(Tensor tokens, Tensor[] weights, Tensor[] experts, Tensor(a!)[] state, "
+      "Tensor(b!)[] snaps, Tensor lengths, int[] ints, float[] floats, int[] dims, "
+      "float[] scalars, int positions) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(linserve, CPU, m) { m.impl("decoder_step", &decoder_step); }
+TORCH_LIBRARY_IMPL(linserve, CPU, m) {
+  m.impl("decoder_step", &decoder_step);
+  m.impl("decoder_verify", &decoder_verify);
+}
 
 }  // namespace decoder_step_cpp

@@ -138,8 +138,15 @@ class DecoderLM(nn.Module):
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, Trail]:
         """tokens ``[B, T]`` -> logits ``[B, T, V]`` and the trail of a verify
-        (:mod:`linserve.model.verify`), a step per position (families with a native verify
-        override it)."""
+        (:mod:`linserve.model.verify`): one native call where the step is native
+        (``decoder_verify``), else a step per position."""
+        plan = self.native_plan() if self.native and kernels.available() else None
+        state.reserve(int(state.lengths.max()) + tokens.shape[1])
+        if plan is not None:
+            out = native_step.verify(plan, tokens, state)
+            if out is not None:
+                state.lengths += tokens.shape[1]
+                return out
         return verify_by_steps(self.step, tokens, state)
 
     @torch.inference_mode()

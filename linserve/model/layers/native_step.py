@@ -28,6 +28,7 @@ from linserve.model.layers.moe import SparseMoE
 from linserve.model.layers.norms import RMSNorm
 from linserve.model.layers.short_conv import ShortConv
 from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
+from linserve.model.verify import Trail
 
 ATTENTION, SHORT_CONV, MAMBA2, SWIGLU, RELU_SQUARED, EXPERTS = 1, 2, 3, 4, 5, 6
 PART_SLOTS = 8  # decoder_step.cpp's kPart
@@ -218,3 +219,22 @@ def step(p: Plan, tokens: torch.Tensor, state: State) -> torch.Tensor | None:
         return None
     return torch.ops.linserve.decoder_step(tokens.contiguous(), p.weights, p.experts, tensors,
                                            state.lengths, p.ints, p.floats, p.dims, p.scalars)
+
+
+def verify(p: Plan, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, Trail] | None:
+    """A native verify (tokens ``[B, T]`` -> logits ``[B, T, V]`` and the trail, the state
+    advanced by all T in place but for its lengths), or None as :func:`step`."""
+    tensors = state_tensors(state)
+    if tensors is None:
+        return None
+    b, t = tokens.shape
+    recurrent = [not any(isinstance(e, KVEntry) for e in entries.values())
+                 for entries in state.layers]
+    snaps = [torch.empty(t - 1, *x.shape) if t > 1 and x.numel() and recurrent[i // 2]
+             else EMPTY for i, x in enumerate(tensors)]
+    logits = torch.ops.linserve.decoder_verify(
+        tokens.t().contiguous().flatten(), p.weights, p.experts, tensors, snaps, state.lengths,
+        p.ints, p.floats, p.dims, p.scalars, t)
+    kept = [x for x in snaps if x.numel()]
+    return logits.view(t, b, -1).transpose(0, 1), Trail([[x[i] for x in kept]
+                                                         for i in range(t - 1)])
