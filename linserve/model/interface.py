@@ -58,6 +58,20 @@ class ModelInfo:
     notes: tuple[str, ...] = ()
 
 
+class DraftHead(Protocol):
+    """A checkpoint's own draft layers (Qwen3.5's MTP): per request a state, extended from
+    the served model's final-norm outputs ``hidden [n, d]`` and the token after each, giving
+    the logits ``[n, V]`` of the token after that and its own hidden states ``[n, d]`` (fed
+    back, with the token drafted, for the next draft)."""
+
+    def new_state(self) -> State:
+        ...
+
+    def extend(self, state: State, hidden: torch.Tensor, tokens: list[int]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+
 class ServedModel(Protocol):
     """A model the server can run. Shapes: tokens ``[B, T]`` for prefill, ``[B]`` for a step;
     logits fp32 ``[B, V]``; a state's rows match the batch."""
@@ -103,6 +117,10 @@ class ServedModel(Protocol):
 
     def keep(self, state: State, trail: Trail, fed: torch.Tensor) -> None:
         """After :meth:`verify`: put row b after the first ``fed[b]`` of its T tokens."""
+        ...
+
+    def draft_head(self) -> DraftHead | None:
+        """The checkpoint's own draft layers (MTP), or None."""
         ...
 
     def prefill_split(self, todo: int, cap: int, budget: int) -> int:

@@ -29,6 +29,7 @@ class Trail:
     :func:`rollback_tensors` order, each ``[B, ...]``."""
 
     positions: list[list[torch.Tensor]] = field(default_factory=list)
+    hidden: torch.Tensor | None = None  # [B, T, d]: the final norm's output (MTP drafts)
 
     @property
     def tokens(self) -> int:

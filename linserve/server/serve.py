@@ -15,7 +15,7 @@ from linserve import __version__
 from linserve.model import kernels, loader
 from linserve.server.api.app import create_app, wrap
 from linserve.server.settings import parse_cli
-from linserve.server.speculative.draft import check_draft
+from linserve.server.speculative.draft import check_speculative
 from linserve.server.system.malloc import pin_mmap_threshold
 
 log = logging.getLogger("linserve")
@@ -68,9 +68,8 @@ def main(argv: list[str] | None = None) -> None:
         loader.check(settings.weights, settings.dtype, settings.quantization,
                      settings.max_memory)
         state_limit = max_state_bytes(settings.weights)
-        spec = settings.speculative
-        if spec is not None and spec.method == "draft_model":
-            check_draft(spec, settings.weights)
+        if settings.speculative is not None:
+            check_speculative(settings.speculative, settings.weights)
     except (loader.CheckpointError, OSError, ValueError) as exc:  # one line, no traceback
         raise SystemExit(f"linserve: cannot load {settings.model or settings.weights}: "
                          f"{exc}") from None

@@ -91,3 +91,29 @@ def reference(path: Path) -> Any:
            if json.loads((path / "config.json").read_text())["model_type"] == "qwen3_5"
            else transformers.Qwen3_5ForCausalLM)
     return cls.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def add_mtp(path: Path, seed: int = 0) -> Path:
+    """Give a saved checkpoint one MTP layer as Qwen's published ones carry it: ``mtp.fc``
+    (random), its norms (zeros: scale 1, stored as w − 1) and ``mtp.layers.0.*`` copied from
+    the last full-attention layer; ``mtp_num_hidden_layers: 1`` in the config."""
+    from safetensors.torch import load_file, save_file
+    cfg = json.loads((path / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    text["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(path / "model.safetensors"))
+    prefix = "model.language_model." if cfg["model_type"] == "qwen3_5" else "model."
+    last = max(i for i, t in enumerate(text["layer_types"]) if t == "full_attention")
+    d = int(text["hidden_size"])
+    g = torch.Generator().manual_seed(seed)
+    layer = f"{prefix}layers.{last}."
+    for name, t in list(tensors.items()):
+        if name.startswith(layer):
+            tensors["mtp.layers.0." + name.removeprefix(layer)] = t.clone()
+    dtype = tensors[f"{prefix}norm.weight"].dtype
+    tensors["mtp.fc.weight"] = (torch.randn(d, 2 * d, generator=g) / (2 * d) ** 0.5).to(dtype)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.zeros(d, dtype=dtype)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path

@@ -286,7 +286,8 @@ def test_config_errors_are_one_line() -> None:
                        ('{"method": "ngram"}', "num_speculative_tokens"),
                        ('{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}', "bogus"),
                        ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
-                       ('{"method": "mtp", "num_speculative_tokens": 1}', "not served yet"),
+                       ('{"method": "mtp", "num_speculative_tokens": 1, "model": "x"}',
+                        "draft_model"),
                        ('{"method": "ngram", "num_speculative_tokens": 2, '
                         '"prompt_lookup_min": 5, "prompt_lookup_max": 3}', "prompt_lookup_min")]:
         with pytest.raises(ValueError, match=words) as info:
@@ -335,3 +336,24 @@ def test_draft_length_follows_acceptance_and_cost() -> None:
     assert budget.length("a", 10) == 4
     assert budget.length("a", 2) == 2  # no draft past max_tokens
     assert [budget.length("b", 10) for _ in range(8)] == [0] * 7 + [1]  # probed now and then
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mtp_drafts_change_nothing(dtype: str, tmp_path: Path) -> None:
+    """The checkpoint's MTP layer drafts (from the verify's hidden states): the same greedy
+    and seeded tokens and states as without speculation."""
+    from tests.model.qwen_fixtures import add_mtp, make_checkpoint
+    model = loader.load(add_mtp(make_checkpoint(tmp_path, "i4-tied", tokenizer="project")),
+                        dtype)
+    assert model.draft_head() is not None and "1 MTP layer" in model.info.architecture
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=16, seed=3, ignore_eos=True)]
+    eng = same_outputs(model, spec("mtp", 3), None, params + params[:1], exact_state=True)
+    assert eng.spec is not None and eng.spec.drafted > 0
+
+
+def test_mtp_needs_mtp_layers(tmp_path: Path) -> None:
+    from tests.model.qwen_fixtures import make_checkpoint
+    path = make_checkpoint(tmp_path, "i4-tied", tokenizer="project")
+    with pytest.raises(CheckpointError, match="no MTP layers"):
+        draft_mod.check_speculative(spec("mtp"), path)

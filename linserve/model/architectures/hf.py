@@ -30,7 +30,7 @@ from linserve.model import heap, invariant, kernels
 from linserve.model.gguf.checkpoint import GGUFCheckpoint
 from linserve.model.gguf.checkpoint import checkpoint as gguf_checkpoint
 from linserve.model.gguf.files import GGUFFileError, is_gguf
-from linserve.model.interface import CheckpointError, ModelInfo
+from linserve.model.interface import CheckpointError, DraftHead, ModelInfo
 from linserve.model.layers import moe
 from linserve.model.state import State
 from linserve.model.state_blob import state_from_bytes, state_to_bytes
@@ -532,6 +532,10 @@ class HFServedModel:
 
     def keep(self, state: State, trail: Trail, fed: torch.Tensor) -> None:
         keep(state, trail, fed)
+
+    def draft_head(self) -> DraftHead | None:
+        head: DraftHead | None = getattr(self.module, "draft_head", lambda: None)()
+        return head
 
     def prefill_split(self, todo: int, cap: int, budget: int) -> int:
         return invariant.prefill_split(todo, cap, budget, self.chunk)

@@ -319,6 +319,9 @@ class OwnModel:
     def keep(self, state: State, trail: Trail, fed: torch.Tensor) -> None:
         keep(state, trail, fed)
 
+    def draft_head(self) -> None:
+        return None
+
     def prefill_split(self, todo: int, cap: int, budget: int) -> int:
         return invariant.prefill_split(todo, cap, budget, self.model.cfg.chunk_size)
 

@@ -16,6 +16,7 @@ Layer types come from the checkpoint's ``layer_types`` (three ``linear_attention
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from torch import nn
 from linserve.model import invariant, kernels
 from linserve.model.architectures import hf
 from linserve.model.architectures.family import DecoderConfig
+from linserve.model.architectures.qwen3_5_mtp import MtpHead, QwenMTP
 from linserve.model.interface import CheckpointError
 from linserve.model.invariant import Linear
 from linserve.model.layers import native_step
@@ -89,6 +91,7 @@ class Qwen35Config(DecoderConfig):
     rope_theta: float
     partial_rotary_factor: float
     experts: QwenExperts | None = None  # None: every layer's MLP dense
+    mtp_layers: int = 0  # MTP layers the checkpoint carries (mtp.*; 0: none read)
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> Qwen35Config:
@@ -119,7 +122,9 @@ class Qwen35Config(DecoderConfig):
             rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))),
             partial_rotary_factor=float(rope.get("partial_rotary_factor",
                                                  text.get("partial_rotary_factor", 0.25))),
-            experts=QwenExperts.from_hf(text, n)).tied(tie)
+            experts=QwenExperts.from_hf(text, n),
+            mtp_layers=int(text.get("mtp_num_hidden_layers")
+                           or text.get("num_nextn_predict_layers") or 0)).tied(tie)
         cfg.check()
         return cfg
 
@@ -368,6 +373,11 @@ class Qwen35ForCausalLM(DecoderLM):
                          [DecoderLayer(cfg, kind, i) for i, kind in enumerate(cfg.layer_types)],
                          qwen_norm(cfg.hidden_size, cfg.rms_norm_eps), cfg.tie_word_embeddings)
         self._fused: tuple[Any, FusedArgs | None] | None = None
+        self.mtp = QwenMTP(cfg) if cfg.mtp_layers else None
+
+    def draft_head(self) -> MtpHead | None:
+        """The checkpoint's MTP layers as a draft head (None: it has none)."""
+        return MtpHead(self) if self.mtp is not None else None
 
     @property
     def fused(self) -> bool:
@@ -426,12 +436,14 @@ class Qwen35ForCausalLM(DecoderLM):
         kinds = args.ints[::5]
         snaps = [torch.empty(t - 1, *x.shape) if kinds[i // 2] == 0 and t > 1 else _EMPTY
                  for i, x in enumerate(tensors)]
+        hidden = torch.empty(t * b, self.cfg.hidden_size)
         logits = torch.ops.linserve.qwen35_verify(
             tokens.t().contiguous().flatten(), args.weights, args.experts, tensors, snaps,
-            state.lengths, args.ints, self._dims(), self.cfg.rms_norm_eps, t)
+            hidden, state.lengths, args.ints, self._dims(), self.cfg.rms_norm_eps, t)
         state.lengths += t
         kept = [x for x in snaps if x.numel()]
-        trail = Trail([[x[i] for x in kept] for i in range(t - 1)])
+        trail = Trail([[x[i] for x in kept] for i in range(t - 1)],
+                      hidden.view(t, b, -1).transpose(0, 1))
         return logits.view(t, b, -1).transpose(0, 1), trail
 
     def _dims(self) -> list[int]:
@@ -489,7 +501,7 @@ def _rename(name: str) -> str | None:
     """A checkpoint tensor's name in :class:`Qwen35ForCausalLM` (None: not the text model)."""
     if name.startswith("model.language_model."):  # Qwen3_5ForConditionalGeneration
         return "model." + name.removeprefix("model.language_model.")
-    if name.startswith(("model.visual.", "mtp.")):
+    if name.startswith("model.visual."):
         return None
     return name
 
@@ -519,7 +531,11 @@ class Variant:
             return False
 
     def config(self, path: Path) -> Qwen35Config:
+        """The config; MTP layers only where the checkpoint has their tensors (a checkpoint
+        saved by transformers keeps ``mtp_num_hidden_layers`` but drops ``mtp.*``)."""
         cfg: Qwen35Config = hf.parse_config(path, Qwen35Config.from_hf)
+        if cfg.mtp_layers and not any(n.startswith("mtp.") for n in hf.tensor_files(path)):
+            cfg = dataclasses.replace(cfg, mtp_layers=0)
         return cfg
 
     def max_state_bytes(self, path: Path) -> int:
@@ -573,6 +589,8 @@ class Variant:
         if cfg.experts is not None:
             r = cfg.experts.router
             arch += f"; {r.experts} experts, top {r.top_k} + a shared expert"
+        if cfg.mtp_layers:
+            arch += f"; {cfg.mtp_layers} MTP layer{'s' if cfg.mtp_layers > 1 else ''}"
         return arch + ")"
 
     def _load_weights(self, module: Qwen35ForCausalLM, path: Path, dtype: torch.dtype
@@ -581,6 +599,9 @@ class Variant:
         with invariant.packing_once(module):  # each original freed as soon as it is packed
             unused = hf.load_weights(module, path, _rename, dtype, module,
                                      self.split_for(module.cfg))
+            head = module.draft_head()
+            if head is not None:  # its weights packed here, as the layers' are
+                head.extend(head.new_state(), torch.zeros(2, module.cfg.hidden_size), [0, 0])
             if module.fused:
                 module.fused_weights()
             else:
@@ -589,7 +610,7 @@ class Variant:
         if vision:
             log.info("%s: a vision-language checkpoint; loaded its text model only (%d "
                      "vision tensors skipped)", path, vision)
-        other = [n for n in unused if not n.startswith(("model.visual.", "mtp.", "lm_head."))]
+        other = [n for n in unused if not n.startswith(("model.visual.", "lm_head."))]
         if other:
             log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other),
                         other[0])

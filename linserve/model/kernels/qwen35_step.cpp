@@ -169,9 +169,12 @@ void attention_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& kc, at::Ten
 
 // The whole model over T positions of B rows (tokens [T B], position-major); snaps: per
 // state tensor, [T - 1, B, ...] for the GDN layers' two (empty: none kept, or a KV layer).
+// hidden (if not empty) receives the final norm's output [T B, d] (what an MTP head drafts
+// from).
 at::Tensor forward(const at::Tensor& tokens, at::TensorList weights, at::TensorList experts,
                    at::TensorList state, at::TensorList snaps, const at::Tensor& lengths,
-                   at::IntArrayRef ints, at::IntArrayRef dims, double eps, int64_t positions) {
+                   at::IntArrayRef ints, at::IntArrayRef dims, double eps, int64_t positions,
+                   at::Tensor hidden) {
   TORCH_CHECK(dims.size() == 10, "qwen35_step: 10 dims");
   const Dims m{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8],
                dims[9], static_cast<float>(eps)};
@@ -202,23 +205,27 @@ at::Tensor forward(const at::Tensor& tokens, at::TensorList weights, at::TensorL
     }
     mlp_add(x, w + kMixerWeights, experts.data(), li, m);
   }
-  return linserve::project(linserve::normed(x, weights[2], m.eps), weights[1]);
+  const at::Tensor normed = linserve::normed(x, weights[2], m.eps);
+  if (hidden.defined() && hidden.numel() > 0) hidden.copy_(normed);
+  return linserve::project(normed, weights[1]);
 }
 
 at::Tensor qwen35_step(const at::Tensor& tokens, at::TensorList weights, at::TensorList experts,
                        at::TensorList state, const at::Tensor& lengths, at::IntArrayRef ints,
                        at::IntArrayRef dims, double eps) {
-  return forward(tokens, weights, experts, state, {}, lengths, ints, dims, eps, 1);
+  return forward(tokens, weights, experts, state, {}, lengths, ints, dims, eps, 1, at::Tensor());
 }
 
 // A verify: T tokens per row (tokens [T B], position-major) -> logits [T B, V], the state
-// after all T, and the GDN states after each earlier position in snaps.
+// after all T, the GDN states after each earlier position in snaps, and the final norm's
+// output in hidden [T B, d] (if not empty).
 at::Tensor qwen35_verify(const at::Tensor& tokens, at::TensorList weights,
                          at::TensorList experts, at::TensorList state, at::TensorList snaps,
-                         const at::Tensor& lengths, at::IntArrayRef ints, at::IntArrayRef dims,
-                         double eps, int64_t positions) {
+                         at::Tensor hidden, const at::Tensor& lengths, at::IntArrayRef ints,
+                         at::IntArrayRef dims, double eps, int64_t positions) {
   TORCH_CHECK(positions >= 1, "qwen35_verify: at least one position");
-  return forward(tokens, weights, experts, state, snaps, lengths, ints, dims, eps, positions);
+  return forward(tokens, weights, experts, state, snaps, lengths, ints, dims, eps, positions,
+                 hidden);
 }
 
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
@@ -227,8 +234,8 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
       "Tensor lengths, int[] ints, int[] dims, float eps) -> Tensor");
   m.def(
       "qwen35_verify(Tensor tokens, Tensor[] weights, Tensor[] experts, Tensor(a!)[] state, "
-      "Tensor(b!)[] snaps, Tensor lengths, int[] ints, int[] dims, float eps, int positions) "
-      "-> Tensor");
+      "Tensor(b!)[] snaps, Tensor(c!) hidden, Tensor lengths, int[] ints, int[] dims, "
+      "float eps, int positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {

@@ -68,7 +68,10 @@ class DecoderLM(nn.Module):
         return x * self.embedding_scale if self.embedding_scale != 1.0 else x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.model.norm(x)
+        return self.logits(self.model.norm(x))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head on normed hidden states ``[..., d]`` -> fp32 ``[..., V]``."""
         if self.lm_head is not None:
             logits = self.lm_head(x).float()
         else:

@@ -22,11 +22,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from linserve.model.interface import ServedModel
+from linserve.model.interface import CheckpointError, ServedModel
 from linserve.server import metrics
 from linserve.server.speculative.acceptance import CostModel, DraftBudget
 from linserve.server.speculative.config import SpeculativeConfig
-from linserve.server.speculative.proposers import DraftModelProposer, NgramProposer, Proposer
+from linserve.server.speculative.proposers import (
+    DraftModelProposer,
+    MtpProposer,
+    NgramProposer,
+    Proposer,
+)
 
 if TYPE_CHECKING:
     from linserve.server.engine.engine import Engine
@@ -46,9 +51,15 @@ class Row:
     fed: int = 0
 
 
-def build_proposer(config: SpeculativeConfig, draft: ServedModel | None) -> Proposer:
+def build_proposer(config: SpeculativeConfig, model: ServedModel, draft: ServedModel | None
+                   ) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    if config.method == "mtp":
+        head = model.draft_head()
+        if head is None:
+            raise CheckpointError("the checkpoint has no MTP layers (mtp.* tensors)")
+        return MtpProposer(head)
     assert draft is not None, "draft_model needs its model loaded"
     return DraftModelProposer(draft)
 
@@ -59,7 +70,7 @@ class Speculator:
     def __init__(self, engine: Engine, config: SpeculativeConfig,
                  draft: ServedModel | None = None) -> None:
         self.engine, self.config = engine, config
-        self.proposer = build_proposer(config, draft)
+        self.proposer = build_proposer(config, engine.model, draft)
         self.costs = CostModel()
         self.budget = DraftBudget(config.num_speculative_tokens, self.costs)
         self.drafted = self.accepted = self.verifies = 0  # since start
@@ -109,7 +120,7 @@ class Speculator:
             history = seq.req.input_ids + seq.generated
             out.append(self.proposer.propose(key, history, k) if k else [])
             drafted += len(out[-1])
-        if isinstance(self.proposer, DraftModelProposer):
+        if self.proposer.costly:
             self.costs.note_draft(drafted, time.perf_counter() - t0)
         return out
 
@@ -121,7 +132,7 @@ class Speculator:
         if len(seqs) > self.config.max_batch:
             return False
         drafts = self._drafts(seqs)
-        if not any(drafts):
+        if not any(drafts) and not self.proposer.needs_hidden:
             return False
         width = 1 + max(len(d) for d in drafts)
         rows = [Row(seq, i, [seq.last_token or 0, *d]) for i, (seq, d) in
@@ -135,8 +146,9 @@ class Speculator:
         self.verifies += 1
         self._accept(rows, list(logits))
         engine.model.keep(view, trail, torch.tensor([r.fed for r in rows]))
-        for row, draft in zip(rows, drafts, strict=True):
-            self._record(row, len(draft))
+        for b, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
+            hidden = None if trail.hidden is None else trail.hidden[b, : row.fed]
+            self._record(row, len(draft), hidden)
         return True
 
     def _accept(self, rows: list[Row], logits: list[torch.Tensor]) -> None:
@@ -160,10 +172,10 @@ class Speculator:
                     still.append(r)
             active, pos = still, pos + 1
 
-    def _record(self, row: Row, drafted: int) -> None:
+    def _record(self, row: Row, drafted: int, hidden: torch.Tensor | None) -> None:
         key = row.seq.req.request_id
         kept = row.fed - 1
-        self.proposer.commit(key, row.feed[: row.fed])
+        self.proposer.commit(key, row.feed[: row.fed], row.seq.last_token or 0, hidden)
         self.budget.record(key, drafted, kept)
         self.drafted += drafted
         self.accepted += kept

@@ -38,9 +38,6 @@ class SpeculativeConfig(BaseModel):
             raise ValueError('method "draft_model" needs "model": a folder or hub id')
         if self.method != "draft_model" and self.model:
             raise ValueError(f'"model" is for method "draft_model", not "{self.method}"')
-        if self.method == "mtp":
-            raise ValueError('method "mtp" is not served yet (the checkpoints\' MTP layers '
-                             'are not read); use "ngram" or "draft_model"')
         return self
 
     def describe(self) -> str:
@@ -49,7 +46,9 @@ class SpeculativeConfig(BaseModel):
         if self.method == "ngram":
             return (f"ngram, up to {k} tokens, lookup n={self.prompt_lookup_min}.."
                     f"{self.prompt_lookup_max}, batches of at most {self.max_batch}")
-        return f"{self.method} {self.model}, up to {k} tokens, batches of at most {self.max_batch}"
+        what = "mtp (the checkpoint's MTP layers)" if self.method == "mtp" \
+            else f"draft_model {self.model}"
+        return f"{what}, up to {k} tokens, batches of at most {self.max_batch}"
 
 
 def parse(text: str) -> SpeculativeConfig | None:

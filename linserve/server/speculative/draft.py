@@ -33,6 +33,16 @@ def check_draft(config: SpeculativeConfig, target: Path) -> Path:
     return path
 
 
+def check_speculative(config: SpeculativeConfig, target: Path) -> None:
+    """Raise :class:`CheckpointError` (one line) for a config this checkpoint cannot serve:
+    a draft model that does not load or tokenizes otherwise, MTP without ``mtp.*`` layers."""
+    if config.method == "draft_model":
+        check_draft(config, target)
+    elif config.method == "mtp" and loader.load(target, weights=False).draft_head() is None:
+        raise CheckpointError(f"{target} has no MTP layers (mtp.* tensors) for "
+                              f'"method": "mtp"; use "ngram" or "draft_model"')
+
+
 def load_draft(config: SpeculativeConfig | None, dtype: str, fused: bool,
                batch_invariant: bool, quantization: str) -> ServedModel | None:
     """The draft model of a ``draft_model`` config (None for other methods), loaded and run

@@ -15,16 +15,26 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from linserve.model.interface import ServedModel, State
+from linserve.model.interface import DraftHead, ServedModel, State
 
 
 class Proposer(Protocol):
+    """``needs_hidden``: drafts from the served model's hidden states, so every step of a
+    request it drafts for is a verify (which gives them); ``costly``: a draft costs model
+    time (timed for :class:`~linserve.server.speculative.acceptance.CostModel`)."""
+
+    needs_hidden: bool
+    costly: bool
+
     def propose(self, key: str, history: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens to follow ``history`` (possibly none)."""
         ...
 
-    def commit(self, key: str, fed: list[int]) -> None:
-        """The served model consumed ``fed`` (the pending token and the drafts it kept)."""
+    def commit(self, key: str, fed: list[int], after: int,
+               hidden: torch.Tensor | None) -> None:
+        """The served model consumed ``fed`` (the pending token and the drafts it kept)
+        and ``after`` is the new pending token; ``hidden [len(fed), d]``: the final norm's
+        output at the fed positions (where the verify gives it)."""
         ...
 
     def drop(self, key: str) -> None:
@@ -56,13 +66,17 @@ class NgramProposer:
     """Drafts from the request's own text (vLLM's ``ngram`` method): free, and right where
     the output copies its input (rewrites, quotes, code edits)."""
 
+    needs_hidden = False
+    costly = False
+
     def __init__(self, n_max: int, n_min: int) -> None:
         self.n_max, self.n_min = n_max, n_min
 
     def propose(self, key: str, history: list[int], k: int) -> list[int]:
         return ngram_lookup(history, k, self.n_max, self.n_min)
 
-    def commit(self, key: str, fed: list[int]) -> None:
+    def commit(self, key: str, fed: list[int], after: int,
+               hidden: torch.Tensor | None) -> None:
         pass
 
     def drop(self, key: str) -> None:
@@ -85,6 +99,9 @@ class DraftModelProposer:
     ``draft_model``). Each request keeps its own draft state, which follows the tokens the
     served model keeps: a proposal steps a copy, and :meth:`commit` takes the copy's state
     at the kept position (one more step when every draft was kept)."""
+
+    needs_hidden = False
+    costly = True
 
     def __init__(self, draft: ServedModel) -> None:
         self.draft = draft
@@ -113,7 +130,8 @@ class DraftModelProposer:
             out.append(token)
         return out
 
-    def commit(self, key: str, fed: list[int]) -> None:
+    def commit(self, key: str, fed: list[int], after: int,
+               hidden: torch.Tensor | None) -> None:
         row = self.rows.get(key)
         if row is None:
             return
@@ -124,6 +142,60 @@ class DraftModelProposer:
             _, row.state = self.draft.prefill(torch.tensor([fed]), row.state)
         row.seen += n
         row.trail, row.fed = [], []
+
+    def drop(self, key: str) -> None:
+        self.rows.pop(key, None)
+
+
+@dataclass
+class _MtpRow:
+    """A request's MTP state: ``committed`` positions of it follow the kept tokens (draft
+    positions past them are overwritten); ``first`` drafts the token after the pending one,
+    ``g`` the head's output there (None before any verify of this request)."""
+
+    state: State
+    committed: int = 0
+    first: int | None = None
+    g: torch.Tensor | None = None
+
+
+class MtpProposer:
+    """Drafts from the checkpoint's own MTP layers (vLLM's ``mtp``): after each verify the
+    head catches up on the kept positions (the served model's hidden state there and the
+    token after it), which gives the first draft; further drafts feed the head's own output
+    back. Its KV cache starts at the request's first verify (the prompt's hidden states are
+    not kept by prefill)."""
+
+    needs_hidden = True
+    costly = True
+
+    def __init__(self, head: DraftHead) -> None:
+        self.head = head
+        self.rows: dict[str, _MtpRow] = {}
+
+    def propose(self, key: str, history: list[int], k: int) -> list[int]:
+        row = self.rows.get(key)
+        if row is None or row.first is None or row.g is None or k == 0:
+            return []
+        out, g = [row.first], row.g
+        while len(out) < k:
+            logits, gs = self.head.extend(row.state, g[None], [out[-1]])
+            out.append(int(torch.argmax(logits[-1])))
+            g = gs[-1]
+        return out
+
+    def commit(self, key: str, fed: list[int], after: int,
+               hidden: torch.Tensor | None) -> None:
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = _MtpRow(self.head.new_state())
+        row.state.lengths[:] = row.committed  # the drafts' positions are dropped
+        if hidden is None:
+            row.first = row.g = None
+            return
+        logits, g = self.head.extend(row.state, hidden, [*fed[1:], after])
+        row.committed += len(fed)
+        row.first, row.g = int(torch.argmax(logits[-1])), g[-1]
 
     def drop(self, key: str) -> None:
         self.rows.pop(key, None)
