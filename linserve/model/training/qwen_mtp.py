@@ -34,7 +34,8 @@ def text_config(vocab: int, d: int, layers: int) -> Any:
     """The model's shape: one full-attention layer in three, Qwen3.5-0.8B's proportions."""
     import transformers
     types = ["full_attention" if i % 3 == 2 else "linear_attention" for i in range(layers)]
-    return transformers.Qwen3_5TextConfig(
+    config: Any = transformers.Qwen3_5TextConfig
+    return config(
         vocab_size=vocab, hidden_size=d, intermediate_size=3 * d, num_hidden_layers=layers,
         layer_types=types, num_attention_heads=4, num_key_value_heads=2, head_dim=d // 4,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=d // 4,
