@@ -74,6 +74,8 @@ class Speculator:
         self.costs = CostModel()
         self.budget = DraftBudget(config.num_speculative_tokens, self.costs)
         self.drafted = self.accepted = self.verifies = 0  # since start
+        self.kept_at = [0] * config.num_speculative_tokens  # drafts kept, by position
+        self.tried_at = [0] * config.num_speculative_tokens  # drafts verified, by position
 
     def calibrate(self) -> None:
         """Seed the cost model: a plain step and verifies of 1..k+1 tokens, timed alone."""
@@ -186,3 +188,6 @@ class Speculator:
             metrics.SPEC_ACCEPTED_TOKENS.inc(kept)
             for pos in range(kept):
                 metrics.SPEC_ACCEPTED_BY_POSITION.labels(position=str(pos)).inc()
+                self.kept_at[pos] += 1
+            for pos in range(drafted):
+                self.tried_at[pos] += 1
