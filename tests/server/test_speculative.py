@@ -357,3 +357,33 @@ def test_mtp_needs_mtp_layers(tmp_path: Path) -> None:
     path = make_checkpoint(tmp_path, "i4-tied", tokenizer="project")
     with pytest.raises(CheckpointError, match="no MTP layers"):
         draft_mod.check_speculative(spec("mtp"), path)
+
+
+@pytest.mark.parametrize("method", ["ngram", "self"])
+def test_grammars_hold_under_speculation(method: str) -> None:
+    """A regex and a JSON schema: each verified position masked as plain decoding masks it,
+    greedy and seeded, ending where plain decoding ends."""
+    from dataclasses import replace
+
+    from linserve.server.grammar.spec import GrammarSpec
+    model = shipped("linear")
+    tok = model.tokenizer()
+    schema = '{"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}'
+    grammars = [GrammarSpec("regex", "(ROMEO|JULIET)\\. [A-Za-z ,]{5,60}\\.", "guided_regex"),
+                GrammarSpec("json_schema", schema, "guided_json"),
+                GrammarSpec("regex", "[a-z ]{3,40}", "guided_regex")]
+    params = [SamplingParams(temperature=0.0, max_tokens=40),
+              SamplingParams(temperature=0.9, max_tokens=30, seed=5),
+              SamplingParams(temperature=0.0, max_tokens=20)]
+    ps = [tok.encode(t) for t in TEXTS]
+
+    def reqs() -> list[GenerationRequest]:
+        return [replace(r, grammar=g) for r, g in zip(requests(ps, params, "g"), grammars,
+                                                       strict=True)]
+
+    want = run_all(engine(model), reqs())
+    config = spec("ngram") if method == "ngram" else spec("draft_model", model="x")
+    got = run_all(engine(model, config, model if method == "self" else None), reqs())
+    for rid in want:
+        assert got[rid].token_ids == want[rid].token_ids
+        assert got[rid].finish_reason == want[rid].finish_reason != "error"
