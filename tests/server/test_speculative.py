@@ -387,3 +387,25 @@ def test_grammars_hold_under_speculation(method: str) -> None:
     for rid in want:
         assert got[rid].token_ids == want[rid].token_ids
         assert got[rid].finish_reason == want[rid].finish_reason != "error"
+
+
+def test_seeded_requests_are_the_same_alone_and_under_load() -> None:
+    """Alone a seeded request is verified in drafts; among eight (above max_batch 4) it is
+    stepped plainly part of the time: the same tokens either way."""
+    model = shipped("linear")
+    tok = model.tokenizer()
+    config = SpeculativeConfig.model_validate(
+        {"method": "draft_model", "model": "x", "num_speculative_tokens": 3, "max_batch": 4,
+         "adaptive": False})
+    other = shipped("linear-ungated")
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, seed=42)
+    prompt = tok.encode(TEXTS[0])
+    alone = run_all(engine(model, config, other), [GenerationRequest("a", prompt, params)])
+    crowd = [GenerationRequest("a", prompt, params)] + [
+        GenerationRequest(f"o{i}", tok.encode(TEXTS[i % 3]) + [i + 5],
+                          SamplingParams(temperature=1.0, max_tokens=10 + 3 * i, seed=i))
+        for i in range(7)]
+    eng = engine(model, config, other)
+    loaded = run_all(eng, crowd)
+    assert loaded["a"].token_ids == alone["a"].token_ids
+    assert eng.spec is not None and eng.spec.drafted > 0
