@@ -40,8 +40,7 @@ def test_relative_links_resolve(page: Path) -> None:
             continue
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
-        if not dest.exists():
-            bad.append(target)
-        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+        missing = not dest.exists()
+        if missing or (anchor and dest.suffix == ".md" and anchor not in _anchors(dest)):
             bad.append(target)
     assert not bad, f"{page.name}: links that do not resolve: {bad}"
