@@ -402,7 +402,7 @@ def test_seeded_requests_are_the_same_alone_and_under_load() -> None:
     prompt = tok.encode(TEXTS[0])
     alone = run_all(engine(model, config, other), [GenerationRequest("a", prompt, params)])
     crowd = [GenerationRequest("a", prompt, params)] + [
-        GenerationRequest(f"o{i}", tok.encode(TEXTS[i % 3]) + [i + 5],
+        GenerationRequest(f"o{i}", [*tok.encode(TEXTS[i % 3]), i + 5],
                           SamplingParams(temperature=1.0, max_tokens=10 + 3 * i, seed=i))
         for i in range(7)]
     eng = engine(model, config, other)
