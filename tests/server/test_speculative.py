@@ -220,26 +220,38 @@ def test_acceptance_is_counted() -> None:
     assert eng.spec.accepted == eng.spec.drafted == 14 and eng.spec.verifies == 5
 
 
-def _pair_distribution(model: ServedModel, prompt: list[int]) -> torch.Tensor:
-    """The exact p(t2, t3) of the 2nd and 3rd sampled tokens (temperature 1) after
+def _pair_distribution(model: ServedModel, prompt: list[int], params: SamplingParams
+                       ) -> torch.Tensor:
+    """The exact p(t2, t3) of the 2nd and 3rd tokens sampled with ``params`` after
     ``prompt``, summed over the first: ``[V, V]``."""
+    from linserve.model.sampling import BatchParams, sampling_probs
+    bp = BatchParams.from_params([params])
+
+    def dist(logits: torch.Tensor) -> torch.Tensor:
+        p = sampling_probs(logits, bp)[0]
+        return p / p.sum()
+
     first, state = model.prefill(torch.tensor([prompt]))
-    p1 = torch.softmax(first[0], -1)
+    p1 = dist(first)
     v = p1.shape[0]
     joint = torch.zeros(v, v)
     for t1 in range(v):
         s1 = state.copy()
-        p2 = torch.softmax(model.step(torch.tensor([t1]), s1)[0], -1)
+        p2 = dist(model.step(torch.tensor([t1]), s1))
         for t2 in range(v):
-            p3 = torch.softmax(model.step(torch.tensor([t2]), s1.copy())[0], -1)
+            p3 = dist(model.step(torch.tensor([t2]), s1.copy()))
             joint[t2] += p1[t1] * p2[t2] * p3
     return joint
 
 
-def test_sampled_tokens_keep_the_model_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampled_tokens_keep_the_model_distribution(top_p: float,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Goodness of fit of the 2nd and 3rd tokens (a verify's positions 0 and 1) over many
-    seeds, with a draft that disagrees often, against the model's exact distribution; the
-    same test rejects a verifier that keeps every draft."""
+    seeds, with a draft that disagrees often, against the model's exact distribution (with
+    top-p too); the same test rejects a verifier that keeps every draft."""
+    from dataclasses import replace
+
     from scipy.stats import chisquare
 
     from linserve.server.engine import speculation
@@ -247,14 +259,15 @@ def test_sampled_tokens_keep_the_model_distribution(monkeypatch: pytest.MonkeyPa
     model = served(tiny_model("linear", vocab_size=8))
     draft = served(tiny_model("linear", seed=5, vocab_size=8))
     prompt = [1, 2, 3]
-    joint = _pair_distribution(model, prompt)
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=3, ignore_eos=True)
+    joint = _pair_distribution(model, prompt, params)
 
     def chi2_p(n: int) -> float:
         eng = engine(model, spec("draft_model", 2, model="x"), draft)
         counts = torch.zeros(8, 8)
         for i in range(0, n, 8):
-            batch = [GenerationRequest(f"d{j}", prompt, SamplingParams(
-                temperature=1.0, max_tokens=3, seed=j, ignore_eos=True)) for j in range(i, i + 8)]
+            batch = [GenerationRequest(f"d{j}", prompt, replace(params, seed=j))
+                     for j in range(i, i + 8)]
             for out in run_all(eng, batch).values():
                 counts[out.token_ids[1], out.token_ids[2]] += 1
         assert eng.spec is not None and eng.spec.drafted > 0
@@ -263,7 +276,7 @@ def test_sampled_tokens_keep_the_model_distribution(monkeypatch: pytest.MonkeyPa
         obs, exp = counts.flatten()[keep], expected[keep]
         return float(chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue)
 
-    assert chi2_p(1200) > 1e-3
+    assert chi2_p(800) > 1e-3
 
     def keep_every_draft(self: speculation.Speculator, rows: list[speculation.Row],
                          logits: list[torch.Tensor]) -> None:
@@ -276,7 +289,7 @@ def test_sampled_tokens_keep_the_model_distribution(monkeypatch: pytest.MonkeyPa
             row.fed = len(row.feed)
 
     monkeypatch.setattr(speculation.Speculator, "_accept", keep_every_draft)
-    assert chi2_p(1200) < 1e-3
+    assert chi2_p(800) < 1e-3
 
 
 def test_config_errors_are_one_line() -> None:
@@ -338,13 +351,17 @@ def test_draft_length_follows_acceptance_and_cost() -> None:
     assert [budget.length("b", 10) for _ in range(8)] == [0] * 7 + [1]  # probed now and then
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_mtp_drafts_change_nothing(dtype: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family,dtype", [("qwen3_5", "float32"), ("qwen3_5", "bfloat16"),
+                                          ("qwen3_5_moe", "bfloat16"),
+                                          ("qwen3_next", "bfloat16")])
+def test_mtp_drafts_change_nothing(family: str, dtype: str, tmp_path: Path) -> None:
     """The checkpoint's MTP layer drafts (from the verify's hidden states): the same greedy
-    and seeded tokens and states as without speculation."""
+    and seeded tokens and states as without speculation (Qwen3.5, its MoE, Qwen3-Next)."""
     from tests.model.qwen_fixtures import add_mtp, make_checkpoint
-    model = loader.load(add_mtp(make_checkpoint(tmp_path, "i4-tied", tokenizer="project")),
-                        dtype)
+    shapes = {"qwen3_5_moe": "e8k2-tied", "qwen3_next": "e6k2-step2"}
+    path = (make_checkpoint(tmp_path, "i4-tied", tokenizer="project") if family == "qwen3_5"
+            else make(tmp_path, family, shapes[family]))
+    model = loader.load(add_mtp(path), dtype)
     assert model.draft_head() is not None and "1 MTP layer" in model.info.architecture
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.8, max_tokens=16, seed=3, ignore_eos=True)]
