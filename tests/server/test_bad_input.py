@@ -123,13 +123,13 @@ REFUSED_VALUES: dict[str, object] = {
 def _readme_list(start: str, end: str) -> str:
     from bench.serverproc import ROOT
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "api.md").read_text()
     return text[text.index(start):text.index(end)]
 
 
 def test_the_readme_field_lists_agree_with_the_server(server: ServerProcess) -> None:
-    """Every field the README lists as refused is refused, every one it lists as ignored is
-    accepted, and the request models refuse nothing the README does not list."""
+    """Every field docs/api.md lists as refused is refused, every one it lists as ignored is
+    accepted, and the request models refuse nothing the page does not list."""
     from linserve.server.api.protocol import REFUSED
 
     refused = _readme_list("*Refused (400):*", "*Accepted and ignored")

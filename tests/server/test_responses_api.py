@@ -216,7 +216,7 @@ def test_reasoning_items(qwen_agent: ServerProcess) -> None:
 
 
 def test_the_readme_lists_every_refused_field(server: ServerProcess) -> None:
-    """Each field the Responses and Messages APIs refuse is named in the README's lists and
+    """Each field the Responses and Messages APIs refuse is named in docs/api.md's lists and
     answered with a 400 that names it."""
     from bench.serverproc import ROOT
     from linserve.server.api.messages.protocol import REFUSED as MESSAGES_REFUSED
@@ -226,8 +226,8 @@ def test_the_readme_lists_every_refused_field(server: ServerProcess) -> None:
     assert {"/v1/responses", "/v1/responses/{response_id}",
             "/v1/responses/{response_id}/input_items", "/v1/messages",
             "/v1/messages/count_tokens"} <= set(paths)
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Agent APIs"):readme.index("## Layout")]
+    readme = (ROOT / "docs" / "api.md").read_text()
+    section = readme[readme.index("## Agent APIs"):]
     responses = section[section.index("**`POST /v1/responses`**"):
                         section.index("**Stored responses")]
     messages = section[section.index("**`POST /v1/messages`**"):]
