@@ -60,15 +60,17 @@ class ModelInfo:
 
 class DraftHead(Protocol):
     """A checkpoint's own draft layers (Qwen3.5's MTP): per request a state, extended from
-    the served model's final-norm outputs ``hidden [n, d]`` and the token after each, giving
-    the logits ``[n, V]`` of the token after that and its own hidden states ``[n, d]`` (fed
-    back, with the token drafted, for the next draft)."""
+    the served model's final-norm outputs ``hidden [n, d]`` and the token after each into
+    its own hidden states g ``[n, d]``, whose :meth:`logits` ``[n, V]`` draft the token after
+    that (g is fed back, with the token drafted, for the next draft)."""
 
     def new_state(self) -> State:
         ...
 
-    def extend(self, state: State, hidden: torch.Tensor, tokens: list[int]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(self, state: State, hidden: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        ...
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
         ...
 
 

@@ -601,7 +601,8 @@ class Variant:
                                      self.split_for(module.cfg))
             head = module.draft_head()
             if head is not None:  # its weights packed here, as the layers' are
-                head.extend(head.new_state(), torch.zeros(2, module.cfg.hidden_size), [0, 0])
+                head.logits(head.extend(head.new_state(), torch.zeros(2, module.cfg.hidden_size),
+                                        [0, 0]))
             if module.fused:
                 module.fused_weights()
             else:

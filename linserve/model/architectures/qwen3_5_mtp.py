@@ -75,12 +75,16 @@ class MtpHead:
         return self.mtp.new_state()
 
     @torch.inference_mode()
-    def extend(self, state: State, hidden: torch.Tensor, tokens: list[int]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(self, state: State, hidden: torch.Tensor, tokens: list[int]) -> torch.Tensor:
         """``hidden [n, d]`` (the final norm's output at n positions, or the head's own g)
-        and the token after each -> the logits ``[n, V]`` of the token after that, and
-        g ``[n, d]``; ``state`` advanced by n."""
+        and the token after each -> g ``[n, d]`` fp32; ``state`` advanced by n."""
         dtype = self.model.model.embed_tokens.weight.dtype
         embeds = self.model.embed(torch.tensor([tokens])).to(dtype)
-        g = self.mtp(embeds, hidden.to(dtype)[None], state)[0]
-        return self.model.logits(g), g.float()
+        return self.mtp(embeds, hidden.to(dtype)[None], state)[0].float()
+
+    @torch.inference_mode()
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """g ``[n, d]`` -> the logits ``[n, V]`` of the token after the next, through the
+        served model's head."""
+        dtype = self.model.model.embed_tokens.weight.dtype
+        return self.model.logits(g.to(dtype))

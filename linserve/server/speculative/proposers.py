@@ -150,21 +150,21 @@ class DraftModelProposer:
 @dataclass
 class _MtpRow:
     """A request's MTP state: ``committed`` positions of it follow the kept tokens (draft
-    positions past them are overwritten); ``first`` drafts the token after the pending one,
-    ``g`` the head's output there (None before any verify of this request)."""
+    positions past them are overwritten); ``g`` the head's output at the last one (None
+    before any verify of this request), whose logits draft the token after the pending one."""
 
     state: State
     committed: int = 0
-    first: int | None = None
     g: torch.Tensor | None = None
 
 
 class MtpProposer:
     """Drafts from the checkpoint's own MTP layers (vLLM's ``mtp``): after each verify the
-    head catches up on the kept positions (the served model's hidden state there and the
-    token after it), which gives the first draft; further drafts feed the head's own output
-    back. Its KV cache starts at the request's first verify (the prompt's hidden states are
-    not kept by prefill)."""
+    head's layer catches up on the kept positions (the served model's hidden state there and
+    the token after it); a proposal takes the head's logits at the last one, then feeds its
+    own output back. The head's logits (a read of the served model's head) are computed only
+    when drafting, so a request whose drafts do not pay costs one layer a step. Its KV cache
+    starts at the request's first verify (the prompt's hidden states are not kept)."""
 
     needs_hidden = True
     costly = True
@@ -175,14 +175,14 @@ class MtpProposer:
 
     def propose(self, key: str, history: list[int], k: int) -> list[int]:
         row = self.rows.get(key)
-        if row is None or row.first is None or row.g is None or k == 0:
+        if row is None or row.g is None or k == 0:
             return []
-        out, g = [row.first], row.g
-        while len(out) < k:
-            logits, gs = self.head.extend(row.state, g[None], [out[-1]])
-            out.append(int(torch.argmax(logits[-1])))
-            g = gs[-1]
-        return out
+        g, out = row.g, []
+        while True:
+            out.append(int(torch.argmax(self.head.logits(g[None])[0])))
+            if len(out) == k:
+                return out
+            g = self.head.extend(row.state, g[None], [out[-1]])[-1]
 
     def commit(self, key: str, fed: list[int], after: int,
                hidden: torch.Tensor | None) -> None:
@@ -191,11 +191,10 @@ class MtpProposer:
             row = self.rows[key] = _MtpRow(self.head.new_state())
         row.state.lengths[:] = row.committed  # the drafts' positions are dropped
         if hidden is None:
-            row.first = row.g = None
+            row.g = None
             return
-        logits, g = self.head.extend(row.state, hidden, [*fed[1:], after])
+        row.g = self.head.extend(row.state, hidden, [*fed[1:], after])[-1]
         row.committed += len(fed)
-        row.first, row.g = int(torch.argmax(logits[-1])), g[-1]
 
     def drop(self, key: str) -> None:
         self.rows.pop(key, None)
