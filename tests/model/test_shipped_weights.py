@@ -68,3 +68,36 @@ def test_greedy_is_deterministic_and_forms_agree(kind: str) -> None:
     got = torch.stack(stepped[1:], 1)
     assert (got - full[:, 5:]).abs().max().item() <= 1e-3
     assert (logits - full[:, 4]).abs().max().item() <= 1e-3
+
+
+QWEN_MTP = WEIGHTS / "qwen35-mtp"
+
+
+@pytest.mark.skipif(not (QWEN_MTP / "model.safetensors").exists(), reason="not shipped")
+def test_the_trained_qwen_with_mtp_is_transformers_and_drafts_well() -> None:
+    """weights/qwen35-mtp: logits as transformers computes them (fp32), and its MTP layer's
+    greedy drafts are kept often on held-out text (random weights keep almost none)."""
+    transformers = pytest.importorskip("transformers")
+    from linserve.model import loader
+    from linserve.server.engine.engine import Engine, EngineLimits
+    from linserve.server.engine.types import GenerationRequest
+    from linserve.server.speculative.config import SpeculativeConfig
+
+    ours = loader.load(QWEN_MTP, "float32")
+    ref = transformers.Qwen3_5ForCausalLM.from_pretrained(QWEN_MTP, dtype=torch.float32)
+    tok = ours.tokenizer()
+    ids = torch.tensor([tok.encode("MACBETH.\nIs this a dagger which I see before me,")])
+    with torch.no_grad():
+        want = ref(ids).logits[0]
+    got, _ = ours.prefill(ids, all_logits=True)
+    assert (got[0] - want).abs().max().item() <= 1e-3
+    config = SpeculativeConfig.model_validate({"method": "mtp", "num_speculative_tokens": 2,
+                                               "adaptive": False})
+    engine = Engine(ours, EngineLimits(max_running=4), lambda _: None, speculative=config)
+    engine.submit(GenerationRequest("m", ids[0].tolist(), SamplingParams(
+        temperature=0.0, max_tokens=48, ignore_eos=True)), lambda _: None)
+    engine.iterate()  # takes the request in
+    while engine.running or engine.waiting or engine.prefilling:
+        engine.iterate()
+    assert engine.spec is not None and engine.spec.drafted > 0
+    assert engine.spec.accepted / engine.spec.drafted > 0.2
