@@ -27,7 +27,15 @@ from typing import Any
 
 import torch
 
-from bench.common import machine, print_table, save_figure, time_interleaved, write_json
+from bench.common import (
+    RESULTS,
+    machine,
+    print_table,
+    read_json,
+    save_figure,
+    time_interleaved,
+    write_json,
+)
 from linserve.model import loader
 from linserve.model.interface import ServedModel
 from linserve.model.sampling import SamplingParams
@@ -163,19 +171,71 @@ def trained(path: Path, data: Path, n: int) -> list[dict[str, Any]]:
     rows = []
     for name, prompts, c in cases:
         plain_t = spec_t = 0.0
-        eng = None
+        kept = [0] * c.num_speculative_tokens
+        tried = [0] * c.num_speculative_tokens
         for p in prompts:  # batch 1, one prompt after another
             a, b, eng = paired(model, [p], n, c)
             plain_t, spec_t = plain_t + a, spec_t + b
-        assert eng is not None and eng.spec is not None
-        per_pos = [round(kept / tried, 3) if tried else None
-                   for kept, tried in zip(eng.spec.kept_at, eng.spec.tried_at, strict=True)]
+            assert eng.spec is not None
+            kept = [x + y for x, y in zip(kept, eng.spec.kept_at, strict=True)]
+            tried = [x + y for x, y in zip(tried, eng.spec.tried_at, strict=True)]
+        per_pos = [round(k / t, 3) if t else None for k, t in zip(kept, tried, strict=True)]
         rows.append({"case": name, "plain_tok_s": round(len(prompts) * (n - 1) / plain_t, 1),
                      "spec_tok_s": round(len(prompts) * (n - 1) / spec_t, 1),
                      "speedup": round(plain_t / spec_t, 3),
-                     "accepted_by_position": per_pos})
+                     "accepted_by_position": per_pos, "drafts_tried": tried})
         print(rows[-1], flush=True)
     return rows
+
+
+def with_mtp(path: Path, out: Path) -> Path:
+    """``path``'s checkpoint with one random MTP layer (the last full-attention layer's
+    weights, a random fc): what an MTP draft costs at these shapes, not what it accepts."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    out.mkdir(parents=True, exist_ok=True)
+    for f in path.iterdir():
+        if f.name not in ("model.safetensors", "config.json") and f.suffix != ".gguf":
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((path / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    text["mtp_num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(path / "model.safetensors"))
+    prefix = next(n for n in tensors if n.endswith("norm.weight") and "layers" not in n)
+    prefix = prefix.removesuffix("norm.weight")
+    last = max(i for i, t in enumerate(text["layer_types"]) if t == "full_attention")
+    d, layer = int(text["hidden_size"]), f"{prefix}layers.{last}."
+    for name in [n for n in tensors if n.startswith(layer)]:
+        tensors["mtp.layers.0." + name.removeprefix(layer)] = tensors[name].clone()
+    dtype = tensors[f"{prefix}norm.weight"].dtype
+    tensors["mtp.fc.weight"] = (torch.randn(d, 2 * d) / (2 * d) ** 0.5).to(dtype)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.zeros(d, dtype=dtype)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def mtp_cost(path: Path) -> dict[str, Any]:
+    """One MTP draft token (the layer and the head) over one plain step, batch 1, bf16."""
+    model = loader.load(with_mtp(path, Path("/tmp/spec-decode-mtp")), "bfloat16")
+    head = model.draft_head()
+    assert head is not None
+    _, state = model.prefill(torch.randint(0, 1000, (1, 64)))
+    mstate = head.new_state()
+    g = torch.zeros(1, getattr(model, "module").cfg.hidden_size)  # noqa: B009
+    head.extend(mstate, g, [1])
+
+    def draft() -> None:
+        head.logits(head.extend(mstate, g, [5]))
+        mstate.lengths[:] = 1
+
+    ms = time_interleaved({"step": lambda: model.step(torch.tensor([5]), state.copy()),
+                           "draft": draft}, rounds=5, round_seconds=0.5)
+    return {"step_ms": round(ms["step"], 2), "mtp_draft_ms": round(ms["draft"], 2),
+            "ratio": round(ms["draft"] / ms["step"], 3)}
 
 
 def streams(path: Path, n: int, rows: int = 16) -> dict[str, Any]:
@@ -220,9 +280,12 @@ def main() -> None:
     p.add_argument("--trained", type=Path, default=Path("weights/qwen35-mtp"))
     p.add_argument("--data-dir", type=Path, default=Path("data"),
                    help="the corpus (python -m linserve.model.training.data)")
-    p.add_argument("--parts", nargs="+", default=["cost", "sweep", "streams", "trained"])
+    p.add_argument("--parts", nargs="+",
+                   default=["cost", "sweep", "streams", "trained", "mtp"])
     args = p.parse_args()
-    out: dict[str, Any] = {"machine": machine(), "checkpoint": str(args.checkpoint)}
+    old = RESULTS / "spec_decode.json"  # the parts not run now are kept
+    out: dict[str, Any] = read_json("spec_decode") if old.is_file() else {}
+    out.update({"machine": machine(), "checkpoint": str(args.checkpoint)})
     if "cost" in args.parts:
         out["verify_cost"] = [verify_costs(args.checkpoint, q) for q in ("none", "int8", "int4")]
         print_table(out["verify_cost"], list(out["verify_cost"][0]))
@@ -233,6 +296,9 @@ def main() -> None:
         print(out["streams"])
     if "trained" in args.parts:
         out["trained"] = trained(args.trained, args.data_dir, 64)
+    if "mtp" in args.parts:
+        out["mtp_cost"] = mtp_cost(args.checkpoint)
+        print(out["mtp_cost"])
     write_json("spec_decode", out)
     if "verify_cost" in out and "acceptance" in out:
         plot(out["acceptance"], out["verify_cost"])
