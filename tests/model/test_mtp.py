@@ -42,3 +42,33 @@ def test_mtp_head_equals_the_reference(tmp_path: Path) -> None:
     _, trail = ours.verify(tokens, state)
     assert trail.hidden is not None
     assert torch.allclose(trail.hidden[0], hidden[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("family,dtype", [("qwen3_5", "float32"), ("qwen3_5", "bfloat16"),
+                                          ("qwen3_5_moe", "float32")])
+def test_the_native_mtp_call_equals_the_eager_layer(family: str, dtype: str,
+                                                    tmp_path: Path) -> None:
+    """``qwen35_mtp`` (one native call) against the layer in PyTorch: g within fp32
+    rounding (bf16: the eager layer rounds its activations to bf16, the native call keeps
+    them fp32), several extensions after one another, dense and with experts."""
+    from linserve.model import kernels
+    from tests.model.family_fixtures import make
+    from tests.model.qwen_fixtures import add_mtp, make_checkpoint
+    if not kernels.available():
+        pytest.skip("no native kernels")
+    path = (make_checkpoint(tmp_path, "i4-tied", tokenizer="project") if family == "qwen3_5"
+            else make(tmp_path, family, "e8k2-tied"))
+    model = loader.load(add_mtp(path), dtype)
+    head = model.draft_head()
+    assert head is not None and getattr(head, "native_args")() is not None
+    g = torch.Generator().manual_seed(2)
+    d = getattr(model, "module").cfg.hidden_size
+    native, eager = head.new_state(), head.new_state()
+    for n in (5, 1, 3):
+        hidden = torch.randn(n, d, generator=g)
+        tokens = torch.randint(0, 500, (n,), generator=g).tolist()
+        a = head.extend(native, hidden, tokens)
+        b = getattr(head, "extend_eager")(eager, hidden, tokens)
+        tol = 2e-4 if dtype == "float32" else 5e-2
+        assert torch.allclose(a, b, atol=tol, rtol=tol), (a - b).abs().max()
+        assert torch.equal(native.lengths, eager.lengths)

@@ -417,7 +417,7 @@ class Qwen35ForCausalLM(DecoderLM):
         if args is not None and all(t.is_contiguous() for t in tensors):
             logits = torch.ops.linserve.qwen35_step(
                 tokens.contiguous(), args.weights, args.experts, tensors, state.lengths,
-                args.ints, self._dims(), self.cfg.rms_norm_eps)
+                args.ints, self.dims(), self.cfg.rms_norm_eps)
             state.lengths += 1
             return logits
         return self.step_eager(tokens, state)
@@ -439,14 +439,14 @@ class Qwen35ForCausalLM(DecoderLM):
         hidden = torch.empty(t * b, self.cfg.hidden_size)
         logits = torch.ops.linserve.qwen35_verify(
             tokens.t().contiguous().flatten(), args.weights, args.experts, tensors, snaps,
-            hidden, state.lengths, args.ints, self._dims(), self.cfg.rms_norm_eps, t)
+            hidden, state.lengths, args.ints, self.dims(), self.cfg.rms_norm_eps, t)
         state.lengths += t
         kept = [x for x in snaps if x.numel()]
         trail = Trail([[x[i] for x in kept] for i in range(t - 1)],
                       hidden.view(t, b, -1).transpose(0, 1))
         return logits.view(t, b, -1).transpose(0, 1), trail
 
-    def _dims(self) -> list[int]:
+    def dims(self) -> list[int]:
         cfg = self.cfg
         return [cfg.hidden_size, cfg.num_attention_heads,
                 cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim,

@@ -216,6 +216,35 @@ at::Tensor qwen35_step(const at::Tensor& tokens, at::TensorList weights, at::Ten
   return forward(tokens, weights, experts, state, {}, lengths, ints, dims, eps, 1, at::Tensor());
 }
 
+// Qwen3.5's MTP layer (model/architectures/qwen3_5_mtp.py) over n positions of one request:
+// g = norm(layer(fc([norm_e(embed(tokens)), norm_h(hidden)]))), the layer a full-attention
+// decoder layer with a KV cache of its own. weights: embed, head (to tell a tied table),
+// norm_e, norm_h (as 1 + w), fc [2d, d] (packed), norm, then the layer's kLayerWeights;
+// hidden [n, d] fp32; state: the layer's (k, v [1, Hkv, cap, D]); lengths [1]; ints: the
+// layer's five. Returns g [n, d] fp32.
+at::Tensor qwen35_mtp(const at::Tensor& tokens, const at::Tensor& hidden, at::TensorList weights,
+                      at::TensorList experts, at::TensorList state, const at::Tensor& lengths,
+                      at::IntArrayRef ints, at::IntArrayRef dims, double eps) {
+  TORCH_CHECK(dims.size() == 10 && weights.size() == 6 + kLayerWeights && state.size() == 2 &&
+                  ints.size() == kInts && lengths.numel() == 1,
+              "qwen35_mtp: one layer's weights, state and ints");
+  const Dims m{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8],
+               dims[9], static_cast<float>(eps)};
+  const int64_t n = tokens.size(0);
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.size(0) == n && hidden.size(1) == m.d,
+              "qwen35_mtp: hidden [n, d] fp32");
+  const bool tied = weights[0].is_same(weights[1]);
+  const at::Tensor e = linserve::embed_rows(weights[0], tokens, m.d, tied);
+  const at::Tensor h = linserve::normed(hidden.contiguous(), weights[3], m.eps);
+  at::Tensor x = linserve::project(at::cat({linserve::normed(e, weights[2], m.eps), h}, 1),
+                                   weights[4]);
+  at::Tensor kc = state[0], vc = state[1];
+  const at::Tensor* w = weights.data() + 6;
+  attention_layer(x, w, kc, vc, lengths.data_ptr<int64_t>(), m, n);  // n positions, 1 row
+  mlp_add(x, w + kMixerWeights, experts.data(), ints.data(), m);
+  return linserve::normed(x, weights[5], m.eps);
+}
+
 // A verify: T tokens per row (tokens [T B], position-major) -> logits [T B, V], the state
 // after all T, the GDN states after each earlier position in snaps, and the final norm's
 // output in hidden [T B, d] (if not empty).
@@ -233,6 +262,9 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
       "qwen35_step(Tensor tokens, Tensor[] weights, Tensor[] experts, Tensor(a!)[] state, "
       "Tensor lengths, int[] ints, int[] dims, float eps) -> Tensor");
   m.def(
+      "qwen35_mtp(Tensor tokens, Tensor hidden, Tensor[] weights, Tensor[] experts, "
+      "Tensor(a!)[] state, Tensor lengths, int[] ints, int[] dims, float eps) -> Tensor");
+  m.def(
       "qwen35_verify(Tensor tokens, Tensor[] weights, Tensor[] experts, Tensor(a!)[] state, "
       "Tensor(b!)[] snaps, Tensor(c!) hidden, Tensor lengths, int[] ints, int[] dims, "
       "float eps, int positions) -> Tensor");
@@ -241,6 +273,7 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
 TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("qwen35_step", &qwen35_step);
   m.impl("qwen35_verify", &qwen35_verify);
+  m.impl("qwen35_mtp", &qwen35_mtp);
 }
 
 }  // namespace qwen35_step_cpp
