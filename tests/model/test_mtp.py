@@ -58,17 +58,20 @@ def test_the_native_mtp_call_equals_the_eager_layer(family: str, dtype: str,
         pytest.skip("no native kernels")
     path = (make_checkpoint(tmp_path, "i4-tied", tokenizer="project") if family == "qwen3_5"
             else make(tmp_path, family, "e8k2-tied"))
+    from linserve.model.architectures.hf import HFServedModel
+    from linserve.model.architectures.qwen3_5_mtp import MtpHead
     model = loader.load(add_mtp(path), dtype)
+    assert isinstance(model, HFServedModel)
     head = model.draft_head()
-    assert head is not None and getattr(head, "native_args")() is not None
+    assert isinstance(head, MtpHead) and head.native_args() is not None
     g = torch.Generator().manual_seed(2)
-    d = getattr(model, "module").cfg.hidden_size
+    d = model.module.cfg.hidden_size
     native, eager = head.new_state(), head.new_state()
     for n in (5, 1, 3):
         hidden = torch.randn(n, d, generator=g)
         tokens = torch.randint(0, 500, (n,), generator=g).tolist()
         a = head.extend(native, hidden, tokens)
-        b = getattr(head, "extend_eager")(eager, hidden, tokens)
+        b = head.extend_eager(eager, hidden, tokens)
         tol = 2e-4 if dtype == "float32" else 5e-2
         assert torch.allclose(a, b, atol=tol, rtol=tol), (a - b).abs().max()
         assert torch.equal(native.lengths, eager.lengths)
