@@ -100,11 +100,10 @@ class ServedModel(Protocol):
         ``[B, V]`` (``[B, T, V]`` with ``all_logits``) and a new state."""
         ...
 
-    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None],
-                       all_logits: bool = False) -> tuple[torch.Tensor, list[State]]:
+    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
+                       ) -> tuple[torch.Tensor, list[State]]:
         """Prompts of different lengths in one pass (where ``info.ragged_prefill``): each
-        one's last logits ``[B, V]`` (every position's, ``[B, T_max, V]``, with
-        ``all_logits``) and its new one-row state."""
+        one's last logits ``[B, V]`` and its new one-row state."""
         ...
 
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:

@@ -520,9 +520,9 @@ class HFServedModel:
             state = self.new_state(tokens.shape[0])
         return self.module.prefill(tokens, state, all_logits)
 
-    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None],
-                       all_logits: bool = False) -> tuple[torch.Tensor, list[State]]:
-        return self.module.prefill_ragged(prompts, states, all_logits)
+    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
+                       ) -> tuple[torch.Tensor, list[State]]:
+        return self.module.prefill_ragged(prompts, states)
 
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         return self.module.step(tokens, state)

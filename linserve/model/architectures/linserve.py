@@ -141,14 +141,13 @@ class LanguageModel(nn.Module):
         return [] if self._fused is None else self._fused.weights
 
     @torch.inference_mode()
-    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None],
-                       all_logits: bool = False) -> tuple[torch.Tensor, list[State]]:
+    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
+                       ) -> tuple[torch.Tensor, list[State]]:
         """Prefill several prompts of different lengths in one batched parallel pass
         (recurrent models only): rows are right-padded and the padding masked out.
 
-        Returns each prompt's last logits ``[B, V]`` (``[B, T_max, V]`` with ``all_logits``)
-        and its new single-row state; the input states are not modified. Equal to calling
-        :meth:`prefill` on each prompt alone.
+        Returns each prompt's last logits ``[B, V]`` and its new single-row state; the input
+        states are not modified. Equal to calling :meth:`prefill` on each prompt alone.
         """
         if not self.cfg.is_recurrent:
             raise ValueError("ragged prefill needs a recurrent (linear or favor) model")
@@ -163,7 +162,7 @@ class LanguageModel(nn.Module):
         for i, block in enumerate(self.layers):
             x = block(x, state, i, lengths)
         state.lengths += lengths
-        last = x if all_logits else x[torch.arange(len(prompts)), lengths - 1]
+        last = x[torch.arange(len(prompts)), lengths - 1]
         return self._head(last), state.unbatch()
 
     @torch.inference_mode()
@@ -305,9 +304,9 @@ class OwnModel:
                 all_logits: bool = False) -> tuple[torch.Tensor, State]:
         return self.model.prefill(tokens, state, all_logits)
 
-    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None],
-                       all_logits: bool = False) -> tuple[torch.Tensor, list[State]]:
-        return self.model.prefill_ragged(prompts, states, all_logits)
+    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
+                       ) -> tuple[torch.Tensor, list[State]]:
+        return self.model.prefill_ragged(prompts, states)
 
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         return self.model.step(tokens, state)

@@ -105,12 +105,11 @@ class DecoderLM(nn.Module):
         return self.head(x if all_logits else x[:, -1]), state
 
     @torch.inference_mode()
-    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None],
-                       all_logits: bool = False) -> tuple[torch.Tensor, list[State]]:
+    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
+                       ) -> tuple[torch.Tensor, list[State]]:
         """Prompts of different lengths after states at different lengths, in one
-        right-padded pass: each prompt's last logits ``[B, V]`` (``[B, T_max, V]`` with
-        ``all_logits``, garbage past each prompt's end) and its new one-row state (the given
-        states are not modified); equal to :meth:`prefill` of each alone."""
+        right-padded pass: each prompt's last logits ``[B, V]`` and its new one-row state
+        (the given states are not modified); equal to :meth:`prefill` of each alone."""
         if not prompts or any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
         new = torch.tensor([len(p) for p in prompts])
@@ -121,8 +120,7 @@ class DecoderLM(nn.Module):
         state.reserve(int((starts + new).max()))
         x = self._run(self.embed(tokens), state, new=new, lengths=starts)
         state.lengths += new
-        last = x if all_logits else x[torch.arange(len(prompts)), new - 1]
-        return self.head(last), state.unbatch()
+        return self.head(x[torch.arange(len(prompts)), new - 1]), state.unbatch()
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
