@@ -49,27 +49,30 @@ def set_quantization(mode: str) -> None:
     _quantization[0] = mode
 
 
-# A GGUF file's blocks the int4 GEMM takes as they are (Q4_0): whether loading keeps them
-# (--dtype auto), and each such weight's values by its data pointer until it is packed.
+# A GGUF file's blocks the quantized GEMM takes as they are (Q4_0, Q8_0): whether loading
+# keeps them (--dtype auto), and each such weight's values by its data pointer until it is
+# packed: (q, scales, the GEMM format).
 _native_blocks = [False]
-_int4_values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_block_values: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
 
 def set_native_blocks(on: bool) -> None:
-    """Keep a GGUF file's Q4_0 matrices in their blocks (set by the loader: ``--dtype auto``
-    and no ``--quantization``)."""
+    """Keep a GGUF file's Q4_0 and Q8_0 matrices in their blocks (set by the loader:
+    ``--dtype auto`` and no ``--quantization``)."""
     _native_blocks[0] = on
-    _int4_values.clear()
+    _block_values.clear()
 
 
 def native_blocks() -> bool:
     return _native_blocks[0]
 
 
-def give_int4(weight: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
-    """``weight [out, in]`` holds exactly q ``[out, in]`` (int8 in [−8, 7]) times the fp16
-    ``scales [out, in / 32]``: :func:`gemm_weight` packs those as int4, never quantizing."""
-    _int4_values[weight.data_ptr()] = (q, scales)
+def give_blocks(weight: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                fmt: int = 1) -> None:
+    """``weight [out, in]`` holds exactly q ``[out, in]`` (int8) times the fp16 ``scales
+    [out, in / 32]``: :func:`gemm_weight` packs those in the GEMM format ``fmt`` (1: int4,
+    q in [−8, 7]; 2: q8, q in [−127, 127]), never quantizing."""
+    _block_values[weight.data_ptr()] = (q, scales, fmt)
 
 
 def quantization() -> str:
@@ -139,7 +142,7 @@ def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
     key = (_enabled[0], _quantization[0], *((p.data_ptr(), p.dtype, _version(p)) for p in parts))
     if cached is None or cached[0] != key:
         quantized = not getattr(owner, "fp32_weights", False)
-        given = _given_int4(parts) if quantized else None
+        given = _given_blocks(parts) if quantized else None
         w = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
         cached = (key, given if given is not None else pack(w.t(), quantized), parts)
         owner.__dict__["_invariant_wt"] = cached
@@ -148,17 +151,18 @@ def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, cached[1])
 
 
-def _given_int4(parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-    """The int4 GEMM weight of ``parts`` side by side, when every part's values were given
-    (:func:`give_int4`); None otherwise."""
-    given = [_int4_values.get(p.data_ptr()) for p in parts]
-    if not all(given) or not kernels.load():
+def _given_blocks(parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """The quantized GEMM weight of ``parts`` side by side, when every part's values were
+    given (:func:`give_blocks`) in one format; None otherwise."""
+    given = [_block_values.get(p.data_ptr()) for p in parts]
+    if not all(given) or len({g[2] for g in given if g}) != 1 or not kernels.load():
         return None
     q = torch.cat([g[0] for g in given if g]).t().contiguous()
     scales = torch.cat([g[1] for g in given if g]).t().contiguous()
+    fmt = next(g[2] for g in given if g)
     for p in parts:
-        _int4_values.pop(p.data_ptr(), None)
-    return cast(torch.Tensor, torch.ops.linserve.pack_quantized(q, scales, True))
+        _block_values.pop(p.data_ptr(), None)
+    return cast(torch.Tensor, torch.ops.linserve.pack_quantized(q, scales, fmt))
 
 
 def packed(linear: nn.Module) -> torch.Tensor:

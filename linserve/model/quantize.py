@@ -106,7 +106,7 @@ def pack(w: torch.Tensor, mode: str) -> torch.Tensor:
     k, n = w.shape
     if n <= CHUNK:
         q, scale = quantize(w.detach(), mode)
-        return torch.ops.linserve.pack_quantized(q, scale, scale.dim() == 2)
+        return torch.ops.linserve.pack_quantized(q, scale, int(scale.dim() == 2))
     first = pack(w[:, :CHUNK], mode)
     int4 = first.dtype == torch.uint8
     out = torch.zeros(first.shape[0], n, 4, dtype=first.dtype)
@@ -124,7 +124,10 @@ def pack(w: torch.Tensor, mode: str) -> torch.Tensor:
     return out
 
 
-def mode_of(packed: torch.Tensor) -> str:
+def mode_of(packed: torch.Tensor, k: int | None = None) -> str:
     """The quantization of a weight as :func:`pack` or :func:`linserve.model.invariant.pack` left
-    it."""
+    it: ``int8``, ``int4``, ``q8`` (a GGUF file's Q8_0 blocks, told from int4 by the stored
+    rows of its ``k`` inputs) or ``none``."""
+    if packed.dtype == torch.uint8 and k is not None and packed.shape[0] == (17 * k + 63) // 64:
+        return "q8"
     return {torch.int8: "int8", torch.uint8: "int4"}.get(packed.dtype, "none")

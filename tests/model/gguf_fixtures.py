@@ -86,9 +86,15 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int =
     block, size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    # Q8_0's values reach 127 where the 4-bit formats' reach 15: its scales are smaller, so
+    # that every format's weights have about the same size
+    top = 0.05 / 16 if qtype == GGMLQuantizationType.Q8_0 else 0.05
     for at in _fp16_offsets(qtype):
-        scale = rng.uniform(-0.05, 0.05, size=(rows, cols // block)).astype(np.float16)
+        scale = rng.uniform(-top, top, size=(rows, cols // block)).astype(np.float16)
         raw[:, :, at:at + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
+    if qtype == GGMLQuantizationType.Q8_0:  # llama.cpp's values are in [-127, 127]
+        values = raw[:, :, 2:]
+        values[values == 128] = 129
     return raw.reshape(rows, -1)
 
 

@@ -372,9 +372,9 @@ def read_into(file: Path, pairs: list[tuple[torch.Tensor, str, Index]]) -> None:
             if dests[0][1] is None and t.shape != whole.shape and t.numel() == whole.numel():
                 t = t.reshape(whole.shape)  # squeezed or flattened by the converter
             _scatter(t, dests)
-            blocks = ck.int4_blocks(name) if invariant.native_blocks() else None
+            blocks = ck.native_blocks(name) if invariant.native_blocks() else None
             if blocks is not None and len(dests) == 1 and dests[0][1] is None:
-                invariant.give_int4(whole, *blocks)
+                invariant.give_blocks(whole, *blocks)
         return
     with file.open("rb") as fh:
         size = int.from_bytes(fh.read(8), "little")

@@ -33,6 +33,9 @@ from linserve.model.tokenizer import Tokenizer
 SERVED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K,
           Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL)
 FLOATS = (Q.F32, Q.F16, Q.BF16)
+# Block formats whose matrices the quantized GEMM multiplies as they are, and the GEMM
+# format each is packed in (linserve/model/kernels/gemm_quant.h's QFormat: 1 int4, 2 q8).
+NATIVE = {Q.Q4_0: 1, Q.Q8_0: 2}
 # Control tokens that end a generation in llama.cpp (its llama_vocab end-of-generation
 # list), besides tokenizer.ggml.eos_token_id / eot_token_id / eom_token_id.
 END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
@@ -119,18 +122,24 @@ class GGUFCheckpoint:
                     if re.fullmatch(r.into.replace(".", r"\.").format(n=r"\d+"), hf_name))
         return rule.join(parts, self.config)
 
-    def int4_blocks(self, hf_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A Q4_0 matrix ``[out, in]`` as the int4 GEMM's values (q ``[out, in]`` int8 in
-        [−8, 7], fp16 scales ``[out, in / 32]``): the same numbers, so it is repacked, not
-        quantized again. None for any other tensor, or one the converter transformed."""
+    def native_blocks(self, hf_name: str) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """A Q4_0 or Q8_0 matrix ``[out, in]`` as the quantized GEMM's values: q ``[out,
+        in]`` int8 (Q4_0: [−8, 7]; Q8_0: [−127, 127]), fp16 scales ``[out, in / 32]`` and the
+        GEMM format (:data:`NATIVE`): the same numbers, so it is repacked, not quantized
+        again. None for any other tensor, one the converter transformed, or a Q8_0 block
+        holding −128 (the AVX2 product takes each value's sign apart, and −128 has no
+        positive twin; such a matrix is dequantized)."""
         names = self._names.get(hf_name, (hf_name,))
         t = self.model.tensors[names[0]]
-        if len(names) != 1 or t.qtype != Q.Q4_0 or len(t.shape) != 2:
+        if len(names) != 1 or t.qtype not in NATIVE or len(t.shape) != 2:
             return None
         probe = torch.empty(t.shape, device="meta")
         if self.arch.transform(hf_name, probe, self.config) is not probe:
             return None
-        return q4_0_values(t)
+        q, scales = q4_0_values(t) if t.qtype == Q.Q4_0 else q8_0_values(t)
+        if t.qtype == Q.Q8_0 and bool((q == -128).any()):
+            return None
+        return q, scales, NATIVE[t.qtype]
 
     def quantization_types(self) -> dict[str, int]:
         """Storage type name -> how many tensors have it."""
@@ -158,15 +167,15 @@ class GGUFCheckpoint:
         return ", ".join(f"{name} {n}" for name, n in counts)
 
     def served_bytes(self, dtype: torch.dtype, native: bool) -> int:
-        """The bytes the weights take as served: a Q4_0 matrix its own size when ``native``
-        (it runs on its blocks), every other tensor its values in ``dtype``."""
+        """The bytes the weights take as served: a Q4_0 or Q8_0 matrix its own size when
+        ``native`` (it runs on its blocks), every other tensor its values in ``dtype``."""
         size = torch.empty(0, dtype=dtype).element_size()
-        return sum(t.nbytes if native and t.qtype == Q.Q4_0 and len(t.shape) == 2
+        return sum(t.nbytes if native and t.qtype in NATIVE and len(t.shape) == 2
                    else int(np.prod(t.shape)) * size for t in self.model.tensors.values())
 
     def load_plan(self, dtype: str, native: bool) -> str:
         """One line for the startup log: the file's formats and what loading does with
-        each (``native``: Q4_0 kept in its blocks; otherwise every block format
+        each (``native``: Q4_0 and Q8_0 kept in their blocks; otherwise every block format
         dequantized, as ``--dtype`` or ``--quantization`` asked)."""
         blocks = [q for q in self.quantization_types() if q not in ("F32", "F16", "BF16")]
         head = f"GGUF {self.arch.name}, {self.describe_types()}"
@@ -174,9 +183,10 @@ class GGUFCheckpoint:
             return f"{head}: floats as {dtype}"
         if not native:
             return f"{head}: every block format dequantized to {dtype} at load, as asked"
-        kept = "Q4_0" in blocks
-        rest = [q for q in blocks if q != "Q4_0"]
-        return (f"{head}: " + ("Q4_0 matrices run as int4 on their own blocks" if kept else "")
+        kept = [q for q in blocks if q in ("Q4_0", "Q8_0")]
+        rest = [q for q in blocks if q not in kept]
+        return (f"{head}: " + (f"{' and '.join(kept)} matrices run on their own blocks"
+                               if kept else "")
                 + ("; " if kept and rest else "")
                 + (f"{', '.join(rest)} dequantized to {dtype} at load (no native product "
                    f"for them yet)" if rest else ""))
@@ -239,11 +249,7 @@ def dequantize(t: Tensor) -> torch.Tensor:
         q, scales = q4_0_values(t)
         return _scaled(q, scales)
     if t.qtype == Q.Q8_0:
-        rows = int(np.prod(t.shape[:-1]))
-        blocks = torch.from_numpy(np.asarray(t.raw).reshape(rows, -1, 34).copy())
-        scales = blocks[..., :2].contiguous().view(torch.float16).reshape(rows, -1)
-        q = blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1)
-        return _scaled(q, scales).reshape(t.shape)
+        return _scaled(*q8_0_values(t)).reshape(t.shape)
     values = quants.dequantize(np.asarray(t.raw), t.qtype)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(t.shape))
 
@@ -264,6 +270,16 @@ def q4_0_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     qs = blocks[..., 2:].to(torch.int16)
     q = torch.cat([qs & 0xF, qs >> 4], -1).sub_(8).to(torch.int8).reshape(rows, cols)
     return q, scales
+
+
+def q8_0_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0's blocks (an fp16 scale d, then 32 int8 values q; value d q) -> q ``[rows,
+    cols]`` int8 and d ``[rows, cols / 32]`` fp16, rows the product of every dimension but
+    the last."""
+    rows = int(np.prod(t.shape[:-1]))
+    blocks = torch.from_numpy(np.asarray(t.raw).reshape(rows, -1, 34).copy())
+    scales = blocks[..., :2].contiguous().view(torch.float16).reshape(rows, -1)
+    return blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1), scales
 
 
 @lru_cache(maxsize=4)

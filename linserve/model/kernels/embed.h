@@ -8,7 +8,7 @@
 // quantized token_embd:
 // - fp32 / bf16 [K, N] row-major, or [K', N, J] panels from pack_weight: the exact values;
 // - int8 (kChar [K32/4 + 1, N, 4]): (q - 128) s[n], the value the GEMM multiplies by;
-// - int4 (kByte): (nibble - 8) s[block, n].
+// - int4 (kByte): (nibble - 8) s[block, n]; q8 (kByte): (byte - 128) s[block, n].
 // A plain table [V, d] (an untied model) is read by rows as before.
 #pragma once
 
@@ -54,22 +54,20 @@ inline void int8_column(const uint8_t* base, int64_t n, int64_t k32, int64_t c, 
              scale;
 }
 
-// Column c of an int4 weight: blocks of 32 inputs, each 4 stored rows of [width, 4] bytes
-// (inputs 8r..8r+3 in the low nibbles, 8r+4..8r+7 in the high ones) and then fp16 scales.
-inline void int4_column(const uint8_t* base, int64_t n, int64_t k32, int64_t c, int64_t d,
-                        float* out) {
-  const int64_t blocks = k32 / 32, p0 = c / kPanel * kPanel, width = std::min(kPanel, n - p0);
-  const uint8_t* panel = base + p0 * blocks * 18;
-  for (int64_t b = 0; b < blocks && b * 32 < d; ++b) {
-    const uint8_t* block = panel + b * width * 18;
-    uint16_t half;
-    std::memcpy(&half, block + 16 * width + (c - p0) * 2, sizeof(half));
-    const float scale = c10::Half(half, c10::Half::from_bits());
+// Column c of a block-scaled weight (int4 or q8, gemm_quant.h's QFormat) into out[0, d):
+// blocks of 32 inputs, each its stored rows of [width, 4] bytes (int4: inputs 8t..8t+3 in
+// the low nibbles, 8t+4..8t+7 in the high ones; q8: inputs 4t..4t+3 as bytes q + 128) and
+// then fp16 scales.
+inline void block_column(const QuantWeights& w, int64_t c, int64_t d, float* out) {
+  const QCol col = column(w, c);
+  const bool nib = w.format == kQInt4;
+  for (int64_t b = 0; b < w.k32 / 32 && b * 32 < d; ++b) {
+    const float scale = half_to_float(*group_scales(col, b));
     for (int64_t i = 0; i < 32 && b * 32 + i < d; ++i) {
-      const int64_t r = i / 8, within = i % 8;
-      const uint8_t byte = block[(r * width + (c - p0)) * 4 + within % 4];
-      const int32_t nib = within < 4 ? (byte & 0xF) : (byte >> 4);
-      out[b * 32 + i] = static_cast<float>(nib - 8) * scale;
+      const int64_t t = nib ? i / 8 : i / 4, within = nib ? i % 8 : i % 4;
+      const uint8_t byte = col.q[b * col.block + t * col.ld + within % 4];
+      const int32_t v = nib ? (within < 4 ? (byte & 0xF) : (byte >> 4)) - 8 : byte - 128;
+      out[b * 32 + i] = static_cast<float>(v) * scale;
     }
   }
 }
@@ -91,14 +89,17 @@ inline at::Tensor embed_rows(const at::Tensor& table, const at::Tensor& tokens, 
   const auto type = table.scalar_type();
   const bool packed = table.dim() == 3;
   const int64_t j = packed ? table.size(2) : 1;
+  const bool quant = type == at::kChar || type == at::kByte;
+  const int format = quant ? quant_format(table, d) : -1;
+  TORCH_CHECK(!quant || format >= 0, "embed_rows: the head's stored format does not match d");
   at::parallel_for(0, count, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* row = y + r * d;
-      if (type == at::kChar || type == at::kByte) {
+      if (quant) {
         const int64_t k32 = (d + 31) / 32 * 32;
         const auto* base = reinterpret_cast<const uint8_t*>(table.data_ptr());
-        if (type == at::kChar) int8_column(base, n, k32, id[r], d, row);
-        else int4_column(base, n, k32, id[r], d, row);
+        if (format == kQInt8) int8_column(base, n, k32, id[r], d, row);
+        else block_column(QuantWeights{base, n, k32, format}, id[r], d, row);
       } else if (type == at::kBFloat16) {
         const Weights<uint16_t> w{reinterpret_cast<const uint16_t*>(table.data_ptr()),
                                   table.size(0), n, j, packed};

@@ -5,8 +5,9 @@
 //   pack_weight(w [K, N] fp32|bf16) -> the panel layout the GEMM streams: [K, N, 1], or
 //   [K/2, N, 2] bf16 pairs for the bf16 dot-product path (AVX512-BF16 builds; has_bf16_dot()
 //   says which).
-//   pack_quantized(q [K, N] int8, scales, int4) -> an int8 (fp32 scales [N]) or int4 (fp16
-//   scales [K/32, N]) weight in gemm_quant.h's formats, which invariant_mm also takes.
+//   pack_quantized(q [K, N] int8, scales, format) -> an int8 (0: fp32 scales [N]), int4 (1)
+//   or q8 (2: fp16 scales [K/32, N]) weight in gemm_quant.h's formats, which invariant_mm
+//   also takes.
 //   head_rows(head, tokens [B], d) -> [B, d] fp32: a tied model's embeddings read from its
 //   GEMM head in any stored format (embed.h), so the table is held once.
 //   set_batch_invariant(on): whether the fused steps' projections use it (dense.h).
@@ -28,8 +29,8 @@ at::Tensor invariant_mm_op(const at::Tensor& a, const at::Tensor& w) {
 
 at::Tensor pack_weight_op(const at::Tensor& w) { return linserve::pack_weight(w); }
 
-at::Tensor pack_quantized_op(const at::Tensor& q, const at::Tensor& scales, bool int4) {
-  return linserve::pack_quantized(q, scales, int4);
+at::Tensor pack_quantized_op(const at::Tensor& q, const at::Tensor& scales, int64_t format) {
+  return linserve::pack_quantized(q, scales, format);
 }
 
 at::Tensor head_rows_op(const at::Tensor& head, const at::Tensor& tokens, int64_t dim) {
@@ -58,7 +59,7 @@ bool get_batch_invariant() { return linserve::batch_invariant_flag(); }
 TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("invariant_mm(Tensor a, Tensor w) -> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
-  m.def("pack_quantized(Tensor q, Tensor scales, bool int4) -> Tensor");
+  m.def("pack_quantized(Tensor q, Tensor scales, int format) -> Tensor");
   m.def("head_rows(Tensor head, Tensor tokens, int dim) -> Tensor");
   m.def("has_bf16_dot() -> bool");
   m.def("amx_active() -> bool");

@@ -13,6 +13,9 @@
 // - int4 (a kByte tensor): q [K, N] in [-8, 7], an fp16 scale per group of 32 inputs and
 //   column, W[k, n] = q[k, n] s[k / 32, n] (llama.cpp's Q4_0 without its blocks). Stored as
 //   nibbles q + 8.
+// - q8 (a kByte tensor): q [K, N] in [-127, 127], an fp16 scale per group of 32 inputs and
+//   column, W[k, n] = q[k, n] s[k / 32, n]: llama.cpp's Q8_0 blocks, their values as they
+//   are (a GGUF file's Q8_0 matrices run on them). Stored as bytes q + 128.
 // Layout: K padded to K32 (a multiple of 32) with zero weights; in gemm.h's column panels,
 // each (stored row, column) one 32-bit lane of four bytes, so a 64-byte load is 16 columns x
 // 4 inputs, vpdpbusd's operand:
@@ -23,6 +26,9 @@
 //   its fp16 scales [width]: 18 bytes a column and block, read front to back in one stream
 //   (scales kept apart, [K / 32, N], cost a tenth of a GEMV's time on the 250k-column head:
 //   a page a block). Shape [ceil(9 K / 64), N, 4] (zeros pad the end).
+// - q8: as int4, a block's eight stored rows of bytes (row t: inputs 4t .. 4t+3) [8, width,
+//   4] and then its fp16 scales [width]: 34 bytes a column and block, Q8_0's own size.
+//   Shape [ceil(17 K / 64), N, 4].
 //
 // Activations (quantize_acts): per row and block b of 32 inputs, s_b = max |x| / 127 and
 // x_q = round(x / s_b) (to nearest even), in [-127, 127]; model/quantize.py's
@@ -30,7 +36,8 @@
 //
 // Arithmetic, for every element whatever the batch (so batch-invariant, gemm.h):
 // d_b = Σ_{k in b} (q[k, n] + o) x_q[k] - o Σ_{k in b} x_q[k] (o = 128 or 8: exact, int32);
-// int8: f = f + d_b s_b (b in order), y = f s[n]; int4: f = f + d_b (s_b s[b, n]), y = f.
+// int8: f = f + d_b s_b (b in order), y = f s[n]; int4 and q8: f = f + d_b (s_b s[b, n]),
+// y = f.
 // Integer sums are exact, so only the float steps' order matters, and it is fixed.
 #pragma once
 
@@ -61,11 +68,21 @@ constexpr int64_t record_bytes(int64_t rows) { return rows * (kBlock + 8); }
 typedef uint32_t vu32_ua __attribute__((vector_size(kLanes * 4), aligned(1), __may_alias__));
 typedef int32_t vi32 __attribute__((vector_size(kLanes * 4)));
 
-// A quantized weight: its bytes, N, K32, and which format.
+// The stored formats (see the layout above). A kernel is compiled for one, as its template
+// argument F: kNib<F> (values as nibbles, 4 stored rows a block, else bytes, 8) and
+// kScaled<F> (an fp16 scale per block and column, else one fp32 scale per column).
+enum QFormat : int { kQInt8 = 0, kQInt4 = 1, kQ8 = 2 };
+template <int F> constexpr bool kNib = F == kQInt4;
+template <int F> constexpr bool kScaled = F != kQInt8;
+
+// Bytes of one column's block in the block-scaled formats: its stored rows and fp16 scale.
+constexpr int64_t block_bytes(int format) { return format == kQInt4 ? 18 : 34; }
+
+// A quantized weight: its bytes, N, K32, and which format (QFormat).
 struct QuantWeights {
   const uint8_t* base;
   int64_t n, k32;
-  bool int4;
+  int format;
 };
 
 // Where column c's values live, valid for the columns from c to the end of c's panel: the
@@ -79,12 +96,13 @@ struct QCol {
 
 inline QCol column(const QuantWeights& w, int64_t c) {
   const int64_t p0 = c / kPanel * kPanel, width = std::min(kPanel, w.n - p0);
-  if (!w.int4) {
+  if (w.format == kQInt8) {
     const uint8_t* q = w.base + p0 * w.k32 + (c - p0) * 4;  // panels [K32 / 4, width, 4]
     return {q, width * 4, 8 * width * 4, w.base + w.n * w.k32 + c * 4};
   }
-  const uint8_t* panel = w.base + p0 * (w.k32 / kBlock) * 18;
-  return {panel + (c - p0) * 4, width * 4, 18 * width, panel + 16 * width + (c - p0) * 2};
+  const int64_t bb = block_bytes(w.format);
+  const uint8_t* panel = w.base + p0 * (w.k32 / kBlock) * bb;
+  return {panel + (c - p0) * 4, width * 4, bb * width, panel + (bb - 2) * width + (c - p0) * 2};
 }
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
@@ -208,9 +226,9 @@ inline QuantActs quantize_acts(const float* x, int64_t rows, int64_t k_len, int3
 }
 
 // kLanes scales of a column vector: int8's fp32 ones, or int4's of block b widened.
-template <bool INT4>
+template <int F>
 inline vfloat load_scales(const QCol& col, int64_t b) {
-  if (!INT4) return load_w(static_cast<const float*>(col.s));
+  if (!kScaled<F>) return load_w(static_cast<const float*>(col.s));
   const uint16_t* s = group_scales(col, b);
   vfloat out;
   for (int64_t i = 0; i < kLanes; ++i) out[i] = half_to_float(s[i]);
@@ -239,7 +257,7 @@ inline void store_out(float* out, vfloat v, bool accumulate) {
 // block's four stored rows of pairs sum to at most 8 x 15 x 127 < 2^15 before vpmaddwd.
 constexpr bool kAvx2Dot = true;
 
-template <bool INT4, int64_t ROWS, int64_t NV>
+template <int F, int64_t ROWS, int64_t NV>
 inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int64_t b,
                            vi32 (*dot)[NV]) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -247,7 +265,7 @@ inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int6
   for (int64_t r = 0; r < ROWS; ++r) xq[r] = reinterpret_cast<const int32_t*>(a.block(r0 + r, b));
   __m256i sum[ROWS][NV];
   for (auto& row : sum) for (auto& v : row) v = _mm256_setzero_si256();
-  if (INT4) {
+  if (kNib<F>) {
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t t = 0; t < kBlock / 8; ++t) {
       for (int64_t j = 0; j < NV; ++j) {
@@ -287,7 +305,7 @@ inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int6
 #else
 constexpr bool kAvx2Dot = false;
 
-template <bool INT4, int64_t ROWS, int64_t NV>  // never called: tile_q's generic loop runs
+template <int F, int64_t ROWS, int64_t NV>  // never called: tile_q's generic loop runs
 inline void block_dot_avx2(const QuantActs&, int64_t, const QCol*, int64_t, vi32 (*)[NV]) {}
 #endif
 
@@ -324,29 +342,29 @@ inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
 
 // The lines of block b that a tile of `columns` columns from col reads (within one panel):
 // each stored row's 4 bytes a column, and int4's fp16 scales.
-template <bool INT4>
+template <int F>
 inline void prefetch_tile(const QCol& col, int64_t columns, int64_t b) {
-  constexpr int64_t kStored = INT4 ? kBlock / 8 : kBlock / 4;
+  constexpr int64_t kStored = kNib<F> ? kBlock / 8 : kBlock / 4;
   for (int64_t t = 0; t < kStored; ++t)
     prefetch_bytes(col.q + b * col.block + t * col.ld, 4 * columns);
-  if constexpr (INT4)
+  if constexpr (kScaled<F>)
     prefetch_bytes(reinterpret_cast<const uint8_t*>(group_scales(col, b)), 2 * columns);
 }
 
 // ---- The generic path (any -march): ROWS rows x NV vectors of kLanes columns from c -------
-template <bool INT4, int64_t ROWS, int64_t NV>
+template <int F, int64_t ROWS, int64_t NV>
 inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int64_t c) {
-  constexpr int64_t kSteps = INT4 ? kBlock / 8 : kBlock / 4;  // stored rows a block
+  constexpr int64_t kSteps = kNib<F> ? kBlock / 8 : kBlock / 4;  // stored rows a block
   QCol col[NV];
   for (int64_t j = 0; j < NV; ++j) col[j] = column(w, c + j * kLanes);
   vfloat acc[ROWS][NV] = {};
   for (int64_t b = 0; b < a.blocks; ++b) {
-    prefetch_tile<INT4>(col[0], kLanes * NV, b + kTilePrefetch);
+    prefetch_tile<F>(col[0], kLanes * NV, b + kTilePrefetch);
     vi32 dot[ROWS][NV];
     for (int64_t r = 0; r < ROWS; ++r)
       for (int64_t j = 0; j < NV; ++j)
-        dot[r][j] = vi32{} + (kAvx2Dot && !INT4 ? 0 : a.d0(s.r0 + r, b));
-    if constexpr (kAvx2Dot) block_dot_avx2<INT4, ROWS, NV>(a, s.r0, col, b, dot);
+        dot[r][j] = vi32{} + (kAvx2Dot && !kNib<F> ? 0 : a.d0(s.r0 + r, b));
+    if constexpr (kAvx2Dot) block_dot_avx2<F, ROWS, NV>(a, s.r0, col, b, dot);
     for (int64_t t = 0; t < (kAvx2Dot ? 0 : kSteps); ++t) {
       vu32 v[NV];
       for (int64_t j = 0; j < NV; ++j)
@@ -355,7 +373,7 @@ inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int
         for (int64_t r = 0; r < ROWS; ++r) {
           const int8_t* xq = a.block(s.r0 + r, b);
           for (int64_t j = 0; j < NV; ++j) {
-            if (INT4) {
+            if (kNib<F>) {
               dot[r][j] += (vi32)((v[j] >> (8 * i)) & 15u) * xq[8 * t + i];
               dot[r][j] += (vi32)((v[j] >> (8 * i + 4)) & 15u) * xq[8 * t + 4 + i];
             } else {
@@ -366,25 +384,25 @@ inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int
       }
     }
     for (int64_t j = 0; j < NV; ++j) {
-      const vfloat sc = INT4 ? load_scales<true>(col[j], b) : vfloat{} + 1.f;
+      const vfloat sc = kScaled<F> ? load_scales<F>(col[j], b) : vfloat{} + 1.f;
       for (int64_t r = 0; r < ROWS; ++r) {
         const vfloat d = __builtin_convertvector(dot[r][j], vfloat);
-        acc[r][j] = INT4 ? acc[r][j] + d * (sc * a.s(s.r0 + r, b)) : acc[r][j] + d * a.s(s.r0 + r, b);
+        acc[r][j] = kScaled<F> ? acc[r][j] + d * (sc * a.s(s.r0 + r, b)) : acc[r][j] + d * a.s(s.r0 + r, b);
       }
     }
   }
   for (int64_t j = 0; j < NV; ++j) {
-    const vfloat sw = INT4 ? vfloat{} + 1.f : load_scales<false>(col[j], 0);
+    const vfloat sw = kScaled<F> ? vfloat{} + 1.f : load_scales<kQInt8>(col[j], 0);
     for (int64_t r = 0; r < ROWS; ++r)
-      store_out(s.y + r * s.n + c + j * kLanes, INT4 ? acc[r][j] : acc[r][j] * sw, s.accumulate);
+      store_out(s.y + r * s.n + c + j * kLanes, kScaled<F> ? acc[r][j] : acc[r][j] * sw, s.accumulate);
   }
 }
 
 // The last N % kLanes columns, one element at a time, with the same arithmetic.
-template <bool INT4>
+template <int F>
 inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantWeights& w,
                                  int64_t rows, int64_t c) {
-  constexpr int64_t kSteps = INT4 ? kBlock / 8 : kBlock / 4;
+  constexpr int64_t kSteps = kNib<F> ? kBlock / 8 : kBlock / 4;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t cc = 0; cc < s.c1 - c; ++cc) {
       const QCol col = column(w, c + cc);
@@ -395,7 +413,7 @@ inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantW
         for (int64_t t = 0; t < kSteps; ++t) {
           const uint8_t* lane = col.q + b * col.block + t * col.ld;
           for (int64_t i = 0; i < 4; ++i) {
-            if (INT4) {
+            if (kNib<F>) {
               d += (lane[i] & 15) * xq[8 * t + i] + (lane[i] >> 4) * xq[8 * t + 4 + i];
             } else {
               d += lane[i] * xq[4 * t + i];
@@ -403,20 +421,20 @@ inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantW
           }
         }
         const float sx = a.s(s.r0 + r, b);
-        f = INT4 ? f + static_cast<float>(d) * (half_to_float(*group_scales(col, b)) * sx)
+        f = kScaled<F> ? f + static_cast<float>(d) * (half_to_float(*group_scales(col, b)) * sx)
                  : f + static_cast<float>(d) * sx;
       }
-      const volatile float out = INT4 ? f : f * *static_cast<const float*>(col.s);
+      const volatile float out = kScaled<F> ? f : f * *static_cast<const float*>(col.s);
       float* y = s.y + r * s.n + c + cc;
       *y = s.accumulate ? *y + out : out;
     }
   }
 }
 
-template <bool INT4, int64_t ROWS>
+template <int F, int64_t ROWS>
 inline void span_rows_quant(const QuantActs& a, const Span& s, const QuantWeights& w) {
   int64_t c = s.c0;
-  for (; c + kVecs * kLanes <= s.c1; c += kVecs * kLanes) tile_q<INT4, ROWS, kVecs>(a, s, w, c);
+  for (; c + kVecs * kLanes <= s.c1; c += kVecs * kLanes) tile_q<F, ROWS, kVecs>(a, s, w, c);
   // The last single vectors one row at a time: a narrow tile's arithmetic changed with the
   // number of rows it held, so a row's last columns depended on its batch (seen on AVX2).
   for (; c + kLanes <= s.c1; c += kLanes) {
@@ -425,10 +443,10 @@ inline void span_rows_quant(const QuantActs& a, const Span& s, const QuantWeight
       one.r0 = s.r0 + r;
       one.x = s.x + r * s.k_len;
       one.y = s.y + r * s.n;
-      tile_q<INT4, 1, 1>(a, one, w, c);
+      tile_q<F, 1, 1>(a, one, w, c);
     }
   }
-  if (c < s.c1) scalar_quant_columns<INT4>(a, s, w, ROWS, c);
+  if (c < s.c1) scalar_quant_columns<F>(a, s, w, ROWS, c);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -444,31 +462,31 @@ inline void prefetch_block(const QCol* col, int64_t nv, int64_t b) {
 
 // A block's float step: acc + d_b (s_b s[b, n]) for int4 (sc: the block's weight scales),
 // acc + d_b s_b for int8 (the column scale comes at the store).
-template <bool INT4>
+template <int F>
 inline __m512 block_step(__m512 acc, __m512i dot, __m512 sc, float sx) {
   const __m512 s = _mm512_set1_ps(sx);
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), INT4 ? _mm512_mul_ps(sc, s) : s, acc);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), kScaled<F> ? _mm512_mul_ps(sc, s) : s, acc);
 }
 
 // int4's weight scales of block b for 16 columns from col's column + `from` (masked by m);
 // 1 for int8.
-template <bool INT4>
+template <int F>
 inline __m512 block_scales(const QCol& col, int64_t b, __mmask16 m, int64_t from = 0) {
-  if constexpr (INT4)
+  if constexpr (kScaled<F>)
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, group_scales(col, b) + from));
   return _mm512_set1_ps(1.f);
 }
 
 // A tile's sums into y [ROWS, ldy] (or added to it), vector j's 16 columns at y + 16 j
 // (masked by m); int8 times the column scales, from col_s(j).
-template <bool INT4, int64_t ROWS, int64_t NV, typename ColScales>
+template <int F, int64_t ROWS, int64_t NV, typename ColScales>
 inline void store_tile(const __m512 (&acc)[ROWS][NV], const ColScales& col_s, float* y,
                        int64_t ldy, bool accumulate, __mmask16 m) {
   for (int64_t j = 0; j < NV; ++j) {
-    const __m512 sw = INT4 ? _mm512_set1_ps(1.f) : _mm512_maskz_loadu_ps(m, col_s(j));
+    const __m512 sw = kScaled<F> ? _mm512_set1_ps(1.f) : _mm512_maskz_loadu_ps(m, col_s(j));
     for (int64_t r = 0; r < ROWS; ++r) {
       float* out = y + r * ldy + 16 * j;
-      __m512 v = INT4 ? acc[r][j] : _mm512_mul_ps(acc[r][j], sw);
+      __m512 v = kScaled<F> ? acc[r][j] : _mm512_mul_ps(acc[r][j], sw);
       // The product is rounded before the add, as store_out keeps it: left to itself GCC
       // fused the two into an FMA in some tiles and not others, so a row's bits changed
       // with its batch (Qwen3.5 int8: project_add; tests/model/test_families.py).
@@ -480,10 +498,10 @@ inline void store_tile(const __m512 (&acc)[ROWS][NV], const ColScales& col_s, fl
 }
 
 // One row (the GEMV) x NV vectors of 16 columns from c (the last vector's columns masked by m).
-template <bool INT4, int64_t NV>
+template <int F, int64_t NV>
 inline void tile_vnni_row(const QuantActs& a, const Span& s, const QuantWeights& w, int64_t c,
                           __mmask16 m) {
-  constexpr int64_t kSteps = INT4 ? kBlock / 8 : kBlock / 4;
+  constexpr int64_t kSteps = kNib<F> ? kBlock / 8 : kBlock / 4;
   QCol col[NV];
   for (int64_t j = 0; j < NV; ++j) col[j] = column(w, c + 16 * j);
   const __m512i low = _mm512_set1_epi8(15);
@@ -499,7 +517,7 @@ inline void tile_vnni_row(const QuantActs& a, const Span& s, const QuantWeights&
         const uint8_t* p = col[j].q + b * col[j].block + t * col[j].ld;
         const __m512i v = NV > 1 || m == 0xFFFF ? _mm512_loadu_si512(p)
                                                  : _mm512_maskz_loadu_epi32(m, p);
-        if (INT4) {
+        if (kNib<F>) {
           const __m512i lo = _mm512_and_si512(v, low);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           dot[j] = _mm512_dpbusd_epi32(dot[j], lo, _mm512_set1_epi32(xq[2 * t]));
@@ -510,10 +528,10 @@ inline void tile_vnni_row(const QuantActs& a, const Span& s, const QuantWeights&
       }
     }
     for (int64_t j = 0; j < NV; ++j)
-      acc[0][j] = block_step<INT4>(acc[0][j], dot[j], block_scales<INT4>(col[j], b, m),
+      acc[0][j] = block_step<F>(acc[0][j], dot[j], block_scales<F>(col[j], b, m),
                                    a.s(s.r0, b));
   }
-  store_tile<INT4, 1, NV>(acc, [&](int64_t j) { return static_cast<const float*>(col[j].s); },
+  store_tile<F, 1, NV>(acc, [&](int64_t j) { return static_cast<const float*>(col[j].s); },
                           s.y + c, 0, s.accumulate, m);
 }
 
@@ -545,16 +563,16 @@ inline void unrolled(F&& f) { unrolled(f, std::make_index_sequence<N>{}); }
 // are the same, and so the bits.
 // ROWS rows (packed records from rec) x NV vectors of 16 columns from col's column (NV == 1:
 // masked by m), into y [ROWS, ldy] at that column. The arithmetic of tile_vnni_row.
-template <bool INT4, int64_t ROWS, int64_t NV>
+template <int F, int64_t ROWS, int64_t NV>
 inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, float* y,
                            int64_t ldy, bool accumulate, __mmask16 m, bool prefetch) {
-  constexpr int64_t kSteps = INT4 ? kBlock / 8 : kBlock / 4;
+  constexpr int64_t kSteps = kNib<F> ? kBlock / 8 : kBlock / 4;
   const __m512i low = _mm512_set1_epi8(15);
   __m512 acc[ROWS][NV];
   for (auto& row : acc) for (auto& v : row) v = _mm512_setzero_ps();
   const uint8_t* q = col.q;
   for (int64_t b = 0; b < blocks; ++b, q += col.block, rec += record_bytes(ROWS)) {
-    if (prefetch) prefetch_tile<INT4>(col, 16 * NV, b + kTilePrefetch);
+    if (prefetch) prefetch_tile<F>(col, 16 * NV, b + kTilePrefetch);
     const int32_t* xq = reinterpret_cast<const int32_t*>(rec);  // [ROWS][8] of 4 inputs
     const float* sx = reinterpret_cast<const float*>(rec + ROWS * kBlock);
     const int32_t* d0 = reinterpret_cast<const int32_t*>(rec + ROWS * (kBlock + 4));
@@ -565,7 +583,7 @@ inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, 
       unrolled<kSteps>([&](auto t) {
         const uint8_t* p = q + t * col.ld + 64 * j;  // a tile's vectors share one panel
         const __m512i v = NV > 1 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(m, p);
-        if constexpr (INT4) {
+        if constexpr (kNib<F>) {
           const __m512i lo = _mm512_and_si512(v, low);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           unrolled<ROWS>([&](auto r) {
@@ -578,12 +596,12 @@ inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, 
           });
         }
       });
-      const __m512 sc = block_scales<INT4>(col, b, m, 16 * j);
+      const __m512 sc = block_scales<F>(col, b, m, 16 * j);
       for (int64_t r = 0; r < ROWS; ++r)
-        acc[r][j] = block_step<INT4>(acc[r][j], dot[r], sc, sx[r]);
+        acc[r][j] = block_step<F>(acc[r][j], dot[r], sc, sx[r]);
     }
   }
-  store_tile<INT4, ROWS, NV>(
+  store_tile<F, ROWS, NV>(
       acc, [&](int64_t j) { return static_cast<const float*>(col.s) + 16 * j; }, y, ldy,
       accumulate, m);
 }
@@ -594,28 +612,28 @@ inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, 
 // dots and the ROWS sums fit the 32 vector registers. The arithmetic of tile_vnni_rows,
 // element by element, so the bits are the same.
 constexpr int64_t kOnePassRows = 10;
-template <bool INT4, int64_t ROWS>
+template <int F, int64_t ROWS>
 inline void tile_vnni_wide(const uint8_t* rec, int64_t blocks, const QCol& col, float* y,
                            int64_t ldy, bool accumulate, __mmask16 m, bool prefetch) {
-  constexpr int64_t kSteps = INT4 ? kBlock / 8 : kBlock / 4;
+  constexpr int64_t kSteps = kNib<F> ? kBlock / 8 : kBlock / 4;
   constexpr int64_t kHalf = ROWS > kOnePassRows ? (ROWS + 1) / 2 : ROWS;
   const __m512i low = _mm512_set1_epi8(15);
   __m512 acc[ROWS][1];
   for (auto& row : acc) row[0] = _mm512_setzero_ps();
   const uint8_t* q = col.q;
   for (int64_t b = 0; b < blocks; ++b, q += col.block, rec += record_bytes(ROWS)) {
-    if (prefetch) prefetch_tile<INT4>(col, 16, b + kTilePrefetch);
+    if (prefetch) prefetch_tile<F>(col, 16, b + kTilePrefetch);
     const int32_t* xq = reinterpret_cast<const int32_t*>(rec);  // [ROWS][8] of 4 inputs
     const float* sx = reinterpret_cast<const float*>(rec + ROWS * kBlock);
     const int32_t* d0 = reinterpret_cast<const int32_t*>(rec + ROWS * (kBlock + 4));
-    const __m512 sc = block_scales<INT4>(col, b, m);
+    const __m512 sc = block_scales<F>(col, b, m);
     unrolled<(ROWS > kOnePassRows ? 2 : 1)>([&](auto h) {
       constexpr int64_t r0 = h * kHalf, rows = h == 0 ? kHalf : ROWS - kHalf;
       __m512i dot[rows];
       for (int64_t r = 0; r < rows; ++r) dot[r] = _mm512_set1_epi32(d0[r0 + r]);
       unrolled<kSteps>([&](auto t) {
         const __m512i v = _mm512_maskz_loadu_epi32(m, q + t * col.ld);
-        if constexpr (INT4) {
+        if constexpr (kNib<F>) {
           const __m512i lo = _mm512_and_si512(v, low);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           unrolled<rows>([&](auto r) {
@@ -629,10 +647,10 @@ inline void tile_vnni_wide(const uint8_t* rec, int64_t blocks, const QCol& col, 
         }
       });
       for (int64_t r = 0; r < rows; ++r)
-        acc[r0 + r][0] = block_step<INT4>(acc[r0 + r][0], dot[r], sc, sx[r0 + r]);
+        acc[r0 + r][0] = block_step<F>(acc[r0 + r][0], dot[r], sc, sx[r0 + r]);
     });
   }
-  store_tile<INT4, ROWS, 1>(acc, [&](int64_t) { return static_cast<const float*>(col.s); }, y,
+  store_tile<F, ROWS, 1>(acc, [&](int64_t) { return static_cast<const float*>(col.s); }, y,
                             ldy, accumulate, m);
 }
 
@@ -640,31 +658,31 @@ inline void tile_vnni_wide(const uint8_t* rec, int64_t blocks, const QCol& col, 
 // 4, one stream, read 5% slower at batch 1; more rows: 2, from packed records), then one
 // masked vector at a time. `cold`: the span's weights are likely not yet in this core's
 // caches (see quant_rows), so its many-row tiles prefetch them.
-template <bool INT4, int64_t ROWS>
+template <int F, int64_t ROWS>
 inline void span_rows_vnni(const QuantActs& a, const Span& s, const QuantWeights& w, bool cold) {
   int64_t c = s.c0;
   if constexpr (ROWS == 1) {
-    for (; c + 16 * 8 <= s.c1; c += 16 * 8) tile_vnni_row<INT4, 8>(a, s, w, c, 0xFFFF);
+    for (; c + 16 * 8 <= s.c1; c += 16 * 8) tile_vnni_row<F, 8>(a, s, w, c, 0xFFFF);
     for (; c < s.c1; c += 16) {
       const int64_t left = std::min<int64_t>(16, s.c1 - c);
-      tile_vnni_row<INT4, 1>(a, s, w, c, static_cast<__mmask16>((1u << left) - 1u));
+      tile_vnni_row<F, 1>(a, s, w, c, static_cast<__mmask16>((1u << left) - 1u));
     }
   } else {
     const uint8_t* rec = a.records(s.r0);
     if constexpr (ROWS > kRowsQuant) {
       for (; c < s.c1; c += 16) {
         const int64_t left = std::min<int64_t>(16, s.c1 - c);
-        tile_vnni_wide<INT4, ROWS>(rec, a.blocks, column(w, c), s.y + c, s.n, s.accumulate,
+        tile_vnni_wide<F, ROWS>(rec, a.blocks, column(w, c), s.y + c, s.n, s.accumulate,
                                    static_cast<__mmask16>((1u << left) - 1u), cold);
       }
       return;
     }
     for (; c + 32 <= s.c1; c += 32)
-      tile_vnni_rows<INT4, ROWS, 2>(rec, a.blocks, column(w, c), s.y + c, s.n, s.accumulate,
+      tile_vnni_rows<F, ROWS, 2>(rec, a.blocks, column(w, c), s.y + c, s.n, s.accumulate,
                                     0xFFFF, cold);
     for (; c < s.c1; c += 16) {
       const int64_t left = std::min<int64_t>(16, s.c1 - c);
-      tile_vnni_rows<INT4, ROWS, 1>(rec, a.blocks, column(w, c), s.y + c, s.n, s.accumulate,
+      tile_vnni_rows<F, ROWS, 1>(rec, a.blocks, column(w, c), s.y + c, s.n, s.accumulate,
                                     static_cast<__mmask16>((1u << left) - 1u), cold);
     }
   }
@@ -672,13 +690,13 @@ inline void span_rows_vnni(const QuantActs& a, const Span& s, const QuantWeights
 #endif
 
 
-template <bool INT4, int64_t ROWS>
+template <int F, int64_t ROWS>
 inline void span_quant(const QuantActs& a, const Span& s, const QuantWeights& w, bool cold) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return span_rows_vnni<INT4, ROWS>(a, s, w, cold);
+  return span_rows_vnni<F, ROWS>(a, s, w, cold);
 #else
   (void)cold;  // the generic tiles always prefetch
-  return span_rows_quant<INT4, ROWS>(a, s, w);
+  return span_rows_quant<F, ROWS>(a, s, w);
 #endif
 }
 
@@ -689,17 +707,17 @@ constexpr int64_t kMaxSpanRows = kWideRows;
 constexpr int64_t kMaxSpanRows = kRowsQuant;
 #endif
 
-template <bool INT4, int64_t... R>
+template <int F, int64_t... R>
 inline void span_quant_of(const QuantActs& a, const Span& s, const QuantWeights& w,
                           int64_t rows, bool cold, std::integer_sequence<int64_t, R...>) {
-  (void)((rows == R + 1 && (span_quant<INT4, R + 1>(a, s, w, cold), true)) || ...);
+  (void)((rows == R + 1 && (span_quant<F, R + 1>(a, s, w, cold), true)) || ...);
 }
 
 // A span of `rows` (1 .. kMaxSpanRows) rows, the tile height picked at compile time.
-template <bool INT4>
+template <int F>
 inline void span_quant_rows(const QuantActs& a, const Span& s, const QuantWeights& w,
                             int64_t rows, bool cold = true) {
-  span_quant_of<INT4>(a, s, w, std::clamp<int64_t>(rows, 1, kMaxSpanRows), cold,
+  span_quant_of<F>(a, s, w, std::clamp<int64_t>(rows, 1, kMaxSpanRows), cold,
                       std::make_integer_sequence<int64_t, kMaxSpanRows>{});
 }
 
@@ -709,12 +727,12 @@ inline void span_quant_rows(const QuantActs& a, const Span& s, const QuantWeight
 namespace linserve {
 #endif
 
-template <bool INT4>
+template <int F>
 inline void quant_rows(const QuantActs& a, const float* x, const QuantWeights& w, float* y,
                        int64_t rows, int64_t k_len, bool accumulate) {
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
   if (rows >= kAmxQuantMinRows && amx_active())
-    return quant_rows_amx<INT4>(a, x, w, y, rows, k_len, accumulate);
+    return quant_rows_amx<F>(a, x, w, y, rows, k_len, accumulate);
 #endif
   // Threads take a column chunk's row groups in turn (for_spans), so each thread's first
   // group of a chunk reads its weights from memory and later ones find them in L2: only
@@ -722,74 +740,94 @@ inline void quant_rows(const QuantActs& a, const float* x, const QuantWeights& w
   // more than it saved (bench/vnni_tile.cpp: ~75 against ~70 cycles a block, §44).
   const int64_t cold_rows = a.group * at::get_num_threads();
   for_spans(x, y, rows, k_len, w.n, accumulate, a.group, [&](int64_t r, const Span& s) {
-    span_quant_rows<INT4>(a, s, w, r, s.r0 < cold_rows);
+    span_quant_rows<F>(a, s, w, r, s.r0 < cold_rows);
   });
 }
 
 // Stored rows of a weight of K inputs (rows of N columns x 4 bytes).
-inline int64_t quant_rows_of(int64_t k_len, bool int4) {
+inline int64_t quant_rows_of(int64_t k_len, int format) {
   const int64_t k32 = (k_len + kBlock - 1) / kBlock * kBlock;
-  return int4 ? (k32 / kBlock * 18 + 3) / 4 : k32 / 4 + 1;
+  if (format == kQInt8) return k32 / 4 + 1;
+  return (k32 / kBlock * block_bytes(format) + 3) / 4;
+}
+
+// Which format a stored weight of K inputs is in (pack_quantized): int8 is a kChar tensor;
+// the two block-scaled formats are kByte, told apart by their stored rows. -1: neither.
+inline int quant_format(const at::Tensor& w, int64_t k_len) {
+  if (w.dim() != 3 || w.size(2) != 4) return -1;
+  if (w.scalar_type() == at::kChar) return w.size(0) == quant_rows_of(k_len, kQInt8) ? kQInt8 : -1;
+  if (w.scalar_type() != at::kByte || k_len % kBlock != 0) return -1;
+  if (w.size(0) == quant_rows_of(k_len, kQInt4)) return kQInt4;
+  return w.size(0) == quant_rows_of(k_len, kQ8) ? kQ8 : -1;
 }
 
 // y = a @ dequant(w) (or y +=): a [B, K] fp32, y [B, N] fp32, w from pack_quantized.
 inline void quant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y, bool accumulate) {
   const int64_t rows = a.size(0), k_len = a.size(1), n = w.size(1);
-  const bool int4 = w.scalar_type() == at::kByte;
-  TORCH_CHECK(w.size(2) == 4 && y.size(1) == n && (!int4 || k_len % kBlock == 0) &&
-              w.size(0) == quant_rows_of(k_len, int4),
-              "quant_mm: the weight does not match the activations");
+  const int format = quant_format(w, k_len);
+  TORCH_CHECK(format >= 0 && y.size(1) == n, "quant_mm: the weight does not match the activations");
   const QuantWeights qw{reinterpret_cast<const uint8_t*>(w.data_ptr()), n,
-                        (k_len + kBlock - 1) / kBlock * kBlock, int4};
+                        (k_len + kBlock - 1) / kBlock * kBlock, format};
   const float* x = a.data_ptr<float>();
-  const QuantActs acts = quantize_acts(x, rows, k_len, int4 ? 8 : 128);
+  const QuantActs acts = quantize_acts(x, rows, k_len, format == kQInt4 ? 8 : 128);
   float* out = y.data_ptr<float>();
-  if (int4) return quant_rows<true>(acts, x, qw, out, rows, k_len, accumulate);
-  quant_rows<false>(acts, x, qw, out, rows, k_len, accumulate);
+  if (format == kQInt4) return quant_rows<kQInt4>(acts, x, qw, out, rows, k_len, accumulate);
+  if (format == kQ8) return quant_rows<kQ8>(acts, x, qw, out, rows, k_len, accumulate);
+  quant_rows<kQInt8>(acts, x, qw, out, rows, k_len, accumulate);
 }
 
-// int4's panels with each block's scales after its stored rows (see the layout above):
-// lanes [K / 8, N, 4] bytes, scales fp16 [K / 32, N] -> [K / 32 x 18 N] bytes.
-inline at::Tensor interleave_q4(const at::Tensor& lanes, const at::Tensor& scales) {
-  const int64_t blocks = scales.size(0), n = scales.size(1);
+// The block-scaled formats' panels, each block's scales after its stored rows (see the
+// layout above): lanes [K32 / 4 per byte row or K / 8 per nibble row, N, 4] bytes, scales
+// fp16 [K / 32, N] -> [K / 32 x block_bytes x N] bytes.
+inline at::Tensor interleave_blocks(const at::Tensor& lanes, const at::Tensor& scales) {
+  const int64_t blocks = scales.size(0), n = scales.size(1), per = lanes.size(0) / blocks;
+  const int64_t bb = per * 4 + 2;
   const at::Tensor sb = scales.contiguous().view(at::kByte).view({blocks, n, 2});
-  at::Tensor out = at::empty({blocks * 18 * n}, lanes.options());
+  at::Tensor out = at::empty({blocks * bb * n}, lanes.options());
   for (int64_t p0 = 0; p0 < n; p0 += kPanel) {
     const int64_t width = std::min(kPanel, n - p0);
-    at::Tensor panel = out.narrow(0, p0 * blocks * 18, blocks * 18 * width).view({blocks, -1});
-    panel.narrow(1, 0, 16 * width).view({blocks, 4, width, 4})
-        .copy_(lanes.view({blocks, 4, n, 4}).narrow(2, p0, width));
-    panel.narrow(1, 16 * width, 2 * width).view({blocks, width, 2}).copy_(sb.narrow(1, p0, width));
+    at::Tensor panel = out.narrow(0, p0 * blocks * bb, blocks * bb * width).view({blocks, -1});
+    panel.narrow(1, 0, per * 4 * width).view({blocks, per, width, 4})
+        .copy_(lanes.view({blocks, per, n, 4}).narrow(2, p0, width));
+    panel.narrow(1, per * 4 * width, 2 * width).view({blocks, width, 2})
+        .copy_(sb.narrow(1, p0, width));
   }
   return out;
 }
 
-// q [K, N] int8 (int8: [-127, 127]; int4: [-8, 7]) and its scales (fp32 [N], or fp16
-// [K / 32, N]) -> the stored formats above.
-inline at::Tensor pack_quantized(const at::Tensor& q, const at::Tensor& scales, bool int4) {
+// q [K, N] int8 and its scales -> the stored format (QFormat): int8 (q in [-127, 127], fp32
+// scales [N]), int4 (q in [-8, 7], fp16 scales [K / 32, N]) or q8 (q in [-127, 127], fp16
+// scales [K / 32, N]: llama.cpp's Q8_0 blocks, values as they are).
+inline at::Tensor pack_quantized(const at::Tensor& q, const at::Tensor& scales, int64_t format) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_quantized takes q [K, N] int8");
+  TORCH_CHECK(format == kQInt8 || format == kQInt4 || format == kQ8,
+              "pack_quantized: format is 0 (int8), 1 (int4) or 2 (q8)");
   const int64_t k_len = q.size(0), n = q.size(1);
-  TORCH_CHECK(int4 ? scales.scalar_type() == at::kHalf && scales.dim() == 2 &&
-                         k_len % kBlock == 0 && scales.size(0) == k_len / kBlock &&
-                         scales.size(1) == n
-                   : scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.size(0) == n,
-              "pack_quantized: int8 scales are fp32 [N], int4 scales fp16 [K / 32, N]");
-  const int64_t offset = int4 ? 8 : 128, k32 = (k_len + kBlock - 1) / kBlock * kBlock;
+  TORCH_CHECK(format != kQInt8 ? scales.scalar_type() == at::kHalf && scales.dim() == 2 &&
+                                     k_len % kBlock == 0 && scales.size(0) == k_len / kBlock &&
+                                     scales.size(1) == n
+                               : scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
+                                     scales.size(0) == n,
+              "pack_quantized: int8 scales are fp32 [N], int4 and q8 scales fp16 [K / 32, N]");
+  const int64_t offset = format == kQInt4 ? 8 : 128, k32 = (k_len + kBlock - 1) / kBlock * kBlock;
   at::Tensor u = at::full({k32, n}, offset, q.options().dtype(at::kInt));
   u.narrow(0, 0, k_len).copy_(q.to(at::kInt) + offset);
   at::Tensor body;
-  if (int4) {
+  if (format == kQInt4) {
     const at::Tensor v = u.view({k32 / 8, 2, 4, n});
     const at::Tensor lanes = v.select(1, 0).bitwise_or(v.select(1, 1).bitwise_left_shift(4));
-    body = interleave_q4(lanes.permute({0, 2, 1}).to(at::kByte).contiguous(), scales);
+    body = interleave_blocks(lanes.permute({0, 2, 1}).to(at::kByte).contiguous(), scales);
+  } else if (format == kQ8) {
+    const at::Tensor lanes = u.view({k32 / 4, 4, n}).permute({0, 2, 1}).to(at::kByte);
+    body = interleave_blocks(lanes.contiguous(), scales);
   } else {
     const at::Tensor panels = panelize(u.view({k32 / 4, 4, n}).permute({0, 2, 1}).to(at::kByte));
     body = at::cat({panels.view({-1}), scales.contiguous().view(at::kByte).view({-1})});
   }
-  at::Tensor flat = at::zeros({quant_rows_of(k_len, int4) * n * 4}, body.options());
+  at::Tensor flat = at::zeros({quant_rows_of(k_len, format) * n * 4}, body.options());
   flat.narrow(0, 0, body.numel()).copy_(body);
   flat = flat.view({-1, n, 4});
-  return int4 ? flat : flat.view(at::kChar);
+  return format == kQInt8 ? flat.view(at::kChar) : flat;
 }
 
 }  // namespace linserve

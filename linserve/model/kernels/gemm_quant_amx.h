@@ -58,12 +58,12 @@ inline void amx_configure_quant() {
 }
 
 // Block b of the (full) vector of 16 columns at col, in tile layout: q [blocks, 512] signed
-// bytes, block b's 512 written; int4's scales widened to fp32, sc [blocks, 16], row b.
-template <bool INT4>
+// bytes, block b's 512 written; int4's and q8's scales widened to fp32, sc [blocks, 16], row b.
+template <int F>
 inline void unpack_block(const QCol& col, int64_t b, int8_t* q, float* sc) {
   const uint8_t* src = col.q + b * col.block;
   int8_t* out = q + b * 512;
-  if (INT4) {  // stored row t: inputs 8t..8t+3 in the low nibbles, 8t+4..8t+7 the high ones
+  if (kNib<F>) {  // stored row t: inputs 8t..8t+3 in the low nibbles, 8t+4..8t+7 the high ones
     const __m512i low = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
     for (int64_t t = 0; t < 4; ++t) {
       const __m512i v = _mm512_loadu_si512(src + t * col.ld);
@@ -71,13 +71,15 @@ inline void unpack_block(const QCol& col, int64_t b, int8_t* q, float* sc) {
       _mm512_storeu_si512(out + 128 * t, _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
       _mm512_storeu_si512(out + 128 * t + 64, _mm512_sub_epi8(hi, eight));
     }
-    const auto* s = reinterpret_cast<const __m256i*>(group_scales(col, b));
-    _mm512_storeu_ps(sc + 16 * b, _mm512_cvtph_ps(_mm256_loadu_si256(s)));
   } else {  // stored row t: inputs 4t..4t+3, as bytes q + 128
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int64_t t = 0; t < 8; ++t)
       _mm512_storeu_si512(out + 64 * t,
                           _mm512_xor_si512(_mm512_loadu_si512(src + t * col.ld), flip));
+  }
+  if constexpr (kScaled<F>) {  // int4's and q8's block scales
+    const auto* s = reinterpret_cast<const __m256i*>(group_scales(col, b));
+    _mm512_storeu_ps(sc + 16 * b, _mm512_cvtph_ps(_mm256_loadu_si256(s)));
   }
 }
 
@@ -136,7 +138,7 @@ constexpr int64_t kAmxUnpackAhead = 4;
 // its product is issued (``lag``) where the weights are not being unpacked, so the store
 // does not wait on the product just issued (512 rows: 150 -> 167 GMAC/s on one thread);
 // while unpacking, at 16 rows, the lag measured no faster.
-template <bool INT4>
+template <int F>
 inline void amx_quant_tile(const QuantActs& a, const int8_t* x, int64_t r0, int64_t rows,
                            bool unpack, int8_t* q, float* sc, const QCol& col, float* y,
                            int64_t ldy, bool accumulate) {
@@ -147,10 +149,10 @@ inline void amx_quant_tile(const QuantActs& a, const int8_t* x, int64_t r0, int6
   const float* sx = a.scale.data() + r0 * a.blocks;
   const int64_t nb = a.blocks, lag = unpack ? 0 : 1;
   if (unpack)
-    for (int64_t b = 0; b < std::min(kAmxUnpackAhead, nb); ++b) unpack_block<INT4>(col, b, q, sc);
+    for (int64_t b = 0; b < std::min(kAmxUnpackAhead, nb); ++b) unpack_block<F>(col, b, q, sc);
   for (int64_t b = 0; b <= nb + lag; ++b) {
     if (b < nb) {
-      if (unpack && b + kAmxUnpackAhead < nb) unpack_block<INT4>(col, b + kAmxUnpackAhead, q, sc);
+      if (unpack && b + kAmxUnpackAhead < nb) unpack_block<F>(col, b + kAmxUnpackAhead, q, sc);
       amx_block_dp(x, q, b);
     }
     if (b >= lag && b - lag < nb) amx_block_store(b - lag, dots[(b - lag) % 2]);
@@ -158,22 +160,22 @@ inline void amx_quant_tile(const QuantActs& a, const int8_t* x, int64_t r0, int6
     const int64_t p = b - lag - 1;  // the block whose dots were stored a step ago
     const int32_t* d = dots[p % 2];
     const float* sp = sx + p;  // row r's s_x of block p at sp[r * nb]
-    const __m512 sw = INT4 ? _mm512_loadu_ps(sc + 16 * p) : _mm512_set1_ps(1.f);
+    const __m512 sw = kScaled<F> ? _mm512_loadu_ps(sc + 16 * p) : _mm512_set1_ps(1.f);
 #define LINSERVE_SCALE(r)                                                             \
     {                                                                                 \
       const __m512 s = _mm512_set1_ps(sp[r * nb]);                                    \
       acc##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(d + 16 * r)),     \
-                               INT4 ? _mm512_mul_ps(sw, s) : s, acc##r);              \
+                               kScaled<F> ? _mm512_mul_ps(sw, s) : s, acc##r);              \
     }
     LINSERVE_ROWS16(LINSERVE_SCALE)
 #undef LINSERVE_SCALE
   }
-  const __m512 sw = INT4 ? _mm512_set1_ps(1.f)
+  const __m512 sw = kScaled<F> ? _mm512_set1_ps(1.f)
                          : _mm512_loadu_ps(static_cast<const float*>(col.s));
 #define LINSERVE_STORE(r)                                                             \
   if (r0 + r < rows) {                                                                \
     float* out = y + r * ldy;                                                         \
-    __m512 v = INT4 ? acc##r : _mm512_mul_ps(acc##r, sw);                             \
+    __m512 v = kScaled<F> ? acc##r : _mm512_mul_ps(acc##r, sw);                             \
     asm("" : "+v"(v)); /* rounded before the add, as store_tile does */               \
     if (accumulate) v = _mm512_add_ps(_mm512_loadu_ps(out), v);                       \
     _mm512_storeu_ps(out, v);                                                         \
@@ -185,7 +187,7 @@ inline void amx_quant_tile(const QuantActs& a, const int8_t* x, int64_t r0, int6
 
 // y [rows, N] (+)= the quantized product, the full vectors on the tiles, a narrower last one
 // on the VNNI tiles. ``a``'s rows are padded to a multiple of 16 (quantize_acts).
-template <bool INT4>
+template <int F>
 inline void quant_rows_amx(const QuantActs& a, const float* x, const QuantWeights& w, float* y,
                            int64_t rows, int64_t k_len, bool accumulate) {
   const int64_t vecs = w.n / 16;
@@ -200,7 +202,7 @@ inline void quant_rows_amx(const QuantActs& a, const float* x, const QuantWeight
       for (int64_t v = t * kAmxVecsPerTask; v < std::min(vecs, (t + 1) * kAmxVecsPerTask); ++v) {
         const QCol col = column(w, 16 * v);
         for (int64_t r0 = 0; r0 < rows; r0 += 16)
-          amx_quant_tile<INT4>(a, tiled.data() + r0 * a.k32, r0, rows, r0 == 0, q.data(),
+          amx_quant_tile<F>(a, tiled.data() + r0 * a.k32, r0, rows, r0 == 0, q.data(),
                                sc.data(), col, y + r0 * w.n + 16 * v, w.n, accumulate);
       }
     }
@@ -209,7 +211,7 @@ inline void quant_rows_amx(const QuantActs& a, const float* x, const QuantWeight
   if (vecs * 16 == w.n) return;
   for (int64_t r0 = 0; r0 < rows; r0 += a.group) {
     const Span s{r0, x + r0 * k_len, y + r0 * w.n, k_len, w.n, vecs * 16, w.n, accumulate};
-    span_quant_rows<INT4>(a, s, w, std::min(a.group, rows - r0));
+    span_quant_rows<F>(a, s, w, std::min(a.group, rows - r0));
   }
 }
 
