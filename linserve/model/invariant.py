@@ -70,8 +70,9 @@ def native_blocks() -> bool:
 def give_blocks(weight: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                 fmt: int = 1) -> None:
     """``weight [out, in]`` holds exactly q ``[out, in]`` (int8) times the fp16 ``scales
-    [out, in / 32]``: :func:`gemm_weight` packs those in the GEMM format ``fmt`` (1: int4,
-    q in [−8, 7]; 2: q8, q in [−127, 127]), never quantizing."""
+    [out, in / 32]`` (``fmt`` 1: int4, q in [−8, 7]; 2: q8, q in [−127, 127]), or s q + t
+    with ``scales [out, in / 32, 2]`` fp32 s and t (3: q4k, q in [0, 15]; 4: q8k, bytes):
+    :func:`gemm_weight` packs those in the GEMM format ``fmt``, never quantizing."""
     _block_values[weight.data_ptr()] = (q, scales, fmt)
 
 
@@ -158,7 +159,8 @@ def _given_blocks(parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     if not all(given) or len({g[2] for g in given if g}) != 1 or not kernels.load():
         return None
     q = torch.cat([g[0] for g in given if g]).t().contiguous()
-    scales = torch.cat([g[1] for g in given if g]).t().contiguous()
+    scales = torch.cat([g[1] for g in given if g])  # [out, in / 32] or [out, in / 32, 2]
+    scales = (scales.t() if scales.dim() == 2 else scales.permute(2, 1, 0)).contiguous()
     fmt = next(g[2] for g in given if g)
     for p in parts:
         _block_values.pop(p.data_ptr(), None)

@@ -13,9 +13,9 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from bench import llamacpp_assets
-from linserve.model import loader
+from linserve.model import loader, quantize
 from linserve.model.gguf import vocab
-from linserve.model.gguf.checkpoint import SERVED, dequantize
+from linserve.model.gguf.checkpoint import NATIVE, PACKED_BYTES, SERVED, dequantize
 from linserve.model.gguf.files import Tensor, open_model
 from linserve.model.interface import CheckpointError
 from tests.model import family_fixtures, gguf_fixtures
@@ -147,34 +147,32 @@ def test_a_file_of_an_architecture_not_served_is_one_line(tmp_path: Path) -> Non
         loader.check(tmp_path / "x.gguf")
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0])
+@pytest.mark.parametrize("qtype", list(NATIVE), ids=lambda q: q.name)
 def test_blocks_multiply_natively_as_they_are(qtype: GGMLQuantizationType) -> None:
-    """A Q4_0 or Q8_0 matrix goes to the quantized GEMM with its own values and scales
-    (int4 / q8): its product is the dequantized matrix's (activations quantized as the
-    kernel does) within fp32 rounding, and batch-invariant; packing it never quantizes
-    again, and a tied head in it gives each token's row back exactly."""
-    from linserve.model import invariant, kernels, quantize
-    from linserve.model.gguf.checkpoint import q4_0_values, q8_0_values
+    """A matrix in a natively multiplied format (Q4_0, Q8_0, Q4_K, Q5_K, Q4_1, Q5_0, Q5_1)
+    goes to the quantized GEMM with its own values and scales: its product is the
+    dequantized matrix's (activations quantized as the kernel does) within fp32 rounding,
+    and batch-invariant; packing it never quantizes again, and a tied head in it gives each
+    token's row back exactly as gguf-py dequantizes it."""
+    from linserve.model import invariant, kernels
+    from linserve.model.gguf.checkpoint import block_values
 
     if not kernels.load():
         pytest.skip("native kernels unavailable")
-    n, k = 150, 256  # a last column vector of 6
+    n, k = 150, 512  # a last column vector of 6; two K-quant super-blocks a column
     raw = gguf_fixtures.random_blocks(qtype, n, k, seed=3)
-    t = Tensor("w", (n, k), qtype, raw, raw.nbytes)
-    q, scales = (q4_0_values if qtype == GGMLQuantizationType.Q4_0 else q8_0_values)(t)
+    q, scales = block_values(Tensor("w", (n, k), qtype, raw, raw.nbytes))
     layer = torch.nn.Linear(k, n, bias=False)
     with torch.no_grad():
         layer.weight.copy_(torch.from_numpy(quants.dequantize(raw, qtype).reshape(n, k)))
     invariant.set_native_blocks(True)
     try:
-        invariant.give_blocks(layer.weight, q, scales,
-                              1 if qtype == GGMLQuantizationType.Q4_0 else 2)
+        invariant.give_blocks(layer.weight, q, scales, NATIVE[qtype])
         packed = invariant.gemm_weight(layer, layer.weight)
     finally:
         invariant.set_native_blocks(False)
-    assert quantize.mode_of(packed, k) == ("int4" if qtype == GGMLQuantizationType.Q4_0
-                                           else "q8")
-    assert packed.numel() <= raw.nbytes + 4 * n  # the file's own size
+    assert packed.dtype == torch.uint8
+    assert packed.numel() <= PACKED_BYTES[NATIVE[qtype]] * n * k // 32 + 4 * n
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(4))
     full = torch.ops.linserve.invariant_mm(x, packed)
     for i in range(19):
@@ -188,11 +186,14 @@ def test_blocks_multiply_natively_as_they_are(qtype: GGMLQuantizationType) -> No
                        layer.weight.detach()[tokens])
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0])
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0,
+                                   GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0],
+                         ids=lambda q: q.name)
 def test_a_block_file_runs_on_its_blocks_and_dtype_dequantizes(
         converted: dict[str, tuple[Path, Path]], tmp_path: Path,
         qtype: GGMLQuantizationType) -> None:
-    """With ``--dtype auto`` a Q4_0 or Q8_0 file's matrices run on their own blocks (its
+    """With ``--dtype auto`` a Q4_0, Q8_0, Q4_1 or Q5_0 file's matrices run on their own
+    blocks (Q4_1 and Q5_0 in the K formats Q4_K and Q5_K take: W = s q + t) (its
     logits track the dequantized model's, the activations quantized to int8 as llama.cpp
     does); ``--dtype float32`` dequantizes at load, giving exactly the F32 file's logits."""
     _, file = converted["qwen3_5-i2-untied"]
@@ -206,7 +207,7 @@ def test_a_block_file_runs_on_its_blocks_and_dtype_dequantizes(
     torch.testing.assert_close(_logits(q4, ids), want, rtol=0, atol=0)  # float32: dequantized
     native = loader.load(q4, dtype="auto")
     # int4 / q8 matrices (the embedding table stays in floats for its lookups)
-    ratio = 0.7 if qtype == GGMLQuantizationType.Q4_0 else 0.8
+    ratio = {"Q4_0": 0.7, "Q8_0": 0.8, "Q4_1": 0.75, "Q5_0": 0.85}[qtype.name]
     assert native.info.weight_bytes < ratio * loader.load(flat, dtype="auto").info.weight_bytes
     got = native.prefill(ids, all_logits=True)[0]
     # no further from the F32 logits than the same file dequantized to bf16 (random blocks

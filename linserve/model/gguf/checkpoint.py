@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
-from gguf import quants
 from tokenizers import Tokenizer as HFTokenizer
 
 from linserve.model.gguf import archs, vocab
@@ -34,8 +34,11 @@ SERVED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, 
           Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL)
 FLOATS = (Q.F32, Q.F16, Q.BF16)
 # Block formats whose matrices the quantized GEMM multiplies as they are, and the GEMM
-# format each is packed in (linserve/model/kernels/gemm_quant.h's QFormat: 1 int4, 2 q8).
-NATIVE = {Q.Q4_0: 1, Q.Q8_0: 2}
+# format each is packed in (linserve/model/kernels/gemm_quant.h's QFormat: 1 int4, 2 q8,
+# 3 q4k, 4 q8k: W = s q + t per 32, nibbles or bytes).
+NATIVE = {Q.Q4_0: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q4_1: 3, Q.Q5_K: 4, Q.Q5_0: 4, Q.Q5_1: 4}
+# Bytes a column's block of 32 takes in each GEMM format (gemm_quant.h's block_bytes).
+PACKED_BYTES = {1: 18, 2: 34, 3: 24, 4: 40}
 # Control tokens that end a generation in llama.cpp (its llama_vocab end-of-generation
 # list), besides tokenizer.ggml.eos_token_id / eot_token_id / eom_token_id.
 END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
@@ -123,12 +126,12 @@ class GGUFCheckpoint:
         return rule.join(parts, self.config)
 
     def native_blocks(self, hf_name: str) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """A Q4_0 or Q8_0 matrix ``[out, in]`` as the quantized GEMM's values: q ``[out,
-        in]`` int8 (Q4_0: [−8, 7]; Q8_0: [−127, 127]), fp16 scales ``[out, in / 32]`` and the
-        GEMM format (:data:`NATIVE`): the same numbers, so it is repacked, not quantized
-        again. None for any other tensor, one the converter transformed, or a Q8_0 block
-        holding −128 (the AVX2 product takes each value's sign apart, and −128 has no
-        positive twin; such a matrix is dequantized)."""
+        """A matrix ``[out, in]`` in one of the :data:`NATIVE` formats as the quantized
+        GEMM's values: q ``[out, in]`` int8, its scales (:func:`block_values`) and the GEMM
+        format: the same numbers, so it is repacked, not quantized again. None for any
+        other tensor, one the converter transformed, or a Q8_0 block holding −128 (the AVX2
+        product takes each value's sign apart, and −128 has no positive twin; such a matrix
+        is dequantized)."""
         names = self._names.get(hf_name, (hf_name,))
         t = self.model.tensors[names[0]]
         if len(names) != 1 or t.qtype not in NATIVE or len(t.shape) != 2:
@@ -136,7 +139,7 @@ class GGUFCheckpoint:
         probe = torch.empty(t.shape, device="meta")
         if self.arch.transform(hf_name, probe, self.config) is not probe:
             return None
-        q, scales = q4_0_values(t) if t.qtype == Q.Q4_0 else q8_0_values(t)
+        q, scales = block_values(t)
         if t.qtype == Q.Q8_0 and bool((q == -128).any()):
             return None
         return q, scales, NATIVE[t.qtype]
@@ -167,23 +170,24 @@ class GGUFCheckpoint:
         return ", ".join(f"{name} {n}" for name, n in counts)
 
     def served_bytes(self, dtype: torch.dtype, native: bool) -> int:
-        """The bytes the weights take as served: a Q4_0 or Q8_0 matrix its own size when
-        ``native`` (it runs on its blocks), every other tensor its values in ``dtype``."""
+        """The bytes the weights take as served: a :data:`NATIVE` matrix its packed blocks
+        when ``native`` (it runs on them), every other tensor its values in ``dtype``."""
         size = torch.empty(0, dtype=dtype).element_size()
-        return sum(t.nbytes if native and t.qtype in NATIVE and len(t.shape) == 2
+        return sum(PACKED_BYTES[NATIVE[t.qtype]] * int(np.prod(t.shape)) // 32
+                   if native and t.qtype in NATIVE and len(t.shape) == 2
                    else int(np.prod(t.shape)) * size for t in self.model.tensors.values())
 
     def load_plan(self, dtype: str, native: bool) -> str:
         """One line for the startup log: the file's formats and what loading does with
-        each (``native``: Q4_0 and Q8_0 kept in their blocks; otherwise every block format
-        dequantized, as ``--dtype`` or ``--quantization`` asked)."""
+        each (``native``: the :data:`NATIVE` formats kept in their blocks; otherwise every
+        block format dequantized, as ``--dtype`` or ``--quantization`` asked)."""
         blocks = [q for q in self.quantization_types() if q not in ("F32", "F16", "BF16")]
         head = f"GGUF {self.arch.name}, {self.describe_types()}"
         if not blocks:
             return f"{head}: floats as {dtype}"
         if not native:
             return f"{head}: every block format dequantized to {dtype} at load, as asked"
-        kept = [q for q in blocks if q in ("Q4_0", "Q8_0")]
+        kept = [q for q in blocks if Q[q] in NATIVE]
         rest = [q for q in blocks if q not in kept]
         return (f"{head}: " + (f"{' and '.join(kept)} matrices run on their own blocks"
                                if kept else "")
@@ -280,6 +284,74 @@ def q8_0_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = torch.from_numpy(np.asarray(t.raw).reshape(rows, -1, 34).copy())
     scales = blocks[..., :2].contiguous().view(torch.float16).reshape(rows, -1)
     return blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1), scales
+
+
+def block_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A :data:`NATIVE` matrix ``[rows, cols]``'s values as the GEMM format takes them: q
+    ``[rows, cols]`` int8 and, for Q4_0 and Q8_0, their fp16 scales ``[rows, cols / 32]``
+    (W = d q); for the others s and t ``[rows, cols / 32, 2]`` fp32 with W = s q + t per 32
+    (Q4_K, Q4_1: q in [0, 15]; Q5_K, Q5_1: [0, 31]; Q5_0: [−16, 15]), exactly gguf-py's
+    dequantized values (each product s q is exact in fp32)."""
+    if t.qtype == Q.Q4_0:
+        return q4_0_values(t)
+    if t.qtype == Q.Q8_0:
+        return q8_0_values(t)
+    rows, cols = t.shape
+    raw = np.asarray(t.raw).reshape(rows, -1)
+    q, s, m = _K_UNPACK[t.qtype](raw.reshape(-1, GGML_QUANT_SIZES[t.qtype][1]))
+    st = np.stack([s, m], -1).reshape(rows, cols // 32, 2)
+    return torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(st)
+
+
+def _fp16(b: np.ndarray) -> np.ndarray:
+    """Two bytes a block [n, 2] -> fp32 [n, 1]."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, group: int) -> np.ndarray:
+    """Bytes [n, k · group / 2] -> values [n, k · group]: each run of ``group / 2`` bytes
+    gives its low nibbles, then its high ones (llama.cpp's order)."""
+    n = qs.shape[0]
+    halves = qs.reshape(n, -1, 1, group // 2) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (halves & 0x0F).reshape(n, -1)
+
+
+def _q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K's blocks of 256 -> q [n, 256] int8 in [0, 15], s and t [n, 8] fp32."""
+    d, dmin = _fp16(b[:, 0:2]), _fp16(b[:, 2:4])
+    sc, mn = quants.Q4_K.get_scale_min(b[:, 4:16])
+    return (_nibbles(b[:, 16:], 64).astype(np.int8), d * sc.astype(np.float32),
+            -(dmin * mn.astype(np.float32)))
+
+
+def _q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q5_K's blocks of 256 -> q [n, 256] int8 in [0, 31], s and t [n, 8] fp32."""
+    d, dmin = _fp16(b[:, 0:2]), _fp16(b[:, 2:4])
+    sc, mn = quants.Q4_K.get_scale_min(b[:, 4:16])
+    high = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = _nibbles(b[:, 48:], 64) | (high.reshape(len(b), -1) << 4)
+    return q.astype(np.int8), d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+
+
+def _q_legacy(b: np.ndarray, with_min: bool, five: bool
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1 / Q5_0 / Q5_1's blocks of 32 -> q [n, 32] int8, s and t [n, 1] fp32."""
+    d = _fp16(b[:, 0:2])
+    t = _fp16(b[:, 2:4]) if with_min else np.zeros_like(d)
+    at = 4 if with_min else 2
+    q = _nibbles(b[:, at + 4 * five:], 32).astype(np.int16)
+    if five:
+        bits = np.ascontiguousarray(b[:, at:at + 4]).view(np.uint32)
+        q |= ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+        if not with_min:
+            q -= 16
+    return q.astype(np.int8), d, t
+
+
+_K_UNPACK = {Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
+             Q.Q4_1: lambda b: _q_legacy(b, True, False),
+             Q.Q5_0: lambda b: _q_legacy(b, False, True),
+             Q.Q5_1: lambda b: _q_legacy(b, True, True)}
 
 
 @lru_cache(maxsize=4)

@@ -71,12 +71,29 @@ typedef int32_t vi32 __attribute__((vector_size(kLanes * 4)));
 // The stored formats (see the layout above). A kernel is compiled for one, as its template
 // argument F: kNib<F> (values as nibbles, 4 stored rows a block, else bytes, 8) and
 // kScaled<F> (an fp16 scale per block and column, else one fp32 scale per column).
-enum QFormat : int { kQInt8 = 0, kQInt4 = 1, kQ8 = 2 };
-template <int F> constexpr bool kNib = F == kQInt4;
+// kMin<F>: the K formats, W = s q + t per block and column (fp32 s and t, values q as
+// they are stored: nibbles 0..15 or bytes q + 128), which hold llama.cpp's Q4_K, Q5_K,
+// Q4_1, Q5_0 and Q5_1 exactly.
+enum QFormat : int { kQInt8 = 0, kQInt4 = 1, kQ8 = 2, kQ4K = 3, kQ8K = 4 };
+template <int F> constexpr bool kNib = F == kQInt4 || F == kQ4K;
 template <int F> constexpr bool kScaled = F != kQInt8;
+template <int F> constexpr bool kMin = F == kQ4K || F == kQ8K;
 
-// Bytes of one column's block in the block-scaled formats: its stored rows and fp16 scale.
-constexpr int64_t block_bytes(int format) { return format == kQInt4 ? 18 : 34; }
+// Bytes of one column's block in the block-scaled formats: its stored rows, then its fp16
+// scale (int4, q8) or its fp32 s and t (the K formats).
+constexpr int64_t block_bytes(int format) {
+  return format == kQInt4 ? 18 : format == kQ8 ? 34 : format == kQ4K ? 24 : 40;
+}
+
+// A dot product's starting value: the offset's correction d0 = -o Σ x_q (so the dot is of
+// q = stored - o), except Q4K's nibbles, which are q as they are (the correction then
+// gives Σ x_q for the t term: min_sum).
+template <int F>
+constexpr int32_t dot_start(int32_t d0) { return F == kQ4K ? 0 : d0; }
+
+// Σ x_q of a row's block from its correction d0 = -o Σ x_q (o = 8 or 128: exact).
+template <int F>
+inline float min_sum(int32_t d0) { return static_cast<float>(d0) * (kNib<F> ? -0.125f : -0.0078125f); }
 
 // A quantized weight: its bytes, N, K32, and which format (QFormat).
 struct QuantWeights {
@@ -92,6 +109,7 @@ struct QCol {
   const uint8_t* q;
   int64_t ld, block;
   const void* s;
+  int64_t to_t = 0;  // the K formats: bytes from a block's s to its t
 };
 
 inline QCol column(const QuantWeights& w, int64_t c) {
@@ -102,14 +120,26 @@ inline QCol column(const QuantWeights& w, int64_t c) {
   }
   const int64_t bb = block_bytes(w.format);
   const uint8_t* panel = w.base + p0 * (w.k32 / kBlock) * bb;
+  if (w.format == kQ4K || w.format == kQ8K)
+    return {panel + (c - p0) * 4, width * 4, bb * width, panel + (bb - 8) * width + (c - p0) * 4,
+            4 * width};
   return {panel + (c - p0) * 4, width * 4, bb * width, panel + (bb - 2) * width + (c - p0) * 2};
 }
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
-// int4's fp16 scales of block b, from a column's QCol.
+// int4's and q8's fp16 scales of block b, from a column's QCol.
 inline const uint16_t* group_scales(const QCol& col, int64_t b) {
   return reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(col.s) + b * col.block);
+}
+
+// The K formats' fp32 s, and t, of block b.
+inline const float* k_scales(const QCol& col, int64_t b) {
+  return reinterpret_cast<const float*>(static_cast<const uint8_t*>(col.s) + b * col.block);
+}
+inline const float* k_mins(const QCol& col, int64_t b) {
+  return reinterpret_cast<const float*>(static_cast<const uint8_t*>(col.s) + b * col.block +
+                                        col.to_t);
 }
 
 // x [B, K] quantized per row and block of kBlock inputs (zeros past K).
@@ -229,6 +259,7 @@ inline QuantActs quantize_acts(const float* x, int64_t rows, int64_t k_len, int3
 template <int F>
 inline vfloat load_scales(const QCol& col, int64_t b) {
   if (!kScaled<F>) return load_w(static_cast<const float*>(col.s));
+  if (kMin<F>) return load_w(k_scales(col, b));
   const uint16_t* s = group_scales(col, b);
   vfloat out;
   for (int64_t i = 0; i < kLanes; ++i) out[i] = half_to_float(s[i]);
@@ -347,8 +378,12 @@ inline void prefetch_tile(const QCol& col, int64_t columns, int64_t b) {
   constexpr int64_t kStored = kNib<F> ? kBlock / 8 : kBlock / 4;
   for (int64_t t = 0; t < kStored; ++t)
     prefetch_bytes(col.q + b * col.block + t * col.ld, 4 * columns);
-  if constexpr (kScaled<F>)
+  if constexpr (kMin<F>) {
+    prefetch_bytes(reinterpret_cast<const uint8_t*>(k_scales(col, b)), 4 * columns);
+    prefetch_bytes(reinterpret_cast<const uint8_t*>(k_mins(col, b)), 4 * columns);
+  } else if constexpr (kScaled<F>) {
     prefetch_bytes(reinterpret_cast<const uint8_t*>(group_scales(col, b)), 2 * columns);
+  }
 }
 
 // ---- The generic path (any -march): ROWS rows x NV vectors of kLanes columns from c -------
@@ -363,7 +398,7 @@ inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int
     vi32 dot[ROWS][NV];
     for (int64_t r = 0; r < ROWS; ++r)
       for (int64_t j = 0; j < NV; ++j)
-        dot[r][j] = vi32{} + (kAvx2Dot && !kNib<F> ? 0 : a.d0(s.r0 + r, b));
+        dot[r][j] = vi32{} + (kAvx2Dot && !kNib<F> ? 0 : dot_start<F>(a.d0(s.r0 + r, b)));
     if constexpr (kAvx2Dot) block_dot_avx2<F, ROWS, NV>(a, s.r0, col, b, dot);
     for (int64_t t = 0; t < (kAvx2Dot ? 0 : kSteps); ++t) {
       vu32 v[NV];
@@ -385,9 +420,12 @@ inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int
     }
     for (int64_t j = 0; j < NV; ++j) {
       const vfloat sc = kScaled<F> ? load_scales<F>(col[j], b) : vfloat{} + 1.f;
+      const vfloat tv = kMin<F> ? load_w(k_mins(col[j], b)) : vfloat{};
       for (int64_t r = 0; r < ROWS; ++r) {
         const vfloat d = __builtin_convertvector(dot[r][j], vfloat);
-        acc[r][j] = kScaled<F> ? acc[r][j] + d * (sc * a.s(s.r0 + r, b)) : acc[r][j] + d * a.s(s.r0 + r, b);
+        const float sx = a.s(s.r0 + r, b);
+        acc[r][j] = kScaled<F> ? acc[r][j] + d * (sc * sx) : acc[r][j] + d * sx;
+        if constexpr (kMin<F>) acc[r][j] = acc[r][j] + tv * (sx * min_sum<F>(a.d0(s.r0 + r, b)));
       }
     }
   }
@@ -409,7 +447,7 @@ inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantW
       float f = 0.f;
       for (int64_t b = 0; b < a.blocks; ++b) {
         const int8_t* xq = a.block(s.r0 + r, b);
-        int32_t d = a.d0(s.r0 + r, b);
+        int32_t d = dot_start<F>(a.d0(s.r0 + r, b));
         for (int64_t t = 0; t < kSteps; ++t) {
           const uint8_t* lane = col.q + b * col.block + t * col.ld;
           for (int64_t i = 0; i < 4; ++i) {
@@ -421,8 +459,9 @@ inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantW
           }
         }
         const float sx = a.s(s.r0 + r, b);
-        f = kScaled<F> ? f + static_cast<float>(d) * (half_to_float(*group_scales(col, b)) * sx)
-                 : f + static_cast<float>(d) * sx;
+        const float sw = kMin<F> ? *k_scales(col, b) : half_to_float(*group_scales(col, b));
+        f = kScaled<F> ? f + static_cast<float>(d) * (sw * sx) : f + static_cast<float>(d) * sx;
+        if constexpr (kMin<F>) f = f + *k_mins(col, b) * (sx * min_sum<F>(a.d0(s.r0 + r, b)));
       }
       const volatile float out = kScaled<F> ? f : f * *static_cast<const float*>(col.s);
       float* y = s.y + r * s.n + c + cc;
@@ -460,21 +499,34 @@ inline void prefetch_block(const QCol* col, int64_t nv, int64_t b) {
   }
 }
 
-// A block's float step: acc + d_b (s_b s[b, n]) for int4 (sc: the block's weight scales),
-// acc + d_b s_b for int8 (the column scale comes at the store).
+// A block's float step: acc + d_b (s_b s[b, n]) for the block-scaled formats (sc: the
+// block's weight scales), then the K formats' + t[b, n] (s_b Σ x_q) (tv: the t's, d0: the
+// row's correction, which gives Σ x_q); acc + d_b s_b for int8 (the column scale comes at
+// the store).
 template <int F>
-inline __m512 block_step(__m512 acc, __m512i dot, __m512 sc, float sx) {
+inline __m512 block_step(__m512 acc, __m512i dot, __m512 sc, float sx, __m512 tv = {},
+                         int32_t d0 = 0) {
   const __m512 s = _mm512_set1_ps(sx);
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), kScaled<F> ? _mm512_mul_ps(sc, s) : s, acc);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), kScaled<F> ? _mm512_mul_ps(sc, s) : s, acc);
+  if constexpr (kMin<F>) acc = _mm512_fmadd_ps(tv, _mm512_set1_ps(sx * min_sum<F>(d0)), acc);
+  return acc;
 }
 
-// int4's weight scales of block b for 16 columns from col's column + `from` (masked by m);
-// 1 for int8.
+// The block-scaled formats' weight scales of block b for 16 columns from col's column +
+// `from` (masked by m); 1 for int8.
 template <int F>
 inline __m512 block_scales(const QCol& col, int64_t b, __mmask16 m, int64_t from = 0) {
+  if constexpr (kMin<F>) return _mm512_maskz_loadu_ps(m, k_scales(col, b) + from);
   if constexpr (kScaled<F>)
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, group_scales(col, b) + from));
   return _mm512_set1_ps(1.f);
+}
+
+// The K formats' t of block b for 16 columns from col's column + `from` (masked by m).
+template <int F>
+inline __m512 block_mins(const QCol& col, int64_t b, __mmask16 m, int64_t from = 0) {
+  if constexpr (kMin<F>) return _mm512_maskz_loadu_ps(m, k_mins(col, b) + from);
+  return _mm512_setzero_ps();
 }
 
 // A tile's sums into y [ROWS, ldy] (or added to it), vector j's 16 columns at y + 16 j
@@ -511,7 +563,7 @@ inline void tile_vnni_row(const QuantActs& a, const Span& s, const QuantWeights&
     if constexpr (NV >= 4) prefetch_block(col, NV, b + kQuantPrefetch);
     __m512i dot[NV];
     const int32_t* xq = reinterpret_cast<const int32_t*>(a.block(s.r0, b));
-    for (int64_t j = 0; j < NV; ++j) dot[j] = _mm512_set1_epi32(a.d0(s.r0, b));
+    for (int64_t j = 0; j < NV; ++j) dot[j] = _mm512_set1_epi32(dot_start<F>(a.d0(s.r0, b)));
     for (int64_t t = 0; t < kSteps; ++t) {
       for (int64_t j = 0; j < NV; ++j) {
         const uint8_t* p = col[j].q + b * col[j].block + t * col[j].ld;
@@ -529,7 +581,7 @@ inline void tile_vnni_row(const QuantActs& a, const Span& s, const QuantWeights&
     }
     for (int64_t j = 0; j < NV; ++j)
       acc[0][j] = block_step<F>(acc[0][j], dot[j], block_scales<F>(col[j], b, m),
-                                   a.s(s.r0, b));
+                                a.s(s.r0, b), block_mins<F>(col[j], b, m), a.d0(s.r0, b));
   }
   store_tile<F, 1, NV>(acc, [&](int64_t j) { return static_cast<const float*>(col[j].s); },
                           s.y + c, 0, s.accumulate, m);
@@ -579,7 +631,7 @@ inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, 
 #pragma GCC unroll 2
     for (int64_t j = 0; j < NV; ++j) {  // a vector at a time: ROWS dots live, not ROWS x NV
       __m512i dot[ROWS];
-      for (int64_t r = 0; r < ROWS; ++r) dot[r] = _mm512_set1_epi32(d0[r]);
+      for (int64_t r = 0; r < ROWS; ++r) dot[r] = _mm512_set1_epi32(dot_start<F>(d0[r]));
       unrolled<kSteps>([&](auto t) {
         const uint8_t* p = q + t * col.ld + 64 * j;  // a tile's vectors share one panel
         const __m512i v = NV > 1 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(m, p);
@@ -597,8 +649,9 @@ inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, 
         }
       });
       const __m512 sc = block_scales<F>(col, b, m, 16 * j);
+      const __m512 tv = block_mins<F>(col, b, m, 16 * j);
       for (int64_t r = 0; r < ROWS; ++r)
-        acc[r][j] = block_step<F>(acc[r][j], dot[r], sc, sx[r]);
+        acc[r][j] = block_step<F>(acc[r][j], dot[r], sc, sx[r], tv, d0[r]);
     }
   }
   store_tile<F, ROWS, NV>(
@@ -627,10 +680,11 @@ inline void tile_vnni_wide(const uint8_t* rec, int64_t blocks, const QCol& col, 
     const float* sx = reinterpret_cast<const float*>(rec + ROWS * kBlock);
     const int32_t* d0 = reinterpret_cast<const int32_t*>(rec + ROWS * (kBlock + 4));
     const __m512 sc = block_scales<F>(col, b, m);
+    const __m512 tv = block_mins<F>(col, b, m);
     unrolled<(ROWS > kOnePassRows ? 2 : 1)>([&](auto h) {
       constexpr int64_t r0 = h * kHalf, rows = h == 0 ? kHalf : ROWS - kHalf;
       __m512i dot[rows];
-      for (int64_t r = 0; r < rows; ++r) dot[r] = _mm512_set1_epi32(d0[r0 + r]);
+      for (int64_t r = 0; r < rows; ++r) dot[r] = _mm512_set1_epi32(dot_start<F>(d0[r0 + r]));
       unrolled<kSteps>([&](auto t) {
         const __m512i v = _mm512_maskz_loadu_epi32(m, q + t * col.ld);
         if constexpr (kNib<F>) {
@@ -647,7 +701,7 @@ inline void tile_vnni_wide(const uint8_t* rec, int64_t blocks, const QCol& col, 
         }
       });
       for (int64_t r = 0; r < rows; ++r)
-        acc[r0 + r][0] = block_step<F>(acc[r0 + r][0], dot[r], sc, sx[r0 + r]);
+        acc[r0 + r][0] = block_step<F>(acc[r0 + r][0], dot[r], sc, sx[r0 + r], tv, d0[r0 + r]);
     });
   }
   store_tile<F, ROWS, 1>(acc, [&](int64_t) { return static_cast<const float*>(col.s); }, y,
@@ -731,8 +785,9 @@ template <int F>
 inline void quant_rows(const QuantActs& a, const float* x, const QuantWeights& w, float* y,
                        int64_t rows, int64_t k_len, bool accumulate) {
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  if (rows >= kAmxQuantMinRows && amx_active())
-    return quant_rows_amx<F>(a, x, w, y, rows, k_len, accumulate);
+  if constexpr (!kMin<F>)  // the K formats run on the VNNI tiles (untested on AMX)
+    if (rows >= kAmxQuantMinRows && amx_active())
+      return quant_rows_amx<F>(a, x, w, y, rows, k_len, accumulate);
 #endif
   // Threads take a column chunk's row groups in turn (for_spans), so each thread's first
   // group of a chunk reads its weights from memory and later ones find them in L2: only
@@ -757,8 +812,9 @@ inline int quant_format(const at::Tensor& w, int64_t k_len) {
   if (w.dim() != 3 || w.size(2) != 4) return -1;
   if (w.scalar_type() == at::kChar) return w.size(0) == quant_rows_of(k_len, kQInt8) ? kQInt8 : -1;
   if (w.scalar_type() != at::kByte || k_len % kBlock != 0) return -1;
-  if (w.size(0) == quant_rows_of(k_len, kQInt4)) return kQInt4;
-  return w.size(0) == quant_rows_of(k_len, kQ8) ? kQ8 : -1;
+  for (const int f : {kQInt4, kQ8, kQ4K, kQ8K})
+    if (w.size(0) == quant_rows_of(k_len, f)) return f;
+  return -1;
 }
 
 // y = a @ dequant(w) (or y +=): a [B, K] fp32, y [B, N] fp32, w from pack_quantized.
@@ -769,57 +825,73 @@ inline void quant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y, bo
   const QuantWeights qw{reinterpret_cast<const uint8_t*>(w.data_ptr()), n,
                         (k_len + kBlock - 1) / kBlock * kBlock, format};
   const float* x = a.data_ptr<float>();
-  const QuantActs acts = quantize_acts(x, rows, k_len, format == kQInt4 ? 8 : 128);
+  const bool nib = format == kQInt4 || format == kQ4K;
+  const QuantActs acts = quantize_acts(x, rows, k_len, nib ? 8 : 128);
   float* out = y.data_ptr<float>();
-  if (format == kQInt4) return quant_rows<kQInt4>(acts, x, qw, out, rows, k_len, accumulate);
-  if (format == kQ8) return quant_rows<kQ8>(acts, x, qw, out, rows, k_len, accumulate);
-  quant_rows<kQInt8>(acts, x, qw, out, rows, k_len, accumulate);
+  switch (format) {
+    case kQInt4: return quant_rows<kQInt4>(acts, x, qw, out, rows, k_len, accumulate);
+    case kQ8: return quant_rows<kQ8>(acts, x, qw, out, rows, k_len, accumulate);
+    case kQ4K: return quant_rows<kQ4K>(acts, x, qw, out, rows, k_len, accumulate);
+    case kQ8K: return quant_rows<kQ8K>(acts, x, qw, out, rows, k_len, accumulate);
+    default: return quant_rows<kQInt8>(acts, x, qw, out, rows, k_len, accumulate);
+  }
 }
 
 // The block-scaled formats' panels, each block's scales after its stored rows (see the
-// layout above): lanes [K32 / 4 per byte row or K / 8 per nibble row, N, 4] bytes, scales
-// fp16 [K / 32, N] -> [K / 32 x block_bytes x N] bytes.
-inline at::Tensor interleave_blocks(const at::Tensor& lanes, const at::Tensor& scales) {
-  const int64_t blocks = scales.size(0), n = scales.size(1), per = lanes.size(0) / blocks;
-  const int64_t bb = per * 4 + 2;
-  const at::Tensor sb = scales.contiguous().view(at::kByte).view({blocks, n, 2});
+// layout above): lanes [K32 / 4 per byte row or K / 8 per nibble row, N, 4] bytes, and
+// `parts` [P, K / 32, N] (fp16 scales, or the K formats' fp32 s and t), each part's
+// [width] after the stored rows in turn -> [K / 32 x block_bytes x N] bytes.
+inline at::Tensor interleave_blocks(const at::Tensor& lanes, const at::Tensor& parts) {
+  const int64_t count = parts.size(0), blocks = parts.size(1), n = parts.size(2);
+  const int64_t per = lanes.size(0) / blocks, e = parts.element_size();
+  const int64_t bb = per * 4 + count * e;
+  const at::Tensor pb = parts.contiguous().view(at::kByte).view({count, blocks, n, e});
   at::Tensor out = at::empty({blocks * bb * n}, lanes.options());
   for (int64_t p0 = 0; p0 < n; p0 += kPanel) {
     const int64_t width = std::min(kPanel, n - p0);
     at::Tensor panel = out.narrow(0, p0 * blocks * bb, blocks * bb * width).view({blocks, -1});
     panel.narrow(1, 0, per * 4 * width).view({blocks, per, width, 4})
         .copy_(lanes.view({blocks, per, n, 4}).narrow(2, p0, width));
-    panel.narrow(1, per * 4 * width, 2 * width).view({blocks, width, 2})
-        .copy_(sb.narrow(1, p0, width));
+    for (int64_t p = 0; p < count; ++p)
+      panel.narrow(1, per * 4 * width + p * e * width, e * width).view({blocks, width, e})
+          .copy_(pb.select(0, p).narrow(1, p0, width));
   }
   return out;
 }
 
 // q [K, N] int8 and its scales -> the stored format (QFormat): int8 (q in [-127, 127], fp32
-// scales [N]), int4 (q in [-8, 7], fp16 scales [K / 32, N]) or q8 (q in [-127, 127], fp16
-// scales [K / 32, N]: llama.cpp's Q8_0 blocks, values as they are).
+// scales [N]), int4 (q in [-8, 7], fp16 scales [K / 32, N]), q8 (q in [-127, 127], fp16
+// scales [K / 32, N]: llama.cpp's Q8_0 blocks, values as they are), or the K formats, W = s q
+// + t with fp32 s and t stacked [2, K / 32, N]: q4k (q in [0, 15]), q8k (q in [-128, 127]).
 inline at::Tensor pack_quantized(const at::Tensor& q, const at::Tensor& scales, int64_t format) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_quantized takes q [K, N] int8");
-  TORCH_CHECK(format == kQInt8 || format == kQInt4 || format == kQ8,
-              "pack_quantized: format is 0 (int8), 1 (int4) or 2 (q8)");
+  TORCH_CHECK(format >= kQInt8 && format <= kQ8K,
+              "pack_quantized: format is 0 (int8), 1 (int4), 2 (q8), 3 (q4k) or 4 (q8k)");
   const int64_t k_len = q.size(0), n = q.size(1);
-  TORCH_CHECK(format != kQInt8 ? scales.scalar_type() == at::kHalf && scales.dim() == 2 &&
-                                     k_len % kBlock == 0 && scales.size(0) == k_len / kBlock &&
-                                     scales.size(1) == n
-                               : scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
-                                     scales.size(0) == n,
-              "pack_quantized: int8 scales are fp32 [N], int4 and q8 scales fp16 [K / 32, N]");
-  const int64_t offset = format == kQInt4 ? 8 : 128, k32 = (k_len + kBlock - 1) / kBlock * kBlock;
+  const bool k_format = format == kQ4K || format == kQ8K;
+  const bool ok = format == kQInt8 ? scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
+                                         scales.size(0) == n
+                  : k_format ? scales.scalar_type() == at::kFloat && scales.dim() == 3 &&
+                                   scales.size(0) == 2 && scales.size(1) == k_len / kBlock &&
+                                   scales.size(2) == n && k_len % kBlock == 0
+                             : scales.scalar_type() == at::kHalf && scales.dim() == 2 &&
+                                   k_len % kBlock == 0 && scales.size(0) == k_len / kBlock &&
+                                   scales.size(1) == n;
+  TORCH_CHECK(ok, "pack_quantized: int8 scales are fp32 [N], int4 and q8 scales fp16 [K / 32, "
+              "N], the K formats' s and t fp32 [2, K / 32, N]");
+  const int64_t offset = format == kQInt4 ? 8 : format == kQ4K ? 0 : 128;
+  const int64_t k32 = (k_len + kBlock - 1) / kBlock * kBlock;
   at::Tensor u = at::full({k32, n}, offset, q.options().dtype(at::kInt));
   u.narrow(0, 0, k_len).copy_(q.to(at::kInt) + offset);
   at::Tensor body;
-  if (format == kQInt4) {
+  if (format == kQInt4 || format == kQ4K) {
     const at::Tensor v = u.view({k32 / 8, 2, 4, n});
     const at::Tensor lanes = v.select(1, 0).bitwise_or(v.select(1, 1).bitwise_left_shift(4));
-    body = interleave_blocks(lanes.permute({0, 2, 1}).to(at::kByte).contiguous(), scales);
-  } else if (format == kQ8) {
+    body = interleave_blocks(lanes.permute({0, 2, 1}).to(at::kByte).contiguous(),
+                             k_format ? scales : scales.unsqueeze(0));
+  } else if (format == kQ8 || format == kQ8K) {
     const at::Tensor lanes = u.view({k32 / 4, 4, n}).permute({0, 2, 1}).to(at::kByte);
-    body = interleave_blocks(lanes.contiguous(), scales);
+    body = interleave_blocks(lanes.contiguous(), k_format ? scales : scales.unsqueeze(0));
   } else {
     const at::Tensor panels = panelize(u.view({k32 / 4, 4, n}).permute({0, 2, 1}).to(at::kByte));
     body = at::cat({panels.view({-1}), scales.contiguous().view(at::kByte).view({-1})});
