@@ -126,8 +126,11 @@ def pack(w: torch.Tensor, mode: str) -> torch.Tensor:
 
 def mode_of(packed: torch.Tensor, k: int | None = None) -> str:
     """The quantization of a weight as :func:`pack` or :func:`linserve.model.invariant.pack` left
-    it: ``int8``, ``int4``, ``q8`` (a GGUF file's Q8_0 blocks, told from int4 by the stored
-    rows of its ``k`` inputs) or ``none``."""
-    if packed.dtype == torch.uint8 and k is not None and packed.shape[0] == (17 * k + 63) // 64:
-        return "q8"
+    it: ``int8``, ``int4``, ``none``, or (a GGUF file's blocks, told apart by the stored
+    rows of its ``k`` inputs) ``q8``, ``q4k``, ``q8k`` or ``q6``."""
+    if k is not None and k % GROUP == 0:
+        blocks = {"q8": 34, "q4k": 24, "q8k": 40} if packed.dtype == torch.uint8 else {"q6": 40}
+        for name, size in blocks.items():
+            if packed.shape[0] == (k // GROUP * size + 3) // 4:
+                return name
     return {torch.int8: "int8", torch.uint8: "int4"}.get(packed.dtype, "none")

@@ -35,10 +35,11 @@ SERVED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, 
 FLOATS = (Q.F32, Q.F16, Q.BF16)
 # Block formats whose matrices the quantized GEMM multiplies as they are, and the GEMM
 # format each is packed in (linserve/model/kernels/gemm_quant.h's QFormat: 1 int4, 2 q8,
-# 3 q4k, 4 q8k: W = s q + t per 32, nibbles or bytes).
-NATIVE = {Q.Q4_0: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q4_1: 3, Q.Q5_K: 4, Q.Q5_0: 4, Q.Q5_1: 4}
+# 3 q4k, 4 q8k: W = s q + t per 32, nibbles or bytes; 5 q6: W = s q per 16, bytes).
+NATIVE = {Q.Q4_0: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q4_1: 3, Q.Q5_K: 4, Q.Q5_0: 4, Q.Q5_1: 4,
+          Q.Q6_K: 5}
 # Bytes a column's block of 32 takes in each GEMM format (gemm_quant.h's block_bytes).
-PACKED_BYTES = {1: 18, 2: 34, 3: 24, 4: 40}
+PACKED_BYTES = {1: 18, 2: 34, 3: 24, 4: 40, 5: 40}
 # Control tokens that end a generation in llama.cpp (its llama_vocab end-of-generation
 # list), besides tokenizer.ggml.eos_token_id / eot_token_id / eom_token_id.
 END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
@@ -290,8 +291,9 @@ def block_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A :data:`NATIVE` matrix ``[rows, cols]``'s values as the GEMM format takes them: q
     ``[rows, cols]`` int8 and, for Q4_0 and Q8_0, their fp16 scales ``[rows, cols / 32]``
     (W = d q); for the others s and t ``[rows, cols / 32, 2]`` fp32 with W = s q + t per 32
-    (Q4_K, Q4_1: q in [0, 15]; Q5_K, Q5_1: [0, 31]; Q5_0: [−16, 15]), exactly gguf-py's
-    dequantized values (each product s q is exact in fp32)."""
+    (Q4_K, Q4_1: q in [0, 15]; Q5_K, Q5_1: [0, 31]; Q5_0: [−16, 15]), or Q6_K's scales of
+    each half of 32 ``[rows, cols / 32, 2]`` with W = s q (q in [−32, 31]); exactly
+    gguf-py's dequantized values (each product s q is exact in fp32)."""
     if t.qtype == Q.Q4_0:
         return q4_0_values(t)
     if t.qtype == Q.Q8_0:
@@ -333,6 +335,18 @@ def _q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q.astype(np.int8), d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
 
 
+def _q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K's blocks of 256 -> q [n, 256] int8 in [−32, 31] and the scales of the first
+    and second 16 of each 32, [n, 8] fp32 each (d × the int8 scale of each 16)."""
+    n = len(b)
+    low = _nibbles(b[:, :128], 128)
+    high = (b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)
+            .reshape(1, 1, 4, 1)) & 3
+    q = (low | (high.reshape(n, -1) << 4)).astype(np.int8) - np.int8(32)
+    s = _fp16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
+    return q, s[:, 0::2], s[:, 1::2]
+
+
 def _q_legacy(b: np.ndarray, with_min: bool, five: bool
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_1 / Q5_0 / Q5_1's blocks of 32 -> q [n, 32] int8, s and t [n, 1] fp32."""
@@ -348,7 +362,7 @@ def _q_legacy(b: np.ndarray, with_min: bool, five: bool
     return q.astype(np.int8), d, t
 
 
-_K_UNPACK = {Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
+_K_UNPACK = {Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
              Q.Q4_1: lambda b: _q_legacy(b, True, False),
              Q.Q5_0: lambda b: _q_legacy(b, False, True),
              Q.Q5_1: lambda b: _q_legacy(b, True, True)}

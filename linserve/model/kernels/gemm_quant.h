@@ -63,7 +63,7 @@ constexpr int64_t kRowsQuant = 6;  // rows of a many-row tile (a span's group)
 constexpr int64_t kWideRows = 16;
 
 // Bytes of one block's record of `rows` rows (pack_group).
-constexpr int64_t record_bytes(int64_t rows) { return rows * (kBlock + 8); }
+constexpr int64_t record_bytes(int64_t rows) { return rows * (kBlock + 12); }
 
 typedef uint32_t vu32_ua __attribute__((vector_size(kLanes * 4), aligned(1), __may_alias__));
 typedef int32_t vi32 __attribute__((vector_size(kLanes * 4)));
@@ -74,22 +74,40 @@ typedef int32_t vi32 __attribute__((vector_size(kLanes * 4)));
 // kMin<F>: the K formats, W = s q + t per block and column (fp32 s and t, values q as
 // they are stored: nibbles 0..15 or bytes q + 128), which hold llama.cpp's Q4_K, Q5_K,
 // Q4_1, Q5_0 and Q5_1 exactly.
-enum QFormat : int { kQInt8 = 0, kQInt4 = 1, kQ8 = 2, kQ4K = 3, kQ8K = 4 };
+// kQ6: bytes q + 128 with an fp32 scale for each half of a block (16 inputs), which holds
+// llama.cpp's Q6_K exactly; its dots are taken a half at a time (kHalves).
+enum QFormat : int { kQInt8 = 0, kQInt4 = 1, kQ8 = 2, kQ4K = 3, kQ8K = 4, kQ6 = 5 };
 template <int F> constexpr bool kNib = F == kQInt4 || F == kQ4K;
 template <int F> constexpr bool kScaled = F != kQInt8;
 template <int F> constexpr bool kMin = F == kQ4K || F == kQ8K;
+template <int F> constexpr int64_t kHalves = F == kQ6 ? 2 : 1;
+// Formats with two fp32 numbers a block and column after the stored rows (s and t, or
+// kQ6's two scales); they run on the VNNI tiles wherever AMX is (not measured on AMX).
+template <int F> constexpr bool kTwoF32 = kMin<F> || F == kQ6;
 
 // Bytes of one column's block in the block-scaled formats: its stored rows, then its fp16
 // scale (int4, q8) or its fp32 s and t (the K formats).
 constexpr int64_t block_bytes(int format) {
-  return format == kQInt4 ? 18 : format == kQ8 ? 34 : format == kQ4K ? 24 : 40;
+  return format == kQInt4 ? 18 : format == kQ8 ? 34 : format == kQ4K ? 24 : 40;  // q8k, q6: 40
 }
+
+// Stored rows of a block, and those of each half.
+template <int F> constexpr int64_t kSteps = kNib<F> ? kBlock / 8 : kBlock / 4;
+template <int F> constexpr int64_t kHalfSteps = kSteps<F> / kHalves<F>;
 
 // A dot product's starting value: the offset's correction d0 = -o Σ x_q (so the dot is of
 // q = stored - o), except Q4K's nibbles, which are q as they are (the correction then
 // gives Σ x_q for the t term: min_sum).
 template <int F>
 constexpr int32_t dot_start(int32_t d0) { return F == kQ4K ? 0 : d0; }
+
+// Half g's starting value: kQ6's halves take the correction of their own 16 inputs (d0_lo
+// = -128 Σ of the first 16 x_q), every other format the block's (one half).
+template <int F>
+constexpr int32_t half_start(int32_t d0, int32_t d0_lo, int64_t g) {
+  if constexpr (kHalves<F> == 2) return g == 0 ? d0_lo : d0 - d0_lo;
+  return dot_start<F>(d0);
+}
 
 // Σ x_q of a row's block from its correction d0 = -o Σ x_q (o = 8 or 128: exact).
 template <int F>
@@ -120,7 +138,7 @@ inline QCol column(const QuantWeights& w, int64_t c) {
   }
   const int64_t bb = block_bytes(w.format);
   const uint8_t* panel = w.base + p0 * (w.k32 / kBlock) * bb;
-  if (w.format == kQ4K || w.format == kQ8K)
+  if (w.format == kQ4K || w.format == kQ8K || w.format == kQ6)
     return {panel + (c - p0) * 4, width * 4, bb * width, panel + (bb - 8) * width + (c - p0) * 4,
             4 * width};
   return {panel + (c - p0) * 4, width * 4, bb * width, panel + (bb - 2) * width + (c - p0) * 2};
@@ -148,11 +166,13 @@ struct QuantActs {
   std::vector<int8_t> q;       // [B, K32]
   std::vector<float> scale;    // [B, blocks]: s_b
   std::vector<int32_t> bias;   // [B, blocks]: -o Σ_b x_q
+  std::vector<int32_t> bias_lo;  // [B, blocks]: -o Σ x_q over the block's first 16 inputs
   int64_t group = kRowsQuant;   // rows a span (and a packed record) holds
   std::vector<uint8_t> packed;  // VNNI builds: [B / group, blocks, record] (pack_group)
   const int8_t* block(int64_t r, int64_t b) const { return q.data() + r * k32 + b * kBlock; }
   float s(int64_t r, int64_t b) const { return scale[r * blocks + b]; }
   int32_t d0(int64_t r, int64_t b) const { return bias[r * blocks + b]; }
+  int32_t d0_lo(int64_t r, int64_t b) const { return bias_lo[r * blocks + b]; }
   // The records of the group of rows from r0 (a multiple of group).
   const uint8_t* records(int64_t r0) const {
     return packed.data() + r0 / group * blocks * record_bytes(group);
@@ -161,22 +181,26 @@ struct QuantActs {
 
 // The many-row tiles' layout of `rows` rows from r0 (tile_vnni_rows): per block, a record
 // of their quantized inputs [rows][32] int8, their scales s_b [rows] fp32, then their
-// offset sums [rows] int32, so one pointer serves every row at constant offsets.
+// offset sums [rows] int32 and those of the first 16 inputs [rows] int32, so one pointer
+// serves every row at constant offsets.
 inline void pack_group(const QuantActs& a, int64_t r0, int64_t rows, uint8_t* out) {
   for (int64_t b = 0; b < a.blocks; ++b) {
     uint8_t* rec = out + b * record_bytes(rows);
     for (int64_t r = 0; r < rows; ++r) {
       const float sx = a.s(r0 + r, b);
-      const int32_t d0 = a.d0(r0 + r, b);
+      const int32_t d0 = a.d0(r0 + r, b), d0_lo = a.d0_lo(r0 + r, b);
       std::memcpy(rec + r * kBlock, a.block(r0 + r, b), kBlock);
       std::memcpy(rec + rows * kBlock + 4 * r, &sx, sizeof(sx));
       std::memcpy(rec + rows * (kBlock + 4) + 4 * r, &d0, sizeof(d0));
+      std::memcpy(rec + rows * (kBlock + 8) + 4 * r, &d0_lo, sizeof(d0_lo));
     }
   }
 }
 
-// One block of kBlock inputs (zeros past n) -> q, returns its scale; *sum = the q's sum.
-inline float quantize_block(const float* x, int64_t n, int8_t* q, int32_t* sum) {
+// One block of kBlock inputs (zeros past n) -> q, returns its scale; *sum = the q's sum,
+// *sum_lo = that of the first 16.
+inline float quantize_block(const float* x, int64_t n, int8_t* q, int32_t* sum,
+                            int32_t* sum_lo) {
   float buf[kBlock] = {};
   std::memcpy(buf, x, n * sizeof(float));
   v16 top = {};
@@ -188,7 +212,7 @@ inline float quantize_block(const float* x, int64_t n, int8_t* q, int32_t* sum) 
   float amax = 0.f;
   for (int64_t i = 0; i < 16; ++i) amax = std::max(amax, top[i]);
   const float s = amax / 127.f;
-  int32_t total = 0;
+  int32_t total = 0, first = 0;
   if (s > 0.f) {
     typedef int32_t v16i __attribute__((vector_size(64)));
     typedef int8_t v16c __attribute__((vector_size(16)));
@@ -202,11 +226,14 @@ inline float quantize_block(const float* x, int64_t n, int8_t* q, int32_t* sum) 
       const v16i qi = __builtin_convertvector(v, v16i);
       const v16c qc = __builtin_convertvector(qi, v16c);
       std::memcpy(q + i, &qc, sizeof(qc));
+      if (i == 0)
+        for (int64_t l = 0; l < 16; ++l) first += qi[l];
       acc += qi;
     }
     for (int64_t i = 0; i < 16; ++i) total += acc[i];
   }
   *sum = total;
+  *sum_lo = first;
   return s;
 }
 
@@ -234,6 +261,7 @@ inline QuantActs quantize_acts(const float* x, int64_t rows, int64_t k_len, int3
   a.q.assign(padded * a.k32, 0);
   a.scale.assign(padded * a.blocks, 0.f);
   a.bias.assign(padded * a.blocks, 0);
+  a.bias_lo.assign(padded * a.blocks, 0);
   // Rows on the threads when there are many (a prefill chunk's 512 rows took 4% of an int4
   // prefill on one thread while the other waited); each row's bits are its own.
   const int64_t grain = std::max<int64_t>(1, kQuantizeRowsPerTask / a.k32);
@@ -241,10 +269,11 @@ inline QuantActs quantize_acts(const float* x, int64_t rows, int64_t k_len, int3
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t b = 0; b < a.blocks; ++b) {
         const int64_t k0 = b * kBlock, n = std::min(kBlock, k_len - k0);
-        int32_t sum = 0;
+        int32_t sum = 0, sum_lo = 0;
         a.scale[r * a.blocks + b] =
-            quantize_block(x + r * k_len + k0, n, a.q.data() + r * a.k32 + k0, &sum);
+            quantize_block(x + r * k_len + k0, n, a.q.data() + r * a.k32 + k0, &sum, &sum_lo);
         a.bias[r * a.blocks + b] = -offset * sum;
+        a.bias_lo[r * a.blocks + b] = -offset * sum_lo;
       }
     }
   });
@@ -257,9 +286,10 @@ inline QuantActs quantize_acts(const float* x, int64_t rows, int64_t k_len, int3
 
 // kLanes scales of a column vector: int8's fp32 ones, or int4's of block b widened.
 template <int F>
-inline vfloat load_scales(const QCol& col, int64_t b) {
+inline vfloat load_scales(const QCol& col, int64_t b, int64_t g = 0) {
   if (!kScaled<F>) return load_w(static_cast<const float*>(col.s));
   if (kMin<F>) return load_w(k_scales(col, b));
+  if (F == kQ6) return load_w(g == 0 ? k_scales(col, b) : k_mins(col, b));
   const uint16_t* s = group_scales(col, b);
   vfloat out;
   for (int64_t i = 0; i < kLanes; ++i) out[i] = half_to_float(s[i]);
@@ -290,7 +320,7 @@ constexpr bool kAvx2Dot = true;
 
 template <int F, int64_t ROWS, int64_t NV>
 inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int64_t b,
-                           vi32 (*dot)[NV]) {
+                           vi32 (*dot)[NV], int64_t t0 = 0, int64_t t1 = kBlock / 4) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int32_t* xq[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) xq[r] = reinterpret_cast<const int32_t*>(a.block(r0 + r, b));
@@ -316,7 +346,7 @@ inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int6
     return;
   }
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int64_t t = 0; t < kBlock / 4; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {  // (stored rows t0 .. t1 - 1: kQ6's half)
     __m256i xb[ROWS], ax[ROWS];
     for (int64_t r = 0; r < ROWS; ++r) {
       xb[r] = _mm256_set1_epi32(xq[r][t]);
@@ -337,7 +367,8 @@ inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int6
 constexpr bool kAvx2Dot = false;
 
 template <int F, int64_t ROWS, int64_t NV>  // never called: tile_q's generic loop runs
-inline void block_dot_avx2(const QuantActs&, int64_t, const QCol*, int64_t, vi32 (*)[NV]) {}
+inline void block_dot_avx2(const QuantActs&, int64_t, const QCol*, int64_t, vi32 (*)[NV],
+                           int64_t = 0, int64_t = 0) {}
 #endif
 
 // ---- Prefetching the weights a tile reads ------------------------------------------------
@@ -375,10 +406,9 @@ inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
 // each stored row's 4 bytes a column, and int4's fp16 scales.
 template <int F>
 inline void prefetch_tile(const QCol& col, int64_t columns, int64_t b) {
-  constexpr int64_t kStored = kNib<F> ? kBlock / 8 : kBlock / 4;
-  for (int64_t t = 0; t < kStored; ++t)
+  for (int64_t t = 0; t < kSteps<F>; ++t)
     prefetch_bytes(col.q + b * col.block + t * col.ld, 4 * columns);
-  if constexpr (kMin<F>) {
+  if constexpr (kTwoF32<F>) {
     prefetch_bytes(reinterpret_cast<const uint8_t*>(k_scales(col, b)), 4 * columns);
     prefetch_bytes(reinterpret_cast<const uint8_t*>(k_mins(col, b)), 4 * columns);
   } else if constexpr (kScaled<F>) {
@@ -389,79 +419,94 @@ inline void prefetch_tile(const QCol& col, int64_t columns, int64_t b) {
 // ---- The generic path (any -march): ROWS rows x NV vectors of kLanes columns from c -------
 template <int F, int64_t ROWS, int64_t NV>
 inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int64_t c) {
-  constexpr int64_t kSteps = kNib<F> ? kBlock / 8 : kBlock / 4;  // stored rows a block
   QCol col[NV];
   for (int64_t j = 0; j < NV; ++j) col[j] = column(w, c + j * kLanes);
   vfloat acc[ROWS][NV] = {};
   for (int64_t b = 0; b < a.blocks; ++b) {
     prefetch_tile<F>(col[0], kLanes * NV, b + kTilePrefetch);
-    vi32 dot[ROWS][NV];
-    for (int64_t r = 0; r < ROWS; ++r)
-      for (int64_t j = 0; j < NV; ++j)
-        dot[r][j] = vi32{} + (kAvx2Dot && !kNib<F> ? 0 : dot_start<F>(a.d0(s.r0 + r, b)));
-    if constexpr (kAvx2Dot) block_dot_avx2<F, ROWS, NV>(a, s.r0, col, b, dot);
-    for (int64_t t = 0; t < (kAvx2Dot ? 0 : kSteps); ++t) {
-      vu32 v[NV];
-      for (int64_t j = 0; j < NV; ++j)
-        v[j] = *reinterpret_cast<const vu32_ua*>(col[j].q + b * col[j].block + t * col[j].ld);
-      for (int64_t i = 0; i < 4; ++i) {
-        for (int64_t r = 0; r < ROWS; ++r) {
-          const int8_t* xq = a.block(s.r0 + r, b);
-          for (int64_t j = 0; j < NV; ++j) {
-            if (kNib<F>) {
-              dot[r][j] += (vi32)((v[j] >> (8 * i)) & 15u) * xq[8 * t + i];
-              dot[r][j] += (vi32)((v[j] >> (8 * i + 4)) & 15u) * xq[8 * t + 4 + i];
-            } else {
-              dot[r][j] += (vi32)((v[j] >> (8 * i)) & 255u) * xq[4 * t + i];
+    for (int64_t g = 0; g < kHalves<F>; ++g) {  // the block, or kQ6's two halves in turn
+      const int64_t t0 = g * kHalfSteps<F>, t1 = t0 + kHalfSteps<F>;
+      vi32 dot[ROWS][NV];
+      for (int64_t r = 0; r < ROWS; ++r)
+        for (int64_t j = 0; j < NV; ++j)
+          dot[r][j] = vi32{} + (kAvx2Dot && !kNib<F> ? 0 : half_start<F>(
+              a.d0(s.r0 + r, b), a.d0_lo(s.r0 + r, b), g));
+      if constexpr (kAvx2Dot) block_dot_avx2<F, ROWS, NV>(a, s.r0, col, b, dot, t0, t1);
+      for (int64_t t = t0; t < (kAvx2Dot ? t0 : t1); ++t) {
+        vu32 v[NV];
+        for (int64_t j = 0; j < NV; ++j)
+          v[j] = *reinterpret_cast<const vu32_ua*>(col[j].q + b * col[j].block + t * col[j].ld);
+        for (int64_t i = 0; i < 4; ++i) {
+          for (int64_t r = 0; r < ROWS; ++r) {
+            const int8_t* xq = a.block(s.r0 + r, b);
+            for (int64_t j = 0; j < NV; ++j) {
+              if (kNib<F>) {
+                dot[r][j] += (vi32)((v[j] >> (8 * i)) & 15u) * xq[8 * t + i];
+                dot[r][j] += (vi32)((v[j] >> (8 * i + 4)) & 15u) * xq[8 * t + 4 + i];
+              } else {
+                dot[r][j] += (vi32)((v[j] >> (8 * i)) & 255u) * xq[4 * t + i];
+              }
             }
           }
         }
       }
-    }
-    for (int64_t j = 0; j < NV; ++j) {
-      const vfloat sc = kScaled<F> ? load_scales<F>(col[j], b) : vfloat{} + 1.f;
-      const vfloat tv = kMin<F> ? load_w(k_mins(col[j], b)) : vfloat{};
-      for (int64_t r = 0; r < ROWS; ++r) {
-        const vfloat d = __builtin_convertvector(dot[r][j], vfloat);
-        const float sx = a.s(s.r0 + r, b);
-        acc[r][j] = kScaled<F> ? acc[r][j] + d * (sc * sx) : acc[r][j] + d * sx;
-        if constexpr (kMin<F>) acc[r][j] = acc[r][j] + tv * (sx * min_sum<F>(a.d0(s.r0 + r, b)));
+      for (int64_t j = 0; j < NV; ++j) {
+        const vfloat sc = kScaled<F> ? load_scales<F>(col[j], b, g) : vfloat{} + 1.f;
+        const vfloat tv = kMin<F> ? load_w(k_mins(col[j], b)) : vfloat{};
+        for (int64_t r = 0; r < ROWS; ++r) {
+          const vfloat d = __builtin_convertvector(dot[r][j], vfloat);
+          const float sx = a.s(s.r0 + r, b);
+          acc[r][j] = kScaled<F> ? acc[r][j] + d * (sc * sx) : acc[r][j] + d * sx;
+          if constexpr (kMin<F>)
+            acc[r][j] = acc[r][j] + tv * (sx * min_sum<F>(a.d0(s.r0 + r, b)));
+        }
       }
     }
   }
   for (int64_t j = 0; j < NV; ++j) {
     const vfloat sw = kScaled<F> ? vfloat{} + 1.f : load_scales<kQInt8>(col[j], 0);
     for (int64_t r = 0; r < ROWS; ++r)
-      store_out(s.y + r * s.n + c + j * kLanes, kScaled<F> ? acc[r][j] : acc[r][j] * sw, s.accumulate);
+      store_out(s.y + r * s.n + c + j * kLanes, kScaled<F> ? acc[r][j] : acc[r][j] * sw,
+                s.accumulate);
   }
+}
+
+// A block's (or half g's) weight scale of one column, as the tiles widen it.
+template <int F>
+inline float column_scale(const QCol& col, int64_t b, int64_t g) {
+  if constexpr (kMin<F>) return *k_scales(col, b);
+  if constexpr (F == kQ6) return *(g == 0 ? k_scales(col, b) : k_mins(col, b));
+  return half_to_float(*group_scales(col, b));
 }
 
 // The last N % kLanes columns, one element at a time, with the same arithmetic.
 template <int F>
 inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantWeights& w,
                                  int64_t rows, int64_t c) {
-  constexpr int64_t kSteps = kNib<F> ? kBlock / 8 : kBlock / 4;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t cc = 0; cc < s.c1 - c; ++cc) {
       const QCol col = column(w, c + cc);
       float f = 0.f;
       for (int64_t b = 0; b < a.blocks; ++b) {
         const int8_t* xq = a.block(s.r0 + r, b);
-        int32_t d = dot_start<F>(a.d0(s.r0 + r, b));
-        for (int64_t t = 0; t < kSteps; ++t) {
-          const uint8_t* lane = col.q + b * col.block + t * col.ld;
-          for (int64_t i = 0; i < 4; ++i) {
-            if (kNib<F>) {
-              d += (lane[i] & 15) * xq[8 * t + i] + (lane[i] >> 4) * xq[8 * t + 4 + i];
-            } else {
-              d += lane[i] * xq[4 * t + i];
+        const float sx = a.s(s.r0 + r, b);
+        for (int64_t g = 0; g < kHalves<F>; ++g) {
+          int32_t d = half_start<F>(a.d0(s.r0 + r, b), a.d0_lo(s.r0 + r, b), g);
+          for (int64_t t = g * kHalfSteps<F>; t < (g + 1) * kHalfSteps<F>; ++t) {
+            const uint8_t* lane = col.q + b * col.block + t * col.ld;
+            for (int64_t i = 0; i < 4; ++i) {
+              if (kNib<F>) {
+                d += (lane[i] & 15) * xq[8 * t + i] + (lane[i] >> 4) * xq[8 * t + 4 + i];
+              } else {
+                d += lane[i] * xq[4 * t + i];
+              }
             }
           }
+          f = kScaled<F> ? f + static_cast<float>(d) * (column_scale<F>(col, b, g) * sx)
+                         : f + static_cast<float>(d) * sx;
+          if constexpr (kMin<F>)
+            f = f + *k_mins(col, b) * (sx * min_sum<F>(a.d0(s.r0 + r, b)));
         }
-        const float sx = a.s(s.r0 + r, b);
-        const float sw = kMin<F> ? *k_scales(col, b) : half_to_float(*group_scales(col, b));
-        f = kScaled<F> ? f + static_cast<float>(d) * (sw * sx) : f + static_cast<float>(d) * sx;
-        if constexpr (kMin<F>) f = f + *k_mins(col, b) * (sx * min_sum<F>(a.d0(s.r0 + r, b)));
       }
       const volatile float out = kScaled<F> ? f : f * *static_cast<const float*>(col.s);
       float* y = s.y + r * s.n + c + cc;
@@ -515,8 +560,11 @@ inline __m512 block_step(__m512 acc, __m512i dot, __m512 sc, float sx, __m512 tv
 // The block-scaled formats' weight scales of block b for 16 columns from col's column +
 // `from` (masked by m); 1 for int8.
 template <int F>
-inline __m512 block_scales(const QCol& col, int64_t b, __mmask16 m, int64_t from = 0) {
+inline __m512 block_scales(const QCol& col, int64_t b, __mmask16 m, int64_t from = 0,
+                           int64_t g = 0) {
   if constexpr (kMin<F>) return _mm512_maskz_loadu_ps(m, k_scales(col, b) + from);
+  if constexpr (F == kQ6)
+    return _mm512_maskz_loadu_ps(m, (g == 0 ? k_scales(col, b) : k_mins(col, b)) + from);
   if constexpr (kScaled<F>)
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, group_scales(col, b) + from));
   return _mm512_set1_ps(1.f);
@@ -553,7 +601,6 @@ inline void store_tile(const __m512 (&acc)[ROWS][NV], const ColScales& col_s, fl
 template <int F, int64_t NV>
 inline void tile_vnni_row(const QuantActs& a, const Span& s, const QuantWeights& w, int64_t c,
                           __mmask16 m) {
-  constexpr int64_t kSteps = kNib<F> ? kBlock / 8 : kBlock / 4;
   QCol col[NV];
   for (int64_t j = 0; j < NV; ++j) col[j] = column(w, c + 16 * j);
   const __m512i low = _mm512_set1_epi8(15);
@@ -561,27 +608,31 @@ inline void tile_vnni_row(const QuantActs& a, const Span& s, const QuantWeights&
   for (auto& v : acc[0]) v = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
     if constexpr (NV >= 4) prefetch_block(col, NV, b + kQuantPrefetch);
-    __m512i dot[NV];
     const int32_t* xq = reinterpret_cast<const int32_t*>(a.block(s.r0, b));
-    for (int64_t j = 0; j < NV; ++j) dot[j] = _mm512_set1_epi32(dot_start<F>(a.d0(s.r0, b)));
-    for (int64_t t = 0; t < kSteps; ++t) {
-      for (int64_t j = 0; j < NV; ++j) {
-        const uint8_t* p = col[j].q + b * col[j].block + t * col[j].ld;
-        const __m512i v = NV > 1 || m == 0xFFFF ? _mm512_loadu_si512(p)
-                                                 : _mm512_maskz_loadu_epi32(m, p);
-        if (kNib<F>) {
-          const __m512i lo = _mm512_and_si512(v, low);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          dot[j] = _mm512_dpbusd_epi32(dot[j], lo, _mm512_set1_epi32(xq[2 * t]));
-          dot[j] = _mm512_dpbusd_epi32(dot[j], hi, _mm512_set1_epi32(xq[2 * t + 1]));
-        } else {
-          dot[j] = _mm512_dpbusd_epi32(dot[j], v, _mm512_set1_epi32(xq[t]));
+    const int32_t d0 = a.d0(s.r0, b);
+    for (int64_t g = 0; g < kHalves<F>; ++g) {  // the block, or kQ6's two halves in turn
+      __m512i dot[NV];
+      for (int64_t j = 0; j < NV; ++j)
+        dot[j] = _mm512_set1_epi32(half_start<F>(d0, a.d0_lo(s.r0, b), g));
+      for (int64_t t = g * kHalfSteps<F>; t < (g + 1) * kHalfSteps<F>; ++t) {
+        for (int64_t j = 0; j < NV; ++j) {
+          const uint8_t* p = col[j].q + b * col[j].block + t * col[j].ld;
+          const __m512i v = NV > 1 || m == 0xFFFF ? _mm512_loadu_si512(p)
+                                                   : _mm512_maskz_loadu_epi32(m, p);
+          if (kNib<F>) {
+            const __m512i lo = _mm512_and_si512(v, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            dot[j] = _mm512_dpbusd_epi32(dot[j], lo, _mm512_set1_epi32(xq[2 * t]));
+            dot[j] = _mm512_dpbusd_epi32(dot[j], hi, _mm512_set1_epi32(xq[2 * t + 1]));
+          } else {
+            dot[j] = _mm512_dpbusd_epi32(dot[j], v, _mm512_set1_epi32(xq[t]));
+          }
         }
       }
+      for (int64_t j = 0; j < NV; ++j)
+        acc[0][j] = block_step<F>(acc[0][j], dot[j], block_scales<F>(col[j], b, m, 0, g),
+                                  a.s(s.r0, b), block_mins<F>(col[j], b, m), d0);
     }
-    for (int64_t j = 0; j < NV; ++j)
-      acc[0][j] = block_step<F>(acc[0][j], dot[j], block_scales<F>(col[j], b, m),
-                                a.s(s.r0, b), block_mins<F>(col[j], b, m), a.d0(s.r0, b));
   }
   store_tile<F, 1, NV>(acc, [&](int64_t j) { return static_cast<const float*>(col[j].s); },
                           s.y + c, 0, s.accumulate, m);
@@ -618,7 +669,6 @@ inline void unrolled(F&& f) { unrolled(f, std::make_index_sequence<N>{}); }
 template <int F, int64_t ROWS, int64_t NV>
 inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, float* y,
                            int64_t ldy, bool accumulate, __mmask16 m, bool prefetch) {
-  constexpr int64_t kSteps = kNib<F> ? kBlock / 8 : kBlock / 4;
   const __m512i low = _mm512_set1_epi8(15);
   __m512 acc[ROWS][NV];
   for (auto& row : acc) for (auto& v : row) v = _mm512_setzero_ps();
@@ -628,30 +678,35 @@ inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, 
     const int32_t* xq = reinterpret_cast<const int32_t*>(rec);  // [ROWS][8] of 4 inputs
     const float* sx = reinterpret_cast<const float*>(rec + ROWS * kBlock);
     const int32_t* d0 = reinterpret_cast<const int32_t*>(rec + ROWS * (kBlock + 4));
+    const int32_t* d0_lo = reinterpret_cast<const int32_t*>(rec + ROWS * (kBlock + 8));
 #pragma GCC unroll 2
     for (int64_t j = 0; j < NV; ++j) {  // a vector at a time: ROWS dots live, not ROWS x NV
-      __m512i dot[ROWS];
-      for (int64_t r = 0; r < ROWS; ++r) dot[r] = _mm512_set1_epi32(dot_start<F>(d0[r]));
-      unrolled<kSteps>([&](auto t) {
-        const uint8_t* p = q + t * col.ld + 64 * j;  // a tile's vectors share one panel
-        const __m512i v = NV > 1 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(m, p);
-        if constexpr (kNib<F>) {
-          const __m512i lo = _mm512_and_si512(v, low);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          unrolled<ROWS>([&](auto r) {
-            dot[r] = _mm512_dpbusd_epi32(dot[r], lo, broadcast_at<8 * r + 2 * t>(xq));
-            dot[r] = _mm512_dpbusd_epi32(dot[r], hi, broadcast_at<8 * r + 2 * t + 1>(xq));
-          });
-        } else {
-          unrolled<ROWS>([&](auto r) {
-            dot[r] = _mm512_dpbusd_epi32(dot[r], v, broadcast_at<8 * r + t>(xq));
-          });
-        }
+      unrolled<kHalves<F>>([&](auto g) {  // the block, or kQ6's two halves in turn
+        __m512i dot[ROWS];
+        for (int64_t r = 0; r < ROWS; ++r)
+          dot[r] = _mm512_set1_epi32(half_start<F>(d0[r], d0_lo[r], g));
+        unrolled<kHalfSteps<F>>([&](auto tt) {
+          constexpr int64_t t = g * kHalfSteps<F> + tt;
+          const uint8_t* p = q + t * col.ld + 64 * j;  // a tile's vectors share one panel
+          const __m512i v = NV > 1 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(m, p);
+          if constexpr (kNib<F>) {
+            const __m512i lo = _mm512_and_si512(v, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            unrolled<ROWS>([&](auto r) {
+              dot[r] = _mm512_dpbusd_epi32(dot[r], lo, broadcast_at<8 * r + 2 * t>(xq));
+              dot[r] = _mm512_dpbusd_epi32(dot[r], hi, broadcast_at<8 * r + 2 * t + 1>(xq));
+            });
+          } else {
+            unrolled<ROWS>([&](auto r) {
+              dot[r] = _mm512_dpbusd_epi32(dot[r], v, broadcast_at<8 * r + t>(xq));
+            });
+          }
+        });
+        const __m512 sc = block_scales<F>(col, b, m, 16 * j, g);
+        const __m512 tv = block_mins<F>(col, b, m, 16 * j);
+        for (int64_t r = 0; r < ROWS; ++r)
+          acc[r][j] = block_step<F>(acc[r][j], dot[r], sc, sx[r], tv, d0[r]);
       });
-      const __m512 sc = block_scales<F>(col, b, m, 16 * j);
-      const __m512 tv = block_mins<F>(col, b, m, 16 * j);
-      for (int64_t r = 0; r < ROWS; ++r)
-        acc[r][j] = block_step<F>(acc[r][j], dot[r], sc, sx[r], tv, d0[r]);
     }
   }
   store_tile<F, ROWS, NV>(
@@ -668,7 +723,6 @@ constexpr int64_t kOnePassRows = 10;
 template <int F, int64_t ROWS>
 inline void tile_vnni_wide(const uint8_t* rec, int64_t blocks, const QCol& col, float* y,
                            int64_t ldy, bool accumulate, __mmask16 m, bool prefetch) {
-  constexpr int64_t kSteps = kNib<F> ? kBlock / 8 : kBlock / 4;
   constexpr int64_t kHalf = ROWS > kOnePassRows ? (ROWS + 1) / 2 : ROWS;
   const __m512i low = _mm512_set1_epi8(15);
   __m512 acc[ROWS][1];
@@ -679,13 +733,18 @@ inline void tile_vnni_wide(const uint8_t* rec, int64_t blocks, const QCol& col, 
     const int32_t* xq = reinterpret_cast<const int32_t*>(rec);  // [ROWS][8] of 4 inputs
     const float* sx = reinterpret_cast<const float*>(rec + ROWS * kBlock);
     const int32_t* d0 = reinterpret_cast<const int32_t*>(rec + ROWS * (kBlock + 4));
-    const __m512 sc = block_scales<F>(col, b, m);
+    const int32_t* d0_lo = reinterpret_cast<const int32_t*>(rec + ROWS * (kBlock + 8));
     const __m512 tv = block_mins<F>(col, b, m);
-    unrolled<(ROWS > kOnePassRows ? 2 : 1)>([&](auto h) {
+    unrolled<(ROWS > kOnePassRows ? 2 : 1) * kHalves<F>>([&](auto hg) {
+      // rows' half h (past kOnePassRows), and the block or kQ6's half g of it, in turn
+      constexpr int64_t h = hg / kHalves<F>, g = hg % kHalves<F>;
       constexpr int64_t r0 = h * kHalf, rows = h == 0 ? kHalf : ROWS - kHalf;
+      const __m512 sc = block_scales<F>(col, b, m, 0, g);
       __m512i dot[rows];
-      for (int64_t r = 0; r < rows; ++r) dot[r] = _mm512_set1_epi32(dot_start<F>(d0[r0 + r]));
-      unrolled<kSteps>([&](auto t) {
+      for (int64_t r = 0; r < rows; ++r)
+        dot[r] = _mm512_set1_epi32(half_start<F>(d0[r0 + r], d0_lo[r0 + r], g));
+      unrolled<kHalfSteps<F>>([&](auto tt) {
+        constexpr int64_t t = g * kHalfSteps<F> + tt;
         const __m512i v = _mm512_maskz_loadu_epi32(m, q + t * col.ld);
         if constexpr (kNib<F>) {
           const __m512i lo = _mm512_and_si512(v, low);
@@ -785,7 +844,7 @@ template <int F>
 inline void quant_rows(const QuantActs& a, const float* x, const QuantWeights& w, float* y,
                        int64_t rows, int64_t k_len, bool accumulate) {
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  if constexpr (!kMin<F>)  // the K formats run on the VNNI tiles (untested on AMX)
+  if constexpr (!kTwoF32<F>)  // these run on the VNNI tiles (not measured on AMX)
     if (rows >= kAmxQuantMinRows && amx_active())
       return quant_rows_amx<F>(a, x, w, y, rows, k_len, accumulate);
 #endif
@@ -806,11 +865,15 @@ inline int64_t quant_rows_of(int64_t k_len, int format) {
   return (k32 / kBlock * block_bytes(format) + 3) / 4;
 }
 
-// Which format a stored weight of K inputs is in (pack_quantized): int8 is a kChar tensor;
-// the two block-scaled formats are kByte, told apart by their stored rows. -1: neither.
+// Which format a stored weight of K inputs is in (pack_quantized), told apart by dtype and
+// stored rows: int8 and q6 are kChar tensors, the other block-scaled formats kByte (q8k and
+// q6 take the same bytes a block). -1: none.
 inline int quant_format(const at::Tensor& w, int64_t k_len) {
   if (w.dim() != 3 || w.size(2) != 4) return -1;
-  if (w.scalar_type() == at::kChar) return w.size(0) == quant_rows_of(k_len, kQInt8) ? kQInt8 : -1;
+  if (w.scalar_type() == at::kChar) {
+    if (w.size(0) == quant_rows_of(k_len, kQInt8)) return kQInt8;
+    return k_len % kBlock == 0 && w.size(0) == quant_rows_of(k_len, kQ6) ? kQ6 : -1;
+  }
   if (w.scalar_type() != at::kByte || k_len % kBlock != 0) return -1;
   for (const int f : {kQInt4, kQ8, kQ4K, kQ8K})
     if (w.size(0) == quant_rows_of(k_len, f)) return f;
@@ -833,6 +896,7 @@ inline void quant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y, bo
     case kQ8: return quant_rows<kQ8>(acts, x, qw, out, rows, k_len, accumulate);
     case kQ4K: return quant_rows<kQ4K>(acts, x, qw, out, rows, k_len, accumulate);
     case kQ8K: return quant_rows<kQ8K>(acts, x, qw, out, rows, k_len, accumulate);
+    case kQ6: return quant_rows<kQ6>(acts, x, qw, out, rows, k_len, accumulate);
     default: return quant_rows<kQInt8>(acts, x, qw, out, rows, k_len, accumulate);
   }
 }
@@ -862,13 +926,14 @@ inline at::Tensor interleave_blocks(const at::Tensor& lanes, const at::Tensor& p
 // q [K, N] int8 and its scales -> the stored format (QFormat): int8 (q in [-127, 127], fp32
 // scales [N]), int4 (q in [-8, 7], fp16 scales [K / 32, N]), q8 (q in [-127, 127], fp16
 // scales [K / 32, N]: llama.cpp's Q8_0 blocks, values as they are), or the K formats, W = s q
-// + t with fp32 s and t stacked [2, K / 32, N]: q4k (q in [0, 15]), q8k (q in [-128, 127]).
+// + t with fp32 s and t stacked [2, K / 32, N]: q4k (q in [0, 15]), q8k (q in [-128, 127]);
+// or q6 (q in [-128, 127], W = s_h q with fp32 s_h [2, K / 32, N] for each half of 16).
 inline at::Tensor pack_quantized(const at::Tensor& q, const at::Tensor& scales, int64_t format) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_quantized takes q [K, N] int8");
-  TORCH_CHECK(format >= kQInt8 && format <= kQ8K,
-              "pack_quantized: format is 0 (int8), 1 (int4), 2 (q8), 3 (q4k) or 4 (q8k)");
+  TORCH_CHECK(format >= kQInt8 && format <= kQ6,
+              "pack_quantized: format is 0 (int8), 1 (int4), 2 (q8), 3 (q4k), 4 (q8k) or 5 (q6)");
   const int64_t k_len = q.size(0), n = q.size(1);
-  const bool k_format = format == kQ4K || format == kQ8K;
+  const bool k_format = format == kQ4K || format == kQ8K || format == kQ6;
   const bool ok = format == kQInt8 ? scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
                                          scales.size(0) == n
                   : k_format ? scales.scalar_type() == at::kFloat && scales.dim() == 3 &&
@@ -889,7 +954,7 @@ inline at::Tensor pack_quantized(const at::Tensor& q, const at::Tensor& scales, 
     const at::Tensor lanes = v.select(1, 0).bitwise_or(v.select(1, 1).bitwise_left_shift(4));
     body = interleave_blocks(lanes.permute({0, 2, 1}).to(at::kByte).contiguous(),
                              k_format ? scales : scales.unsqueeze(0));
-  } else if (format == kQ8 || format == kQ8K) {
+  } else if (format == kQ8 || format == kQ8K || format == kQ6) {
     const at::Tensor lanes = u.view({k32 / 4, 4, n}).permute({0, 2, 1}).to(at::kByte);
     body = interleave_blocks(lanes.contiguous(), k_format ? scales : scales.unsqueeze(0));
   } else {
@@ -899,7 +964,7 @@ inline at::Tensor pack_quantized(const at::Tensor& q, const at::Tensor& scales, 
   at::Tensor flat = at::zeros({quant_rows_of(k_len, format) * n * 4}, body.options());
   flat.narrow(0, 0, body.numel()).copy_(body);
   flat = flat.view({-1, n, 4});
-  return format == kQInt8 ? flat.view(at::kChar) : flat;
+  return format == kQInt8 || format == kQ6 ? flat.view(at::kChar) : flat;
 }
 
 }  // namespace linserve
