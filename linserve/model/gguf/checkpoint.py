@@ -65,6 +65,8 @@ class GGUFCheckpoint:
         # merge), once accepted
         self._names: dict[str, tuple[str, ...]] = {}
         self._tokenizer: HFTokenizer | None = None
+        # the last tensor read in a NATIVE format, unpacked (read, then native_blocks)
+        self._unpacked: tuple[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def names(self, accept: Callable[[str, tuple[int, ...]], bool]) -> dict[str, str]:
         """Hugging Face name -> GGUF name for every tensor, taking for each the first
@@ -115,8 +117,13 @@ class GGUFCheckpoint:
 
     def read(self, hf_name: str) -> torch.Tensor:
         """The tensor as the Hugging Face checkpoint had it (fp32 where it was quantized)."""
-        parts = [dequantize(self.model.tensors[g])
-                 for g in self._names.get(hf_name, (hf_name,))]
+        names = self._names.get(hf_name, (hf_name,))
+        t = self.model.tensors[names[0]]
+        if len(names) == 1 and t.qtype in NATIVE:  # unpacked once, for native_blocks too
+            self._unpacked = (hf_name, block_values(t))
+            values = from_blocks(*self._unpacked[1], NATIVE[t.qtype]).reshape(t.shape)
+            return self.arch.transform(hf_name, values, self.config)
+        parts = [dequantize(self.model.tensors[g]) for g in names]
         return self.arch.transform(hf_name, self._join(hf_name, parts), self.config)
 
     def _join(self, hf_name: str, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -140,7 +147,9 @@ class GGUFCheckpoint:
         probe = torch.empty(t.shape, device="meta")
         if self.arch.transform(hf_name, probe, self.config) is not probe:
             return None
-        q, scales = block_values(t)
+        unpacked = self._unpacked
+        q, scales = unpacked[1] if unpacked and unpacked[0] == hf_name else block_values(t)
+        self._unpacked = None
         if t.qtype == Q.Q8_0 and bool((q == -128).any()):
             return None
         return q, scales, NATIVE[t.qtype]
@@ -242,34 +251,38 @@ class GGUFCheckpoint:
 
 
 def dequantize(t: Tensor) -> torch.Tensor:
-    """A tensor's values as fp32 ``t.shape`` (a float type as stored, widened). Q8_0 and
-    Q4_0 in PyTorch, with gguf-py's arithmetic (fp32 scale × value), several times faster;
-    every other block format by gguf-py's dequantizer."""
+    """A tensor's values as fp32 ``t.shape`` (a float type as stored, widened). The
+    :data:`NATIVE` formats from their unpacked blocks in PyTorch, with gguf-py's arithmetic
+    (fp32 scale × value, + t), many times faster; every other block format by gguf-py's
+    dequantizer."""
     if t.qtype in (Q.F32, Q.F16):
         return torch.from_numpy(np.array(t.raw, dtype=np.float32).reshape(t.shape))
     if t.qtype == Q.BF16:
         raw = np.asarray(t.raw).view(np.int16)
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).float()
-    if t.qtype == Q.Q4_0 and len(t.shape) == 2:
-        q, scales = q4_0_values(t)
-        return _scaled(q, scales)
-    if t.qtype == Q.Q8_0:
-        return _scaled(*q8_0_values(t)).reshape(t.shape)
+    if t.qtype in NATIVE:
+        return from_blocks(*block_values(t), NATIVE[t.qtype]).reshape(t.shape)
     values = quants.dequantize(np.asarray(t.raw), t.qtype)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(t.shape))
 
 
-def _scaled(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """q ``[rows, cols]`` times its fp16 scale a block of 32, in fp32: ``[rows, cols]``."""
+def from_blocks(q: torch.Tensor, scales: torch.Tensor, fmt: int) -> torch.Tensor:
+    """:func:`block_values`' q ``[rows, cols]`` and scales back to the values, fp32 ``[rows,
+    cols]``: q d per 32 (formats 1, 2), q s + t per 32 (3, 4), q s_h per 16 (5)."""
     rows, cols = q.shape
-    return (scales.float()[..., None] * q.view(rows, cols // 32, 32).float()).view(rows, cols)
+    if fmt in (1, 2):
+        return (scales.float()[..., None] * q.view(rows, cols // 32, 32).float()).view(rows, cols)
+    if fmt == 5:
+        return (q.view(rows, cols // 32, 2, 16).float() * scales[..., None]).view(rows, cols)
+    values = q.view(rows, cols // 32, 32).float() * scales[..., 0:1] + scales[..., 1:2]
+    return values.view(rows, cols)
 
 
 def q4_0_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_0's blocks ``[rows, blocks × 18]`` (an fp16 scale d, then 16 bytes: element j in
     the low nibble of byte j, element j + 16 in its high nibble; value d (nibble − 8)) ->
     q ``[rows, cols]`` int8 in [−8, 7] and d ``[rows, cols / 32]`` fp16."""
-    rows, cols = t.shape
+    rows, cols = int(np.prod(t.shape[:-1])), t.shape[-1]
     blocks = torch.from_numpy(np.asarray(t.raw).reshape(rows, cols // 32, 18).copy())
     scales = blocks[..., :2].contiguous().view(torch.float16).reshape(rows, cols // 32)
     qs = blocks[..., 2:].to(torch.int16)
@@ -298,7 +311,7 @@ def block_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q4_0_values(t)
     if t.qtype == Q.Q8_0:
         return q8_0_values(t)
-    rows, cols = t.shape
+    rows, cols = int(np.prod(t.shape[:-1])), t.shape[-1]
     raw = np.asarray(t.raw).reshape(rows, -1)
     q, s, m = _K_UNPACK[t.qtype](raw.reshape(-1, GGML_QUANT_SIZES[t.qtype][1]))
     st = np.stack([s, m], -1).reshape(rows, cols // 32, 2)
@@ -351,7 +364,7 @@ def _q_legacy(b: np.ndarray, with_min: bool, five: bool
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_1 / Q5_0 / Q5_1's blocks of 32 -> q [n, 32] int8, s and t [n, 1] fp32."""
     d = _fp16(b[:, 0:2])
-    t = _fp16(b[:, 2:4]) if with_min else np.zeros_like(d)
+    t = _fp16(b[:, 2:4]) if with_min else np.full_like(d, -0.0)  # x + (-0) is x, signed zeros too
     at = 4 if with_min else 2
     q = _nibbles(b[:, at + 4 * five:], 32).astype(np.int16)
     if five:
