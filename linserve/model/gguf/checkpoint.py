@@ -315,7 +315,7 @@ def block_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     raw = np.asarray(t.raw).reshape(rows, -1)
     q, s, m = _K_UNPACK[t.qtype](raw.reshape(-1, GGML_QUANT_SIZES[t.qtype][1]))
     st = np.stack([s, m], -1).reshape(rows, cols // 32, 2)
-    return torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(st)
+    return q.reshape(rows, cols), torch.from_numpy(st)
 
 
 def _fp16(b: np.ndarray) -> np.ndarray:
@@ -323,56 +323,60 @@ def _fp16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
 
 
-def _nibbles(qs: np.ndarray, group: int) -> np.ndarray:
-    """Bytes [n, k · group / 2] -> values [n, k · group]: each run of ``group / 2`` bytes
-    gives its low nibbles, then its high ones (llama.cpp's order)."""
-    n = qs.shape[0]
-    halves = qs.reshape(n, -1, 1, group // 2) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    return (halves & 0x0F).reshape(n, -1)
+def _nibbles(qs: np.ndarray, group: int) -> torch.Tensor:
+    """Bytes [n, k · group / 2] -> values [n, k · group] uint8: each run of ``group / 2``
+    bytes gives its low nibbles, then its high ones (llama.cpp's order). In PyTorch, whose
+    elementwise ops use every thread (numpy's took 1.8 s of a 0.8B Q4_K_M file's load)."""
+    b = torch.from_numpy(np.ascontiguousarray(qs)).view(len(qs), -1, group // 2)
+    return torch.stack((b & 15, b >> 4), dim=2).view(len(qs), -1)
 
 
-def _q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _bits(b: np.ndarray, width: int, shifts: int) -> torch.Tensor:
+    """Bytes [n, runs × 32] -> each byte's ``shifts`` fields of ``width`` bits, low first,
+    [n, runs × shifts × 32] uint8 (Q5_K's high bits, Q6_K's two high bits)."""
+    t = torch.from_numpy(np.ascontiguousarray(b)).view(len(b), -1, 1, 32)
+    step = torch.arange(0, width * shifts, width, dtype=torch.uint8).view(1, 1, shifts, 1)
+    return ((t >> step) & ((1 << width) - 1)).view(len(b), -1)
+
+
+def _q4_k(b: np.ndarray) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """Q4_K's blocks of 256 -> q [n, 256] int8 in [0, 15], s and t [n, 8] fp32."""
     d, dmin = _fp16(b[:, 0:2]), _fp16(b[:, 2:4])
     sc, mn = quants.Q4_K.get_scale_min(b[:, 4:16])
-    return (_nibbles(b[:, 16:], 64).astype(np.int8), d * sc.astype(np.float32),
+    return (_nibbles(b[:, 16:], 64).view(torch.int8), d * sc.astype(np.float32),
             -(dmin * mn.astype(np.float32)))
 
 
-def _q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _q5_k(b: np.ndarray) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """Q5_K's blocks of 256 -> q [n, 256] int8 in [0, 31], s and t [n, 8] fp32."""
     d, dmin = _fp16(b[:, 0:2]), _fp16(b[:, 2:4])
     sc, mn = quants.Q4_K.get_scale_min(b[:, 4:16])
-    high = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-    q = _nibbles(b[:, 48:], 64) | (high.reshape(len(b), -1) << 4)
-    return q.astype(np.int8), d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+    q = _nibbles(b[:, 48:], 64) | (_bits(b[:, 16:48], 1, 8) << 4)
+    return q.view(torch.int8), d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
 
 
-def _q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _q6_k(b: np.ndarray) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """Q6_K's blocks of 256 -> q [n, 256] int8 in [−32, 31] and the scales of the first
     and second 16 of each 32, [n, 8] fp32 each (d × the int8 scale of each 16)."""
-    n = len(b)
-    low = _nibbles(b[:, :128], 128)
-    high = (b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)
-            .reshape(1, 1, 4, 1)) & 3
-    q = (low | (high.reshape(n, -1) << 4)).astype(np.int8) - np.int8(32)
+    q = (_nibbles(b[:, :128], 128) | (_bits(b[:, 128:192], 2, 4) << 4)).view(torch.int8) - 32
     s = _fp16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
     return q, s[:, 0::2], s[:, 1::2]
 
 
 def _q_legacy(b: np.ndarray, with_min: bool, five: bool
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """Q4_1 / Q5_0 / Q5_1's blocks of 32 -> q [n, 32] int8, s and t [n, 1] fp32."""
     d = _fp16(b[:, 0:2])
     t = _fp16(b[:, 2:4]) if with_min else np.full_like(d, -0.0)  # x + (-0) is x, signed zeros too
     at = 4 if with_min else 2
-    q = _nibbles(b[:, at + 4 * five:], 32).astype(np.int16)
+    q = _nibbles(b[:, at + 4 * five:], 32).view(torch.int8)
     if five:
         bits = np.ascontiguousarray(b[:, at:at + 4]).view(np.uint32)
-        q |= ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+        high = ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int8)
+        q = q | (torch.from_numpy(high) << 4)
         if not with_min:
-            q -= 16
-    return q.astype(np.int8), d, t
+            q = q - 16
+    return q, d, t
 
 
 _K_UNPACK = {Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
