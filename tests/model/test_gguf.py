@@ -284,3 +284,32 @@ def test_a_hub_file_resolves_from_the_local_cache(converted: dict[str, tuple[Pat
     assert path.name == "tiny-F32.gguf" and loader.family(path).name == "lfm2"
     with pytest.raises(CheckpointError, match="not found in the local Hugging Face cache"):
         loader.resolve("acme/lfm2-gguf:other-Q4_K_M.gguf")
+
+
+def test_mtp_layers_load_from_the_file(tmp_path: Path) -> None:
+    """A Qwen3.5 checkpoint with an MTP layer, converted by llama.cpp's converter (which
+    writes it as block n_layer with ``nextn_predict_layers``, its fc and norms as
+    ``nextn.*``): the file's model has the same draft head, giving the same drafts as the
+    safetensors' for the same hidden states and tokens."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.model.qwen_fixtures import add_mtp
+
+    hf = add_mtp(make_checkpoint(tmp_path / "qwen", "i2-untied"))
+    tensors = load_file(str(hf / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    for name in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                 "mtp.norm.weight"):  # away from 1 (stored as w − 1), so each one matters
+        tensors[name] = torch.randn(tensors[name].shape, generator=g) * 0.2
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    file = gguf_fixtures.convert(hf, tmp_path / "qwen.gguf", pre=None)
+    assert int(open_model(file).get("nextn_predict_layers")) == 1
+    a, b = loader.load(hf, dtype="float32"), loader.load(file, dtype="float32")
+    head_a, head_b = a.draft_head(), b.draft_head()
+    assert head_a is not None and head_b is not None
+    hidden = torch.randn(6, 64, generator=g)
+    tokens = torch.randint(0, 8192, (6,), generator=g).tolist()
+    want = head_a.extend(head_a.new_state(), hidden, tokens)
+    got = head_b.extend(head_b.new_state(), hidden, tokens)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(head_b.logits(got), head_a.logits(want), rtol=0, atol=1e-4)

@@ -534,7 +534,8 @@ class Variant:
         """The config; MTP layers only where the checkpoint has their tensors (a checkpoint
         saved by transformers keeps ``mtp_num_hidden_layers`` but drops ``mtp.*``)."""
         cfg: Qwen35Config = hf.parse_config(path, Qwen35Config.from_hf)
-        if cfg.mtp_layers and not any(n.startswith("mtp.") for n in hf.tensor_files(path)):
+        if cfg.mtp_layers and not hf.is_gguf(path) and \
+                not any(n.startswith("mtp.") for n in hf.tensor_files(path)):
             cfg = dataclasses.replace(cfg, mtp_layers=0)
         return cfg
 

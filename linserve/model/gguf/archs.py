@@ -162,6 +162,8 @@ def _qwen35_config(m: GGUFModel) -> dict[str, Any]:
                 "rope_theta": float(m.get("rope.freq_base", 10_000_000.0)),
                 "partial_rotary_factor": int(m.get("rope.dimension_count", head_dim // 4))
                 / head_dim},
+            # MTP layers, written as the blocks past the model's (_QwenMtpMixin)
+            "mtp_num_hidden_layers": int(m.get("nextn_predict_layers", 0) or 0),
             **_qwen_experts(m)}
 
 
@@ -227,7 +229,8 @@ def _qwen3next_config(m: GGUFModel) -> dict[str, Any]:
 def _qwen3next_transform(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
     """The inverse of ``Qwen3NextModel.modify_tensors`` (values; in_proj_qkvz is a merge)."""
     del cfg
-    if name.endswith("norm.weight") and ".linear_attn.norm." not in name:
+    if (name.endswith("norm.weight") or name.startswith("mtp.pre_fc_norm_")) \
+            and ".linear_attn.norm." not in name:
         return t - 1  # written as 1 + w: Qwen's RMSNorm scales by (1 + w)
     if name.endswith(".A_log"):
         return torch.log(-t)  # written as -exp(A_log)

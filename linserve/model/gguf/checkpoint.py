@@ -65,6 +65,7 @@ class GGUFCheckpoint:
         # merge), once accepted
         self._names: dict[str, tuple[str, ...]] = {}
         self._tokenizer: HFTokenizer | None = None
+        self._wrapped: dict[int, Tokenizer] = {}
         # the last tensor read in a NATIVE format, unpacked (read, then native_blocks)
         self._unpacked: tuple[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -85,13 +86,31 @@ class GGUFCheckpoint:
             # expert_bias buffer became exp_probs_b.bias)
             names = [re.sub(pattern, repl, gname) for pattern, repl in self.arch.names
                      if re.fullmatch(pattern, gname)]
-            names += [self.arch.rename(n) for cand in self._candidates.get(base, ())
+            names += [self._mtp_name(self.arch.rename(n)) for cand in self._candidates.get(base, ())
                       for n in ((f"{cand}{dot}{suffix}", cand) if dot else (cand,))]
+            nextn = re.fullmatch(r"blk\.\d+\.nextn\.(\w+)\.(weight|bias)", gname)
+            if nextn and nextn.group(1) in _NEXTN:  # gguf-py maps them for some arches only
+                names.insert(0, f"mtp.{_NEXTN[nextn.group(1)]}.{nextn.group(2)}")
             chosen = next((n for n in names if accept(n, self._shape(n, gname))), gname)
             out[chosen] = (gname,)
         out.update(merged)
         self._names = out
         return {name: parts[0] for name, parts in out.items()}
+
+    def _mtp_name(self, name: str) -> str:
+        """A Hugging Face name of a block past the model's layers as its MTP name: llama.cpp
+        writes MTP layer i as block ``n_layer + i`` (``nextn_predict_layers`` of them), and
+        the MTP block's fc and norms as that block's ``nextn.*`` (:data:`_NEXTN`; Qwen's
+        ``_QwenMtpMixin``)."""
+        nextn = int(self.model.get("nextn_predict_layers", 0) or 0)
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if not nextn or not match:
+            return name
+        first = int(self.model.require("block_count")) - nextn
+        index, rest = int(match.group(1)) - first, match.group(2)
+        if index < 0:
+            return name
+        return f"mtp.layers.{index}.{rest}"
 
     def _merges(self) -> dict[str, tuple[str, ...]]:
         """Hugging Face name -> its parts, for every merge of the architecture whose parts
@@ -221,7 +240,9 @@ class GGUFCheckpoint:
                 self._tokenizer = vocab.build(self.model.meta)
             except (vocab.VocabError, KeyError) as exc:
                 raise GGUFFileError(f"{self.path}: {exc}") from None
-        return Tokenizer(self._tokenizer, self.end_ids(), vocab_size)
+        if vocab_size not in self._wrapped:  # its byte table takes a second for 250k tokens
+            self._wrapped[vocab_size] = Tokenizer(self._tokenizer, self.end_ids(), vocab_size)
+        return self._wrapped[vocab_size]
 
     def end_ids(self) -> list[int]:
         """The ids that end a generation: EOS, EOT and EOM, and the control tokens
@@ -383,6 +404,12 @@ _K_UNPACK = {Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
              Q.Q4_1: lambda b: _q_legacy(b, True, False),
              Q.Q5_0: lambda b: _q_legacy(b, False, True),
              Q.Q5_1: lambda b: _q_legacy(b, True, True)}
+
+
+# The MTP block's own tensors: llama.cpp's name (blk.N.nextn.*) -> the Hugging Face one
+# (under mtp.), as _QwenMtpMixin renames them.
+_NEXTN = {"eh_proj": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
+          "shared_head_norm": "norm"}
 
 
 @lru_cache(maxsize=4)
