@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as Q
 from tokenizers import Tokenizer as HFTokenizer
 
 from linserve.model.gguf import archs, vocab
-from linserve.model.gguf.files import GGUFFileError, GGUFModel, Tensor, open_model
+from linserve.model.gguf.files import GGUFFileError, GGUFModel, Tensor, open_model, release_pages
 from linserve.model.tokenizer import Tokenizer
 
 # The storage types served: the float ones, llama.cpp's legacy blocks and its K-quants.
@@ -140,9 +140,12 @@ class GGUFCheckpoint:
         t = self.model.tensors[names[0]]
         if len(names) == 1 and t.qtype in NATIVE:  # unpacked once, for native_blocks too
             self._unpacked = (hf_name, block_values(t))
+            release_pages(t.raw)
             values = from_blocks(*self._unpacked[1], NATIVE[t.qtype]).reshape(t.shape)
             return self.arch.transform(hf_name, values, self.config)
         parts = [dequantize(self.model.tensors[g]) for g in names]
+        for g in names:
+            release_pages(self.model.tensors[g].raw)
         return self.arch.transform(hf_name, self._join(hf_name, parts), self.config)
 
     def _join(self, hf_name: str, parts: list[torch.Tensor]) -> torch.Tensor:

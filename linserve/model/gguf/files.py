@@ -10,6 +10,8 @@ them, the metadata from the first.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import re
 import struct
 from dataclasses import dataclass
@@ -28,6 +30,28 @@ SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 class GGUFFileError(CheckpointError):
     """A file that is not a readable GGUF model (the message says why, in one line)."""
+
+
+_MADV_DONTNEED = 4  # Linux
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:  # no C library to call: pages stay until the mapping closes
+    _LIBC = None
+
+
+def release_pages(raw: np.ndarray) -> None:
+    """Drop the whole pages under ``raw`` (a tensor's bytes in the read-only mapping) from
+    this process's resident set once it has been read: they are clean file pages, read
+    again from the page cache if touched. Otherwise every page a load touched stayed
+    resident while the file was open, a second copy of the weights in RSS (an LFM2-1.2B
+    Q8_0 file: 1.2 GB)."""
+    if _LIBC is None or raw.nbytes == 0:
+        return
+    start = raw.__array_interface__["data"][0]
+    low = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    high = (start + raw.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if high > low:
+        _LIBC.madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), _MADV_DONTNEED)
 
 
 def is_gguf(path: str | Path) -> bool:
