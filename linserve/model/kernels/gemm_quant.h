@@ -16,6 +16,10 @@
 // - q8 (a kByte tensor): q [K, N] in [-127, 127], an fp16 scale per group of 32 inputs and
 //   column, W[k, n] = q[k, n] s[k / 32, n]: llama.cpp's Q8_0 blocks, their values as they
 //   are (a GGUF file's Q8_0 matrices run on them). Stored as bytes q + 128.
+// - the K formats, for a GGUF file's K-quants and legacy blocks as they are:
+//   q4k (Q4_K, Q4_1): nibbles q in [0, 15], W[k, n] = s[b, n] q + t[b, n], fp32 s and t
+//   per block of 32; q8k (Q5_K, Q5_0, Q5_1): the same with bytes q + 128; q6 (Q6_K): bytes
+//   q + 128, W = s_h[b, n] q with an fp32 scale for each half of a block (16 inputs).
 // Layout: K padded to K32 (a multiple of 32) with zero weights; in gemm.h's column panels,
 // each (stored row, column) one 32-bit lane of four bytes, so a 64-byte load is 16 columns x
 // 4 inputs, vpdpbusd's operand:
@@ -29,6 +33,9 @@
 // - q8: as int4, a block's eight stored rows of bytes (row t: inputs 4t .. 4t+3) [8, width,
 //   4] and then its fp16 scales [width]: 34 bytes a column and block, Q8_0's own size.
 //   Shape [ceil(17 K / 64), N, 4].
+// - q4k, q8k, q6: as int4 / q8, each block's stored rows then its two fp32 numbers a column
+//   ([width] of s, then [width] of t or of the second half's scale): 24 or 40 bytes a column
+//   and block. q6 is a kChar tensor (q8k, kByte, has its size): quant_format.
 //
 // Activations (quantize_acts): per row and block b of 32 inputs, s_b = max |x| / 127 and
 // x_q = round(x / s_b) (to nearest even), in [-127, 127]; model/quantize.py's
@@ -37,7 +44,8 @@
 // Arithmetic, for every element whatever the batch (so batch-invariant, gemm.h):
 // d_b = Σ_{k in b} (q[k, n] + o) x_q[k] - o Σ_{k in b} x_q[k] (o = 128 or 8: exact, int32);
 // int8: f = f + d_b s_b (b in order), y = f s[n]; int4 and q8: f = f + d_b (s_b s[b, n]),
-// y = f.
+// y = f; the K formats: f = f + d_b (s_b s[b, n]) + t[b, n] (s_b Σ x_q), with d_b over q as
+// stored (q4k's dot starts at 0); q6: f = f + d_lo (s_b s_lo) + d_hi (s_b s_hi).
 // Integer sums are exact, so only the float steps' order matters, and it is fixed.
 #pragma once
 
