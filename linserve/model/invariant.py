@@ -49,15 +49,15 @@ def set_quantization(mode: str) -> None:
     _quantization[0] = mode
 
 
-# A GGUF file's blocks the quantized GEMM takes as they are (Q4_0, Q8_0): whether loading
-# keeps them (--dtype auto), and each such weight's values by its data pointer until it is
-# packed: (q, scales, the GEMM format).
+# A GGUF file's blocks the quantized GEMM takes as they are (linserve.model.gguf.checkpoint's
+# NATIVE formats): whether loading keeps them (--dtype auto), and each such weight's values
+# by its data pointer until it is packed: (q, scales, the GEMM format).
 _native_blocks = [False]
 _block_values: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
 
 def set_native_blocks(on: bool) -> None:
-    """Keep a GGUF file's Q4_0 and Q8_0 matrices in their blocks (set by the loader:
+    """Keep a GGUF file's block-format matrices in their blocks (set by the loader:
     ``--dtype auto`` and no ``--quantization``)."""
     _native_blocks[0] = on
     _block_values.clear()
@@ -71,7 +71,8 @@ def give_blocks(weight: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                 fmt: int = 1) -> None:
     """``weight [out, in]`` holds exactly q ``[out, in]`` (int8) times the fp16 ``scales
     [out, in / 32]`` (``fmt`` 1: int4, q in [−8, 7]; 2: q8, q in [−127, 127]), or s q + t
-    with ``scales [out, in / 32, 2]`` fp32 s and t (3: q4k, q in [0, 15]; 4: q8k, bytes):
+    with ``scales [out, in / 32, 2]`` fp32 s and t (3: q4k, q in [0, 15]; 4: q8k, bytes),
+    or s_h q with the scales of each half of 32 ``[out, in / 32, 2]`` (5: q6, Q6_K's):
     :func:`gemm_weight` packs those in the GEMM format ``fmt``, never quantizing."""
     _block_values[weight.data_ptr()] = (q, scales, fmt)
 
