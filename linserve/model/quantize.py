@@ -124,13 +124,22 @@ def pack(w: torch.Tensor, mode: str) -> torch.Tensor:
     return out
 
 
+# The block-scaled stored formats of linserve/model/kernels/gemm_quant.h (its QFormat, which
+# pack_quantized takes), and the bytes a column's block of 32 inputs takes in each (its
+# block_bytes): int4 for --quantization int4 and Q4_0, the others for a GGUF file's blocks.
+BLOCK_FORMATS = {"int4": (1, 18), "q8": (2, 34), "q4k": (3, 24), "q8k": (4, 40), "q6": (5, 40)}
+PACKED_BYTES = dict(BLOCK_FORMATS.values())  # format number -> bytes a column's block
+
+
 def mode_of(packed: torch.Tensor, k: int | None = None) -> str:
     """The quantization of a weight as :func:`pack` or :func:`linserve.model.invariant.pack` left
     it: ``int8``, ``int4``, ``none``, or (a GGUF file's blocks, told apart by the stored
     rows of its ``k`` inputs) ``q8``, ``q4k``, ``q8k`` or ``q6``."""
-    if k is not None and k % GROUP == 0:
-        blocks = {"q8": 34, "q4k": 24, "q8k": 40} if packed.dtype == torch.uint8 else {"q6": 40}
-        for name, size in blocks.items():
+    if k is not None and k % GROUP == 0 and packed.dtype in (torch.uint8, torch.int8):
+        stored_as_int8 = ("q6",)  # (q8k, kByte, has q6's size: gemm_quant.h's quant_format)
+        for name, (_, size) in BLOCK_FORMATS.items():
+            if name == "int4" or (name in stored_as_int8) != (packed.dtype == torch.int8):
+                continue
             if packed.shape[0] == (k // GROUP * size + 3) // 4:
                 return name
     return {torch.int8: "int8", torch.uint8: "int4"}.get(packed.dtype, "none")

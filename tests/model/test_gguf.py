@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, quants
 from bench import llamacpp_assets
 from linserve.model import loader, quantize
 from linserve.model.gguf import vocab
-from linserve.model.gguf.checkpoint import NATIVE, PACKED_BYTES, SERVED, dequantize
+from linserve.model.gguf.checkpoint import NATIVE, SERVED, dequantize
 from linserve.model.gguf.files import Tensor, open_model
 from linserve.model.interface import CheckpointError
 from tests.model import family_fixtures, gguf_fixtures
@@ -173,7 +173,7 @@ def test_blocks_multiply_natively_as_they_are(qtype: GGMLQuantizationType) -> No
         invariant.set_native_blocks(False)
     assert quantize.mode_of(packed, k) == {1: "int4", 2: "q8", 3: "q4k", 4: "q8k",
                                            5: "q6"}[NATIVE[qtype]]
-    assert packed.numel() <= PACKED_BYTES[NATIVE[qtype]] * n * k // 32 + 4 * n
+    assert packed.numel() <= quantize.PACKED_BYTES[NATIVE[qtype]] * n * k // 32 + 4 * n
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(4))
     full = torch.ops.linserve.invariant_mm(x, packed)
     for i in range(19):

@@ -27,6 +27,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from linserve.model.gguf import archs, vocab
 from linserve.model.gguf.files import GGUFFileError, GGUFModel, Tensor, open_model, release_pages
+from linserve.model.quantize import PACKED_BYTES
 from linserve.model.tokenizer import Tokenizer
 
 # The storage types served: the float ones, llama.cpp's legacy blocks and its K-quants.
@@ -38,8 +39,6 @@ FLOATS = (Q.F32, Q.F16, Q.BF16)
 # 3 q4k, 4 q8k: W = s q + t per 32, nibbles or bytes; 5 q6: W = s q per 16, bytes).
 NATIVE = {Q.Q4_0: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q4_1: 3, Q.Q5_K: 4, Q.Q5_0: 4, Q.Q5_1: 4,
           Q.Q6_K: 5}
-# Bytes a column's block of 32 takes in each GEMM format (gemm_quant.h's block_bytes).
-PACKED_BYTES = {1: 18, 2: 34, 3: 24, 4: 40, 5: 40}
 # Control tokens that end a generation in llama.cpp (its llama_vocab end-of-generation
 # list), besides tokenizer.ggml.eos_token_id / eot_token_id / eom_token_id.
 END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
