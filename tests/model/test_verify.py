@@ -90,11 +90,16 @@ def test_families_verify_is_steps(family: str, shape: str, tmp_path: Path) -> No
 @pytest.mark.parametrize("family,shape", [("lfm2", "a2-tied"), ("lfm2_moe", "e6k2-tied"),
                                           ("granitemoehybrid", "rope-g2"),
                                           ("granitemoehybrid", "moe-e5k2"),
-                                          ("nemotron_h", "moe-e6k3-latent")])
+                                          ("nemotron_h", "moe-e6k3-latent"),
+                                          ("kimi_linear", "qlora-groups"),
+                                          ("kimi_linear", "plain-q"),
+                                          ("bailing_hybrid", "safe-g3"),
+                                          ("bailing_hybrid", "softplus-g2")])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decoder_native_verify_is_steps(family: str, shape: str, dtype: str, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """LFM2's short convolutions, Mamba2, attention and experts in ``decoder_verify``."""
+    """LFM2's short convolutions, Mamba2, attention, experts, KDA and MLA (with and without
+    rotary positions, q's low rank and the head gate) in ``decoder_verify``."""
     from linserve.model.layers import decoder
 
     def no_fallback(*_: object) -> None:

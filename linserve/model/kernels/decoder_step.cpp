@@ -1,5 +1,6 @@
 // The whole decode step of a model built from the shared layers (model/layers/decoder.py's
-// DecoderLM of Blocks: LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H) in one native call: one token per
+// DecoderLM of Blocks: LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H, Mamba2, Bamba, Kimi-Linear,
+// Ling) in one native call: one token per
 // row through every layer, then the final norm and the LM head. The eager step dispatches
 // ~20 PyTorch operators per layer part; at batch 1 of LFM2-1.2B in int4 that was a third of
 // the step on top of the weight reads.
@@ -19,20 +20,25 @@
 //   6 sparse experts (moe.h): router [d, E] fp32, expert bias [E] (or empty), the shared
 //     expert's gate_up (or up) and down (or empty), its sigmoid gate [d, 1] (or empty), and
 //     the latent projections in and out (or empty); the experts' own weights are in
-//     ``experts``.
+//     ``experts``;
+//   7 Kimi Delta Attention (kimi_delta.py; kda()'s comment has its weights);
+//   8 multi-head latent attention over the latent cache (mla.py; mla()'s comment).
 // Activations stay fp32 between layers; weights are as model/invariant.py packs them (fp32,
-// bf16, int8, int4), projected by dense.h. Every row is computed by its own loops in a fixed
+// bf16, int8, int4, GGUF's blocks), projected by dense.h. Every row is computed by its own loops in a fixed
 // order, so a row's logits do not depend on the rows beside it (batch invariance).
 //
 // Arguments (B rows):
 //   tokens [B] int64, lengths [B] int64 (each row's position before this token);
-//   weights: embed, head (packed), final norm [d]; then per layer kSlots tensors: norm_in,
-//     the mixer's kPart, norm_post, the MLP's kPart (unused slots empty), in the order above;
+//   weights: embed, head (packed), final norm [d]; then per layer and present part, its norm
+//     and as many weights as its ints say (the mixer's, then the MLP's), in the order above;
 //   state: per layer two tensors: attention (k, v [B, Hkv, cap, D]); short conv (window
-//     [B, K-1, d], empty); Mamba2 (S [B, Hm, P, N], window [B, K-1, conv]); else empty;
+//     [B, K-1, d], empty); Mamba2 (S [B, Hm, P, N], window [B, K-1, conv]); KDA (S
+//     [B, H, Dk, Dk], window [B, K-1, 3 H Dk]); MLA (latents [B, 1, cap, R + rope], a
+//     zero-wide value cache); else empty;
 //     updated in place (lengths are not: the caller advances them);
 //   experts: every MoE layer's experts, (gate_up or up, down) per expert, layer after layer;
-//   ints, per layer 8: (kind, i0, i1, i2) of the mixer then of the MLP (SwiGLU / ReLU^2:
+//   ints, per layer 10: (kind, weights, i0, i1, i2) of the mixer then of the MLP (kind 0: the
+//     part is absent and takes no weights; SwiGLU / ReLU^2:
 //     i0 = f; Mamba2: i0 = norm before gate, i1 = gated norm; experts: i0 = the layer's first
 //     tensor in ``experts``, i1 = top k, i2 = moe.h's Router in bits (sparse_experts));
 //   floats, per layer 9: the residual scale, then (eps of the part's norm, f0, f1, f2) of each
@@ -52,6 +58,7 @@
 #include "fastmath.h"
 #include "gdn.h"
 #include "gemm.h"
+#include "kda.h"
 #include "mamba2.h"
 #include "moe.h"
 
@@ -63,12 +70,13 @@
 
 namespace decoder_step_cpp {  // named, not anonymous: unity units (build.py) join sources
 
-constexpr int64_t kPart = 8;
-constexpr int64_t kSlots = 2 + 2 * kPart;
-constexpr int64_t kInts = 8;
+constexpr int64_t kPartInts = 5;  // kind, its weights' count, i0, i1, i2
+constexpr int64_t kInts = 2 * kPartInts;
 constexpr int64_t kFloats = 9;
 
-enum Kind : int64_t { kNone = 0, kAttention, kShortConv, kMamba2, kSwiGLU, kReluSquared, kExperts };
+enum Kind : int64_t {
+  kNone = 0, kAttention, kShortConv, kMamba2, kSwiGLU, kReluSquared, kExperts, kKda, kMla
+};
 
 struct Dims {
   int64_t d, h, hkv, head, rot, mh, mp, mn, mg;
@@ -293,6 +301,211 @@ at::Tensor sparse_experts(const at::Tensor& h, const at::Tensor* w, const at::Te
                                 linserve::moe::router_from(p.i1, p.i2, p.f0, p.f1));
 }
 
+// Kimi Delta Attention's inputs of one row at one position: q, k, v after the causal conv
+// and SiLU (q, k L2-normed, q scaled by Dk^-1/2) into qkv [3 W]; each channel's decay and
+// each head's beta. ``fa`` and ``ga`` hold the forget gate's raw values [W] (f + dt_bias).
+void kda_inputs(const float* mixed, float* window, const float* conv_w, int64_t k_width,
+                const float* f, const float* b, const float* params, float* qkv,
+                float* decay, float* beta, const Part& p) {
+  const int64_t heads = p.i0, dk = p.i1, width = heads * dk;
+  linserve::gdn::conv_sum(window, mixed, conv_w, qkv, 3 * width, k_width);
+  linserve::gdn::shift_window(window, mixed, 3 * width, k_width);
+  for (int64_t c = 0; c < 3 * width; ++c) qkv[c] = linserve::gdn::silu(qkv[c]);
+  const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
+  const float* a_log = params;
+  const float* dt_bias = params + heads;
+  for (int64_t h = 0; h < heads; ++h) {
+    linserve::gdn::l2norm(qkv + h * dk, dk, q_scale);
+    linserve::gdn::l2norm(qkv + width + h * dk, dk, 1.f);
+    const float rate = std::exp(a_log[h]);
+    for (int64_t i = 0; i < dk; ++i) {
+      const float fi = f[h * dk + i] + dt_bias[h * dk + i];
+      const float g = p.i2 != 0 ? p.f1 / (1.f + std::exp(-rate * fi))
+                                : -rate * linserve::gdn::softplus(fi);
+      decay[h * dk + i] = std::exp(g);
+    }
+    beta[h] = 1.f / (1.f + std::exp(-b[h]));
+  }
+}
+
+// A projection through a bottleneck where given (Kimi's f_a / f_b, g_a / g_b), else direct.
+at::Tensor low_rank(const at::Tensor& h, const at::Tensor& a, const at::Tensor& b) {
+  return a.numel() > 0 ? linserve::project(linserve::project(h, a), b)
+                       : linserve::project(h, b);
+}
+
+// Kimi Delta Attention (model/layers/kimi_delta.py). Weights: q, k, v [d, W]; conv [K, 3W];
+// f_a [d, Dk] (or empty) and f_b [Dk, W] (or Ling's f [d, W]); g_a and g_b (or g) likewise;
+// b [d, H]; params [H + W + Dk] (A_log per head, dt_bias, the output norm); o [W, d].
+// p.i0 heads, p.i1 Dk (= Dv), p.i2 the safe gate (g = f1 sigmoid(e^A f)); p.f0 the output
+// norm's eps. State: S [B, H, Dk, Dk], window [B, K-1, 3W]. h [T B, d] -> [T B, d].
+at::Tensor kda(const at::Tensor& h, const at::Tensor* w, at::Tensor& s, at::Tensor& window,
+               const Part& p, const Positions& pos) {
+  const int64_t all = h.size(0), rows = all / pos.count, heads = p.i0, dk = p.i1;
+  const int64_t width = heads * dk, k_width = w[3].size(0);
+  at::Tensor mixed = at::cat({linserve::project(h, w[0]), linserve::project(h, w[1]),
+                              linserve::project(h, w[2])}, 1);
+  const at::Tensor f = low_rank(h, w[4], w[5]);
+  at::Tensor gate = low_rank(h, w[6], w[7]);
+  const at::Tensor b = linserve::project(h, w[8]);
+  const float* params = w[9].data_ptr<float>();
+  at::Tensor o = at::empty({all, width}, h.options());
+  std::vector<float> qkv(rows * 3 * width), decay(rows * width), beta(rows * heads);
+  for (int64_t t = 0; t < pos.count; ++t) {
+    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t row = t * rows + r;
+        kda_inputs(mixed.data_ptr<float>() + row * 3 * width,
+                   window.data_ptr<float>() + r * (k_width - 1) * 3 * width,
+                   w[3].data_ptr<float>(), k_width, f.data_ptr<float>() + row * width,
+                   b.data_ptr<float>() + row * heads, params, qkv.data() + r * 3 * width,
+                   decay.data() + r * width, beta.data() + r * heads, p);
+      }
+    });
+    at::parallel_for(0, rows * heads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t r = task / heads, hh = task % heads;
+        const float* in = qkv.data() + r * 3 * width + hh * dk;
+        const linserve::kda::HeadTokens one{in, in + width, in + 2 * width,
+                                            decay.data() + r * width + hh * dk,
+                                            beta.data() + r * heads + hh,
+                                            o.data_ptr<float>() + (t * rows + r) * width + hh * dk,
+                                            0, 0, 0, 0};
+        linserve::kda::scan_head(s.data_ptr<float>() + (r * heads + hh) * dk * dk, one, 1, dk,
+                                 dk);
+      }
+    });
+    pos.keep(t, s, window);
+  }
+  const float* norm_w = params + heads + width;
+  float* o_p = o.data_ptr<float>();
+  const float* g_p = gate.data_ptr<float>();
+  for (int64_t r = 0; r < all; ++r)
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      float* oh = o_p + r * width + hh * dk;
+      linserve::rms_row(oh, norm_w, dk, p.f0);
+      for (int64_t i = 0; i < dk; ++i)
+        oh[i] *= 1.f / (1.f + std::exp(-g_p[r * width + hh * dk + i]));
+    }
+  return linserve::project(o, w[10]);
+}
+
+// DeepSeek's interleaved rotary pairs laid out as halves (mla.py's interleaved_to_halves),
+// then rotated at ``at`` (dense.h's rotate_half over all n).
+void rope_interleaved(float* x, const float* inv_freq, int64_t n, int64_t at) {
+  std::vector<float> tmp(x, x + n);
+  for (int64_t i = 0; i < n / 2; ++i) {
+    x[i] = tmp[2 * i];
+    x[n / 2 + i] = tmp[2 * i + 1];
+  }
+  linserve::rotate_half(x, inv_freq, n, at);
+}
+
+// Heads of a task of the latent attention: the cache is read once per task.
+constexpr int64_t kMlaHeadsPerTask = 8;
+
+// One row's absorbed queries [H, R + rope] at cache position ``at``: W_kb^T q_nope, then
+// q_rot (rotated where positions are on), times sqrt(R + rope) / sqrt(qk) (attend_group's
+// 1 / sqrt(R + rope) then makes the head's 1 / sqrt(qk)).
+void mla_queries(const float* q, const float* kb, const float* freqs, float* out,
+                 int64_t heads, int64_t nope, int64_t rank, int64_t rope, int64_t at) {
+  const int64_t width = rank + rope, qk = nope + rope;
+  const float factor = std::sqrt(static_cast<float>(width)) / std::sqrt(static_cast<float>(qk));
+  at::parallel_for(0, heads, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t hh = h0; hh < h1; ++hh) {
+      float* oh = out + hh * width;
+      const float* qh = q + hh * qk;
+      std::fill(oh, oh + rank, 0.f);
+      for (int64_t n = 0; n < nope; ++n) {
+        const float* row = kb + (hh * nope + n) * rank;
+        const float qn = qh[n];
+        for (int64_t r = 0; r < rank; ++r) oh[r] += qn * row[r];
+      }
+      std::copy(qh + nope, qh + qk, oh + rank);
+      if (freqs != nullptr) rope_interleaved(oh + rank, freqs, rope, at);
+      for (int64_t i = 0; i < width; ++i) oh[i] *= factor;
+    }
+  });
+}
+
+// The latent attention's outputs: per head W_vb^T applied to the weighted latent
+// (att [T B, H, R + rope], its first R), times sigmoid(g x) where the heads are gated, then
+// o. h [T B, d] -> [T B, d].
+at::Tensor mla_out(const at::Tensor& h, const at::Tensor& att, const at::Tensor* w,
+                   int64_t heads, int64_t rank, int64_t width, int64_t vdim) {
+  const int64_t all = h.size(0);
+  at::Tensor heads_out = at::zeros({all, heads * vdim}, h.options());
+  const float* vb = w[6].data_ptr<float>();
+  at::parallel_for(0, all * heads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t row = task / heads, hh = task % heads;
+      const float* a = att.data_ptr<float>() + (row * heads + hh) * width;
+      float* out = heads_out.data_ptr<float>() + (row * heads + hh) * vdim;
+      for (int64_t r = 0; r < rank; ++r) {
+        const float* vr = vb + (hh * rank + r) * vdim;
+        for (int64_t v = 0; v < vdim; ++v) out[v] += a[r] * vr[v];
+      }
+    }
+  });
+  if (w[8].numel() > 0) {
+    const at::Tensor g = linserve::project(h, w[8]);
+    float* out = heads_out.data_ptr<float>();
+    for (int64_t row = 0; row < all; ++row)
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const float s = 1.f / (1.f + std::exp(-g.data_ptr<float>()[row * heads + hh]));
+        for (int64_t v = 0; v < vdim; ++v) out[(row * heads + hh) * vdim + v] *= s;
+      }
+  }
+  return linserve::project(heads_out, w[7]);
+}
+
+// Multi-head latent attention (model/layers/mla.py). Weights: q_a [d, Rq] and its norm (or
+// empty), q_b [Rq, H qk] (or q [d, H qk]); kv_a [d, R + rope] and the latent's norm [R];
+// W_kb [H, nope, R] and W_vb^T [H, R, v] fp32; o [H v, d]; the head gate g [d, H] (or
+// empty); inv_freq [rope / 2] (or empty: no positions). p.i0 rope. Cache: keys
+// [B, 1, cap, R + rope] (the latent, which is also the value). h [T B, d] -> [T B, d].
+at::Tensor mla(const at::Tensor& h, const at::Tensor* w, at::Tensor& kc,
+               const int64_t* lengths, const Part& p, const Positions& pos) {
+  const int64_t all = h.size(0), rows = all / pos.count, rope = p.i0;
+  const int64_t heads = w[5].size(0), nope = w[5].size(1), rank = w[5].size(2);
+  const int64_t vdim = w[6].size(2), width = rank + rope, cap = kc.size(2);
+  const at::Tensor q = w[0].numel() > 0
+      ? linserve::project(linserve::normed(linserve::project(h, w[0]), w[1], 1e-6), w[2])
+      : linserve::project(h, w[2]);
+  const at::Tensor lat = linserve::project(h, w[3]);
+  const float* freqs = w[9].numel() > 0 ? w[9].data_ptr<float>() : nullptr;
+  at::Tensor o = at::empty({all, heads * width}, h.options());
+  for (int64_t t = 0; t < pos.count; ++t)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = t * rows + r, at = lengths[r] + t;
+      TORCH_CHECK(at < cap, "decoder_step: the KV cache is full (reserve first)");
+      float* key = kc.data_ptr<float>() + (r * cap + at) * width;
+      std::copy(lat.data_ptr<float>() + row * width,
+                lat.data_ptr<float>() + (row + 1) * width, key);
+      linserve::rms_row(key, w[4].data_ptr<float>(), rank, 1e-6f);
+      if (freqs != nullptr) rope_interleaved(key + rank, freqs, rope, at);
+      mla_queries(q.data_ptr<float>() + row * heads * (nope + rope), w[5].data_ptr<float>(),
+                  freqs, o.data_ptr<float>() + row * heads * width, heads, nope, rank, rope,
+                  at);
+    }
+  // every position's heads over its row's cache, a task of kMlaHeadsPerTask heads
+  at::Tensor att = at::empty_like(o);
+  const int64_t per_row = (heads + kMlaHeadsPerTask - 1) / kMlaHeadsPerTask;
+  at::parallel_for(0, all * per_row, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t row = task / per_row, h0 = task % per_row * kMlaHeadsPerTask;
+      const int64_t r = row % rows, n = lengths[r] + row / rows + 1;
+      const int64_t count = std::min(heads, h0 + kMlaHeadsPerTask) - h0;
+      std::vector<float> scores(std::min(count, linserve::kGroupHeads) * n);
+      const float* keys = kc.data_ptr<float>() + r * cap * width;
+      linserve::attend_group(o.data_ptr<float>() + (row * heads + h0) * width, keys, keys,
+                             count, n, width, att.data_ptr<float>() + (row * heads + h0) * width,
+                             scores.data());
+    }
+  });
+  return mla_out(h, att, w, heads, rank, width, vdim);
+}
+
 // One part of a layer on h = norm(x): the mixer or MLP it is.
 at::Tensor run_part(const at::Tensor& h, const at::Tensor* w, const at::Tensor* experts,
                     at::Tensor& a, at::Tensor& b, const int64_t* lengths, const Dims& m,
@@ -304,6 +517,8 @@ at::Tensor run_part(const at::Tensor& h, const at::Tensor* w, const at::Tensor* 
     case kSwiGLU:
     case kReluSquared: return mlp(h, w, p);
     case kExperts: return sparse_experts(h, w, experts, p);
+    case kKda: return kda(h, w, a, b, p, pos);
+    case kMla: return mla(h, w, a, lengths, p, pos);
     default: TORCH_CHECK(false, "decoder_step: unknown part kind ", p.kind);
   }
 }
@@ -318,7 +533,13 @@ at::Tensor forward(const at::Tensor& tokens, at::TensorList weights, at::TensorL
   const Dims m{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8]};
   const int64_t layers = static_cast<int64_t>(ints.size()) / kInts;
   const int64_t rows = lengths.size(0);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 3 + kSlots * layers &&
+  int64_t slots = 3;
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t part = 0; part < 2; ++part) {
+      const int64_t* i = ints.data() + l * kInts + kPartInts * part;
+      slots += i[0] == kNone ? 0 : 1 + i[1];
+    }
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == slots &&
                   static_cast<int64_t>(state.size()) == 2 * layers &&
                   static_cast<int64_t>(floats.size()) == kFloats * layers,
               "decoder_step: weights, state or parameters do not match the layers");
@@ -333,8 +554,8 @@ at::Tensor forward(const at::Tensor& tokens, at::TensorList weights, at::TensorL
   if (scalars[1] != 1.0) x.mul_(scalars[1]);
   const int64_t* len = lengths.data_ptr<int64_t>();
   std::vector<at::Tensor> snap(snaps.begin(), snaps.end());
+  const at::Tensor* w = weights.data() + 3;
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = weights.data() + 3 + l * kSlots;
     const double* f = floats.data() + l * kFloats;
     at::Tensor a = state[2 * l], b = state[2 * l + 1];
     Positions pos{positions};
@@ -343,15 +564,15 @@ at::Tensor forward(const at::Tensor& tokens, at::TensorList weights, at::TensorL
       pos.snap_b = &snap[2 * l + 1];
     }
     for (int64_t part = 0; part < 2; ++part) {
-      const int64_t* i = ints.data() + l * kInts + 4 * part;
+      const int64_t* i = ints.data() + l * kInts + kPartInts * part;
       const double* pf = f + 1 + 4 * part;
-      const Part p{i[0], i[1], i[2], i[3], static_cast<float>(pf[0]), static_cast<float>(pf[1]),
+      const Part p{i[0], i[2], i[3], i[4], static_cast<float>(pf[0]), static_cast<float>(pf[1]),
                    static_cast<float>(pf[2]), static_cast<float>(pf[3])};
       if (p.kind == kNone) continue;
-      const at::Tensor* pw = w + part * (1 + kPart);
-      const at::Tensor y = run_part(linserve::normed(x, pw[0], p.eps), pw + 1, experts.data(), a,
+      const at::Tensor y = run_part(linserve::normed(x, w[0], p.eps), w + 1, experts.data(), a,
                                     b, len, m, p, pos);
       add_scaled(x, y, static_cast<float>(f[0]));
+      w += 1 + i[1];
     }
   }
   at::Tensor logits = linserve::project(linserve::normed(x, weights[2], scalars[0]), weights[1]);

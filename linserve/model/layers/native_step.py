@@ -22,7 +22,9 @@ from torch import nn
 from linserve.model import invariant
 from linserve.model.layers.attention import Attention
 from linserve.model.layers.block import Block
+from linserve.model.layers.kimi_delta import KimiDeltaAttention
 from linserve.model.layers.mamba2 import Mamba2
+from linserve.model.layers.mla import LatentAttention
 from linserve.model.layers.mlp import ReluSquaredMLP, SwiGLU
 from linserve.model.layers.moe import SparseMoE
 from linserve.model.layers.norms import RMSNorm
@@ -30,16 +32,15 @@ from linserve.model.layers.short_conv import ShortConv
 from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
 from linserve.model.verify import Trail
 
-ATTENTION, SHORT_CONV, MAMBA2, SWIGLU, RELU_SQUARED, EXPERTS = 1, 2, 3, 4, 5, 6
-PART_SLOTS = 8  # decoder_step.cpp's kPart
-PART_INTS = 3  # ints a part takes after its kind
+ATTENTION, SHORT_CONV, MAMBA2, SWIGLU, RELU_SQUARED, EXPERTS, KDA, MLA = range(1, 9)
+PART_INTS = 3  # ints a part takes after its kind and its weights' count
 EMPTY = torch.empty(0)
 
 
 @dataclass
 class Part:
-    """One part of a layer as the kernel takes it: a kind, up to :data:`PART_SLOTS` weights,
-    up to three ints and three floats (their meaning per kind: decoder_step.cpp's header),
+    """One part of a layer as the kernel takes it: a kind, its weights (as many as the kind
+    takes), up to three ints and three floats (their meaning per kind: decoder_step.cpp's header),
     and for experts, each expert's (gate_up, down) GEMM weights, in order."""
 
     kind: int
@@ -102,6 +103,42 @@ def _mamba2(m: Mamba2) -> tuple[Part, tuple[int, ...]] | None:
     return part, (s.heads, s.head_dim, s.d_state, s.groups)
 
 
+def _kda(m: KimiDeltaAttention) -> tuple[Part, tuple[int, ...]] | None:
+    """Kimi Delta Attention: q, k, v, the conv kernels ``[K, 3W]``, the forget gate's two
+    projections (or Ling's one, after an empty slot), the output gate's likewise, b, the
+    parameters (A_log per head, dt_bias, the output norm) in one fp32 tensor, o."""
+    s = m.shape
+    kernel = torch.cat([c.weight for c in (m.q_conv1d, m.k_conv1d, m.v_conv1d)])
+    gates = ([invariant.packed(m.f_a_proj), invariant.packed(m.f_b_proj),
+              invariant.packed(m.g_a_proj), invariant.packed(m.g_b_proj)] if s.low_rank_gates
+             else [EMPTY, invariant.packed(m.f_proj), EMPTY, invariant.packed(m.g_proj)])
+    params = torch.cat([_f32(m.A_log).flatten(), _f32(m.dt_bias), m.o_norm.scale().float()])
+    weights = [invariant.packed(m.q_proj), invariant.packed(m.k_proj),
+               invariant.packed(m.v_proj), _f32(kernel.squeeze(1).t()), *gates,
+               invariant.packed(m.b_proj), params.contiguous(), invariant.packed(m.o_proj)]
+    safe = s.safe_lower is not None
+    return Part(KDA, weights, ints=(s.heads, s.head_dim, int(safe)),
+                floats=(float(m.o_norm.eps), float(s.safe_lower or 0.0), 0.0)), ()
+
+
+def _mla(m: LatentAttention) -> tuple[Part, tuple[int, ...]] | None:
+    """Multi-head latent attention: q (through its low rank and norm where the checkpoint
+    has one), kv_a and the latent's norm, the absorbed W_kb and W_vbᵀ, o, the head gate,
+    the rotary frequencies (empty: no positions)."""
+    s = m.mla
+    if s.bias:
+        return None
+    q = ([invariant.packed(m.q_a_proj), m.q_a_layernorm.scale().contiguous(),
+          invariant.packed(m.q_b_proj)] if s.q_lora_rank
+         else [EMPTY, EMPTY, invariant.packed(m.q_proj)])
+    kb, vb = m.absorbed()
+    freqs = EMPTY if m.rope_freqs is None else m.rope_freqs.float().contiguous()
+    gate = invariant.packed(m.g_proj) if s.head_gate else EMPTY
+    return Part(MLA, [*q, invariant.packed(m.kv_a_proj_with_mqa),
+                      m.kv_a_layernorm.scale().contiguous(), kb, vb,
+                      invariant.packed(m.o_proj), gate, freqs], ints=(s.rope_dim,)), ()
+
+
 def _mlp(kind: int) -> Callable[[SwiGLU | ReluSquaredMLP], tuple[Part, tuple[int, ...]] | None]:
     """The describer of a dense MLP of ``kind`` (SWIGLU or RELU_SQUARED): its two GEMM
     weights and its hidden size."""
@@ -128,6 +165,7 @@ def describe_experts(m: SparseMoE) -> tuple[Part, tuple[int, ...]] | None:
 
 
 DESCRIBE: dict[type, Any] = {Attention: _attention, ShortConv: _short_conv, Mamba2: _mamba2,
+                             KimiDeltaAttention: _kda, LatentAttention: _mla,
                              SwiGLU: _mlp(SWIGLU), ReluSquaredMLP: _mlp(RELU_SQUARED),
                              SparseMoE: describe_experts}
 SHAPE_OF = {ATTENTION: "attention", MAMBA2: "mamba2"}
@@ -135,11 +173,12 @@ SHAPE_OF = {ATTENTION: "attention", MAMBA2: "mamba2"}
 
 def _part(module: nn.Module | None, norm: nn.Module | None, out: Plan
           ) -> tuple[list[torch.Tensor], list[int], list[float]] | None:
-    """A layer part's slots (norm first), ints (kind first) and floats (eps first); None if
+    """A layer part's slots (norm first; none for an absent part), ints (kind and the weights'
+    count first) and floats (eps first); None if
     the kernel cannot run it. Records the part's shape in ``out.shapes`` (one per kind) and
     appends its experts to ``out.experts``."""
     if module is None:
-        return [EMPTY] * (1 + PART_SLOTS), [0] * (1 + PART_INTS), [0.0] * 4
+        return [], [0] * (2 + PART_INTS), [0.0] * 4
     describe = DESCRIBE.get(type(module))
     if describe is None or type(norm) is not RMSNorm:
         return None
@@ -152,12 +191,11 @@ def _part(module: nn.Module | None, norm: nn.Module | None, out: Plan
         return None  # one shape per kind: the kernel takes them as dims
     assert norm is not None
     slots = [norm.scale().contiguous(), *part.weights]
-    slots += [EMPTY] * (1 + PART_SLOTS - len(slots))
     ints = list(part.ints) + [0] * (PART_INTS - len(part.ints))
     if part.experts:
         ints[0] = len(out.experts)
         out.experts += part.experts
-    return slots, [part.kind, *ints], [float(norm.eps), *part.floats]
+    return slots, [part.kind, len(part.weights), *ints], [float(norm.eps), *part.floats]
 
 
 def plan(model: Any) -> Plan | None:
