@@ -120,11 +120,36 @@ KIMI_LINEAR_48B_4L: dict[str, Any] = {
     "eos_token_id": 2,
     "layer_types": ["linear_attention"] * 3 + ["full_attention"],
     "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}
+# The newest hybrids at their published widths (transformers 5.23's config defaults, which
+# are the released models'), truncated where they would not fit: LFM3 whole (24 layers);
+# OLMo-Hybrid-7B's first 8 of 32 layers (6 Gated DeltaNet, 2 attention); MiniMax-Text-01's
+# widths (hidden 6144, 64 heads of 128, experts of 9216, vocabulary 200,064) with 4 layers
+# (three lightning, one softmax) and 4 of its 32 experts; Ling's (bailing_hybrid) first 6
+# layers (five KDA, one MLA; two dense) with 64 of its 512 experts.
+LFM3: dict[str, Any] = {"model_type": "lfm3"}
+OLMO_HYBRID_7B_8L: dict[str, Any] = {
+    "model_type": "olmo_hybrid", "num_hidden_layers": 8,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2}
+MINIMAX_TEXT_01_4L_E4: dict[str, Any] = {
+    "model_type": "minimax", "vocab_size": 200064, "hidden_size": 6144,
+    "intermediate_size": 9216, "num_hidden_layers": 4, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "full_attn_alpha_factor": 3.5565588200778455, "full_attn_beta_factor": 1.0,
+    "linear_attn_alpha_factor": 3.5565588200778455, "linear_attn_beta_factor": 1.0,
+    "mlp_alpha_factor": 3.5565588200778455, "mlp_beta_factor": 1.0}
+LING_6L_E64: dict[str, Any] = {
+    "model_type": "bailing_hybrid", "num_hidden_layers": 6, "num_experts": 64,
+    "layer_types": ["linear_attention"] * 5 + ["full_attention"],
+    "mlp_layer_types": ["dense"] * 2 + ["sparse"] * 4}
 MODELS = {"lfm2-1.2b": LFM2_1_2B, "granite-4.0-h-micro": GRANITE_4_H_MICRO,
           "lfm2-8b-a1b": LFM2_8B_A1B, "qwen3.5-35b-a3b-8l": QWEN35_35B_A3B_8L,
           "falcon-mamba-7b-8l": FALCON_MAMBA_7B_8L,
           "mamba-codestral-7b-8l": MAMBA_CODESTRAL_7B_8L, "jamba-8l-e4": JAMBA_8L_E4,
-          "kimi-linear-48b-a3b-4l": KIMI_LINEAR_48B_4L}
+          "kimi-linear-48b-a3b-4l": KIMI_LINEAR_48B_4L, "lfm3": LFM3,
+          "olmo-hybrid-7b-8l": OLMO_HYBRID_7B_8L, "minimax-text-01-4l-e4": MINIMAX_TEXT_01_4L_E4,
+          "ling-6l-e64": LING_6L_E64}
 CLASSES = {"lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
            "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM"),
            "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
@@ -132,7 +157,11 @@ CLASSES = {"lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
            "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM"),
            "mamba2": ("Mamba2Config", "Mamba2ForCausalLM"),
            "jamba": ("JambaConfig", "JambaForCausalLM"),
-           "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM")}
+           "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
+           "lfm3": ("Lfm3Config", "Lfm3ForCausalLM"),
+           "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM"),
+           "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM"),
+           "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM")}
 
 
 # the published checkpoints' names for one expert's projections: (gate, up, down)

@@ -94,12 +94,17 @@ def test_families_verify_is_steps(family: str, shape: str, tmp_path: Path) -> No
                                           ("kimi_linear", "qlora-groups"),
                                           ("kimi_linear", "plain-q"),
                                           ("bailing_hybrid", "safe-g3"),
-                                          ("bailing_hybrid", "softplus-g2")])
+                                          ("bailing_hybrid", "softplus-g2"),
+                                          ("minimax", "b24-factors"),
+                                          ("minimax", "b16-tied"),
+                                          ("olmo_hybrid", "rope-neg"),
+                                          ("olmo_hybrid", "nope-pos")])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decoder_native_verify_is_steps(family: str, shape: str, dtype: str, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """LFM2's short convolutions, Mamba2, attention, experts, KDA and MLA (with and without
-    rotary positions, q's low rank and the head gate) in ``decoder_verify``."""
+    rotary positions, q's low rank and the head gate), lightning attention and MiniMax's
+    residual, OLMo-Hybrid's Gated DeltaNet and post-norms in ``decoder_verify``."""
     from linserve.model.layers import decoder
 
     def no_fallback(*_: object) -> None:

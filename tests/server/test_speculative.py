@@ -147,10 +147,13 @@ def test_own_models_greedy_and_states_unchanged(name: str, method: str) -> None:
 
 @pytest.mark.parametrize("family,shape", [("qwen3_5", "i4-tied"), ("lfm2", "a2-tied"),
                                           ("granitemoehybrid", "rope-g2"),
-                                          ("kimi_linear", "plain-q"), ("mamba", "tied-r4")])
+                                          ("kimi_linear", "plain-q"), ("mamba", "tied-r4"),
+                                          ("minimax", "b16-tied"), ("olmo_hybrid", "rope-neg"),
+                                          ("lfm3", "w16-gate-sandwich")])
 def test_hf_families_greedy_unchanged(family: str, shape: str, tmp_path: Path) -> None:
-    """Gated DeltaNet, short convolutions, Mamba2, KDA with MLA, Mamba: the same greedy
-    tokens and the same states, bit for bit (in bf16 too)."""
+    """Gated DeltaNet (Qwen's and OLMo's), short convolutions, Mamba2, KDA with MLA, Mamba,
+    lightning attention, a sliding window's ring (verified by steps): the same greedy tokens
+    and the same states, bit for bit (in bf16 too)."""
     path = make(tmp_path, family, shape)
     model = loader.load(path, "bfloat16")
     other = loader.load(make(tmp_path / "draft", family, shape, seed=3), "bfloat16")

@@ -24,6 +24,7 @@ from linserve.model.architectures.family import (
     require_activation,
 )
 from linserve.model.layers.attention import Attention, AttentionShape
+from linserve.model.layers.block import LayerPart
 from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.lightning import LightningAttention
 from linserve.model.layers.moe import RouterSpec, SparseMoE
@@ -82,6 +83,12 @@ class MiniMaxLayer(nn.Module):
 
     def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
         return self.mixer.new_entries(batch, max_context)
+
+    def native_parts(self) -> tuple[LayerPart, LayerPart]:
+        """The two parts as the native step composes them: each from its normed input."""
+        return (LayerPart(self.mixer, self.input_layernorm, None, True, *self.factors),
+                LayerPart(self.mlp, self.post_attention_layernorm, None, True,
+                          *self.mlp_factors))
 
     def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
                 one_token: bool = False, new: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,16 +1,23 @@
 // The whole decode step of a model built from the shared layers (model/layers/decoder.py's
-// DecoderLM of Blocks: LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H, Mamba2, Bamba, Kimi-Linear,
-// Ling) in one native call: one token per
-// row through every layer, then the final norm and the LM head. The eager step dispatches
+// DecoderLM: LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H, Mamba2, Bamba, Kimi-Linear, Ling,
+// MiniMax) in one native call: one token per row through every layer, then the final norm
+// and the LM head. The eager step dispatches
 // ~20 PyTorch operators per layer part; at batch 1 of LFM2-1.2B in int4 that was a third of
 // the step on top of the weight reads.
 //
-// A layer is x += r * mixer(norm_in(x)), then x += r * mlp(norm_post(x)); either part may be
-// absent. Each part is one of the shared layers, as the eager forms compute them
-// (model/layers/attention.py, short_conv.py, mamba2.py, mlp.py):
+// A layer is two parts, the mixer then the MLP, either of which may be absent. A part takes
+// h = norm_before(x) (x itself where there is none), y = norm_after(part(h)) (LFM3's
+// sandwich, OLMo's post-norm; part(h) where there is none), then x = a base + b y, base
+// being x (a = 1, b Granite's residual multiplier: the usual residual) or h (MiniMax's
+// alpha / beta factors). Each part is one of the shared layers, as the eager forms compute
+// them (model/layers/attention.py, short_conv.py, mamba2.py, mlp.py, moe.py, kimi_delta.py,
+// mla.py, lightning.py):
 //   1 attention: qkv [d, (H + 2 Hkv) D]; q / k RMSNorm per head [D] (or empty); rotary on the
 //     first ``rot`` dims (halves rotated; empty inv_freq: none); q times q_scale, k times the
-//     key multiplier; softmax over the row's cache (attention.h); o [H D, d];
+//     key multiplier; softmax over the row's cache (attention.h), or a ring's last W keys
+//     (i1 = W: LFM3's sliding layers); each head times sigmoid(gate x) where a gate [d, H]
+//     is given; o [H D, d]; i0 = 1: the q / k norms are over all heads at once ([H D],
+//     [Hkv D]; OLMo's);
 //   2 short convolution (LFM2): in [d, 3d] to B, C, x; the causal depthwise conv [K, d] over
 //     B x with the window; C times it; out [d, d];
 //   3 Mamba2: in [d, inner + conv + Hm] to z, xBC, dt; conv [K, conv] (+ bias) and SiLU over
@@ -22,29 +29,35 @@
 //     the latent projections in and out (or empty); the experts' own weights are in
 //     ``experts``;
 //   7 Kimi Delta Attention (kimi_delta.py; kda()'s comment has its weights);
-//   8 multi-head latent attention over the latent cache (mla.py; mla()'s comment).
+//   8 multi-head latent attention over the latent cache (mla.py; mla()'s comment);
+//   9 lightning attention (lightning.py; lightning()'s comment);
+//   10 Gated DeltaNet (gated_delta.py's DeltaMixer; gated_delta()'s comment).
 // Activations stay fp32 between layers; weights are as model/invariant.py packs them (fp32,
-// bf16, int8, int4, GGUF's blocks), projected by dense.h. Every row is computed by its own loops in a fixed
-// order, so a row's logits do not depend on the rows beside it (batch invariance).
+// bf16, int8, int4, GGUF's blocks), projected by dense.h. Every row is computed by its own
+// loops in a fixed order, so a row's logits do not depend on the rows beside it (batch
+// invariance).
 //
 // Arguments (B rows):
 //   tokens [B] int64, lengths [B] int64 (each row's position before this token);
-//   weights: embed, head (packed), final norm [d]; then per layer and present part, its norm
-//     and as many weights as its ints say (the mixer's, then the MLP's), in the order above;
-//   state: per layer two tensors: attention (k, v [B, Hkv, cap, D]); short conv (window
+//   weights: embed, head (packed), final norm [d]; then per layer and present part (the
+//     mixer's, then the MLP's) its norm before and its norm after (each [d] or empty), then
+//     as many weights as its ints say, in the order above;
+//   state: per layer two tensors: attention (k, v [B, Hkv, cap, D]; a ring: cap <= W, slot
+//     p mod W); short conv (window
 //     [B, K-1, d], empty); Mamba2 (S [B, Hm, P, N], window [B, K-1, conv]); KDA (S
 //     [B, H, Dk, Dk], window [B, K-1, 3 H Dk]); MLA (latents [B, 1, cap, R + rope], a
-//     zero-wide value cache); else empty;
+//     zero-wide value cache); lightning (S [B, H, D, D], empty); Gated DeltaNet (S
+//     [B, Hv, Dk, Dv], window [B, K-1, C]); else empty;
 //     updated in place (lengths are not: the caller advances them);
 //   experts: every MoE layer's experts, (gate_up or up, down) per expert, layer after layer;
-//   ints, per layer 10: (kind, weights, i0, i1, i2) of the mixer then of the MLP (kind 0: the
-//     part is absent and takes no weights; SwiGLU / ReLU^2:
-//     i0 = f; Mamba2: i0 = norm before gate, i1 = gated norm; experts: i0 = the layer's first
-//     tensor in ``experts``, i1 = top k, i2 = moe.h's Router in bits (sparse_experts));
-//   floats, per layer 9: the residual scale, then (eps of the part's norm, f0, f1, f2) of each
-//     part (attention: q scale, key multiplier, q/k norm eps; Mamba2: dt min, dt max, the
-//     gated norm's eps; experts: the top-k norm's eps, the routed scaling factor);
-//   dims: d, H, Hkv, D, rot, Hm, P, N, G;
+//   ints, per layer 12: per part (kind, weights, base, i0, i1, i2): kind 0 an absent part
+//     (no weights), base 1 the normed h; SwiGLU / ReLU^2: i0 = f; Mamba2: i0 = norm before
+//     gate, i1 = gated norm; experts: i0 = the layer's first tensor in ``experts``, i1 = top
+//     k, i2 = moe.h's Router in bits (sparse_experts); KDA, MLA, lightning: their comments;
+//   floats, per layer 14: per part (the norms' eps before and after, a, b, f0, f1, f2)
+//     (attention: q scale, key multiplier, q/k norm eps; Mamba2: dt min, dt max, the gated
+//     norm's eps; experts: the top-k norm's eps, the routed scaling factor);
+//   dims: d, H, Hkv, D, (unused: rot is the inv_freq's), Hm, P, N, G;
 //   scalars: final norm eps, embedding scale, logits scale (logits are divided by it).
 // Returns logits [B, V] fp32. decoder_verify is the same model over T tokens per row
 // (speculative decoding's verify; see Positions below and qwen35_step.cpp's header).
@@ -70,12 +83,14 @@
 
 namespace decoder_step_cpp {  // named, not anonymous: unity units (build.py) join sources
 
-constexpr int64_t kPartInts = 5;  // kind, its weights' count, i0, i1, i2
+constexpr int64_t kPartInts = 6;    // kind, its weights' count, the residual's base, i0-i2
+constexpr int64_t kPartFloats = 7;  // the two norms' eps, the residual's a and b, f0-f2
 constexpr int64_t kInts = 2 * kPartInts;
-constexpr int64_t kFloats = 9;
+constexpr int64_t kFloats = 2 * kPartFloats;
 
 enum Kind : int64_t {
-  kNone = 0, kAttention, kShortConv, kMamba2, kSwiGLU, kReluSquared, kExperts, kKda, kMla
+  kNone = 0, kAttention, kShortConv, kMamba2, kSwiGLU, kReluSquared, kExperts, kKda, kMla,
+  kLightning, kGatedDelta
 };
 
 struct Dims {
@@ -84,15 +99,27 @@ struct Dims {
 
 struct Part {
   int64_t kind, i0, i1, i2;
-  float eps, f0, f1, f2;
+  float f0, f1, f2;
 };
 
-// x += r * y (y [B, d]).
-void add_scaled(at::Tensor& x, const at::Tensor& y, float r) {
+// How a part joins the residual stream x: h = pre(x) (or x where there is no norm before),
+// y = post(part(h)) (or part(h)), then x = base a + y b, base being x or (MiniMax) h.
+struct Residual {
+  bool from_normed;
+  double pre_eps, post_eps;
+  float a, b;
+};
+
+// x = a x + b y, in place (y [B, d]); a = 1 adds b y alone (the usual residual's bits).
+void add_scaled(at::Tensor& x, const at::Tensor& y, float a, float b) {
   float* xp = x.data_ptr<float>();
   const float* yp = y.data_ptr<float>();
   const int64_t n = x.numel();
-  for (int64_t i = 0; i < n; ++i) xp[i] += r * yp[i];
+  if (a == 1.f) {
+    for (int64_t i = 0; i < n; ++i) xp[i] += b * yp[i];
+  } else {
+    for (int64_t i = 0; i < n; ++i) xp[i] = a * xp[i] + b * yp[i];
+  }
 }
 
 // q heads into q [B, H, D]; k and v into the cache at each row's position; norms, rotary
@@ -100,31 +127,54 @@ void add_scaled(at::Tensor& x, const at::Tensor& y, float r) {
 void write_qkv(const at::Tensor& qkv, const at::Tensor* w, at::Tensor& kc, at::Tensor& vc,
                const int64_t* lengths, const Dims& m, const Part& p, std::vector<float>& q) {
   const int64_t rows = qkv.size(0), width = qkv.size(1), dh = m.head, cap = kc.size(2);
-  const float* src = qkv.data_ptr<float>();
-  const bool qk_norm = w[1].numel() > 0, rope = w[4].numel() > 0;
+  const bool whole = p.i0 != 0;  // the q / k norms over all heads at once (OLMo's)
+  const bool qk_norm = w[1].numel() > 0 && !whole, rope = w[4].numel() > 0;
+  at::Tensor src_t = qkv;
+  if (whole) {
+    src_t = qkv.clone();
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = src_t.data_ptr<float>() + r * width;
+      linserve::rms_row(row, w[1].data_ptr<float>(), m.h * dh, p.f2);
+      linserve::rms_row(row + m.h * dh, w[2].data_ptr<float>(), m.hkv * dh, p.f2);
+    }
+  }
+  const float* src = src_t.data_ptr<float>();
+  const int64_t rot = 2 * w[4].size(0);  // proportional RoPE: the whole head
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t pos = lengths[r];
-    TORCH_CHECK(pos < cap, "decoder_step: the KV cache is full (reserve first)");
+    const int64_t pos = lengths[r], slot = p.i1 > 0 ? pos % p.i1 : pos;  // a ring: pos mod W
+    TORCH_CHECK(slot < cap, "decoder_step: the KV cache is full (reserve first)");
     const float* row = src + r * width;
     for (int64_t h = 0; h < m.h; ++h) {
       float* qh = q.data() + (r * m.h + h) * dh;
       std::memcpy(qh, row + h * dh, dh * sizeof(float));
       if (qk_norm) linserve::rms_row(qh, w[1].data_ptr<float>(), dh, p.f2);
-      if (rope) linserve::rotate_half(qh, w[4].data_ptr<float>(), m.rot, pos);
+      if (rope) linserve::rotate_half(qh, w[4].data_ptr<float>(), rot, pos);
       if (p.f0 != 1.f)
         for (int64_t i = 0; i < dh; ++i) qh[i] *= p.f0;
     }
     for (int64_t g = 0; g < m.hkv; ++g) {
-      float* kd = kc.data_ptr<float>() + ((r * m.hkv + g) * cap + pos) * dh;
-      float* vd = vc.data_ptr<float>() + ((r * m.hkv + g) * cap + pos) * dh;
+      float* kd = kc.data_ptr<float>() + ((r * m.hkv + g) * cap + slot) * dh;
+      float* vd = vc.data_ptr<float>() + ((r * m.hkv + g) * cap + slot) * dh;
       std::memcpy(kd, row + m.h * dh + g * dh, dh * sizeof(float));
       std::memcpy(vd, row + (m.h + m.hkv) * dh + g * dh, dh * sizeof(float));
       if (qk_norm) linserve::rms_row(kd, w[2].data_ptr<float>(), dh, p.f2);
-      if (rope) linserve::rotate_half(kd, w[4].data_ptr<float>(), m.rot, pos);
+      if (rope) linserve::rotate_half(kd, w[4].data_ptr<float>(), rot, pos);
       if (p.f1 != 1.f)
         for (int64_t i = 0; i < dh; ++i) kd[i] *= p.f1;
     }
   }
+}
+
+// o [N, H D] times sigmoid(gate) [N, H], each head's D values by its row's gate.
+void gate_heads(at::Tensor& o, const at::Tensor& gate, int64_t dh) {
+  const int64_t all = o.size(0), heads = gate.size(1);
+  float* out = o.data_ptr<float>();
+  const float* g = gate.data_ptr<float>();
+  for (int64_t row = 0; row < all; ++row)
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      const float s = 1.f / (1.f + std::exp(-g[row * heads + hh]));
+      for (int64_t v = 0; v < dh; ++v) out[(row * heads + hh) * dh + v] *= s;
+    }
 }
 
 // A verify's positions: h holds T positions of B rows, position-major (row t B + b is row
@@ -143,8 +193,31 @@ struct Positions {
   }
 };
 
-// Weights: qkv, q_norm, k_norm, o, inv_freq. h [T B, d] -> [T B, d]; position t of row r at
-// cache position lengths[r] + t.
+// One key-value group of one row over its cache up to position ``at`` (attend_group): a
+// ring's (W = window > 0) full slots are read in position order, as a prefill reads them.
+void attend_cached(const float* q, const float* keys, const float* values, int64_t rep,
+                   int64_t at, int64_t window, int64_t dh, float* out) {
+  int64_t n = at + 1;
+  std::vector<float> ordered;
+  if (window > 0 && n > window) {
+    n = window;
+    const int64_t first = (at + 1) % window;  // the oldest position's slot
+    ordered.resize(2 * n * dh);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t slot = (first + j) % window;
+      std::memcpy(ordered.data() + j * dh, keys + slot * dh, dh * sizeof(float));
+      std::memcpy(ordered.data() + (n + j) * dh, values + slot * dh, dh * sizeof(float));
+    }
+    keys = ordered.data();
+    values = ordered.data() + n * dh;
+  }
+  std::vector<float> scores(std::min(rep, linserve::kGroupHeads) * n);
+  linserve::attend_group(q, keys, values, rep, n, dh, out, scores.data());
+}
+
+// Weights: qkv, q_norm, k_norm, o, inv_freq, the head gate [d, H] (or empty: none).
+// p.i0: the q / k norms over all heads; p.i1: the window W of a ring of keys (0: a growing
+// cache). h [T B, d] -> [T B, d]; position t of row r at cache position lengths[r] + t.
 at::Tensor attention(const at::Tensor& h, const at::Tensor* w, at::Tensor& kc, at::Tensor& vc,
                      const int64_t* lengths, const Dims& m, const Part& p,
                      const Positions& pos) {
@@ -158,17 +231,16 @@ at::Tensor attention(const at::Tensor& h, const at::Tensor* w, at::Tensor& kc, a
     float* o_t = o.data_ptr<float>() + t * rows * m.h * dh;
     at::parallel_for(0, rows * m.hkv, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t r = task / m.hkv, g = task % m.hkv, len = at_pos[r] + 1;
-        std::vector<float> scores(std::min(rep, linserve::kGroupHeads) * len);
+        const int64_t r = task / m.hkv, g = task % m.hkv;
         const int64_t at_group = (r * m.hkv + g) * cap * dh;
-        linserve::attend_group(q.data() + (r * m.h + g * rep) * dh,
-                               kc.data_ptr<float>() + at_group,
-                               vc.data_ptr<float>() + at_group, rep, len, dh,
-                               o_t + (r * m.h + g * rep) * dh, scores.data());
+        attend_cached(q.data() + (r * m.h + g * rep) * dh, kc.data_ptr<float>() + at_group,
+                      vc.data_ptr<float>() + at_group, rep, at_pos[r], p.i1, dh,
+                      o_t + (r * m.h + g * rep) * dh);
       }
     });
     for (int64_t& at : at_pos) ++at;
   }
+  if (w[5].numel() > 0) gate_heads(o, linserve::project(h, w[5]), dh);
   return linserve::project(o, w[3]);
 }
 
@@ -447,15 +519,7 @@ at::Tensor mla_out(const at::Tensor& h, const at::Tensor& att, const at::Tensor*
       }
     }
   });
-  if (w[8].numel() > 0) {
-    const at::Tensor g = linserve::project(h, w[8]);
-    float* out = heads_out.data_ptr<float>();
-    for (int64_t row = 0; row < all; ++row)
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        const float s = 1.f / (1.f + std::exp(-g.data_ptr<float>()[row * heads + hh]));
-        for (int64_t v = 0; v < vdim; ++v) out[(row * heads + hh) * vdim + v] *= s;
-      }
-  }
+  if (w[8].numel() > 0) gate_heads(heads_out, linserve::project(h, w[8]), vdim);
   return linserve::project(heads_out, w[7]);
 }
 
@@ -506,6 +570,68 @@ at::Tensor mla(const at::Tensor& h, const at::Tensor* w, at::Tensor& kc,
   return mla_out(h, att, w, heads, rank, width, vdim);
 }
 
+// Lightning attention (lightning.py). Weights: qkv [d, 3 H D] (each head's q | k | v), the
+// output gate [d, H D], the norm over all heads [H D], out [H D, d], each head's log-rate
+// [H] fp32. p.i0 heads, p.i1 D; p.f0 the norm's eps. Per head S = e^-rate S + v k^T,
+// y = S q (mamba2.h's row update with dt = 1, as the eager form's scan). State: S
+// [B, H, D, D]. h [T B, d] -> [T B, d].
+at::Tensor lightning(const at::Tensor& h, const at::Tensor* w, at::Tensor& s, const Part& p,
+                     const Positions& pos) {
+  const int64_t all = h.size(0), rows = all / pos.count, heads = p.i0, dh = p.i1;
+  const int64_t width = heads * dh;
+  at::Tensor qkv = linserve::project(h, w[0]);
+  float* qkv_p = qkv.data_ptr<float>();
+  for (int64_t i = 0; i < qkv.numel(); ++i) qkv_p[i] = linserve::gdn::silu(qkv_p[i]);
+  at::Tensor y = at::empty({all, width}, h.options());
+  const float* log_rate = w[4].data_ptr<float>();
+  for (int64_t t = 0; t < pos.count; ++t) {
+    at::parallel_for(0, rows * heads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t r = task / heads, hh = task % heads, row = t * rows + r;
+        const float* in = qkv_p + row * 3 * width + hh * 3 * dh;  // q | k | v
+        const float decay = std::exp(-std::exp(log_rate[hh]));
+        float* sh = s.data_ptr<float>() + (r * heads + hh) * dh * dh;
+        float* out = y.data_ptr<float>() + row * width + hh * dh;
+        for (int64_t i = 0; i < dh; ++i)
+          out[i] = linserve::mamba2::ssm_row<true>(sh + i * dh, in + dh, in, decay,
+                                                   in[2 * dh + i], dh);
+      }
+    });
+    pos.keep(t, s, at::Tensor());
+  }
+  const at::Tensor gate = linserve::project(h, w[1]);
+  at::Tensor o = linserve::normed(y, w[2], p.f0);
+  float* o_p = o.data_ptr<float>();
+  const float* g_p = gate.data_ptr<float>();
+  for (int64_t i = 0; i < o.numel(); ++i) o_p[i] *= 1.f / (1.f + std::exp(-g_p[i]));
+  return linserve::project(o, w[3]);
+}
+
+// Gated DeltaNet (gated_delta.py, OLMo-Hybrid's linear layers; gdn.h's step, Qwen3.5's
+// arithmetic). Weights: in [d, C + Hv Dv + 2 Hv] (q, k, v, then z, b, a), conv [K, C],
+// A_log and dt_bias [Hv] fp32, the gated norm [Dv], out [Hv Dv, d]. p.i0 key heads, p.i1 Dk;
+// p.f0 the norm's eps, p.f1 beta's scale. State: S [B, Hv, Dk, Dv], window [B, K-1, C].
+// h [T B, d] -> [T B, d].
+at::Tensor gated_delta(const at::Tensor& h, const at::Tensor* w, at::Tensor& s,
+                       at::Tensor& window, const Part& p, const Positions& pos) {
+  const int64_t all = h.size(0), rows = all / pos.count, hv = w[2].size(0), dv = w[4].size(0);
+  const int64_t dk = p.i1, c_len = 2 * p.i0 * dk + hv * dv, width = c_len + hv * dv + 2 * hv;
+  const linserve::gdn::Shape sh{p.i0, hv, dk, dv, c_len, w[1].size(0), p.f0, p.f1};
+  const at::Tensor proj = linserve::project(h, w[0]);
+  at::Tensor y = at::empty({all, hv * dv}, h.options());
+  for (int64_t t = 0; t < pos.count; ++t) {
+    const float* mixed = proj.data_ptr<float>() + t * rows * width;
+    const linserve::gdn::Inputs in{mixed, mixed + c_len, mixed + c_len + hv * dv + hv,
+                                   mixed + c_len + hv * dv, width};
+    linserve::gdn::step(in, window.data_ptr<float>(), w[1].data_ptr<float>(),
+                        w[2].data_ptr<float>(), w[3].data_ptr<float>(), s.data_ptr<float>(),
+                        w[4].data_ptr<float>(), y.data_ptr<float>() + t * rows * hv * dv, rows,
+                        sh);
+    pos.keep(t, s, window);
+  }
+  return linserve::project(y, w[5]);
+}
+
 // One part of a layer on h = norm(x): the mixer or MLP it is.
 at::Tensor run_part(const at::Tensor& h, const at::Tensor* w, const at::Tensor* experts,
                     at::Tensor& a, at::Tensor& b, const int64_t* lengths, const Dims& m,
@@ -519,8 +645,23 @@ at::Tensor run_part(const at::Tensor& h, const at::Tensor* w, const at::Tensor* 
     case kExperts: return sparse_experts(h, w, experts, p);
     case kKda: return kda(h, w, a, b, p, pos);
     case kMla: return mla(h, w, a, lengths, p, pos);
+    case kLightning: return lightning(h, w, a, p, pos);
+    case kGatedDelta: return gated_delta(h, w, a, b, p, pos);
     default: TORCH_CHECK(false, "decoder_step: unknown part kind ", p.kind);
   }
+}
+
+// One part of a layer and its residual (Residual's comment); w: the norm before, the norm
+// after (each empty where there is none), then the part's weights. x [T B, d] -> [T B, d].
+at::Tensor layer_part(at::Tensor x, const at::Tensor* w, const at::Tensor* experts,
+                      at::Tensor& a, at::Tensor& b, const int64_t* len, const Dims& m,
+                      const Part& p, const Residual& r, const Positions& pos) {
+  at::Tensor h = w[0].numel() > 0 ? linserve::normed(x, w[0], r.pre_eps) : x;
+  at::Tensor y = run_part(h, w + 2, experts, a, b, len, m, p, pos);
+  if (w[1].numel() > 0) y = linserve::normed(y, w[1], r.post_eps);
+  at::Tensor base = r.from_normed ? h : x;
+  add_scaled(base, y, r.a, r.b);
+  return base;
 }
 
 // The whole model over T positions of B rows (tokens [T B], position-major); snaps: per
@@ -537,7 +678,7 @@ at::Tensor forward(const at::Tensor& tokens, at::TensorList weights, at::TensorL
   for (int64_t l = 0; l < layers; ++l)
     for (int64_t part = 0; part < 2; ++part) {
       const int64_t* i = ints.data() + l * kInts + kPartInts * part;
-      slots += i[0] == kNone ? 0 : 1 + i[1];
+      slots += i[0] == kNone ? 0 : 2 + i[1];
     }
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == slots &&
                   static_cast<int64_t>(state.size()) == 2 * layers &&
@@ -556,7 +697,6 @@ at::Tensor forward(const at::Tensor& tokens, at::TensorList weights, at::TensorL
   std::vector<at::Tensor> snap(snaps.begin(), snaps.end());
   const at::Tensor* w = weights.data() + 3;
   for (int64_t l = 0; l < layers; ++l) {
-    const double* f = floats.data() + l * kFloats;
     at::Tensor a = state[2 * l], b = state[2 * l + 1];
     Positions pos{positions};
     if (!snap.empty() && snap[2 * l].numel() > 0) {
@@ -565,14 +705,14 @@ at::Tensor forward(const at::Tensor& tokens, at::TensorList weights, at::TensorL
     }
     for (int64_t part = 0; part < 2; ++part) {
       const int64_t* i = ints.data() + l * kInts + kPartInts * part;
-      const double* pf = f + 1 + 4 * part;
-      const Part p{i[0], i[2], i[3], i[4], static_cast<float>(pf[0]), static_cast<float>(pf[1]),
-                   static_cast<float>(pf[2]), static_cast<float>(pf[3])};
+      const double* pf = floats.data() + l * kFloats + kPartFloats * part;
+      const Part p{i[0], i[3], i[4], i[5], static_cast<float>(pf[4]), static_cast<float>(pf[5]),
+                   static_cast<float>(pf[6])};
       if (p.kind == kNone) continue;
-      const at::Tensor y = run_part(linserve::normed(x, w[0], p.eps), w + 1, experts.data(), a,
-                                    b, len, m, p, pos);
-      add_scaled(x, y, static_cast<float>(f[0]));
-      w += 1 + i[1];
+      const Residual r{i[2] != 0, pf[0], pf[1], static_cast<float>(pf[2]),
+                       static_cast<float>(pf[3])};
+      x = layer_part(x, w, experts.data(), a, b, len, m, p, r, pos);
+      w += 2 + i[1];
     }
   }
   at::Tensor logits = linserve::project(linserve::normed(x, weights[2], scalars[0]), weights[1]);

@@ -6,7 +6,7 @@ importer."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -20,6 +20,19 @@ class Mixer(Protocol):
              ) -> torch.Tensor: ...
 
     def new_entries(self, batch: int, max_context: int) -> dict[str, Any]: ...
+
+
+class LayerPart(NamedTuple):
+    """One part of a layer as the native step composes it: ``h = pre(x)`` (x where ``pre``
+    is None), ``y = post(module(h))`` (``module(h)`` where ``post`` is None), then
+    ``x = a·(h if from_normed else x) + b·y``. ``module`` None: the part is absent."""
+
+    module: nn.Module | None
+    pre: nn.Module | None = None
+    post: nn.Module | None = None
+    from_normed: bool = False
+    a: float = 1.0
+    b: float = 1.0
 
 
 @torch.inference_mode()
@@ -69,6 +82,17 @@ class Block(nn.Module):
 
     def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
         return self.mixer.new_entries(batch, max_context) if self.stateful else {}
+
+    def native_parts(self) -> tuple[LayerPart, LayerPart]:
+        """The mixer and the MLP as the native step composes them (:class:`LayerPart`)."""
+        def part(present: bool, name: str, pre: str, post: str) -> LayerPart:
+            if not present:
+                return LayerPart(None)
+            return LayerPart(getattr(self, name), getattr(self, pre) if self.pre_norms else None,
+                             getattr(self, post) if self.sandwich else None,
+                             b=float(self.residual_scale))
+        return (part(self.has_mixer, "mixer", "input_layernorm", "post_mixer_norm"),
+                part(self.has_mlp, "mlp", "post_attention_layernorm", "post_mlp_norm"))
 
     def _residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x + y * self.residual_scale if self.residual_scale != 1.0 else x + y

@@ -21,8 +21,10 @@ from torch import nn
 
 from linserve.model import invariant
 from linserve.model.layers.attention import Attention
-from linserve.model.layers.block import Block
+from linserve.model.layers.block import LayerPart
+from linserve.model.layers.gated_delta import DeltaMixer
 from linserve.model.layers.kimi_delta import KimiDeltaAttention
+from linserve.model.layers.lightning import LightningAttention
 from linserve.model.layers.mamba2 import Mamba2
 from linserve.model.layers.mla import LatentAttention
 from linserve.model.layers.mlp import ReluSquaredMLP, SwiGLU
@@ -32,7 +34,8 @@ from linserve.model.layers.short_conv import ShortConv
 from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
 from linserve.model.verify import Trail
 
-ATTENTION, SHORT_CONV, MAMBA2, SWIGLU, RELU_SQUARED, EXPERTS, KDA, MLA = range(1, 9)
+(ATTENTION, SHORT_CONV, MAMBA2, SWIGLU, RELU_SQUARED, EXPERTS, KDA, MLA, LIGHTNING,
+ GATED_DELTA) = range(1, 11)
 PART_INTS = 3  # ints a part takes after its kind and its weights' count
 EMPTY = torch.empty(0)
 
@@ -68,18 +71,20 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _attention(m: Attention) -> tuple[Part, tuple[int, ...]] | None:
+    """Attention: qkv, the q / k norms (per head, or over all heads), o, the rotary
+    frequencies, the head gate; a sliding window's ring by its W."""
     s = m.shape
-    if (s.bias or s.out_bias or s.head_dim % 16 or s.out_dim is not None or s.head_gate
-            or s.window or s.qk_norm_whole):
+    if s.bias or s.out_bias or s.head_dim % 16 or s.out_dim is not None:
         return None
     norms = [m.q_norm.scale().contiguous(), m.k_norm.scale().contiguous()] if s.qk_norm \
         else [EMPTY, EMPTY]
     eps = float(m.q_norm.eps) if s.qk_norm else 0.0
     freqs = EMPTY if m.freqs is None else m.freqs.contiguous()
-    part = Part(ATTENTION, [m.qkv_weight(), *norms, invariant.packed(m.o_proj), freqs],
+    gate = invariant.packed(m.g_proj) if s.head_gate else EMPTY
+    part = Part(ATTENTION, [m.qkv_weight(), *norms, invariant.packed(m.o_proj), freqs, gate],
+                ints=(int(s.qk_norm and s.qk_norm_whole), s.window),
                 floats=(m.q_scale, s.key_multiplier, eps))
-    rot = 0 if m.freqs is None else 2 * m.freqs.shape[0]  # proportional: the whole head
-    return part, (s.heads, s.kv_heads, s.head_dim, rot)
+    return part, (s.heads, s.kv_heads, s.head_dim, 0)  # rot: each part's inv_freq's
 
 
 def _short_conv(m: ShortConv) -> tuple[Part, tuple[int, ...]] | None:
@@ -139,6 +144,28 @@ def _mla(m: LatentAttention) -> tuple[Part, tuple[int, ...]] | None:
                       invariant.packed(m.o_proj), gate, freqs], ints=(s.rope_dim,)), ()
 
 
+def _lightning(m: LightningAttention) -> tuple[Part, tuple[int, ...]] | None:
+    """Lightning attention: qkv, the output gate, the norm over all heads, out, each head's
+    log-rate."""
+    if type(m.norm) is not RMSNorm:
+        return None
+    return Part(LIGHTNING, [invariant.packed(m.qkv_proj), invariant.packed(m.output_gate),
+                            m.norm.scale().contiguous(), invariant.packed(m.out_proj),
+                            _f32(m.log_rate)],
+                ints=(m.heads, m.head_dim), floats=(float(m.norm.eps), 0.0, 0.0)), ()
+
+
+def _gated_delta(m: DeltaMixer) -> tuple[Part, tuple[int, ...]] | None:
+    """Gated DeltaNet: the four input projections as one weight, the conv kernels
+    ``[K, C]``, A_log, dt_bias, the gated norm, out."""
+    d = m.delta
+    sh = d.shape
+    return Part(GATED_DELTA, [d.in_weight(), d.conv_weight(), _f32(d.A_log), _f32(d.dt_bias),
+                              _f32(d.norm.weight), invariant.packed(d.out_proj)],
+                ints=(sh.key_heads, sh.head_k_dim),
+                floats=(float(sh.eps), float(sh.beta_scale), 0.0)), ()
+
+
 def _mlp(kind: int) -> Callable[[SwiGLU | ReluSquaredMLP], tuple[Part, tuple[int, ...]] | None]:
     """The describer of a dense MLP of ``kind`` (SWIGLU or RELU_SQUARED): its two GEMM
     weights and its hidden size."""
@@ -166,21 +193,34 @@ def describe_experts(m: SparseMoE) -> tuple[Part, tuple[int, ...]] | None:
 
 DESCRIBE: dict[type, Any] = {Attention: _attention, ShortConv: _short_conv, Mamba2: _mamba2,
                              KimiDeltaAttention: _kda, LatentAttention: _mla,
+                             LightningAttention: _lightning, DeltaMixer: _gated_delta,
                              SwiGLU: _mlp(SWIGLU), ReluSquaredMLP: _mlp(RELU_SQUARED),
                              SparseMoE: describe_experts}
 SHAPE_OF = {ATTENTION: "attention", MAMBA2: "mamba2"}
 
 
-def _part(module: nn.Module | None, norm: nn.Module | None, out: Plan
+def _norm(norm: nn.Module | None) -> tuple[torch.Tensor, float] | None:
+    """A part's norm as the kernel takes it (empty: none); None if not an RMSNorm."""
+    if norm is None:
+        return EMPTY, 0.0
+    if type(norm) is not RMSNorm:
+        return None
+    return norm.scale().contiguous(), float(norm.eps)
+
+
+def _part(layer_part: LayerPart, out: Plan
           ) -> tuple[list[torch.Tensor], list[int], list[float]] | None:
-    """A layer part's slots (norm first; none for an absent part), ints (kind and the weights'
-    count first) and floats (eps first); None if
-    the kernel cannot run it. Records the part's shape in ``out.shapes`` (one per kind) and
-    appends its experts to ``out.experts``."""
+    """A layer part's slots (its norms before and after, then its weights; none for an
+    absent part), ints (kind, the weights' count, the residual's base, then the kind's) and
+    floats (the norms' eps, the residual's a and b, then the kind's); None if the kernel
+    cannot run it. Records the part's shape in ``out.shapes`` (one per kind) and appends its
+    experts to ``out.experts``."""
+    module = layer_part.module
     if module is None:
-        return [], [0] * (2 + PART_INTS), [0.0] * 4
+        return [], [0] * (3 + PART_INTS), [0.0] * 7
     describe = DESCRIBE.get(type(module))
-    if describe is None or type(norm) is not RMSNorm:
+    pre, post = _norm(layer_part.pre), _norm(layer_part.post)
+    if describe is None or pre is None or post is None:
         return None
     found = describe(module)
     if found is None:
@@ -189,13 +229,13 @@ def _part(module: nn.Module | None, norm: nn.Module | None, out: Plan
     name = SHAPE_OF.get(part.kind)
     if name is not None and out.shapes.setdefault(name, shape) != shape:
         return None  # one shape per kind: the kernel takes them as dims
-    assert norm is not None
-    slots = [norm.scale().contiguous(), *part.weights]
     ints = list(part.ints) + [0] * (PART_INTS - len(part.ints))
     if part.experts:
         ints[0] = len(out.experts)
         out.experts += part.experts
-    return slots, [part.kind, len(part.weights), *ints], [float(norm.eps), *part.floats]
+    return ([pre[0], post[0], *part.weights],
+            [part.kind, len(part.weights), int(layer_part.from_normed), *ints],
+            [pre[1], post[1], layer_part.a, layer_part.b, *part.floats])
 
 
 def plan(model: Any) -> Plan | None:
@@ -209,17 +249,15 @@ def plan(model: Any) -> Plan | None:
     out = Plan([invariant.embedding_table(emb), head, model.model.norm.scale().contiguous()],
                [], [], [], [])
     for layer in model.model.layers:
-        if type(layer) is not Block or layer.sandwich:
+        native_parts = getattr(layer, "native_parts", None)
+        if native_parts is None:
             return None
-        parts = [_part(layer.mixer if layer.has_mixer else None,
-                       layer.input_layernorm if layer.has_mixer else None, out),
-                 _part(layer.mlp if layer.has_mlp else None,
-                       layer.post_attention_layernorm if layer.has_mlp else None, out)]
-        described = [p for p in parts if p is not None]
-        if len(described) < 2:
+        described = [_part(part, out) for part in native_parts()]
+        if any(d is None for d in described):
             return None
-        out.floats.append(float(layer.residual_scale))
-        for slots, ints, floats in described:
+        for found in described:
+            assert found is not None
+            slots, ints, floats = found
             out.weights += slots
             out.ints += ints
             out.floats += floats
@@ -232,16 +270,18 @@ def plan(model: Any) -> Plan | None:
 
 def state_tensors(state: State) -> list[torch.Tensor] | None:
     """Each layer's two state tensors as the kernel takes them (None: a layout it does not
-    take, as a sliding window's ring of keys)."""
+    take)."""
     out: list[torch.Tensor] = []
     for entries in state.layers:
         kv, rec, conv = entries.get("kv"), entries.get("recurrent"), entries.get("conv")
-        if isinstance(kv, KVEntry) and not kv.window:
+        if isinstance(kv, KVEntry):
             out += [kv.k, kv.v]
         elif isinstance(rec, RecurrentEntry) and isinstance(conv, ConvEntry):
             out += [rec.s, conv.window]
         elif isinstance(conv, ConvEntry) and len(entries) == 1:
             out += [conv.window, EMPTY]
+        elif isinstance(rec, RecurrentEntry) and len(entries) == 1 and rec.z is None:
+            out += [rec.s, EMPTY]
         elif not entries:
             out += [EMPTY, EMPTY]
         else:
@@ -261,10 +301,11 @@ def step(p: Plan, tokens: torch.Tensor, state: State) -> torch.Tensor | None:
 
 def verify(p: Plan, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, Trail] | None:
     """A native verify (tokens ``[B, T]`` -> logits ``[B, T, V]`` and the trail, the state
-    advanced by all T in place but for its lengths), or None as :func:`step`."""
+    advanced by all T in place but for its lengths), or None as :func:`step` and where a
+    sliding window's ring holds keys (the caller then verifies by steps)."""
     tensors = state_tensors(state)
-    if tensors is None:
-        return None
+    if tensors is None or any(e.window for e in state.kv_entries):
+        return None  # a ring overwrites keys a rejected draft's rollback would need
     b, t = tokens.shape
     recurrent = [not any(isinstance(e, KVEntry) for e in entries.values())
                  for entries in state.layers]
