@@ -77,6 +77,12 @@ def give_blocks(weight: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     _block_values[weight.data_ptr()] = (q, scales, fmt)
 
 
+def pending_blocks() -> int:
+    """How many given weights' blocks are still waiting to be packed (0 once a model is
+    loaded: each is dropped as its weight is packed)."""
+    return len(_block_values)
+
+
 def quantization() -> str:
     """The quantization :func:`pack` applies."""
     return _quantization[0]
@@ -155,16 +161,15 @@ def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
 
 def _given_blocks(parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     """The quantized GEMM weight of ``parts`` side by side, when every part's values were
-    given (:func:`give_blocks`) in one format; None otherwise."""
-    given = [_block_values.get(p.data_ptr()) for p in parts]
+    given (:func:`give_blocks`) in one format; None otherwise (then packed from the floats).
+    Either way the parts' given values are dropped: their weight is packed now."""
+    given = [_block_values.pop(p.data_ptr(), None) for p in parts]
     if not all(given) or len({g[2] for g in given if g}) != 1 or not kernels.load():
         return None
     q = torch.cat([g[0] for g in given if g]).t().contiguous()
     scales = torch.cat([g[1] for g in given if g])  # [out, in / 32] or [out, in / 32, 2]
     scales = (scales.t() if scales.dim() == 2 else scales.permute(2, 1, 0)).contiguous()
     fmt = next(g[2] for g in given if g)
-    for p in parts:
-        _block_values.pop(p.data_ptr(), None)
     return cast(torch.Tensor, torch.ops.linserve.pack_quantized(q, scales, fmt))
 
 

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from bench import llamacpp_assets
-from linserve.model import loader, quantize
+from linserve.model import invariant, loader, quantize
 from linserve.model.gguf import vocab
 from linserve.model.gguf.checkpoint import NATIVE, SERVED, dequantize
 from linserve.model.gguf.files import Tensor, open_model
@@ -207,6 +207,7 @@ def test_a_block_file_runs_on_its_blocks_and_dtype_dequantizes(
     want = _logits(flat, ids)
     torch.testing.assert_close(_logits(q4, ids), want, rtol=0, atol=0)  # float32: dequantized
     native = loader.load(q4, dtype="auto")
+    assert invariant.pending_blocks() == 0  # the untied table's blocks were never kept
     # int4 / q8 matrices (the embedding table stays in floats for its lookups)
     ratio = {"Q4_0": 0.7, "Q8_0": 0.8, "Q4_1": 0.75, "Q5_0": 0.85}[qtype.name]
     assert native.info.weight_bytes < ratio * loader.load(flat, dtype="auto").info.weight_bytes

@@ -158,9 +158,12 @@ class GGUFCheckpoint:
         """A matrix ``[out, in]`` in one of the :data:`NATIVE` formats as the quantized
         GEMM's values: q ``[out, in]`` int8, its scales (:func:`block_values`) and the GEMM
         format: the same numbers, so it is repacked, not quantized again. None for any
-        other tensor, one the converter transformed, or a Q8_0 block holding −128 (the AVX2
-        product takes each value's sign apart, and −128 has no positive twin; such a matrix
-        is dequantized)."""
+        other tensor, one the converter transformed, an untied embedding table (never a
+        GEMM's: its rows are read from the dequantized table), or a Q8_0 block holding −128
+        (the AVX2 product takes each value's sign apart, and −128 has no positive twin; such
+        a matrix is dequantized)."""
+        if hf_name.endswith("embed_tokens.weight") and "output.weight" in self.model.tensors:
+            return None
         names = self._names.get(hf_name, (hf_name,))
         t = self.model.tensors[names[0]]
         if len(names) != 1 or t.qtype not in NATIVE or len(t.shape) != 2:
