@@ -189,6 +189,9 @@ def make(name: str, path: Path) -> None:
     config_name, model_name = CLASSES[kind]
     config = getattr(transformers, config_name)(**fields)
     model_cls = getattr(transformers, model_name)
+    if kind in SAVED_WHOLE:
+        _save_whole(model_cls, config, path)
+        return
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in model_cls(config).state_dict().items()}
     path.mkdir(parents=True, exist_ok=True)
@@ -214,6 +217,54 @@ def make(name: str, path: Path) -> None:
     if shard:
         _write(path, shard, index, save_file)
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+
+
+# families whose published tensor names transformers' own save writes (its conversion
+# mapping: stacked experts one by one, q / k / v conv kernels apart, renamed norms) and that
+# fit this machine in bf16: built whole and saved by ``save_pretrained``
+SAVED_WHOLE = {"lfm3", "olmo_hybrid", "minimax", "bailing_hybrid"}
+
+
+def _save_whole(model_cls: Any, config: Any, path: Path) -> None:
+    """``model_cls(config)`` with random bf16 weights (transformers' initialisation), saved
+    with ``save_pretrained`` and the project's tokenizer."""
+    import shutil
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = model_cls(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(path, max_shard_size="2GB")
+    if config.model_type == "olmo_hybrid":
+        _resplit_olmo_convs(path, config)
+    shutil.copy(Path(__file__).resolve().parents[1] / "weights" / "tokenizer.json",
+                path / "tokenizer.json")
+
+
+def _resplit_olmo_convs(path: Path, config: Any) -> None:
+    """transformers 5.23 saves OLMo-Hybrid's q, k and v conv kernels as three equal thirds of
+    the joined kernel; the published checkpoints keep each at its own width (q and k: the
+    key dim, v: the value dim), as the loader reads them."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    key = config.linear_num_key_heads * config.linear_key_head_dim
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    for file in sorted(set(index.values())):
+        tensors = load_file(path / file)
+        for name in [n for n in tensors if n.endswith(".q_conv1d.weight")]:
+            prefix = name.removesuffix("q_conv1d.weight")
+            parts = [tensors[f"{prefix}{p}_conv1d.weight"] for p in "qkv"]
+            q, k, v = torch.cat(parts).split([key, key, sum(t.shape[0] for t in parts)
+                                              - 2 * key])
+            tensors.update({f"{prefix}q_conv1d.weight": q.contiguous(),
+                            f"{prefix}k_conv1d.weight": k.contiguous(),
+                            f"{prefix}v_conv1d.weight": v.contiguous()})
+        save_file(tensors, path / file, metadata={"format": "pt"})
 
 
 def _publish_kimi(config: Path, fields: dict[str, Any]) -> None:

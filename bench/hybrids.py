@@ -6,7 +6,8 @@ For each model of :data:`bench.families.MODELS` named (published widths, random 
 type: the checkpoint loaded in this process as the server loads it, a prompt of
 ``--context`` tokens prefilled, then the batch-1 step timed (the median of many) two ways:
 the whole-model native call (``decoder_step.cpp``) and the eager step layer by layer
-(``DecoderLM.step_eager``, what these families ran before). The roofline fraction is the
+(``DecoderLM.step_eager``, what these families ran before), alternating (``speedup``: the
+median round's eager ÷ native). The roofline fraction is the
 bytes a token must read (every weight outside the experts and the chosen experts of each
 MoE layer, as packed, plus the recurrent state read and written; :func:`bench.families.
 active_bytes`) per native step time, over the native four-stream read of 512 MiB on the
@@ -58,8 +59,8 @@ def state_bytes(model: Any, context: int) -> int:
 
 
 def measure(path: Path, kind: str, context: int, rounds_of: int) -> dict[str, Any]:
-    """One model under one weight type: native and eager step times at batch 1, the native
-    one alternating with the stream read."""
+    """One model under one weight type: native and eager step times at batch 1 and the
+    stream read, alternating; the median round's roofline and the median speedup."""
     served = loader.load(path, "bfloat16", quantization=TYPES[kind])
     module = served.module
     gen = torch.Generator().manual_seed(0)
@@ -80,19 +81,22 @@ def measure(path: Path, kind: str, context: int, rounds_of: int) -> dict[str, An
     src = torch.ones(512 * 2**20 // 4)
     rounds = []
     with torch.inference_mode():
-        eager_ms = time_ms(eager, min_iters=10, min_seconds=3.0)
-        for _ in range(rounds_of):
+        for _ in range(rounds_of):  # the bandwidth drifts: each round times all three
             native_ms = time_ms(step, min_iters=20, min_seconds=2.0)
+            eager_ms = time_ms(eager, min_iters=10, min_seconds=2.0)
             start = time.perf_counter()
             read(src)
-            rounds.append((native_ms, src.numel() * 4 / (time.perf_counter() - start) / 1e9))
+            rounds.append((native_ms, eager_ms,
+                           src.numel() * 4 / (time.perf_counter() - start) / 1e9))
     sizes = active_bytes(path, kind)
     nbytes = sizes["read_bytes"] + state_bytes(module, context)
-    fractions = sorted((nbytes / (ms / 1e3) / (gbs * 1e9), ms, gbs) for ms, gbs in rounds)
-    roofline, native_ms, gbs = fractions[len(fractions) // 2]
-    return {"native": native_plan, "native_ms": native_ms, "eager_ms": eager_ms,
-            "speedup": eager_ms / native_ms, "read_bytes": nbytes, "stream_read_gbs": gbs,
-            "roofline": roofline, "rounds": rounds,
+    fractions = sorted((nbytes / (n / 1e3) / (gbs * 1e9), n, e, gbs) for n, e, gbs in rounds)
+    roofline, native_ms, _, gbs = fractions[len(fractions) // 2]
+    speedups = sorted(e / n for n, e, _ in rounds)
+    return {"native": native_plan, "native_ms": native_ms,
+            "eager_ms": sorted(e for _, e, _ in rounds)[len(rounds) // 2],
+            "speedup": speedups[len(speedups) // 2], "read_bytes": nbytes,
+            "stream_read_gbs": gbs, "roofline": roofline, "rounds": rounds,
             "params": sizes["params"], "active_params": sizes["active_params"],
             "decode_step": served.info.decode_step}
 

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 from gguf.constants import GGML_QUANT_SIZES
+from safetensors.torch import load_file, save_file
 
 from bench import llamacpp_assets
 
@@ -71,11 +74,33 @@ def as_published(hf_dir: Path) -> Path:
         head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
         rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
         cfg["attn_rotary_emb"] = int(head_dim * rotary)
+    if cfg.get("model_type") == "kimi_linear":
+        _publish_kimi(hf_dir, cfg)
     path.write_text(json.dumps(cfg, indent=2))
     tok_cfg = hf_dir / "tokenizer_config.json"
     if not tok_cfg.exists():  # the tokenizer as it is (GPT-NeoX's class would add a token)
         tok_cfg.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     return hf_dir
+
+
+def _publish_kimi(hf_dir: Path, cfg: dict[str, Any]) -> None:
+    """Kimi-Linear as published (what llama.cpp's converter reads): ``linear_attn_config``
+    with 1-based layer lists, ``first_k_dense_replace``, and the dense layers' MLP under
+    ``mlp`` (transformers saves it under ``block_sparse_moe``)."""
+    types, mlp = cfg["layer_types"], cfg.get("mlp_layer_types") or []
+    cfg["linear_attn_config"] = {
+        "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+        "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"],
+        "head_dim": cfg["linear_head_dim"], "num_heads": cfg["linear_num_heads"],
+        "short_conv_kernel_size": cfg["linear_conv_kernel_dim"]}
+    cfg["first_k_dense_replace"] = next((i for i, k in enumerate(mlp) if k != "dense"),
+                                        len(mlp))
+    cfg["moe_router_activation_func"] = "sigmoid"
+    file = hf_dir / "model.safetensors"
+    tensors = load_file(file)
+    save_file({re.sub(r"^(model\.layers\.\d+)\.block_sparse_moe\.(gate|up|down)_proj\.",
+                      r"\1.mlp.\2_proj.", k): v for k, v in tensors.items()},
+              file, metadata={"format": "pt"})
 
 
 def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0

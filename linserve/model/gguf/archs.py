@@ -519,6 +519,55 @@ def _jamba_config(m: GGUFModel) -> dict[str, Any]:
             "rms_norm_eps": float(m.require("attention.layer_norm_rms_epsilon"))}
 
 
+
+# ---- Kimi-Linear (kimi-linear) -----------------------------------------------------------
+
+
+def _kimi_config(m: GGUFModel) -> dict[str, Any]:
+    """Kimi-Linear: KDA layers have no key-value heads (``attention.head_count_kv`` 0), the
+    MLA layers' are the converter's one latent head; the KDA heads are the attention heads."""
+    c = _common(m, "kimi_linear")
+    n = c["num_hidden_layers"]
+    heads = int(m.require("attention.head_count"))
+    rope = int(m.require("rope.dimension_count"))
+    dense = int(m.get("leading_dense_block_count", 0) or 0)
+    kv = _per_layer(m.require("attention.head_count_kv"), n)
+    return {**c, "tie_word_embeddings": False,
+            "layer_types": ["full_attention" if h else "linear_attention" for h in kv],
+            "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(n)],
+            "num_attention_heads": heads, "num_key_value_heads": heads,
+            "intermediate_size": int(m.require("feed_forward_length")),
+            "rms_norm_eps": float(m.require("attention.layer_norm_rms_epsilon")),
+            "q_lora_rank": int(m.get("attention.q_lora_rank", 0) or 0) or None,
+            "kv_lora_rank": int(m.require("attention.kv_lora_rank")),
+            "qk_nope_head_dim": int(m.require("attention.key_length_mla")) - rope,
+            "qk_rope_head_dim": rope,
+            "v_head_dim": int(m.require("attention.value_length_mla")),
+            "linear_attn_config": {"num_heads": heads,
+                                   "head_dim": int(m.require("kda.head_dim")),
+                                   "short_conv_kernel_size": int(m.require("ssm.conv_kernel"))},
+            "num_experts": int(m.require("expert_count")),
+            "num_experts_per_token": int(m.require("expert_used_count")),
+            "moe_intermediate_size": int(m.require("expert_feed_forward_length")),
+            "num_shared_experts": int(m.get("expert_shared_count", 0) or 0),
+            "n_group": int(m.get("expert_group_count", 1) or 1),
+            "topk_group": int(m.get("expert_group_used_count", 1) or 1),
+            "norm_topk_prob": bool(m.get("expert_weights_norm", True)),
+            "routed_scaling_factor": float(m.get("expert_weights_scale", 1.0))}
+
+
+def _kv_b(parts: list[torch.Tensor], cfg: dict[str, Any]) -> torch.Tensor:
+    """MLA's kv_b_proj ``[H (nope + v), R]`` from the converter's k_b ``[H, R, nope]``
+    (transposed for the absorbed product) and v_b ``[H, v, R]``."""
+    del cfg
+    k_b, v_b = parts
+    return torch.cat([k_b.transpose(1, 2), v_b], 1).reshape(-1, k_b.shape[1])
+
+
+_KIMI_MERGES = (Merge(("blk.{n}.attn_k_b.weight", "blk.{n}.attn_v_b.weight"),
+                      "model.layers.{n}.self_attn.kv_b_proj.weight", combine=_kv_b),)
+
+
 ARCHS: dict[str, GGUFArch] = {a.name: a for a in (
     GGUFArch("qwen35", _qwen35_config, _dt_bias, _qwen35_transform),
     GGUFArch("qwen35moe", _qwen35_config, _dt_bias, _qwen35_transform),
@@ -540,6 +589,9 @@ ARCHS: dict[str, GGUFArch] = {a.name: a for a in (
     GGUFArch("falcon-h1", _falcon_h1_config, _dt_bias, _ssm_a),
     GGUFArch("mamba", _mamba_config, transform=_ssm_a),
     GGUFArch("mamba2", _mamba2_config, _dt_bias, _ssm_a),
+    GGUFArch("kimi-linear", _kimi_config, _dt_bias, _ssm_a, lambda cfg: _KIMI_MERGES, names=(
+        (r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", r"model.layers.\1.mlp.experts.\2_proj"),
+        (r"blk\.(\d+)\.exp_probs_b\.bias", r"model.layers.\1.mlp.gate.e_score_correction_bias"))),
 )}
 
 
