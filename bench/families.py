@@ -139,6 +139,14 @@ MINIMAX_TEXT_01_4L_E4: dict[str, Any] = {
     "full_attn_alpha_factor": 3.5565588200778455, "full_attn_beta_factor": 1.0,
     "linear_attn_alpha_factor": 3.5565588200778455, "linear_attn_beta_factor": 1.0,
     "mlp_alpha_factor": 3.5565588200778455, "mlp_beta_factor": 1.0}
+# MiniMax-Text-01's widths with its first 8 layers (seven lightning, then softmax: its own
+# pattern, and the one llama.cpp assumes, a softmax layer every 8th) and 2 of its 32
+# experts (both chosen: the MoE reads as a dense layer): 6.7B parameters, what both servers
+# hold in 24 GB at 8 bits. Written as published too, for llama.cpp's converter
+# (:func:`_publish_minimax`).
+MINIMAX_TEXT_01_8L_E2: dict[str, Any] = {
+    **MINIMAX_TEXT_01_4L_E4, "num_hidden_layers": 8, "num_local_experts": 2,
+    "layer_types": ["linear_attention"] * 7 + ["full_attention"]}
 LING_6L_E64: dict[str, Any] = {
     "model_type": "bailing_hybrid", "num_hidden_layers": 6, "num_experts": 64,
     "layer_types": ["linear_attention"] * 5 + ["full_attention"],
@@ -149,6 +157,7 @@ MODELS = {"lfm2-1.2b": LFM2_1_2B, "granite-4.0-h-micro": GRANITE_4_H_MICRO,
           "mamba-codestral-7b-8l": MAMBA_CODESTRAL_7B_8L, "jamba-8l-e4": JAMBA_8L_E4,
           "kimi-linear-48b-a3b-4l": KIMI_LINEAR_48B_4L, "lfm3": LFM3,
           "olmo-hybrid-7b-8l": OLMO_HYBRID_7B_8L, "minimax-text-01-4l-e4": MINIMAX_TEXT_01_4L_E4,
+          "minimax-text-01-8l-e2": MINIMAX_TEXT_01_8L_E2,
           "ling-6l-e64": LING_6L_E64}
 CLASSES = {"lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
            "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM"),
@@ -240,8 +249,50 @@ def _save_whole(model_cls: Any, config: Any, path: Path) -> None:
     model.save_pretrained(path, max_shard_size="2GB")
     if config.model_type == "olmo_hybrid":
         _resplit_olmo_convs(path, config)
+    if config.model_type == "minimax":
+        _publish_minimax(path / "config.json")
     shutil.copy(Path(__file__).resolve().parents[1] / "weights" / "tokenizer.json",
                 path / "tokenizer.json")
+
+
+def _publish_minimax(config: Path) -> None:
+    """MiniMax-Text-01's config as published, beside transformers' fields (what llama.cpp's
+    converter reads): its class name, the residual factors' published names, the rotary
+    width (the converter writes it; this server rotates as transformers does), and a
+    tokenizer config the converter's ``AutoTokenizer`` takes."""
+    import json
+
+    data = json.loads(config.read_text())
+    data["architectures"] = ["MiniMaxText01ForCausalLM"]
+    for kind, ours in (("full_attention", "full_attn"), ("linear_attention", "linear_attn"),
+                       ("mlp", "mlp")):
+        data[f"layernorm_{kind}_alpha"] = data[f"{ours}_alpha_factor"]
+        data[f"layernorm_{kind}_beta"] = data[f"{ours}_beta_factor"]
+    data["rotary_dim"] = data["head_dim"]
+    data["attn_type_list"] = [int(t == "full_attention") for t in data["layer_types"]]
+    config.write_text(json.dumps(data, indent=2))
+    (config.parent / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    _drop_tensors(config.parent, ("_decay", ".slope_rate"))
+
+
+def _drop_tensors(path: Path, endings: tuple[str, ...]) -> None:
+    """Remove from the checkpoint at ``path`` the tensors whose names end in ``endings``
+    (transformers saves MiniMax's decay buffers, which the published files do not hold)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    index_file = path / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
+             if index_file.exists() else ["model.safetensors"])
+    kept: dict[str, str] = {}
+    for file in files:
+        tensors = {k: v for k, v in load_file(path / file).items() if not k.endswith(endings)}
+        save_file(tensors, path / file, metadata={"format": "pt"})
+        kept.update(dict.fromkeys(tensors, file))
+    if index_file.exists():
+        index_file.write_text(json.dumps({"metadata": {}, "weight_map": kept}))
 
 
 def _resplit_olmo_convs(path: Path, config: Any) -> None:
