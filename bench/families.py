@@ -253,13 +253,15 @@ def _save_whole(model_cls: Any, config: Any, path: Path) -> None:
         _publish_minimax(path / "config.json")
     shutil.copy(Path(__file__).resolve().parents[1] / "weights" / "tokenizer.json",
                 path / "tokenizer.json")
+    # the tokenizer as it is, for the converters' AutoTokenizer
+    (path / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
 
 
 def _publish_minimax(config: Path) -> None:
     """MiniMax-Text-01's config as published, beside transformers' fields (what llama.cpp's
-    converter reads): its class name, the residual factors' published names, the rotary
-    width (the converter writes it; this server rotates as transformers does), and a
-    tokenizer config the converter's ``AutoTokenizer`` takes."""
+    converter reads): its class name, the residual factors' published names and the rotary
+    width (the converter writes it; this server rotates as transformers does); without
+    transformers' decay buffers."""
     import json
 
     data = json.loads(config.read_text())
@@ -271,8 +273,6 @@ def _publish_minimax(config: Path) -> None:
     data["rotary_dim"] = data["head_dim"]
     data["attn_type_list"] = [int(t == "full_attention") for t in data["layer_types"]]
     config.write_text(json.dumps(data, indent=2))
-    (config.parent / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     _drop_tensors(config.parent, ("_decay", ".slope_rate"))
 
 

@@ -56,9 +56,37 @@ def gguf(checkpoint: Path, kind: str) -> Path:
         subprocess.run(["bash", str(SCRIPT), "quantize", str(gguf(checkpoint, "bf16")),
                         str(out), kind.upper()], check=True)
     else:
-        subprocess.run(["bash", str(SCRIPT), "convert", str(checkpoint), str(out), kind],
-                       check=True)
+        subprocess.run(["bash", str(SCRIPT), "convert", str(converter_view(checkpoint)),
+                        str(out), kind], check=True)
     return out
+
+
+def converter_view(checkpoint: Path) -> Path:
+    """The folder llama.cpp's converter reads for ``checkpoint``: the checkpoint itself, or
+    for transformers' ``bailing_hybrid`` a folder beside it of links to its files and the
+    config as Ling-V3 publishes it (``BailingMoeV3ForCausalLM``: the converter takes the
+    Ling hybrids in that layout, which transformers' save writes but for the config: a
+    model type transformers does not know, so that the converter reads the file as it is,
+    the KDA head size as ``head_dim``, and the fields it requires)."""
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    if cfg.get("model_type") != "bailing_hybrid":
+        return checkpoint
+    view = checkpoint.parent / f"{checkpoint.name}-as-bailing-moe-v3"
+    view.mkdir(exist_ok=True)
+    for file in checkpoint.iterdir():
+        link = view / file.name
+        if file.name != "config.json" and not file.name.endswith(".gguf") \
+                and not link.exists():
+            link.symlink_to(file.resolve())
+    shared = cfg["moe_intermediate_size"] * int(cfg.get("num_shared_experts") or 1)
+    cfg.update(model_type="bailing_moe_v3", architectures=["BailingMoeV3ForCausalLM"],
+               no_kda_lora=True, gated_attention_proj_granularity_type="head_wise",
+               score_function="sigmoid",
+               moe_shared_expert_intermediate_size=shared,
+               norm_topk_prob=bool(cfg.get("moe_renormalize", True)),
+               head_dim=cfg.get("linear_head_dim") or cfg.get("head_dim"))
+    (view / "config.json").write_text(json.dumps(cfg, indent=2))
+    return view
 
 
 def llama_bench(model: Path, threads: list[int], prompt: int, gen: int, reps: int = 2
