@@ -8,7 +8,7 @@ import platform
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -152,6 +152,15 @@ def read_json(name: str) -> dict[str, Any]:
     """``bench/results/{name}.json`` as :func:`write_json` wrote it."""
     data: dict[str, Any] = json.loads((RESULTS / f"{name.removesuffix('.json')}.json").read_text())
     return data
+
+
+def saved_models(name: str) -> dict[str, Any]:
+    """``bench/results/{name}.json``'s result of per-model entries (``{"models": {}}`` when
+    none was written yet), to which a run adds or replaces its own models."""
+    try:
+        return cast(dict[str, Any], read_json(name)["result"])
+    except FileNotFoundError:
+        return {"models": {}}
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

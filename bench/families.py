@@ -35,7 +35,6 @@ Writes ``bench/results/families.json`` (each model's entry kept until it is run 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ from typing import Any
 import torch
 
 from bench import memory
-from bench.common import machine, read_json, save_figure, write_json
+from bench.common import machine, save_figure, saved_models, write_json
 from bench.roofline import read_bandwidth_gbs
 
 LFM2_8B_A1B: dict[str, Any] = {
@@ -454,9 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot-only", action="store_true")
     args = p.parse_args(argv)
     command = "python -m bench.families " + " ".join(argv if argv is not None else sys.argv[1:])
-    result: dict[str, Any] = {"models": {}}
-    with contextlib.suppress(FileNotFoundError):
-        result = read_json("families")["result"]
+    result = saved_models("families")
     if args.plot_only:
         plot(result)
         return

@@ -21,7 +21,6 @@ Writes ``bench/results/hybrids.json`` and ``hybrids.png``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 
 import torch
 
-from bench.common import machine, print_table, read_json, save_figure, time_ms, write_json
+from bench.common import machine, print_table, save_figure, saved_models, time_ms, write_json
 from bench.families import MODELS, active_bytes, make
 from bench.quant import TYPES
 from bench.roofline import read_bandwidth_gbs, stream_read
@@ -141,9 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot-only", action="store_true")
     args = p.parse_args(argv)
     command = "python -m bench.hybrids " + " ".join(argv if argv is not None else sys.argv[1:])
-    result: dict[str, Any] = {"models": {}}
-    with contextlib.suppress(FileNotFoundError):
-        result = read_json("hybrids")["result"]
+    result = saved_models("hybrids")
     if args.plot_only:
         plot(result)
         return
