@@ -29,7 +29,10 @@ def main() -> None:
     kernels.load()
     torch.set_num_threads(2)
     half = (torch.rand(K // 32, N) * 0.01).half()
-    pair = torch.rand(2, K // 32, N)
+    # the K formats' (m_s, m_t, d, e): multipliers in [0, 63], each super-block's d and e
+    mult = torch.randint(0, 64, (2, K // 32, N)).float()
+    pairs = torch.rand(2, K // 256, N).repeat_interleave(8, dim=1)
+    pair = torch.cat([mult, pairs])
     cases = [(1, "int4", torch.randint(-8, 8, (K, N), dtype=torch.int8), half),
              (2, "q8", torch.randint(-127, 128, (K, N), dtype=torch.int8), half),
              (3, "q4k", torch.randint(0, 16, (K, N), dtype=torch.int8), pair),

@@ -175,7 +175,7 @@ def test_blocks_multiply_natively_as_they_are(qtype: GGMLQuantizationType) -> No
     finally:
         invariant.set_native_blocks(False)
     assert quantize.mode_of(packed, k) == {1: "int4", 2: "q8", 3: "q4k", 4: "q8k",
-                                           5: "q6"}[NATIVE[qtype]]
+                                           5: "q6", 6: "q4l", 7: "q8l"}[NATIVE[qtype]]
     assert packed.numel() <= quantize.PACKED_BYTES[NATIVE[qtype]] * n * k // 32 + 4 * n
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(4))
     full = torch.ops.linserve.invariant_mm(x, packed)

@@ -36,8 +36,10 @@ SERVED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, 
 FLOATS = (Q.F32, Q.F16, Q.BF16)
 # Block formats whose matrices the quantized GEMM multiplies as they are, and the GEMM
 # format each is packed in (linserve/model/kernels/gemm_quant.h's QFormat: 1 int4, 2 q8,
-# 3 q4k, 4 q8k: W = s q + t per 32, nibbles or bytes; 5 q6: W = s q per 16, bytes).
-NATIVE = {Q.Q4_0: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q4_1: 3, Q.Q5_K: 4, Q.Q5_0: 4, Q.Q5_1: 4,
+# 3 q4k, 4 q8k: W = s q + t per 32, nibbles or bytes, s and t one-byte multipliers of a
+# super-block's pair; 5 q6: W = s q per 16, bytes; 6 q4l and 7 q8l: q4k and q8k with a
+# super-block of one block).
+NATIVE = {Q.Q4_0: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q4_1: 6, Q.Q5_K: 4, Q.Q5_0: 7, Q.Q5_1: 7,
           Q.Q6_K: 5}
 # Control tokens that end a generation in llama.cpp (its llama_vocab end-of-generation
 # list), besides tokenizer.ggml.eos_token_id / eot_token_id / eom_token_id.
@@ -294,14 +296,16 @@ def dequantize(t: Tensor) -> torch.Tensor:
 
 def from_blocks(q: torch.Tensor, scales: torch.Tensor, fmt: int) -> torch.Tensor:
     """:func:`block_values`' q ``[rows, cols]`` and scales back to the values, fp32 ``[rows,
-    cols]``: q d per 32 (formats 1, 2), q s + t per 32 (3, 4), q s_h per 16 (5)."""
+    cols]``: q d per 32 (formats 1, 2), q s + t per 32 with s = m_s d, t = m_t e (3, 4, 6,
+    7), q s_h per 16 with s_h = m_h d (5). Each product m d is exact, as gguf-py's."""
     rows, cols = q.shape
     if fmt in (1, 2):
         return (scales.float()[..., None] * q.view(rows, cols // 32, 32).float()).view(rows, cols)
     if fmt == 5:
-        return (q.view(rows, cols // 32, 2, 16).float() * scales[..., None]).view(rows, cols)
-    values = q.view(rows, cols // 32, 32).float() * scales[..., 0:1] + scales[..., 1:2]
-    return values.view(rows, cols)
+        halves = scales[..., 0:2] * scales[..., 2:3]
+        return (q.view(rows, cols // 32, 2, 16).float() * halves[..., None]).view(rows, cols)
+    s, t = scales[..., 0:1] * scales[..., 2:3], scales[..., 1:2] * scales[..., 3:4]
+    return (q.view(rows, cols // 32, 32).float() * s + t).view(rows, cols)
 
 
 def q4_0_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,19 +333,20 @@ def q8_0_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def block_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A :data:`NATIVE` matrix ``[rows, cols]``'s values as the GEMM format takes them: q
     ``[rows, cols]`` int8 and, for Q4_0 and Q8_0, their fp16 scales ``[rows, cols / 32]``
-    (W = d q); for the others s and t ``[rows, cols / 32, 2]`` fp32 with W = s q + t per 32
-    (Q4_K, Q4_1: q in [0, 15]; Q5_K, Q5_1: [0, 31]; Q5_0: [−16, 15]), or Q6_K's scales of
-    each half of 32 ``[rows, cols / 32, 2]`` with W = s q (q in [−32, 31]); exactly
-    gguf-py's dequantized values (each product s q is exact in fp32)."""
+    (W = d q); for the others ``[rows, cols / 32, 4]`` fp32 (m_s, m_t, d, e) with W = s q +
+    t per 32, s = m_s d and t = m_t e (Q4_K, Q4_1: q in [0, 15]; Q5_K, Q5_1: [0, 31]; Q5_0:
+    [−16, 15]; d and e the same across a K-quant's super-block of 256, the legacy blocks'
+    multipliers 1), or Q6_K's (m_lo, m_hi, d, 0) with W = m_h d q for each half of 16 (q in
+    [−32, 31]); exactly gguf-py's dequantized values (each product is exact in fp32)."""
     if t.qtype == Q.Q4_0:
         return q4_0_values(t)
     if t.qtype == Q.Q8_0:
         return q8_0_values(t)
     rows, cols = int(np.prod(t.shape[:-1])), t.shape[-1]
     raw = np.asarray(t.raw).reshape(rows, -1)
-    q, s, m = _K_UNPACK[t.qtype](raw.reshape(-1, GGML_QUANT_SIZES[t.qtype][1]))
-    st = np.stack([s, m], -1).reshape(rows, cols // 32, 2)
-    return q.reshape(rows, cols), torch.from_numpy(st)
+    q, ms, mt, d, e = _K_UNPACK[t.qtype](raw.reshape(-1, GGML_QUANT_SIZES[t.qtype][1]))
+    st = np.stack(np.broadcast_arrays(ms.astype(np.float32), mt.astype(np.float32), d, e), -1)
+    return q.reshape(rows, cols), torch.from_numpy(st.reshape(rows, cols // 32, 4))
 
 
 def _fp16(b: np.ndarray) -> np.ndarray:
@@ -365,33 +370,37 @@ def _bits(b: np.ndarray, width: int, shifts: int) -> torch.Tensor:
     return ((t >> step) & ((1 << width) - 1)).view(len(b), -1)
 
 
-def _q4_k(b: np.ndarray) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-    """Q4_K's blocks of 256 -> q [n, 256] int8 in [0, 15], s and t [n, 8] fp32."""
+# An unpacker's blocks: q [n, unit] int8, the multipliers m_s and m_t of each 32 [n, unit / 32]
+# and the unit's d and e [n, 1] fp32 (unit: 256 for the K-quants, 32 for the legacy blocks).
+Unpacked = tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _q4_k(b: np.ndarray) -> Unpacked:
+    """Q4_K's blocks of 256 -> q [n, 256] int8 in [0, 15]; W = sc d q − mn dmin."""
     d, dmin = _fp16(b[:, 0:2]), _fp16(b[:, 2:4])
     sc, mn = quants.Q4_K.get_scale_min(b[:, 4:16])
-    return (_nibbles(b[:, 16:], 64).view(torch.int8), d * sc.astype(np.float32),
-            -(dmin * mn.astype(np.float32)))
+    return _nibbles(b[:, 16:], 64).view(torch.int8), sc, mn, d, -dmin
 
 
-def _q5_k(b: np.ndarray) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-    """Q5_K's blocks of 256 -> q [n, 256] int8 in [0, 31], s and t [n, 8] fp32."""
+def _q5_k(b: np.ndarray) -> Unpacked:
+    """Q5_K's blocks of 256 -> q [n, 256] int8 in [0, 31]; W = sc d q − mn dmin."""
     d, dmin = _fp16(b[:, 0:2]), _fp16(b[:, 2:4])
     sc, mn = quants.Q4_K.get_scale_min(b[:, 4:16])
     q = _nibbles(b[:, 48:], 64) | (_bits(b[:, 16:48], 1, 8) << 4)
-    return q.view(torch.int8), d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+    return q.view(torch.int8), sc, mn, d, -dmin
 
 
-def _q6_k(b: np.ndarray) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-    """Q6_K's blocks of 256 -> q [n, 256] int8 in [−32, 31] and the scales of the first
-    and second 16 of each 32, [n, 8] fp32 each (d × the int8 scale of each 16)."""
+def _q6_k(b: np.ndarray) -> Unpacked:
+    """Q6_K's blocks of 256 -> q [n, 256] int8 in [−32, 31], the int8 scales of the first
+    and second 16 of each 32 [n, 8] each, and d; W = sc d q."""
     q = (_nibbles(b[:, :128], 128) | (_bits(b[:, 128:192], 2, 4) << 4)).view(torch.int8) - 32
-    s = _fp16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
-    return q, s[:, 0::2], s[:, 1::2]
+    sc = b[:, 192:208].view(np.int8)
+    d = _fp16(b[:, 208:210])
+    return q, sc[:, 0::2], sc[:, 1::2], d, np.zeros_like(d)
 
 
-def _q_legacy(b: np.ndarray, with_min: bool, five: bool
-              ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-    """Q4_1 / Q5_0 / Q5_1's blocks of 32 -> q [n, 32] int8, s and t [n, 1] fp32."""
+def _q_legacy(b: np.ndarray, with_min: bool, five: bool) -> Unpacked:
+    """Q4_1 / Q5_0 / Q5_1's blocks of 32 -> q [n, 32] int8, multipliers 1, d and the min."""
     d = _fp16(b[:, 0:2])
     t = _fp16(b[:, 2:4]) if with_min else np.full_like(d, -0.0)  # x + (-0) is x, signed zeros too
     at = 4 if with_min else 2
@@ -402,7 +411,8 @@ def _q_legacy(b: np.ndarray, with_min: bool, five: bool
         q = q | (torch.from_numpy(high) << 4)
         if not with_min:
             q = q - 16
-    return q, d, t
+    one = np.ones_like(d)
+    return q, one, one, d, t
 
 
 _K_UNPACK = {Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,

@@ -16,10 +16,15 @@
 // - q8 (a kByte tensor): q [K, N] in [-127, 127], an fp16 scale per group of 32 inputs and
 //   column, W[k, n] = q[k, n] s[k / 32, n]: llama.cpp's Q8_0 blocks, their values as they
 //   are (a GGUF file's Q8_0 matrices run on them). Stored as bytes q + 128.
-// - the K formats, for a GGUF file's K-quants and legacy blocks as they are:
-//   q4k (Q4_K, Q4_1): nibbles q in [0, 15], W[k, n] = s[b, n] q + t[b, n], fp32 s and t
-//   per block of 32; q8k (Q5_K, Q5_0, Q5_1): the same with bytes q + 128; q6 (Q6_K): bytes
-//   q + 128, W = s_h[b, n] q with an fp32 scale for each half of a block (16 inputs).
+// - the K formats, for a GGUF file's K-quants and legacy blocks as they are: q4k (Q4_K):
+//   nibbles q in [0, 15], W[k, n] = s[b, n] q + t[b, n] per block b of 32; q8k (Q5_K): the
+//   same with bytes q + 128; q6 (Q6_K): bytes q + 128, W = s_h[b, n] q with a scale for each
+//   half of a block (16 inputs). Their scales are stored as the file has them: a one-byte
+//   multiplier per block (s = m_s d, t = m_t e; q6: s_h = m_h d, signed) of an fp32 pair
+//   (d, e) per super-block of 8 blocks (llama.cpp's 256 inputs). Every product m d is exact
+//   in fp32 (an fp16 d times a 6- or 8-bit integer), so the kernels' s and t are the values
+//   gguf-py dequantizes with, bit for bit. q4l (Q4_1) and q8l (Q5_0, Q5_1): q4k's and q8k's
+//   kernels with a super-block of one block (multipliers 1, (d, e) = the block's s and t).
 // Layout: K padded to K32 (a multiple of 32) with zero weights; in gemm.h's column panels,
 // each (stored row, column) one 32-bit lane of four bytes, so a 64-byte load is 16 columns x
 // 4 inputs, vpdpbusd's operand:
@@ -33,9 +38,12 @@
 // - q8: as int4, a block's eight stored rows of bytes (row t: inputs 4t .. 4t+3) [8, width,
 //   4] and then its fp16 scales [width]: 34 bytes a column and block, Q8_0's own size.
 //   Shape [ceil(17 K / 64), N, 4].
-// - q4k, q8k, q6: as int4 / q8, each block's stored rows then its two fp32 numbers a column
-//   ([width] of s, then [width] of t or of the second half's scale): 24 or 40 bytes a column
-//   and block. q6 is a kChar tensor (q8k, kByte, has its size): quant_format.
+// - q4k, q8k, q6 (and q4l, q8l): a panel starts with its super-blocks' pairs [K / 256][2]
+//   [width] fp32 (d, then e), then its blocks as int4's / q8's, each block's stored rows then
+//   its two multipliers [width] bytes (m_s then m_t, or q6's two halves'): 18 or 34 bytes a
+//   column and block, plus 8 a super-block (4.75 bits a weight for Q4_K's 4.5, 8.75 for
+//   Q6_K's 6.56; the fp32 s and t a block took 6 and 10). q6 is a kChar tensor (q8k, kByte,
+//   has its size): quant_format.
 //
 // Activations (quantize_acts): per row and block b of 32 inputs, s_b = max |x| / 127 and
 // x_q = round(x / s_b) (to nearest even), in [-127, 127]; model/quantize.py's
@@ -78,25 +86,37 @@ typedef int32_t vi32 __attribute__((vector_size(kLanes * 4)));
 
 // The stored formats (see the layout above). A kernel is compiled for one, as its template
 // argument F: kNib<F> (values as nibbles, 4 stored rows a block, else bytes, 8) and
-// kScaled<F> (an fp16 scale per block and column, else one fp32 scale per column).
-// kMin<F>: the K formats, W = s q + t per block and column (fp32 s and t, values q as
-// they are stored: nibbles 0..15 or bytes q + 128), which hold llama.cpp's Q4_K, Q5_K,
-// Q4_1, Q5_0 and Q5_1 exactly.
-// kQ6: bytes q + 128 with an fp32 scale for each half of a block (16 inputs), which holds
-// llama.cpp's Q6_K exactly; its dots are taken a half at a time (kHalves).
-enum QFormat : int { kQInt8 = 0, kQInt4 = 1, kQ8 = 2, kQ4K = 3, kQ8K = 4, kQ6 = 5 };
+// kScaled<F> (a scale per block and column, else one fp32 scale per column).
+// kMin<F>: the K formats, W = s q + t per block and column (values q as they are stored:
+// nibbles 0..15 or bytes q + 128), which hold llama.cpp's Q4_K, Q5_K, Q4_1, Q5_0 and Q5_1
+// exactly. kQ6: bytes q + 128 with a scale for each half of a block (16 inputs), which
+// holds llama.cpp's Q6_K exactly; its dots are taken a half at a time (kHalves).
+// kSuper<F>: scales as one-byte multipliers of a super-block's fp32 pair (kTwoF32's
+// formats). kQ4L and kQ8L are stored formats only: their products run kQ4K's and kQ8K's
+// kernels (super_blocks: 1).
+enum QFormat : int { kQInt8 = 0, kQInt4 = 1, kQ8 = 2, kQ4K = 3, kQ8K = 4, kQ6 = 5, kQ4L = 6,
+                     kQ8L = 7 };
 template <int F> constexpr bool kNib = F == kQInt4 || F == kQ4K;
 template <int F> constexpr bool kScaled = F != kQInt8;
 template <int F> constexpr bool kMin = F == kQ4K || F == kQ8K;
 template <int F> constexpr int64_t kHalves = F == kQ6 ? 2 : 1;
-// Formats with two fp32 numbers a block and column after the stored rows (s and t, or
+// Formats with two multipliers a block and column and a super-block's pair (s and t, or
 // kQ6's two scales); they run on the VNNI tiles wherever AMX is (not measured on AMX).
 template <int F> constexpr bool kTwoF32 = kMin<F> || F == kQ6;
 
+// Whether a stored format keeps super-blocks, and how many blocks one covers.
+constexpr bool has_super(int format) { return format >= kQ4K; }
+constexpr int64_t super_blocks(int format) { return format == kQ4L || format == kQ8L ? 1 : 8; }
+
 // Bytes of one column's block in the block-scaled formats: its stored rows, then its fp16
-// scale (int4, q8) or its fp32 s and t (the K formats).
+// scale (int4, q8) or its two multipliers (the K formats).
 constexpr int64_t block_bytes(int format) {
-  return format == kQInt4 ? 18 : format == kQ8 ? 34 : format == kQ4K ? 24 : 40;  // q8k, q6: 40
+  return format == kQInt4 || format == kQ4K || format == kQ4L ? 18 : 34;
+}
+
+// Bytes of one column's `blocks` blocks: the super-blocks' fp32 pairs, then the blocks.
+constexpr int64_t column_bytes(int format, int64_t blocks) {
+  return blocks * block_bytes(format) + (has_super(format) ? blocks / super_blocks(format) * 8 : 0);
 }
 
 // Stored rows of a block, and those of each half.
@@ -130,12 +150,17 @@ struct QuantWeights {
 
 // Where column c's values live, valid for the columns from c to the end of c's panel: the
 // bytes of stored row t of block b at q + b block + t ld; int4's scale of block b at
-// s + b block (fp16), int8's at s (fp32).
+// s + b block (fp16), int8's at s (fp32); the K formats' first multiplier of block b at
+// s + b block, its second to_t bytes on, and its super-block's d at sup + (b >> shift)
+// sup_ld, e to_t floats on.
 struct QCol {
   const uint8_t* q;
   int64_t ld, block;
   const void* s;
-  int64_t to_t = 0;  // the K formats: bytes from a block's s to its t
+  int64_t to_t = 0;
+  const float* sup = nullptr;
+  int64_t sup_ld = 0;
+  int shift = 0;
 };
 
 inline QCol column(const QuantWeights& w, int64_t c) {
@@ -144,11 +169,14 @@ inline QCol column(const QuantWeights& w, int64_t c) {
     const uint8_t* q = w.base + p0 * w.k32 + (c - p0) * 4;  // panels [K32 / 4, width, 4]
     return {q, width * 4, 8 * width * 4, w.base + w.n * w.k32 + c * 4};
   }
-  const int64_t bb = block_bytes(w.format);
-  const uint8_t* panel = w.base + p0 * (w.k32 / kBlock) * bb;
-  if (w.format == kQ4K || w.format == kQ8K || w.format == kQ6)
-    return {panel + (c - p0) * 4, width * 4, bb * width, panel + (bb - 8) * width + (c - p0) * 4,
-            4 * width};
+  const int64_t bb = block_bytes(w.format), blocks = w.k32 / kBlock;
+  const uint8_t* panel = w.base + p0 * column_bytes(w.format, blocks);
+  if (has_super(w.format)) {
+    const int64_t sb = super_blocks(w.format);
+    const uint8_t* first = panel + blocks / sb * 8 * width;  // past the pairs
+    return {first + (c - p0) * 4, width * 4, bb * width, first + (bb - 2) * width + (c - p0),
+            width, reinterpret_cast<const float*>(panel) + (c - p0), 2 * width, sb == 8 ? 3 : 0};
+  }
   return {panel + (c - p0) * 4, width * 4, bb * width, panel + (bb - 2) * width + (c - p0) * 2};
 }
 
@@ -159,13 +187,46 @@ inline const uint16_t* group_scales(const QCol& col, int64_t b) {
   return reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(col.s) + b * col.block);
 }
 
-// The K formats' fp32 s, and t, of block b.
-inline const float* k_scales(const QCol& col, int64_t b) {
-  return reinterpret_cast<const float*>(static_cast<const uint8_t*>(col.s) + b * col.block);
+// The K formats' multipliers i (0: s's or the first half's, 1: t's or the second half's) of
+// block b, for the columns from col's (signed for kQ6).
+inline const uint8_t* multipliers(const QCol& col, int64_t b, int64_t i) {
+  return static_cast<const uint8_t*>(col.s) + b * col.block + i * col.to_t;
 }
-inline const float* k_mins(const QCol& col, int64_t b) {
-  return reinterpret_cast<const float*>(static_cast<const uint8_t*>(col.s) + b * col.block +
-                                        col.to_t);
+template <int F>
+inline float multiplier(const uint8_t* p) {
+  return F == kQ6 ? static_cast<float>(static_cast<int8_t>(*p)) : static_cast<float>(*p);
+}
+
+// Block b's super-block pair's d (e = 0) or e (e = 1), for the columns from col's.
+inline const float* super_pair(const QCol& col, int64_t b, int64_t e) {
+  return col.sup + (b >> col.shift) * col.sup_ld + e * col.to_t;
+}
+
+// The K formats' scale i of block b for col's column (s, or kQ6's half i: m d), and its t
+// (m_t e): exact products.
+template <int F>
+inline float k_scale(const QCol& col, int64_t b, int64_t i = 0) {
+  return multiplier<F>(multipliers(col, b, i)) * *super_pair(col, b, 0);
+}
+template <int F>
+inline float k_min(const QCol& col, int64_t b) {
+  return multiplier<F>(multipliers(col, b, 1)) * *super_pair(col, b, 1);
+}
+
+// kLanes of them, for the columns from col's.
+template <int F>
+inline vfloat k_scales_v(const QCol& col, int64_t b, int64_t i) {
+  const uint8_t* m = multipliers(col, b, i);
+  vfloat v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = multiplier<F>(m + l);
+  return v * load_w(super_pair(col, b, 0));
+}
+template <int F>
+inline vfloat k_mins_v(const QCol& col, int64_t b) {
+  const uint8_t* m = multipliers(col, b, 1);
+  vfloat v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = multiplier<F>(m + l);
+  return v * load_w(super_pair(col, b, 1));
 }
 
 // x [B, K] quantized per row and block of kBlock inputs (zeros past K).
@@ -296,8 +357,7 @@ inline QuantActs quantize_acts(const float* x, int64_t rows, int64_t k_len, int3
 template <int F>
 inline vfloat load_scales(const QCol& col, int64_t b, int64_t g = 0) {
   if (!kScaled<F>) return load_w(static_cast<const float*>(col.s));
-  if (kMin<F>) return load_w(k_scales(col, b));
-  if (F == kQ6) return load_w(g == 0 ? k_scales(col, b) : k_mins(col, b));
+  if constexpr (kTwoF32<F>) return k_scales_v<F>(col, b, g);
   const uint16_t* s = group_scales(col, b);
   vfloat out;
   for (int64_t i = 0; i < kLanes; ++i) out[i] = half_to_float(s[i]);
@@ -417,8 +477,8 @@ inline void prefetch_tile(const QCol& col, int64_t columns, int64_t b) {
   for (int64_t t = 0; t < kSteps<F>; ++t)
     prefetch_bytes(col.q + b * col.block + t * col.ld, 4 * columns);
   if constexpr (kTwoF32<F>) {
-    prefetch_bytes(reinterpret_cast<const uint8_t*>(k_scales(col, b)), 4 * columns);
-    prefetch_bytes(reinterpret_cast<const uint8_t*>(k_mins(col, b)), 4 * columns);
+    prefetch_bytes(multipliers(col, b, 0), col.to_t + columns);
+    prefetch_bytes(reinterpret_cast<const uint8_t*>(super_pair(col, b, 0)), 4 * (col.to_t + columns));
   } else if constexpr (kScaled<F>) {
     prefetch_bytes(reinterpret_cast<const uint8_t*>(group_scales(col, b)), 2 * columns);
   }
@@ -460,7 +520,7 @@ inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int
       }
       for (int64_t j = 0; j < NV; ++j) {
         const vfloat sc = kScaled<F> ? load_scales<F>(col[j], b, g) : vfloat{} + 1.f;
-        const vfloat tv = kMin<F> ? load_w(k_mins(col[j], b)) : vfloat{};
+        const vfloat tv = kMin<F> ? k_mins_v<F>(col[j], b) : vfloat{};
         for (int64_t r = 0; r < ROWS; ++r) {
           const vfloat d = __builtin_convertvector(dot[r][j], vfloat);
           const float sx = a.s(s.r0 + r, b);
@@ -482,8 +542,7 @@ inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int
 // A block's (or half g's) weight scale of one column, as the tiles widen it.
 template <int F>
 inline float column_scale(const QCol& col, int64_t b, int64_t g) {
-  if constexpr (kMin<F>) return *k_scales(col, b);
-  if constexpr (F == kQ6) return *(g == 0 ? k_scales(col, b) : k_mins(col, b));
+  if constexpr (kTwoF32<F>) return k_scale<F>(col, b, g);
   return half_to_float(*group_scales(col, b));
 }
 
@@ -513,7 +572,7 @@ inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantW
           f = kScaled<F> ? f + static_cast<float>(d) * (column_scale<F>(col, b, g) * sx)
                          : f + static_cast<float>(d) * sx;
           if constexpr (kMin<F>)
-            f = f + *k_mins(col, b) * (sx * min_sum<F>(a.d0(s.r0 + r, b)));
+            f = f + k_min<F>(col, b) * (sx * min_sum<F>(a.d0(s.r0 + r, b)));
         }
       }
       const volatile float out = kScaled<F> ? f : f * *static_cast<const float*>(col.s);
@@ -565,14 +624,22 @@ inline __m512 block_step(__m512 acc, __m512i dot, __m512 sc, float sx, __m512 tv
   return acc;
 }
 
+// The K formats' multipliers i of block b for 16 columns from col's column + `from`
+// (masked by m), widened to fp32.
+template <int F>
+inline __m512 multipliers_v(const QCol& col, int64_t b, int64_t i, __mmask16 m, int64_t from) {
+  const __m128i bytes = _mm_maskz_loadu_epi8(m, multipliers(col, b, i) + from);
+  return _mm512_cvtepi32_ps(F == kQ6 ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
+}
+
 // The block-scaled formats' weight scales of block b for 16 columns from col's column +
 // `from` (masked by m); 1 for int8.
 template <int F>
 inline __m512 block_scales(const QCol& col, int64_t b, __mmask16 m, int64_t from = 0,
                            int64_t g = 0) {
-  if constexpr (kMin<F>) return _mm512_maskz_loadu_ps(m, k_scales(col, b) + from);
-  if constexpr (F == kQ6)
-    return _mm512_maskz_loadu_ps(m, (g == 0 ? k_scales(col, b) : k_mins(col, b)) + from);
+  if constexpr (kTwoF32<F>)
+    return _mm512_mul_ps(multipliers_v<F>(col, b, g, m, from),
+                         _mm512_maskz_loadu_ps(m, super_pair(col, b, 0) + from));
   if constexpr (kScaled<F>)
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, group_scales(col, b) + from));
   return _mm512_set1_ps(1.f);
@@ -581,7 +648,9 @@ inline __m512 block_scales(const QCol& col, int64_t b, __mmask16 m, int64_t from
 // The K formats' t of block b for 16 columns from col's column + `from` (masked by m).
 template <int F>
 inline __m512 block_mins(const QCol& col, int64_t b, __mmask16 m, int64_t from = 0) {
-  if constexpr (kMin<F>) return _mm512_maskz_loadu_ps(m, k_mins(col, b) + from);
+  if constexpr (kMin<F>)
+    return _mm512_mul_ps(multipliers_v<F>(col, b, 1, m, from),
+                         _mm512_maskz_loadu_ps(m, super_pair(col, b, 1) + from));
   return _mm512_setzero_ps();
 }
 
@@ -870,7 +939,12 @@ inline void quant_rows(const QuantActs& a, const float* x, const QuantWeights& w
 inline int64_t quant_rows_of(int64_t k_len, int format) {
   const int64_t k32 = (k_len + kBlock - 1) / kBlock * kBlock;
   if (format == kQInt8) return k32 / 4 + 1;
-  return (k32 / kBlock * block_bytes(format) + 3) / 4;
+  return (column_bytes(format, k32 / kBlock) + 3) / 4;
+}
+
+// Whether a format can hold K inputs: K a multiple of 32 (256 for the K-quants' super-blocks).
+inline bool holds(int format, int64_t k_len) {
+  return k_len % (kBlock * (has_super(format) ? super_blocks(format) : 1)) == 0;
 }
 
 // Which format a stored weight of K inputs is in (pack_quantized), told apart by dtype and
@@ -880,11 +954,11 @@ inline int quant_format(const at::Tensor& w, int64_t k_len) {
   if (w.dim() != 3 || w.size(2) != 4) return -1;
   if (w.scalar_type() == at::kChar) {
     if (w.size(0) == quant_rows_of(k_len, kQInt8)) return kQInt8;
-    return k_len % kBlock == 0 && w.size(0) == quant_rows_of(k_len, kQ6) ? kQ6 : -1;
+    return holds(kQ6, k_len) && w.size(0) == quant_rows_of(k_len, kQ6) ? kQ6 : -1;
   }
-  if (w.scalar_type() != at::kByte || k_len % kBlock != 0) return -1;
-  for (const int f : {kQInt4, kQ8, kQ4K, kQ8K})
-    if (w.size(0) == quant_rows_of(k_len, f)) return f;
+  if (w.scalar_type() != at::kByte) return -1;
+  for (const int f : {kQInt4, kQ8, kQ4K, kQ8K, kQ4L, kQ8L})
+    if (holds(f, k_len) && w.size(0) == quant_rows_of(k_len, f)) return f;
   return -1;
 }
 
@@ -896,38 +970,52 @@ inline void quant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y, bo
   const QuantWeights qw{reinterpret_cast<const uint8_t*>(w.data_ptr()), n,
                         (k_len + kBlock - 1) / kBlock * kBlock, format};
   const float* x = a.data_ptr<float>();
-  const bool nib = format == kQInt4 || format == kQ4K;
+  const bool nib = format == kQInt4 || format == kQ4K || format == kQ4L;
   const QuantActs acts = quantize_acts(x, rows, k_len, nib ? 8 : 128);
   float* out = y.data_ptr<float>();
   switch (format) {
     case kQInt4: return quant_rows<kQInt4>(acts, x, qw, out, rows, k_len, accumulate);
     case kQ8: return quant_rows<kQ8>(acts, x, qw, out, rows, k_len, accumulate);
-    case kQ4K: return quant_rows<kQ4K>(acts, x, qw, out, rows, k_len, accumulate);
-    case kQ8K: return quant_rows<kQ8K>(acts, x, qw, out, rows, k_len, accumulate);
+    case kQ4K: case kQ4L: return quant_rows<kQ4K>(acts, x, qw, out, rows, k_len, accumulate);
+    case kQ8K: case kQ8L: return quant_rows<kQ8K>(acts, x, qw, out, rows, k_len, accumulate);
     case kQ6: return quant_rows<kQ6>(acts, x, qw, out, rows, k_len, accumulate);
     default: return quant_rows<kQInt8>(acts, x, qw, out, rows, k_len, accumulate);
   }
 }
 
+// A panel's super-block pairs: parts 2 and 3 (d and e) of each super-block's first block.
+inline void pack_pairs(const float* pv, int64_t blocks, int64_t n, int64_t sb, int64_t p0,
+                       int64_t width, uint8_t* out) {
+  for (int64_t sp = 0; sp < blocks / sb; ++sp)
+    for (int64_t e = 0; e < 2; ++e)
+      std::memcpy(out + (2 * sp + e) * 4 * width, pv + (((2 + e) * blocks + sp * sb) * n + p0),
+                  4 * width);
+}
+
 // The block-scaled formats' panels (see the layout above) written straight from q [K, N]
-// int8 (K a multiple of 32) and `parts` [P, K / 32, N] (fp16 scales, or the K formats' two
-// fp32 numbers), each block's stored rows and then each part's [width] in turn, into out
-// (block_bytes x K / 32 x N bytes); a task per panel. (Built from tensor ops, with an int32
-// copy of q and its permutes, packing took 2.9 s of a 0.8B Q4_K_M file's 16 s load.)
+// int8 (K a multiple of 32) and `parts` [P, K / 32, N]: fp16 scales, or the K formats' four
+// fp32 numbers (two multipliers, stored as bytes, and the super-block's d and e), into out
+// (column_bytes x N bytes); a task per panel. (Built from tensor ops, with an int32 copy of
+// q and its permutes, packing took 2.9 s of a 0.8B Q4_K_M file's 16 s load.)
 inline void pack_blocks(const at::Tensor& q, const at::Tensor& parts, int format, uint8_t* out) {
   const int64_t k_len = q.size(0), n = q.size(1), blocks = k_len / kBlock;
-  const int64_t count = parts.size(0), e = parts.element_size();
-  const bool nib = format == kQInt4 || format == kQ4K;
-  const int32_t offset = format == kQInt4 ? 8 : format == kQ4K ? 0 : 128;
+  const int64_t e = parts.element_size();
+  const bool nib = format == kQInt4 || format == kQ4K || format == kQ4L;
+  const int32_t offset = format == kQInt4 ? 8 : nib ? 0 : 128;
   const int64_t per = nib ? kBlock / 8 : kBlock / 4, bb = block_bytes(format);
+  const int64_t sb = super_blocks(format);
   const int8_t* qv = q.data_ptr<int8_t>();
   const uint8_t* pv = static_cast<const uint8_t*>(parts.data_ptr());
   const int64_t panels = (n + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     for (int64_t p = p_begin; p < p_end; ++p) {
       const int64_t p0 = p * kPanel, width = std::min(kPanel, n - p0);
+      uint8_t* panel = out + p0 * column_bytes(format, blocks);
+      if (has_super(format))
+        pack_pairs(reinterpret_cast<const float*>(pv), blocks, n, sb, p0, width, panel);
+      uint8_t* first = panel + (has_super(format) ? blocks / sb * 8 * width : 0);
       for (int64_t b = 0; b < blocks; ++b) {
-        uint8_t* blk = out + p0 * blocks * bb + b * bb * width;
+        uint8_t* blk = first + b * bb * width;
         for (int64_t t = 0; t < per; ++t) {
           for (int64_t i = 0; i < 4; ++i) {
             const int64_t k = b * kBlock + (nib ? 8 * t + i : 4 * t + i);
@@ -939,9 +1027,15 @@ inline void pack_blocks(const at::Tensor& q, const at::Tensor& parts, int format
             }
           }
         }
-        for (int64_t part = 0; part < count; ++part)
-          std::memcpy(blk + per * 4 * width + part * e * width,
-                      pv + ((part * blocks + b) * n + p0) * e, e * width);
+        if (!has_super(format)) {
+          std::memcpy(blk + per * 4 * width, pv + (b * n + p0) * e, e * width);
+          continue;
+        }
+        const float* f = reinterpret_cast<const float*>(pv);
+        for (int64_t m = 0; m < 2; ++m)
+          for (int64_t c = 0; c < width; ++c)
+            blk[per * 4 * width + m * width + c] = static_cast<uint8_t>(
+                static_cast<int32_t>(f[(m * blocks + b) * n + p0 + c]));
       }
     }
   });
@@ -950,24 +1044,27 @@ inline void pack_blocks(const at::Tensor& q, const at::Tensor& parts, int format
 // q [K, N] int8 and its scales -> the stored format (QFormat): int8 (q in [-127, 127], fp32
 // scales [N]), int4 (q in [-8, 7], fp16 scales [K / 32, N]), q8 (q in [-127, 127], fp16
 // scales [K / 32, N]: llama.cpp's Q8_0 blocks, values as they are), or the K formats, W = s q
-// + t with fp32 s and t stacked [2, K / 32, N]: q4k (q in [0, 15]), q8k (q in [-128, 127]);
-// or q6 (q in [-128, 127], W = s_h q with fp32 s_h [2, K / 32, N] for each half of 16).
+// + t with [4, K / 32, N] fp32 (m_s, m_t, d, e): s = m_s d, t = m_t e, d and e the same
+// across each super-block, m_s and m_t integers in [0, 255]: q4k and q4l (q in [0, 15]),
+// q8k and q8l (q in [-128, 127]); or q6 (q in [-128, 127], W = s_h q, s_h = m_h d with the
+// multipliers of each half of 16 in [-128, 127], e unused).
 inline at::Tensor pack_quantized(const at::Tensor& q, const at::Tensor& scales, int64_t format) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_quantized takes q [K, N] int8");
-  TORCH_CHECK(format >= kQInt8 && format <= kQ6,
-              "pack_quantized: format is 0 (int8), 1 (int4), 2 (q8), 3 (q4k), 4 (q8k) or 5 (q6)");
+  TORCH_CHECK(format >= kQInt8 && format <= kQ8L,
+              "pack_quantized: format is 0 (int8), 1 (int4), 2 (q8), 3 (q4k), 4 (q8k), 5 (q6), "
+              "6 (q4l) or 7 (q8l)");
   const int64_t k_len = q.size(0), n = q.size(1);
-  const bool k_format = format == kQ4K || format == kQ8K || format == kQ6;
+  const bool k_format = has_super(static_cast<int>(format));
   const bool ok = format == kQInt8 ? scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
                                          scales.size(0) == n
                   : k_format ? scales.scalar_type() == at::kFloat && scales.dim() == 3 &&
-                                   scales.size(0) == 2 && scales.size(1) == k_len / kBlock &&
-                                   scales.size(2) == n && k_len % kBlock == 0
+                                   scales.size(0) == 4 && scales.size(1) == k_len / kBlock &&
+                                   scales.size(2) == n && holds(static_cast<int>(format), k_len)
                              : scales.scalar_type() == at::kHalf && scales.dim() == 2 &&
                                    k_len % kBlock == 0 && scales.size(0) == k_len / kBlock &&
                                    scales.size(1) == n;
   TORCH_CHECK(ok, "pack_quantized: int8 scales are fp32 [N], int4 and q8 scales fp16 [K / 32, "
-              "N], the K formats' s and t fp32 [2, K / 32, N]");
+              "N], the K formats' fp32 [4, K / 32, N] (K a multiple of 256 for q4k, q8k, q6)");
   at::Tensor flat = at::zeros({quant_rows_of(k_len, format) * n * 4}, q.options().dtype(at::kByte));
   if (format != kQInt8) {
     const at::Tensor parts = k_format ? scales.contiguous() : scales.contiguous().unsqueeze(0);
