@@ -54,6 +54,10 @@ def set_quantization(mode: str) -> None:
 # by its data pointer until it is packed: (q, scales, the GEMM format).
 _native_blocks = [False]
 _block_values: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+# Weights given as blocks alone (their own values not written at load: the packed blocks are
+# what runs), by data pointer: the weight and how to compute its values, should anything
+# need them as floats after all (fill_values).
+_unfilled: dict[int, tuple[torch.Tensor, Callable[[], torch.Tensor]]] = {}
 
 
 def set_native_blocks(on: bool) -> None:
@@ -61,6 +65,7 @@ def set_native_blocks(on: bool) -> None:
     ``--dtype auto`` and no ``--quantization``)."""
     _native_blocks[0] = on
     _block_values.clear()
+    _unfilled.clear()
 
 
 def native_blocks() -> bool:
@@ -68,13 +73,34 @@ def native_blocks() -> bool:
 
 
 def give_blocks(weight: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
-                fmt: int = 1) -> None:
+                fmt: int = 1, values: Callable[[], torch.Tensor] | None = None) -> None:
     """``weight [out, in]`` holds exactly q ``[out, in]`` (int8) times the fp16 ``scales
     [out, in / 32]`` (``fmt`` 1: int4, q in [−8, 7]; 2: q8, q in [−127, 127]), or s q + t
     with ``scales [out, in / 32, 2]`` fp32 s and t (3: q4k, q in [0, 15]; 4: q8k, bytes),
     or s_h q with the scales of each half of 32 ``[out, in / 32, 2]`` (5: q6, Q6_K's):
-    :func:`gemm_weight` packs those in the GEMM format ``fmt``, never quantizing."""
+    :func:`gemm_weight` packs those in the GEMM format ``fmt``, never quantizing. With
+    ``values``, ``weight`` was left unwritten (the load skips a GGUF matrix's dequantized
+    copy): ``values()`` gives its values if it is packed from floats after all (a router,
+    a merge of formats), or is never packed by the end of the load (:func:`fill_values`)."""
     _block_values[weight.data_ptr()] = (q, scales, fmt)
+    if values is not None:
+        _unfilled[weight.data_ptr()] = (weight, values)
+
+
+def _fill(parts: tuple[torch.Tensor, ...]) -> None:
+    """Write the values of those ``parts`` given as blocks alone."""
+    for p in parts:
+        pending = _unfilled.pop(p.data_ptr(), None)
+        if pending is not None:
+            with torch.no_grad():
+                p.copy_(pending[1]().reshape(p.shape))
+
+
+def fill_values() -> None:
+    """Write the values of every weight given as blocks alone that nothing has packed: the
+    end of a load, so that a weight read as floats (not by the GEMM) holds its values."""
+    for weight, _ in list(_unfilled.values()):
+        _fill((weight,))
 
 
 def pending_blocks() -> int:
@@ -151,6 +177,13 @@ def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
     if cached is None or cached[0] != key:
         quantized = not getattr(owner, "fp32_weights", False)
         given = _given_blocks(parts) if quantized else None
+        if given is None:
+            for p in parts:
+                _block_values.pop(p.data_ptr(), None)
+            _fill(parts)
+        else:
+            for p in parts:
+                _unfilled.pop(p.data_ptr(), None)
         w = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
         cached = (key, given if given is not None else pack(w.t(), quantized), parts)
         owner.__dict__["_invariant_wt"] = cached

@@ -127,10 +127,9 @@ def pack(w: torch.Tensor, mode: str) -> torch.Tensor:
 # The block-scaled stored formats of linserve/model/kernels/gemm_quant.h (its QFormat, which
 # pack_quantized takes), and the bytes a column's block of 32 inputs takes in each (its
 # block_bytes): int4 for --quantization int4 and Q4_0, the others for a GGUF file's blocks.
-# (The K formats' blocks of 32 take 18, 26 (q6's 6-bit values) or 34 bytes, and their
-# super-block's fp32 pair 8 more a super-block: of 8 blocks for the K-quants, of one for q4l
-# and q8l, the legacy blocks.)
-BLOCK_FORMATS = {"int4": (1, 18), "q8": (2, 34), "q4k": (3, 19), "q8k": (4, 35), "q6": (5, 27),
+# (The K formats' blocks of 32 take 18 or 34 bytes and their super-block's fp32 pair 8 more
+# a super-block: of 8 blocks for the K-quants, of one for q4l and q8l, the legacy blocks.)
+BLOCK_FORMATS = {"int4": (1, 18), "q8": (2, 34), "q4k": (3, 19), "q8k": (4, 35), "q6": (5, 35),
                  "q4l": (6, 26), "q8l": (7, 42)}
 PACKED_BYTES = dict(BLOCK_FORMATS.values())  # format number -> bytes a column's block
 
@@ -140,7 +139,7 @@ def mode_of(packed: torch.Tensor, k: int | None = None) -> str:
     it: ``int8``, ``int4``, ``none``, or (a GGUF file's blocks, told apart by the stored
     rows of its ``k`` inputs) ``q8``, ``q4k``, ``q8k``, ``q6``, ``q4l`` or ``q8l``."""
     if k is not None and k % GROUP == 0 and packed.dtype in (torch.uint8, torch.int8):
-        stored_as_int8 = ("q6",)  # (gemm_quant.h's quant_format tells the dtypes apart)
+        stored_as_int8 = ("q6",)  # (q8k, kByte, has q6's size: gemm_quant.h's quant_format)
         for name, (_, size) in BLOCK_FORMATS.items():
             if name == "int4" or (name in stored_as_int8) != (packed.dtype == torch.int8):
                 continue

@@ -11,6 +11,7 @@ Every problem is a :class:`CheckpointError` with a one-line message.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -314,6 +315,7 @@ def load_weights(module: nn.Module, path: Path, rename: Callable[[str], str | No
         if packer is not None:
             packer.pack_head() if index < 0 else packer.pack_layer(index)
             trim()
+    invariant.fill_values()  # a weight given as blocks that nothing packed: its values
     cast(module, dtype)
     return unused
 
@@ -367,14 +369,17 @@ def read_into(file: Path, pairs: list[tuple[torch.Tensor, str, Index]]) -> None:
     if is_gguf(file):
         ck = gguf(file)
         for name, dests in by_name.items():
-            t = ck.read(name)
             whole = dests[0][0]
+            blocks = (ck.native_blocks(name) if invariant.native_blocks() and len(dests) == 1
+                      and dests[0][1] is None and len(whole.shape) == 2 else None)
+            if blocks is not None and blocks[0].shape == whole.shape:
+                # packed from its blocks: no dequantized copy is written
+                invariant.give_blocks(whole, *blocks, values=functools.partial(ck.read, name))
+                continue
+            t = ck.read(name)
             if dests[0][1] is None and t.shape != whole.shape and t.numel() == whole.numel():
                 t = t.reshape(whole.shape)  # squeezed or flattened by the converter
             _scatter(t, dests)
-            blocks = ck.native_blocks(name) if invariant.native_blocks() else None
-            if blocks is not None and len(dests) == 1 and dests[0][1] is None:
-                invariant.give_blocks(whole, *blocks)
         return
     with file.open("rb") as fh:
         size = int.from_bytes(fh.read(8), "little")

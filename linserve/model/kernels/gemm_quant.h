@@ -23,8 +23,7 @@
 //   multiplier per block (s = m_s d, t = m_t e; q6: s_h = m_h d, signed) of an fp32 pair
 //   (d, e) per super-block of 8 blocks (llama.cpp's 256 inputs). Every product m d is exact
 //   in fp32 (an fp16 d times a 6- or 8-bit integer), so the kernels' s and t are the values
-//   gguf-py dequantizes with, bit for bit. q6's values are stored in 6 bits, q + 32 as a
-//   nibble and two high bits (kSix). q4l (Q4_1) and q8l (Q5_0, Q5_1): q4k's and q8k's
+//   gguf-py dequantizes with, bit for bit. q4l (Q4_1) and q8l (Q5_0, Q5_1): q4k's and q8k's
 //   kernels with a super-block of one block (multipliers 1, (d, e) = the block's s and t).
 // Layout: K padded to K32 (a multiple of 32) with zero weights; in gemm.h's column panels,
 // each (stored row, column) one 32-bit lane of four bytes, so a 64-byte load is 16 columns x
@@ -43,11 +42,8 @@
 //   [width] fp32 (d, then e), then its blocks as int4's / q8's, each block's stored rows then
 //   its two multipliers [width] bytes (m_s then m_t, or q6's two halves'): 18 or 34 bytes a
 //   column and block, plus 8 a super-block (4.75 bits a weight for Q4_K's 4.5, 8.75 for
-//   Q5_K's 5.5; the fp32 s and t a block took 6 and 10). q6's block: its four stored rows of
-//   nibbles as int4's (the low 4 bits of q + 32), then two stored rows of high bits (row u,
-//   byte i: bits 4s + 2h .. 4s + 2h + 1 the top two of input 8 (2u + s) + 4h + i), then its
-//   multipliers: 26 bytes, 6.75 bits a weight for Q6_K's 6.56 (bytes took 10). q6 is a
-//   kChar tensor: quant_format.
+//   Q6_K's 6.56; the fp32 s and t a block took 6 and 10). q6 is a kChar tensor (q8k, kByte,
+//   has its size): quant_format.
 //
 // Activations (quantize_acts): per row and block b of 32 inputs, s_b = max |x| / 127 and
 // x_q = round(x / s_b) (to nearest even), in [-127, 127]; model/quantize.py's
@@ -100,10 +96,7 @@ typedef int32_t vi32 __attribute__((vector_size(kLanes * 4)));
 // kernels (super_blocks: 1).
 enum QFormat : int { kQInt8 = 0, kQInt4 = 1, kQ8 = 2, kQ4K = 3, kQ8K = 4, kQ6 = 5, kQ4L = 6,
                      kQ8L = 7 };
-template <int F> constexpr bool kNib = F == kQInt4 || F == kQ4K || F == kQ6;
-// kQ6: nibbles and two high bits a value (kNib's stored rows, then kSixRows of high bits).
-template <int F> constexpr bool kSix = F == kQ6;
-constexpr int64_t kSixRows = 2;
+template <int F> constexpr bool kNib = F == kQInt4 || F == kQ4K;
 template <int F> constexpr bool kScaled = F != kQInt8;
 template <int F> constexpr bool kMin = F == kQ4K || F == kQ8K;
 template <int F> constexpr int64_t kHalves = F == kQ6 ? 2 : 1;
@@ -118,49 +111,13 @@ constexpr int64_t super_blocks(int format) { return format == kQ4L || format == 
 // Bytes of one column's block in the block-scaled formats: its stored rows, then its fp16
 // scale (int4, q8) or its two multipliers (the K formats).
 constexpr int64_t block_bytes(int format) {
-  return format == kQInt4 || format == kQ4K || format == kQ4L ? 18 : format == kQ6 ? 26 : 34;
+  return format == kQInt4 || format == kQ4K || format == kQ4L ? 18 : 34;
 }
 
 // Bytes of one column's `blocks` blocks: the super-blocks' fp32 pairs, then the blocks.
 constexpr int64_t column_bytes(int format, int64_t blocks) {
   return blocks * block_bytes(format) + (has_super(format) ? blocks / super_blocks(format) * 8 : 0);
 }
-
-// What a format adds to q to store it (nibbles q + 8, 6 bits q + 32, bytes q + 128; q4k's
-// nibbles are q as they are, their offset only gives the activations' sums).
-constexpr int32_t stored_offset(int format) {
-  return format == kQInt4 || format == kQ4K || format == kQ4L ? 8 : format == kQ6 ? 32 : 128;
-}
-
-// kQ6's 6-bit values of nibble row t (inputs 8t .. 8t+3 and 8t+4 .. 8t+7, a byte each),
-// from the row's nibbles v and its high-bit row h (row t / 2), kLanes columns: as the
-// vector forms below, one byte at a time.
-// (U: one column's uint32_t, or a vu32 of kLanes.)
-template <typename U>
-inline U six_bits(U v, U h, int64_t t, int64_t half) {
-  const U nib = (v >> (4 * half)) & 0x0F0F0F0Fu;
-  return nib | (((h >> (4 * (t & 1) + 2 * half)) & 0x03030303u) << 4);
-}
-#if defined(__AVX512BW__)
-// The same, 16 columns a vector. Shifts of 16-bit lanes: the bits they carry across bytes
-// are masked off.
-inline void six_bits(__m512i v, __m512i h, int64_t t, __m512i* lo, __m512i* hi) {
-  const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
-  const __m512i hb = (t & 1) ? _mm512_srli_epi16(h, 4) : h;
-  *lo = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_and_si512(_mm512_slli_epi16(hb, 4), top));
-  *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
-                        _mm512_and_si512(_mm512_slli_epi16(hb, 2), top));
-}
-#endif
-#if defined(__AVX2__)
-inline void six_bits(__m256i v, __m256i h, int64_t t, __m256i* lo, __m256i* hi) {
-  const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
-  const __m256i hb = (t & 1) ? _mm256_srli_epi16(h, 4) : h;
-  *lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
-  *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                        _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
-}
-#endif
 
 // Stored rows of a block, and those of each half.
 template <int F> constexpr int64_t kSteps = kNib<F> ? kBlock / 8 : kBlock / 4;
@@ -437,24 +394,6 @@ inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int6
   for (int64_t r = 0; r < ROWS; ++r) xq[r] = reinterpret_cast<const int32_t*>(a.block(r0 + r, b));
   __m256i sum[ROWS][NV];
   for (auto& row : sum) for (auto& v : row) v = _mm256_setzero_si256();
-  if constexpr (kSix<F>) {  // 6-bit values: two pairs reach 2 x 2 x 63 x 127 < 2^15
-    for (int64_t t = t0; t < t1; ++t) {  // (nibble rows t0 .. t1 - 1: the half)
-      for (int64_t j = 0; j < NV; ++j) {
-        const uint8_t* p = col[j].q + b * col[j].block;
-        __m256i lo, hi;
-        six_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + t * col[j].ld)),
-                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                     p + (kSteps<F> + t / 2) * col[j].ld)), t, &lo, &hi);
-        for (int64_t r = 0; r < ROWS; ++r)
-          sum[r][j] = _mm256_add_epi32(sum[r][j], _mm256_madd_epi16(_mm256_add_epi16(
-              _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[r][2 * t])),
-              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[r][2 * t + 1]))), ones));
-      }
-    }
-    for (int64_t r = 0; r < ROWS; ++r)
-      for (int64_t j = 0; j < NV; ++j) dot[r][j] += reinterpret_cast<const vi32&>(sum[r][j]);
-    return;
-  }
   if (kNib<F>) {
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t t = 0; t < kBlock / 8; ++t) {
@@ -535,7 +474,7 @@ inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
 // each stored row's 4 bytes a column, and int4's fp16 scales.
 template <int F>
 inline void prefetch_tile(const QCol& col, int64_t columns, int64_t b) {
-  for (int64_t t = 0; t < kSteps<F> + (kSix<F> ? kSixRows : 0); ++t)
+  for (int64_t t = 0; t < kSteps<F>; ++t)
     prefetch_bytes(col.q + b * col.block + t * col.ld, 4 * columns);
   if constexpr (kTwoF32<F>) {
     prefetch_bytes(multipliers(col, b, 0), col.to_t + columns);
@@ -562,24 +501,14 @@ inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int
               a.d0(s.r0 + r, b), a.d0_lo(s.r0 + r, b), g));
       if constexpr (kAvx2Dot) block_dot_avx2<F, ROWS, NV>(a, s.r0, col, b, dot, t0, t1);
       for (int64_t t = t0; t < (kAvx2Dot ? t0 : t1); ++t) {
-        vu32 v[NV], v6[NV];  // (kQ6: v the low values' 6 bits, v6 the high ones')
-        for (int64_t j = 0; j < NV; ++j) {
-          const uint8_t* p = col[j].q + b * col[j].block;
-          v[j] = *reinterpret_cast<const vu32_ua*>(p + t * col[j].ld);
-          if constexpr (kSix<F>) {
-            const vu32 h = *reinterpret_cast<const vu32_ua*>(p + (kSteps<F> + t / 2) * col[j].ld);
-            v6[j] = six_bits(v[j], h, t, 1);
-            v[j] = six_bits(v[j], h, t, 0);
-          }
-        }
+        vu32 v[NV];
+        for (int64_t j = 0; j < NV; ++j)
+          v[j] = *reinterpret_cast<const vu32_ua*>(col[j].q + b * col[j].block + t * col[j].ld);
         for (int64_t i = 0; i < 4; ++i) {
           for (int64_t r = 0; r < ROWS; ++r) {
             const int8_t* xq = a.block(s.r0 + r, b);
             for (int64_t j = 0; j < NV; ++j) {
-              if (kSix<F>) {
-                dot[r][j] += (vi32)((v[j] >> (8 * i)) & 255u) * xq[8 * t + i];
-                dot[r][j] += (vi32)((v6[j] >> (8 * i)) & 255u) * xq[8 * t + 4 + i];
-              } else if (kNib<F>) {
+              if (kNib<F>) {
                 dot[r][j] += (vi32)((v[j] >> (8 * i)) & 15u) * xq[8 * t + i];
                 dot[r][j] += (vi32)((v[j] >> (8 * i + 4)) & 15u) * xq[8 * t + 4 + i];
               } else {
@@ -632,13 +561,8 @@ inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantW
           int32_t d = half_start<F>(a.d0(s.r0 + r, b), a.d0_lo(s.r0 + r, b), g);
           for (int64_t t = g * kHalfSteps<F>; t < (g + 1) * kHalfSteps<F>; ++t) {
             const uint8_t* lane = col.q + b * col.block + t * col.ld;
-            const uint8_t* high = col.q + b * col.block + (kSteps<F> + t / 2) * col.ld;
             for (int64_t i = 0; i < 4; ++i) {
-              if (kSix<F>) {
-                const uint32_t v = lane[i], h = high[i];
-                d += static_cast<int32_t>(six_bits(v, h, t, 0)) * xq[8 * t + i] +
-                     static_cast<int32_t>(six_bits(v, h, t, 1)) * xq[8 * t + 4 + i];
-              } else if (kNib<F>) {
+              if (kNib<F>) {
                 d += (lane[i] & 15) * xq[8 * t + i] + (lane[i] >> 4) * xq[8 * t + 4 + i];
               } else {
                 d += lane[i] * xq[4 * t + i];
@@ -750,28 +674,13 @@ inline void store_tile(const __m512 (&acc)[ROWS][NV], const ColScales& col_s, fl
   }
 }
 
-// Nibble row t's two byte vectors (its low and its high inputs) of the block at p, 16
-// columns (masked by m unless `full`): int4's and q4k's nibbles, or kQ6's 6-bit values.
-template <int F>
-inline void nibble_pair(const uint8_t* p, int64_t ld, int64_t t, __mmask16 m, bool full,
-                        __m512i* lo, __m512i* hi) {
-  const __m512i v = full ? _mm512_loadu_si512(p + t * ld) : _mm512_maskz_loadu_epi32(m, p + t * ld);
-  if constexpr (kSix<F>) {
-    const uint8_t* ph = p + (kSteps<F> + t / 2) * ld;
-    six_bits(v, full ? _mm512_loadu_si512(ph) : _mm512_maskz_loadu_epi32(m, ph), t, lo, hi);
-  } else {
-    const __m512i low = _mm512_set1_epi8(15);
-    *lo = _mm512_and_si512(v, low);
-    *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-  }
-}
-
 // One row (the GEMV) x NV vectors of 16 columns from c (the last vector's columns masked by m).
 template <int F, int64_t NV>
 inline void tile_vnni_row(const QuantActs& a, const Span& s, const QuantWeights& w, int64_t c,
                           __mmask16 m) {
   QCol col[NV];
   for (int64_t j = 0; j < NV; ++j) col[j] = column(w, c + 16 * j);
+  const __m512i low = _mm512_set1_epi8(15);
   __m512 acc[1][NV];
   for (auto& v : acc[0]) v = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
@@ -784,15 +693,15 @@ inline void tile_vnni_row(const QuantActs& a, const Span& s, const QuantWeights&
         dot[j] = _mm512_set1_epi32(half_start<F>(d0, a.d0_lo(s.r0, b), g));
       for (int64_t t = g * kHalfSteps<F>; t < (g + 1) * kHalfSteps<F>; ++t) {
         for (int64_t j = 0; j < NV; ++j) {
-          const bool full = NV > 1 || m == 0xFFFF;
-          if constexpr (kNib<F>) {
-            __m512i lo, hi;
-            nibble_pair<F>(col[j].q + b * col[j].block, col[j].ld, t, m, full, &lo, &hi);
+          const uint8_t* p = col[j].q + b * col[j].block + t * col[j].ld;
+          const __m512i v = NV > 1 || m == 0xFFFF ? _mm512_loadu_si512(p)
+                                                   : _mm512_maskz_loadu_epi32(m, p);
+          if (kNib<F>) {
+            const __m512i lo = _mm512_and_si512(v, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             dot[j] = _mm512_dpbusd_epi32(dot[j], lo, _mm512_set1_epi32(xq[2 * t]));
             dot[j] = _mm512_dpbusd_epi32(dot[j], hi, _mm512_set1_epi32(xq[2 * t + 1]));
           } else {
-            const uint8_t* p = col[j].q + b * col[j].block + t * col[j].ld;
-            const __m512i v = full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(m, p);
             dot[j] = _mm512_dpbusd_epi32(dot[j], v, _mm512_set1_epi32(xq[t]));
           }
         }
@@ -837,6 +746,7 @@ inline void unrolled(F&& f) { unrolled(f, std::make_index_sequence<N>{}); }
 template <int F, int64_t ROWS, int64_t NV>
 inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, float* y,
                            int64_t ldy, bool accumulate, __mmask16 m, bool prefetch) {
+  const __m512i low = _mm512_set1_epi8(15);
   __m512 acc[ROWS][NV];
   for (auto& row : acc) for (auto& v : row) v = _mm512_setzero_ps();
   const uint8_t* q = col.q;
@@ -854,16 +764,16 @@ inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, 
           dot[r] = _mm512_set1_epi32(half_start<F>(d0[r], d0_lo[r], g));
         unrolled<kHalfSteps<F>>([&](auto tt) {
           constexpr int64_t t = g * kHalfSteps<F> + tt;
+          const uint8_t* p = q + t * col.ld + 64 * j;  // a tile's vectors share one panel
+          const __m512i v = NV > 1 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(m, p);
           if constexpr (kNib<F>) {
-            __m512i lo, hi;  // (a tile's vectors share one panel)
-            nibble_pair<F>(q + 64 * j, col.ld, t, m, NV > 1, &lo, &hi);
+            const __m512i lo = _mm512_and_si512(v, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             unrolled<ROWS>([&](auto r) {
               dot[r] = _mm512_dpbusd_epi32(dot[r], lo, broadcast_at<8 * r + 2 * t>(xq));
               dot[r] = _mm512_dpbusd_epi32(dot[r], hi, broadcast_at<8 * r + 2 * t + 1>(xq));
             });
           } else {
-            const uint8_t* p = q + t * col.ld + 64 * j;
-            const __m512i v = NV > 1 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(m, p);
             unrolled<ROWS>([&](auto r) {
               dot[r] = _mm512_dpbusd_epi32(dot[r], v, broadcast_at<8 * r + t>(xq));
             });
@@ -891,6 +801,7 @@ template <int F, int64_t ROWS>
 inline void tile_vnni_wide(const uint8_t* rec, int64_t blocks, const QCol& col, float* y,
                            int64_t ldy, bool accumulate, __mmask16 m, bool prefetch) {
   constexpr int64_t kHalf = ROWS > kOnePassRows ? (ROWS + 1) / 2 : ROWS;
+  const __m512i low = _mm512_set1_epi8(15);
   __m512 acc[ROWS][1];
   for (auto& row : acc) row[0] = _mm512_setzero_ps();
   const uint8_t* q = col.q;
@@ -911,15 +822,15 @@ inline void tile_vnni_wide(const uint8_t* rec, int64_t blocks, const QCol& col, 
         dot[r] = _mm512_set1_epi32(half_start<F>(d0[r0 + r], d0_lo[r0 + r], g));
       unrolled<kHalfSteps<F>>([&](auto tt) {
         constexpr int64_t t = g * kHalfSteps<F> + tt;
+        const __m512i v = _mm512_maskz_loadu_epi32(m, q + t * col.ld);
         if constexpr (kNib<F>) {
-          __m512i lo, hi;
-          nibble_pair<F>(q, col.ld, t, m, false, &lo, &hi);
+          const __m512i lo = _mm512_and_si512(v, low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           unrolled<rows>([&](auto r) {
             dot[r] = _mm512_dpbusd_epi32(dot[r], lo, broadcast_at<8 * (r0 + r) + 2 * t>(xq));
             dot[r] = _mm512_dpbusd_epi32(dot[r], hi, broadcast_at<8 * (r0 + r) + 2 * t + 1>(xq));
           });
         } else {
-          const __m512i v = _mm512_maskz_loadu_epi32(m, q + t * col.ld);
           unrolled<rows>([&](auto r) {
             dot[r] = _mm512_dpbusd_epi32(dot[r], v, broadcast_at<8 * (r0 + r) + t>(xq));
           });
@@ -1059,7 +970,8 @@ inline void quant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y, bo
   const QuantWeights qw{reinterpret_cast<const uint8_t*>(w.data_ptr()), n,
                         (k_len + kBlock - 1) / kBlock * kBlock, format};
   const float* x = a.data_ptr<float>();
-  const QuantActs acts = quantize_acts(x, rows, k_len, stored_offset(format));
+  const bool nib = format == kQInt4 || format == kQ4K || format == kQ4L;
+  const QuantActs acts = quantize_acts(x, rows, k_len, nib ? 8 : 128);
   float* out = y.data_ptr<float>();
   switch (format) {
     case kQInt4: return quant_rows<kQInt4>(acts, x, qw, out, rows, k_len, accumulate);
@@ -1068,39 +980,6 @@ inline void quant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y, bo
     case kQ8K: case kQ8L: return quant_rows<kQ8K>(acts, x, qw, out, rows, k_len, accumulate);
     case kQ6: return quant_rows<kQ6>(acts, x, qw, out, rows, k_len, accumulate);
     default: return quant_rows<kQInt8>(acts, x, qw, out, rows, k_len, accumulate);
-  }
-}
-
-// One block's stored rows (see the layout above) for `width` columns, from q's rows of its
-// 32 inputs (rows n apart, from the panel's first column), into blk.
-inline void pack_rows(const int8_t* q, int64_t n, int64_t width, int format, uint8_t* blk) {
-  const bool nib = format == kQInt4 || format == kQ4K || format == kQ4L || format == kQ6;
-  const int32_t offset = format == kQ4K || format == kQ4L ? 0 : stored_offset(format);
-  const int64_t per = nib ? kBlock / 8 : kBlock / 4;
-  for (int64_t t = 0; t < per; ++t) {
-    for (int64_t i = 0; i < 4; ++i) {
-      const int8_t* row = q + (nib ? 8 * t + i : 4 * t + i) * n;
-      uint8_t* lane = blk + t * width * 4 + i;
-      for (int64_t c = 0; c < width; ++c) {
-        const int32_t lo = row[c] + offset;
-        lane[4 * c] = static_cast<uint8_t>(nib ? (lo & 15) | (((row[4 * n + c] + offset) & 15) << 4)
-                                               : lo);
-      }
-    }
-  }
-  if (format != kQ6) return;
-  for (int64_t u = 0; u < kSixRows; ++u) {  // row u, byte i: bits 4s + 2h of input 8 (2u + s) + 4h + i
-    uint8_t* rowp = blk + (per + u) * width * 4;
-    for (int64_t c = 0; c < width; ++c) {
-      for (int64_t i = 0; i < 4; ++i) {
-        uint32_t byte = 0;
-        for (int64_t s = 0; s < 2; ++s)
-          for (int64_t h = 0; h < 2; ++h)
-            byte |= static_cast<uint32_t>(((q[(8 * (2 * u + s) + 4 * h + i) * n + c] + 32) >> 4) & 3)
-                    << (4 * s + 2 * h);
-        rowp[4 * c + i] = static_cast<uint8_t>(byte);
-      }
-    }
   }
 }
 
@@ -1120,7 +999,11 @@ inline void pack_pairs(const float* pv, int64_t blocks, int64_t n, int64_t sb, i
 // q and its permutes, packing took 2.9 s of a 0.8B Q4_K_M file's 16 s load.)
 inline void pack_blocks(const at::Tensor& q, const at::Tensor& parts, int format, uint8_t* out) {
   const int64_t k_len = q.size(0), n = q.size(1), blocks = k_len / kBlock;
-  const int64_t e = parts.element_size(), bb = block_bytes(format), sb = super_blocks(format);
+  const int64_t e = parts.element_size();
+  const bool nib = format == kQInt4 || format == kQ4K || format == kQ4L;
+  const int32_t offset = format == kQInt4 ? 8 : nib ? 0 : 128;
+  const int64_t per = nib ? kBlock / 8 : kBlock / 4, bb = block_bytes(format);
+  const int64_t sb = super_blocks(format);
   const int8_t* qv = q.data_ptr<int8_t>();
   const uint8_t* pv = static_cast<const uint8_t*>(parts.data_ptr());
   const int64_t panels = (n + kPanel - 1) / kPanel;
@@ -1133,15 +1016,25 @@ inline void pack_blocks(const at::Tensor& q, const at::Tensor& parts, int format
       uint8_t* first = panel + (has_super(format) ? blocks / sb * 8 * width : 0);
       for (int64_t b = 0; b < blocks; ++b) {
         uint8_t* blk = first + b * bb * width;
-        pack_rows(qv + b * kBlock * n + p0, n, width, format, blk);
+        for (int64_t t = 0; t < per; ++t) {
+          for (int64_t i = 0; i < 4; ++i) {
+            const int64_t k = b * kBlock + (nib ? 8 * t + i : 4 * t + i);
+            const int8_t* row = qv + k * n + p0;
+            uint8_t* lane = blk + t * width * 4 + i;
+            for (int64_t c = 0; c < width; ++c) {
+              const int32_t lo = row[c] + offset;
+              lane[4 * c] = static_cast<uint8_t>(nib ? lo | ((row[4 * n + c] + offset) << 4) : lo);
+            }
+          }
+        }
         if (!has_super(format)) {
-          std::memcpy(blk + (bb - e) * width, pv + (b * n + p0) * e, e * width);
+          std::memcpy(blk + per * 4 * width, pv + (b * n + p0) * e, e * width);
           continue;
         }
         const float* f = reinterpret_cast<const float*>(pv);
         for (int64_t m = 0; m < 2; ++m)
           for (int64_t c = 0; c < width; ++c)
-            blk[(bb - 2) * width + m * width + c] = static_cast<uint8_t>(
+            blk[per * 4 * width + m * width + c] = static_cast<uint8_t>(
                 static_cast<int32_t>(f[(m * blocks + b) * n + p0 + c]));
       }
     }

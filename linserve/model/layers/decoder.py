@@ -33,7 +33,11 @@ class Body(nn.Module):
     def __init__(self, vocab: int, dim: int, layers: Sequence[nn.Module], norm: nn.Module
                  ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, dim)
+        # Built on the meta device to be loaded into, the table skips its random init: on
+        # meta, normal_ runs through torch._refs, whose first import took 1 s of every start.
+        meta = torch.empty(0).is_meta
+        self.embed_tokens = nn.Embedding(vocab, dim,
+                                         _weight=torch.empty(vocab, dim) if meta else None)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 

@@ -161,14 +161,23 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     included."""
     t0 = getattr(app.state, "boot_time", time.monotonic())
     process = settings.engine_mode == "process"
-    # with an engine process, only that process reads the weights; this one describes the
-    # model (tokenizer, template, states and their codec)
-    model = await asyncio.to_thread(describe_model if process else load_engine_model, settings)
-    info = model.info
     client: EngineBackend
     if process:
-        client = ProcessEngineClient(settings, model)
+        # only the engine process reads the weights, and it starts first: this one describes
+        # the model (tokenizer, template, states and their codec) while that one loads
+        client = ProcessEngineClient(settings)
+        loading = asyncio.create_task(client.start_async())
+        try:
+            model = await asyncio.to_thread(describe_model, settings)
+        except BaseException:
+            loading.cancel()
+            await client.stop()
+            raise
+        client.model = model
+        await loading
     else:
+        model = await asyncio.to_thread(load_engine_model, settings)
+        info = model.info
         await asyncio.to_thread(warm_up, model)
         limits = EngineLimits(settings.max_running, settings.max_waiting,
                               settings.prefill_chunk, settings.step_token_budget,
@@ -181,7 +190,7 @@ async def startup(app: FastAPI, settings: Settings) -> None:
             lambda deliver, beat: Engine(model, limits, deliver, beat,
                                          speculative=settings.speculative, draft=draft),
             settings.engine_stall_seconds)
-    await client.start_async()
+        await client.start_async()
     if isinstance(client, ProcessEngineClient):
         model.info = info = client.engine_info  # what the weights hold as the engine packed them
     store = make_store(settings)

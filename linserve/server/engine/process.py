@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from linserve.model.interface import ModelInfo, ServedModel, State
 from linserve.server import metrics
@@ -207,9 +207,13 @@ class ProcessEngineClient:
     up: liveness then fails, so the orchestrator replaces the whole server.
     """
 
-    def __init__(self, settings: Settings, model: ServedModel) -> None:
+    def __init__(self, settings: Settings, model: ServedModel | None = None) -> None:
+        """``model``: the weightless description (:func:`describe_model`); it may be set
+        after :meth:`start_async` began (the engine loads while this process describes), but
+        before the first request."""
         self.loop = asyncio.get_running_loop()
-        self.settings, self.model = settings, model
+        self.settings = settings
+        self.model = cast(ServedModel, model)
         self.ctx = mp.get_context("spawn")
         self.handles: dict[str, RequestHandle] = {}
         self.capacity = settings.max_running + settings.max_waiting
@@ -237,9 +241,14 @@ class ProcessEngineClient:
                                      args=(self.settings, self.inbox, outbox, ready,
                                            self.heartbeat))
         self.proc.start()
-        if not await asyncio.to_thread(ready.wait, 300.0):
-            self.proc.kill()
-            raise RuntimeError("the engine process did not start within 300 s")
+        deadline = time.monotonic() + 300.0
+        while not await asyncio.to_thread(ready.wait, 0.25):  # short waits: cancellable
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the engine process exited while loading (exit code "
+                                   f"{self.proc.exitcode}); its log says why")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError("the engine process did not start within 300 s")
         self.engine_info: ModelInfo = await asyncio.to_thread(outbox.get, True, 60.0)
         self.heartbeat.value = time.monotonic()
         self.health.pid = self.proc.pid
