@@ -224,6 +224,34 @@ def test_a_block_file_runs_on_its_blocks_and_dtype_dequantizes(
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= min(0.9, agree - 0.1)
 
 
+def test_a_merged_matrix_runs_on_its_parts_blocks(tmp_path: Path) -> None:
+    """Granite's shared expert ``shared_mlp.input_linear`` is the file's ffn_gate_shexp and
+    ffn_up_shexp stacked by rows: in a Q8_0 file it runs on their blocks stacked, never on
+    a dequantized copy, and the model answers as the same file dequantized does."""
+    hf = family_fixtures.make(tmp_path / "granite", "granitemoehybrid", "moe-e5k2")
+    file = gguf_fixtures.convert(hf, tmp_path / "granite.gguf")
+    q8 = gguf_fixtures.requantize(
+        file, tmp_path / "q8.gguf", lambda name, shape: GGMLQuantizationType.Q8_0
+        if len(shape) == 2 and shape[-1] % 32 == 0 and "shexp" in name else None)
+    flat = gguf_fixtures.dequantized_copy(q8, tmp_path / "flat.gguf")
+    native = loader.load(q8, dtype="auto")
+    assert invariant.pending_blocks() == 0
+    from linserve.model.gguf.checkpoint import checkpoint
+
+    blocks = checkpoint(q8).native_blocks("model.layers.0.shared_mlp.input_linear.weight")
+    assert blocks is not None and blocks[2] == NATIVE[GGMLQuantizationType.Q8_0]
+    gate = checkpoint(q8).model.tensors["blk.0.ffn_gate_shexp.weight"].shape
+    assert tuple(blocks[0].shape) == (2 * gate[0], gate[1])
+    # (the shared expert is a small part of this model: its blocks take less than floats)
+    assert native.info.weight_bytes < loader.load(flat, dtype="auto").info.weight_bytes
+    ids = torch.randint(0, 8192, (1, 21), generator=torch.Generator().manual_seed(6))
+    want = _logits(flat, ids)
+    got = native.prefill(ids, all_logits=True)[0]
+    in_bf16 = loader.load(q8, dtype="bfloat16").prefill(ids, all_logits=True)[0]
+    bound = max(0.05 * want.abs().max().item(), 1.5 * (in_bf16 - want).abs().max().item())
+    assert (got - want).abs().max().item() < bound
+
+
 def test_an_unserved_format_or_quantizing_twice_is_one_line(
         converted: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
     _, file = converted["qwen3_5-i2-untied"]

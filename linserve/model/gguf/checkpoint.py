@@ -156,39 +156,51 @@ class GGUFCheckpoint:
         return self.arch.transform(hf_name, self._join(hf_name, parts), self.config)
 
     def _join(self, hf_name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-        if len(parts) == 1:
-            return parts[0]
-        rule = next(r for r in self.arch.merges(self.config)
+        return parts[0] if len(parts) == 1 else self._rule(hf_name).join(parts, self.config)
+
+    def _rule(self, hf_name: str) -> archs.Merge:
+        """The merge that makes ``hf_name``."""
+        return next(r for r in self.arch.merges(self.config)
                     if re.fullmatch(r.into.replace(".", r"\.").format(n=r"\d+"), hf_name))
-        return rule.join(parts, self.config)
 
     def native_blocks(self, hf_name: str) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """A matrix ``[out, in]`` in one of the :data:`NATIVE` formats as the quantized
         GEMM's values: q ``[out, in]`` int8, its scales (:func:`block_values`) and the GEMM
-        format: the same numbers, so it is repacked, not quantized again. None for any
-        other tensor, one the converter transformed, an untied embedding table (never a
-        GEMM's: its rows are read from the dequantized table), or a Q8_0 block holding −128
-        (the AVX2 product takes each value's sign apart, and −128 has no positive twin; such
-        a matrix is dequantized)."""
+        format: the same numbers, so it is repacked, not quantized again. A merge of parts
+        stacked by rows (Granite's gate and up in one ``input_linear``) is its parts' blocks
+        stacked, when they share a format. None for any other tensor, one the converter
+        transformed, an untied embedding table (never a GEMM's: its rows are read from the
+        dequantized table), or a Q8_0 block holding −128 (the AVX2 product takes each
+        value's sign apart, and −128 has no positive twin; such a matrix is dequantized)."""
         if hf_name.endswith("embed_tokens.weight") and "output.weight" in self.model.tensors:
             return None
         names = self._names.get(hf_name, (hf_name,))
-        t = self.model.tensors[names[0]]
-        if len(names) != 1 or t.qtype not in NATIVE or len(t.shape) != 2:
+        parts = [self.model.tensors[g] for g in names]
+        if (len({t.qtype for t in parts}) != 1 or parts[0].qtype not in NATIVE
+                or any(len(t.shape) != 2 for t in parts) or not self._stacked(hf_name, names)):
             return None
-        probe = torch.empty(t.shape, device="meta")
+        probe = torch.empty(sum(t.shape[0] for t in parts), parts[0].shape[1], device="meta")
         if self.arch.transform(hf_name, probe, self.config) is not probe:
             return None
-        unpacked = self._unpacked
-        if unpacked and unpacked[0] == hf_name:
+        unpacked, self._unpacked = self._unpacked, None
+        if unpacked and unpacked[0] == hf_name and len(parts) == 1:
             q, scales = unpacked[1]
         else:
-            q, scales = block_values(t)
-            release_pages(t.raw)
-        self._unpacked = None
-        if t.qtype == Q.Q8_0 and bool((q == -128).any()):
+            values = [block_values(t) for t in parts]
+            for t in parts:
+                release_pages(t.raw)
+            q, scales = (torch.cat([v[i] for v in values]) if len(values) > 1 else values[0][i]
+                         for i in (0, 1))
+        if parts[0].qtype == Q.Q8_0 and bool((q == -128).any()):
             return None
-        return q, scales, NATIVE[t.qtype]
+        return q, scales, NATIVE[parts[0].qtype]
+
+    def _stacked(self, hf_name: str, names: tuple[str, ...]) -> bool:
+        """Whether ``names`` make ``hf_name`` by stacking their rows (one name does)."""
+        if len(names) == 1:
+            return True
+        rule = self._rule(hf_name)
+        return rule.combine is None and rule.dim == 0
 
     def quantization_types(self) -> dict[str, int]:
         """Storage type name -> how many tensors have it."""
