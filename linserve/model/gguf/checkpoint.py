@@ -67,8 +67,6 @@ class GGUFCheckpoint:
         self._names: dict[str, tuple[str, ...]] = {}
         self._tokenizer: HFTokenizer | None = None
         self._wrapped: dict[int, Tokenizer] = {}
-        # the last tensor read in a NATIVE format, unpacked (read, then native_blocks)
-        self._unpacked: tuple[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._shapes: dict[tuple[str, ...], tuple[int, ...]] = {}  # _shape's answers
 
     def names(self, accept: Callable[[str, tuple[int, ...]], bool]) -> dict[str, str]:
@@ -144,12 +142,6 @@ class GGUFCheckpoint:
     def read(self, hf_name: str) -> torch.Tensor:
         """The tensor as the Hugging Face checkpoint had it (fp32 where it was quantized)."""
         names = self._names.get(hf_name, (hf_name,))
-        t = self.model.tensors[names[0]]
-        if len(names) == 1 and t.qtype in NATIVE:  # unpacked once, for native_blocks too
-            self._unpacked = (hf_name, block_values(t))
-            release_pages(t.raw)
-            values = from_blocks(*self._unpacked[1], NATIVE[t.qtype]).reshape(t.shape)
-            return self.arch.transform(hf_name, values, self.config)
         parts = [dequantize(self.model.tensors[g]) for g in names]
         for g in names:
             release_pages(self.model.tensors[g].raw)
@@ -182,15 +174,11 @@ class GGUFCheckpoint:
         probe = torch.empty(sum(t.shape[0] for t in parts), parts[0].shape[1], device="meta")
         if self.arch.transform(hf_name, probe, self.config) is not probe:
             return None
-        unpacked, self._unpacked = self._unpacked, None
-        if unpacked and unpacked[0] == hf_name and len(parts) == 1:
-            q, scales = unpacked[1]
-        else:
-            values = [block_values(t) for t in parts]
-            for t in parts:
-                release_pages(t.raw)
-            q, scales = (torch.cat([v[i] for v in values]) if len(values) > 1 else values[0][i]
-                         for i in (0, 1))
+        values = [block_values(t) for t in parts]
+        for t in parts:
+            release_pages(t.raw)
+        q, scales = (torch.cat([v[i] for v in values]) if len(values) > 1 else values[0][i]
+                     for i in (0, 1))
         if parts[0].qtype == Q.Q8_0 and bool((q == -128).any()):
             return None
         return q, scales, NATIVE[parts[0].qtype]
