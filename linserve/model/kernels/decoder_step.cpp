@@ -188,7 +188,7 @@ struct Positions {
 
   void keep(int64_t t, const at::Tensor& a, const at::Tensor& b) const {
     if (snap_a == nullptr || t + 1 >= count) return;
-    snap_a->select(0, t).copy_(a);
+    linserve::snapshot(snap_a->select(0, t), a);
     if (snap_b != nullptr && b.defined() && b.numel() > 0) snap_b->select(0, t).copy_(b);
   }
 };

@@ -756,7 +756,7 @@ inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, 
     const float* sx = reinterpret_cast<const float*>(rec + ROWS * kBlock);
     const int32_t* d0 = reinterpret_cast<const int32_t*>(rec + ROWS * (kBlock + 4));
     const int32_t* d0_lo = reinterpret_cast<const int32_t*>(rec + ROWS * (kBlock + 8));
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int64_t j = 0; j < NV; ++j) {  // a vector at a time: ROWS dots live, not ROWS x NV
       unrolled<kHalves<F>>([&](auto g) {  // the block, or kQ6's two halves in turn
         __m512i dot[ROWS];
@@ -867,6 +867,10 @@ inline void span_rows_vnni(const QuantActs& a, const Span& s, const QuantWeights
       }
       return;
     }
+    if constexpr (ROWS <= 6)
+      for (; c + 64 <= s.c1 && c % 64 == 0; c += 64)
+        tile_vnni_rows<F, ROWS, 4>(rec, a.blocks, column(w, c), s.y + c, s.n, s.accumulate,
+                                      0xFFFF, cold);
     for (; c + 32 <= s.c1; c += 32)
       tile_vnni_rows<F, ROWS, 2>(rec, a.blocks, column(w, c), s.y + c, s.n, s.accumulate,
                                     0xFFFF, cold);

@@ -93,7 +93,7 @@ void gdn_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& s, at::Tensor& wi
                         w[3].data_ptr<float>(), w[4].data_ptr<float>(), s.data_ptr<float>(),
                         w[5].data_ptr<float>(), out.data_ptr<float>() + t * rows * vd, rows, sh);
     if (s_snap != nullptr && t + 1 < positions) {
-      s_snap->select(0, t).copy_(s);
+      linserve::snapshot(s_snap->select(0, t), s);
       w_snap->select(0, t).copy_(window);
     }
   }
