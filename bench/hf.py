@@ -52,12 +52,20 @@ PUBLISHED_0_8B = dict(vocab_size=248_320, hidden_size=1024, intermediate_size=35
                       tie_word_embeddings=True)
 
 
-def make(path: Path) -> None:
-    """Save a random-weight checkpoint of the published shapes (bf16) with a tokenizer."""
+# A 4B-class shape (about 4.2B parameters, random weights): Qwen3.5's layer pattern at
+# hidden 2,560, as a step of several GB reads its weights.
+SHAPE_4B = {**PUBLISHED_0_8B, "hidden_size": 2560, "intermediate_size": 9216,
+            "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+            "linear_num_value_heads": 32}
+
+
+def make(path: Path, shape: dict[str, Any] | None = None) -> None:
+    """Save a random-weight checkpoint of ``shape`` (default: the published 0.8B shapes) in
+    bf16 with a tokenizer."""
     from bench.llamacpp_assets import write_qwen_tokenizer_files
 
     transformers: Any = importlib.import_module("transformers")  # a dev dependency
-    cfg = transformers.Qwen3_5TextConfig(**PUBLISHED_0_8B)
+    cfg = transformers.Qwen3_5TextConfig(**(shape or PUBLISHED_0_8B))
     torch.manual_seed(0)
     with torch.device("meta"):
         model = transformers.Qwen3_5ForCausalLM(cfg)

@@ -4,7 +4,8 @@
    tokens, the native ``qwen35_verify`` for Qwen3.5) over one plain decode step, batch 1, on
    a checkpoint
    (default: random weights of Qwen3.5-0.8B's shapes, ``python -m bench.hf``), in bf16,
-   int8 and int4, timed alternately.
+   int8 and int4, timed alternately; ``cost-4b``: the same on a 4B-class shape
+   (``bench.hf.SHAPE_4B``, random weights, made at ``--checkpoint-4b`` if missing).
 2. **Speedup against acceptance** at batch 1: the engine generating with drafts that are the
    model's own greedy continuation, each position's draft replaced by a wrong token with
    probability 1 − α (an oracle proposer, so that α is what is measured against), k = 3,
@@ -37,6 +38,7 @@ from bench.common import (
     write_json,
 )
 from linserve.model import loader
+from linserve.model.heap import keep_scratch
 from linserve.model.interface import ServedModel
 from linserve.model.sampling import SamplingParams
 from linserve.server.engine.engine import Engine, EngineLimits
@@ -48,6 +50,7 @@ K = 3
 
 def verify_costs(path: Path, quant: str, k_max: int = 5) -> dict[str, Any]:
     model = loader.load(path, "bfloat16", quantization=quant)
+    keep_scratch()  # as the engine does once its weights are in (model/heap.py)
     _, state = model.prefill(torch.randint(0, 1000, (1, 64)))
     fns: dict[str, Callable[[], object]] = {
         "step": lambda: model.step(torch.tensor([5]), state.copy())}
@@ -276,12 +279,14 @@ def plot(sweep: list[dict[str, Any]], costs: list[dict[str, Any]]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3.5-0.8b-shapes"))
+    p.add_argument("--checkpoint-4b", type=Path, default=Path("/tmp/qwen3.5-4b-shapes"),
+                   help="the 4B-class shape of cost-4b (made there if missing)")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--trained", type=Path, default=Path("weights/qwen35-mtp"))
     p.add_argument("--data-dir", type=Path, default=Path("data"),
                    help="the corpus (python -m linserve.model.training.data)")
     p.add_argument("--parts", nargs="+",
-                   default=["cost", "sweep", "streams", "trained", "mtp"])
+                   default=["cost", "cost-4b", "sweep", "streams", "trained", "mtp"])
     args = p.parse_args()
     old = RESULTS / "spec_decode.json"  # the parts not run now are kept
     out: dict[str, Any] = read_json("spec_decode") if old.is_file() else {}
@@ -289,6 +294,13 @@ def main() -> None:
     if "cost" in args.parts:
         out["verify_cost"] = [verify_costs(args.checkpoint, q) for q in ("none", "int8", "int4")]
         print_table(out["verify_cost"], list(out["verify_cost"][0]))
+    if "cost-4b" in args.parts:
+        if not (args.checkpoint_4b / "config.json").is_file():
+            from bench.hf import SHAPE_4B, make
+            make(args.checkpoint_4b, SHAPE_4B)
+        out["verify_cost_4b"] = [verify_costs(args.checkpoint_4b, q)
+                                 for q in ("none", "int8", "int4")]
+        print_table(out["verify_cost_4b"], list(out["verify_cost_4b"][0]))
     if "sweep" in args.parts:
         out["acceptance"] = acceptance_sweep(args.checkpoint, args.tokens)
     if "streams" in args.parts:

@@ -445,7 +445,9 @@ inline void block_dot_avx2(const QuantActs&, int64_t, const QCol*, int64_t, vi32
 // whole block kQuantPrefetch blocks ahead (prefetch_block): 4 read a little faster than 2, 8
 // no faster. Every tile of the generic path (its int8 GEMV on AVX2 read 10-20% faster), and
 // the VNNI tiles of more rows where their weights are cold (quant_rows), prefetch their own
-// lines kTilePrefetch blocks ahead (prefetch_tile). Without it a 16-row step's tiles read
+// lines kTilePrefetch blocks ahead (prefetch_tile; a tile of NV vectors 2 kTilePrefetch / NV:
+// the same bytes ahead, as a whole panel's tile reads twice a half panel's a block).
+// Without it a 16-row step's tiles read
 // int4 weights from DRAM at 5 GB/s a thread, bound by the latency of their loads (16 rows
 // of 2048 x 16384 on two threads: 178 -> 443 GMAC/s, BENCHMARKS.md §43). Where they point
 // never changes the arithmetic, and a prefetch past the weight's end never faults.
@@ -751,7 +753,7 @@ inline void tile_vnni_rows(const uint8_t* rec, int64_t blocks, const QCol& col, 
   for (auto& row : acc) for (auto& v : row) v = _mm512_setzero_ps();
   const uint8_t* q = col.q;
   for (int64_t b = 0; b < blocks; ++b, q += col.block, rec += record_bytes(ROWS)) {
-    if (prefetch) prefetch_tile<F>(col, 16 * NV, b + kTilePrefetch);
+    if (prefetch) prefetch_tile<F>(col, 16 * NV, b + kTilePrefetch * 2 / NV);
     const int32_t* xq = reinterpret_cast<const int32_t*>(rec);  // [ROWS][8] of 4 inputs
     const float* sx = reinterpret_cast<const float*>(rec + ROWS * kBlock);
     const int32_t* d0 = reinterpret_cast<const int32_t*>(rec + ROWS * (kBlock + 4));
@@ -845,8 +847,11 @@ inline void tile_vnni_wide(const uint8_t* rec, int64_t blocks, const QCol& col, 
 }
 
 // The span's columns: tiles of whole vectors (one row: 8, two panels' read streams; int4 at
-// 4, one stream, read 5% slower at batch 1; more rows: 2, from packed records), then one
-// masked vector at a time. `cold`: the span's weights are likely not yet in this core's
+// 4, one stream, read 5% slower at batch 1; 2 to 6 rows: 4, a whole panel, so each block's
+// bytes are read front to back (with 2, half of each stored row's 256 bytes, in two passes
+// over the panel: a 4-row int8 product of memory-bound weights took 1.34 of a row's time,
+// now 1.11), from packed records; more, up to kWideRows: tile_vnni_wide's one vector), then
+// one masked vector at a time. `cold`: the span's weights are likely not yet in this core's
 // caches (see quant_rows), so its many-row tiles prefetch them.
 template <int F, int64_t ROWS>
 inline void span_rows_vnni(const QuantActs& a, const Span& s, const QuantWeights& w, bool cold) {
