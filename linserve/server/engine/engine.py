@@ -89,7 +89,8 @@ class Engine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._outbox: list[tuple[Sink, Output]] = []
-        self._bp_cache: tuple[tuple[str, ...], BatchParams, bool] | None = None
+        # rows' request ids -> their BatchParams and whether any uses penalties
+        self._bp_cache: dict[tuple[str, ...], tuple[BatchParams, bool]] = {}
         self.steps = 0
         self._memory_reported = 0.0
         self._busy = False
@@ -456,7 +457,7 @@ class Engine:
 
     def _sample_rows_alone(self, logits: torch.Tensor) -> None:
         """Isolate a sampling failure: each row alone; a row that still fails ends alone."""
-        self._bp_cache = None
+        self._bp_cache.clear()
         for i, seq in enumerate(self.running):
             if seq.finish_reason is not None:
                 continue
@@ -469,22 +470,29 @@ class Engine:
 
     def _batch_params(self, seqs: list[Sequence]) -> tuple[BatchParams, bool]:
         """Column tensors of the rows' parameters, and whether any row uses penalties.
-        Rebuilt only when the running batch changes (not every step)."""
+        Built once per set of rows (the running batch, or a speculative verify's rows still
+        sampling at a position), not every step."""
         key = tuple(s.req.request_id for s in seqs)
-        if self._bp_cache is not None and self._bp_cache[0] == key:
-            return self._bp_cache[1], self._bp_cache[2]
+        hit = self._bp_cache.get(key)
+        if hit is not None:
+            return hit
         params = [s.params for s in seqs]
         use_pen = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                       for p in params)
-        bp = BatchParams.from_params(params)
-        if seqs is self.running:
-            self._bp_cache = (key, bp, use_pen)
-        return bp, use_pen
+        if len(self._bp_cache) >= 16:  # batches come and go: keep the few in use
+            self._bp_cache.clear()
+        self._bp_cache[key] = (BatchParams.from_params(params), use_pen)
+        return self._bp_cache[key]
 
-    def sample_rows(self, seqs: list[Sequence], logits: torch.Tensor, counts: torch.Tensor,
-                    seen: torch.Tensor, slots: torch.Tensor) -> None:
+    def sample_rows(self, seqs: list[Sequence], logits: torch.Tensor, slots: torch.Tensor
+                    ) -> None:
         """:meth:`_sample` for running rows in pool ``slots`` (a speculative verify's
-        position), counting their tokens for the penalties there."""
+        position), counting their tokens for the penalties there (the counts are gathered
+        only when a row uses penalties: a [rows, vocabulary] copy a position)."""
+        _, use_pen = self._batch_params(seqs)
+        pool = self.pool
+        counts, seen = (pool.counts[slots], pool.seen[slots]) if use_pen else (
+            pool.counts[:0], pool.seen[:0])
         self._sample(seqs, logits, counts, seen, slots=slots)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, counts: torch.Tensor,
@@ -704,6 +712,6 @@ class Engine:
             self._finish(seq, None, [])
         self.running.clear()
         self.replays.fail_all(RuntimeError(message))
-        self._bp_cache = None
+        self._bp_cache.clear()
         self.pool = SlotPool(self.model, self.limits.max_running)
         self._flush()

@@ -161,9 +161,7 @@ class Speculator:
         while active:
             seqs = [rows[r].seq for r in active]
             idx = torch.tensor([rows[r].slot for r in active])
-            counts, seen = engine.pool.counts[idx], engine.pool.seen[idx]
-            engine.sample_rows(seqs, torch.stack([logits[r][pos] for r in active]),
-                               counts, seen, idx)
+            engine.sample_rows(seqs, torch.stack([logits[r][pos] for r in active]), idx)
             still = []
             for r in active:
                 row = rows[r]
