@@ -64,6 +64,12 @@ def verify_costs(path: Path, quant: str, k_max: int = 5) -> dict[str, Any]:
     return row
 
 
+def merge(old: list[dict[str, Any]] | None, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Cost rows: ``new``'s, and ``old``'s for weights not measured now."""
+    done = {r["quantization"] for r in new}
+    return [r for r in old or [] if r["quantization"] not in done] + new
+
+
 def config(**extra: object) -> SpeculativeConfig:
     return SpeculativeConfig.model_validate({"method": "ngram", "num_speculative_tokens": K,
                                              "max_batch": 4, **extra})
@@ -191,6 +197,21 @@ def trained(path: Path, data: Path, n: int) -> list[dict[str, Any]]:
     return rows
 
 
+def continuation(path: Path, data: Path, n: int = 256) -> dict[str, Any]:
+    """n-gram drafts (k = 3) on a long greedy continuation of the trained checkpoint, which
+    repeats itself as small models do: one validation-text prompt, batch 1."""
+    model = loader.load(path)
+    prompt = model.tokenizer().encode((data / "valid.txt").read_text()[:20_000])[5000:5096]
+    plain_s, spec_s, eng = paired(model, [prompt], n, config(adaptive=False))
+    assert eng.spec is not None
+    row = {"case": f"ngram k=3, {n}-token continuation",
+           "plain_tok_s": round((n - 1) / plain_s, 1), "spec_tok_s": round((n - 1) / spec_s, 1),
+           "speedup": round(plain_s / spec_s, 3),
+           "kept": f"{eng.spec.accepted}/{eng.spec.drafted}"}
+    print(row, flush=True)
+    return row
+
+
 def with_mtp(path: Path, out: Path) -> Path:
     """``path``'s checkpoint with one random MTP layer (the last full-attention layer's
     weights, a random fc): what an MTP draft costs at these shapes, not what it accepts."""
@@ -281,25 +302,29 @@ def main() -> None:
     p.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3.5-0.8b-shapes"))
     p.add_argument("--checkpoint-4b", type=Path, default=Path("/tmp/qwen3.5-4b-shapes"),
                    help="the 4B-class shape of cost-4b (made there if missing)")
+    p.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"],
+                   help="the weights of the cost parts (rows of other weights are kept)")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--trained", type=Path, default=Path("weights/qwen35-mtp"))
     p.add_argument("--data-dir", type=Path, default=Path("data"),
                    help="the corpus (python -m linserve.model.training.data)")
     p.add_argument("--parts", nargs="+",
-                   default=["cost", "cost-4b", "sweep", "streams", "trained", "mtp"])
+                   default=["cost", "cost-4b", "sweep", "streams", "trained", "continuation", "mtp"])
     args = p.parse_args()
     old = RESULTS / "spec_decode.json"  # the parts not run now are kept
     out: dict[str, Any] = read_json("spec_decode") if old.is_file() else {}
     out.update({"machine": machine(), "checkpoint": str(args.checkpoint)})
     if "cost" in args.parts:
-        out["verify_cost"] = [verify_costs(args.checkpoint, q) for q in ("none", "int8", "int4")]
+        out["verify_cost"] = merge(out.get("verify_cost"),
+                                   [verify_costs(args.checkpoint, q) for q in args.quantizations])
         print_table(out["verify_cost"], list(out["verify_cost"][0]))
     if "cost-4b" in args.parts:
         if not (args.checkpoint_4b / "config.json").is_file():
             from bench.hf import SHAPE_4B, make
             make(args.checkpoint_4b, SHAPE_4B)
-        out["verify_cost_4b"] = [verify_costs(args.checkpoint_4b, q)
-                                 for q in ("none", "int8", "int4")]
+        out["verify_cost_4b"] = merge(out.get("verify_cost_4b"),
+                                      [verify_costs(args.checkpoint_4b, q)
+                                       for q in args.quantizations])
         print_table(out["verify_cost_4b"], list(out["verify_cost_4b"][0]))
     if "sweep" in args.parts:
         out["acceptance"] = acceptance_sweep(args.checkpoint, args.tokens)
@@ -308,6 +333,8 @@ def main() -> None:
         print(out["streams"])
     if "trained" in args.parts:
         out["trained"] = trained(args.trained, args.data_dir, 64)
+    if "continuation" in args.parts:
+        out["continuation"] = continuation(args.trained, args.data_dir)
     if "mtp" in args.parts:
         out["mtp_cost"] = mtp_cost(args.checkpoint)
         print(out["mtp_cost"])
