@@ -309,7 +309,8 @@ def main() -> None:
     p.add_argument("--data-dir", type=Path, default=Path("data"),
                    help="the corpus (python -m linserve.model.training.data)")
     p.add_argument("--parts", nargs="+",
-                   default=["cost", "cost-4b", "sweep", "streams", "trained", "continuation", "mtp"])
+                   default=["cost", "cost-4b", "sweep", "streams", "trained", "continuation",
+                            "mtp"])
     args = p.parse_args()
     old = RESULTS / "spec_decode.json"  # the parts not run now are kept
     out: dict[str, Any] = read_json("spec_decode") if old.is_file() else {}
