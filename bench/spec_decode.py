@@ -12,6 +12,9 @@
    and adaptive (the default) at α = 0, against plain decoding.
 3. **16 streams** with ``--speculative-config`` on (the batch is above ``max_batch``, so
    every step is plain) against it off.
+4. **The trained checkpoint** (``trained``): MTP and n-gram drafts on validation prompts and
+   copy-heavy ones, acceptance by position; ``continuation``: n-gram drafts over a 256-token
+   greedy continuation; ``mtp``: what one MTP draft costs on the shapes above.
 
 Writes ``bench/results/spec_decode.json`` and ``spec_decode.png``. Never run by CI.
 """
