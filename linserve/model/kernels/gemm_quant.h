@@ -446,11 +446,11 @@ inline void block_dot_avx2(const QuantActs&, int64_t, const QCol*, int64_t, vi32
 // no faster. Every tile of the generic path (its int8 GEMV on AVX2 read 10-20% faster), and
 // the VNNI tiles of more rows where their weights are cold (quant_rows), prefetch their own
 // lines kTilePrefetch blocks ahead (prefetch_tile; a tile of NV vectors 2 kTilePrefetch / NV:
-// the same bytes ahead, as a whole panel's tile reads twice a half panel's a block).
-// Without it a 16-row step's tiles read
-// int4 weights from DRAM at 5 GB/s a thread, bound by the latency of their loads (16 rows
-// of 2048 x 16384 on two threads: 178 -> 443 GMAC/s, BENCHMARKS.md §43). Where they point
-// never changes the arithmetic, and a prefetch past the weight's end never faults.
+// the same bytes ahead, as a whole panel's tile reads twice a half panel's a block). Without
+// it a 16-row step's tiles read int4 weights from DRAM at 5 GB/s a thread, bound by the
+// latency of their loads (16 rows of 2048 x 16384 on two threads: 178 -> 443 GMAC/s,
+// BENCHMARKS.md §43). Where they point never changes the arithmetic, and a prefetch past the
+// weight's end never faults.
 constexpr int64_t kQuantPrefetch = 4;
 constexpr int64_t kTilePrefetch = 16;
 
@@ -872,10 +872,9 @@ inline void span_rows_vnni(const QuantActs& a, const Span& s, const QuantWeights
       }
       return;
     }
-    if constexpr (ROWS <= 6)
-      for (; c + 64 <= s.c1 && c % 64 == 0; c += 64)
-        tile_vnni_rows<F, ROWS, 4>(rec, a.blocks, column(w, c), s.y + c, s.n, s.accumulate,
-                                      0xFFFF, cold);
+    for (; c + kPanel <= s.c1 && c % kPanel == 0; c += kPanel)  // a whole panel: 4 vectors
+      tile_vnni_rows<F, ROWS, kPanel / 16>(rec, a.blocks, column(w, c), s.y + c, s.n,
+                                              s.accumulate, 0xFFFF, cold);
     for (; c + 32 <= s.c1; c += 32)
       tile_vnni_rows<F, ROWS, 2>(rec, a.blocks, column(w, c), s.y + c, s.n, s.accumulate,
                                     0xFFFF, cold);
