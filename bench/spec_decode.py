@@ -162,11 +162,11 @@ def acceptance_sweep(path: Path, n: int) -> list[dict[str, Any]]:
     return rows
 
 
-def trained(path: Path, data: Path, n: int) -> list[dict[str, Any]]:
+def trained(path: Path, data: Path, n: int, dtype: str = "auto") -> list[dict[str, Any]]:
     """The trained checkpoint (``weights/qwen35-mtp``) at batch 1: validation-text prompts
     (MTP, n-gram) and copy-heavy ones (a passage, then its first words again: n-gram),
     greedy; acceptance per draft position and tokens/s against plain decoding."""
-    model = loader.load(path)
+    model = loader.load(path, dtype)
     tok = model.tokenizer()
     text = tok.encode((data / "valid.txt").read_text()[:200_000])
     plain_prompts = [text[i * 5000: i * 5000 + 96] for i in range(1, 5)]
@@ -200,10 +200,11 @@ def trained(path: Path, data: Path, n: int) -> list[dict[str, Any]]:
     return rows
 
 
-def continuation(path: Path, data: Path, n: int = 256) -> dict[str, Any]:
+def continuation(path: Path, data: Path, n: int = 256, dtype: str = "auto"
+                 ) -> dict[str, Any]:
     """n-gram drafts (k = 3) on a long greedy continuation of the trained checkpoint, which
     repeats itself as small models do: one validation-text prompt, batch 1."""
-    model = loader.load(path)
+    model = loader.load(path, dtype)
     prompt = model.tokenizer().encode((data / "valid.txt").read_text()[:20_000])[5000:5096]
     plain_s, spec_s, eng = paired(model, [prompt], n, config(adaptive=False))
     assert eng.spec is not None
@@ -309,6 +310,9 @@ def main() -> None:
                    help="the weights of the cost parts (rows of other weights are kept)")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--trained", type=Path, default=Path("weights/qwen35-mtp"))
+    p.add_argument("--dtype", default="auto",
+                   help="the trained checkpoint's weights in the trained parts (auto: bf16 "
+                        "where the CPU multiplies it natively, else fp32)")
     p.add_argument("--data-dir", type=Path, default=Path("data"),
                    help="the corpus (python -m linserve.model.training.data)")
     p.add_argument("--parts", nargs="+",
@@ -335,10 +339,14 @@ def main() -> None:
     if "streams" in args.parts:
         out["streams"] = streams(args.checkpoint, 24)
         print(out["streams"])
+    # the shipped 7M checkpoint's rows under "trained", another's under "trained:NAME"
+    suffix = "" if args.trained.resolve().name == "qwen35-mtp" and args.dtype == "auto" \
+        else f":{args.trained.resolve().name}:{args.dtype}"
     if "trained" in args.parts:
-        out["trained"] = trained(args.trained, args.data_dir, 64)
+        out["trained" + suffix] = trained(args.trained, args.data_dir, 64, args.dtype)
     if "continuation" in args.parts:
-        out["continuation"] = continuation(args.trained, args.data_dir)
+        out["continuation" + suffix] = continuation(args.trained, args.data_dir,
+                                                    dtype=args.dtype)
     if "mtp" in args.parts:
         out["mtp_cost"] = mtp_cost(args.checkpoint)
         print(out["mtp_cost"])

@@ -37,10 +37,10 @@ PROMPTS = ["ROMEO:\nBut soft, what light through yonder window breaks?\n",
            "JULIET:\nO Romeo, Romeo, wherefore art thou Romeo?\n"]
 
 
-def ours_cmd(checkpoint: Path, k: int) -> tuple[list[str], int]:
+def ours_cmd(checkpoint: Path, k: int, dtype: str = "auto") -> tuple[list[str], int]:
     port = free_port()
     cmd = [sys.executable, "-m", "linserve", "serve", "--model", str(checkpoint), "--port",
-           str(port), "--threads", "2"]
+           str(port), "--threads", "2", "--dtype", dtype]
     if k:
         cmd += ["--speculative-config", json.dumps({"method": "mtp",
                                                     "num_speculative_tokens": k})]
@@ -71,9 +71,10 @@ def one(port: int, prompt: str, tokens: int) -> dict[str, Any]:
             "draft_accepted": timings.get("draft_n_accepted")}
 
 
-def pair(checkpoint: Path, gguf: Path, k: int, rounds: int, tokens: int) -> dict[str, Any]:
+def pair(checkpoint: Path, gguf: Path, k: int, rounds: int, tokens: int,
+         dtype: str = "auto") -> dict[str, Any]:
     """Both servers up, requests alternately; the median tokens/s of each."""
-    ours, o_port = ours_cmd(checkpoint, k)
+    ours, o_port = ours_cmd(checkpoint, k, dtype)
     theirs, t_port = theirs_cmd(gguf, k)
     runs: dict[str, list[dict[str, Any]]] = {"ours": [], "llama_server": []}
     with lc.running(ours, o_port, RESULTS / f"spec-llamacpp-ours-k{k}.log"), \
@@ -117,17 +118,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--k", type=int, default=3, help="draft tokens a step")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--weights", choices=["bf16", "f32"], default="bf16",
+                   help="both servers' weights: ours --dtype bfloat16 / float32, theirs the "
+                        "converter's --outtype")
     args = p.parse_args(argv)
     copy = args.root / args.checkpoint.name
     if not copy.exists():
         shutil.copytree(args.checkpoint, copy)
-    gguf = copy / "llamacpp-bf16.gguf"
+    gguf = copy / f"llamacpp-{args.weights}.gguf"
     if not gguf.exists():
         subprocess.run(["bash", str(Path(__file__).with_name("llamacpp.sh")), "convert",
-                        str(copy), str(gguf), "bf16"], check=True,
+                        str(copy), str(gguf), args.weights], check=True,
                        env={**os.environ, "LINSERVE_GGUF_PRE": "gpt-2"})
-    plain = pair(copy, gguf, 0, args.rounds, args.tokens)
-    spec = pair(copy, gguf, args.k, args.rounds, args.tokens)
+    dtype = {"bf16": "bfloat16", "f32": "float32"}[args.weights]
+    plain = pair(copy, gguf, 0, args.rounds, args.tokens, dtype)
+    spec = pair(copy, gguf, args.k, args.rounds, args.tokens, dtype)
     rows = [{"server": who, "plain tok/s": round(plain[who]["tok_s"], 1),
              f"mtp k={args.k} tok/s": round(spec[who]["tok_s"], 1),
              "speedup": round(spec[who]["tok_s"] / plain[who]["tok_s"], 2),
@@ -138,7 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"ours ÷ llama-server with speculation: {ratio:.2f}")
     command = "python -m bench.spec_llamacpp " + " ".join(argv if argv is not None
                                                          else sys.argv[1:])
-    write_json("spec_llamacpp", {"command": command, "machine": machine(), "plain": plain,
+    name = "spec_llamacpp" if copy.name == "qwen35-mtp" and args.weights == "bf16" \
+        else f"spec_llamacpp-{copy.name}-{args.weights}"
+    write_json(name, {"command": command, "machine": machine(), "plain": plain,
                                  "speculative": spec, "rows": rows, "ratio": ratio})
 
 

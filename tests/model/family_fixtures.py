@@ -447,6 +447,10 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "bailing_hybrid": {  # group: layer_group_size (its last layer MLA); safe: kda_safe_gate
         "safe-g3": {"d": 64, "ff": 96, "moe": 32, "heads": 4, "kv_lora": 32, "layers": 3,
                     "group": 3, "linear": (4, 16), "experts": (8, 2, 4, 2), "safe": True},
+        # one expert group, as llama.cpp's converter writes Ling (it writes no groups)
+        "safe-g2-one-group": {"d": 64, "ff": 96, "moe": 32, "heads": 4, "kv_lora": 32,
+                              "layers": 4, "group": 2, "linear": (4, 16),
+                              "experts": (8, 2, 1, 1), "safe": True},
         "softplus-g2": {"d": 48, "ff": 64, "moe": 24, "heads": 3, "kv_lora": 16, "layers": 4,
                         "group": 2, "linear": (3, 16), "experts": (6, 3, 1, 1),
                         "safe": False},

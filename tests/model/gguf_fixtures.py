@@ -22,6 +22,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from safetensors.torch import load_file, save_file
 
 from bench import llamacpp_assets
+from bench.llamacpp_compare import converter_view
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "bench" / "gguf_pre_shim.py"
@@ -34,7 +35,7 @@ def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre: str | None = "gp
     GPT-2's split, bench/gguf_pre_shim.py); None: the converter's own recognition.
     ``extra``: more converter arguments (``--no-mtp`` for a Qwen checkpoint without MTP
     layers, which the converter otherwise expects)."""
-    as_published(hf_dir)
+    hf_dir = converter_view(as_published(hf_dir))  # Ling as Ling-V3 publishes it
     src = llamacpp_assets.converter()
     env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "NO_LOCAL_GGUF": ""}
     args = [str(hf_dir), "--outfile", str(out), "--outtype", outtype, *extra]

@@ -71,9 +71,12 @@ class GGUFArch:
 
 
 @lru_cache(maxsize=8)
-def hf_candidates(arch: str, blocks: int) -> dict[str, tuple[str, ...]]:
+def hf_candidates(arch: str | None, blocks: int) -> dict[str, tuple[str, ...]]:
     """GGUF base name (``blk.3.attn_qkv``) -> the Hugging Face names gguf-py maps to it, for
-    an architecture of ``blocks`` blocks."""
+    an architecture of ``blocks`` blocks (none for one gguf-py does not know: its
+    :attr:`GGUFArch.names` give them all)."""
+    if arch is None:
+        return {}
     table = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch], blocks)
     inverse: dict[str, list[str]] = {}
     for hf_name, (_, gguf_name) in table.mapping.items():
@@ -81,12 +84,13 @@ def hf_candidates(arch: str, blocks: int) -> dict[str, tuple[str, ...]]:
     return {k: tuple(v) for k, v in inverse.items()}
 
 
-def arch_enum(model: GGUFModel) -> str:
-    """gguf-py's MODEL_ARCH member name for the file's architecture."""
+def arch_enum(model: GGUFModel) -> str | None:
+    """gguf-py's MODEL_ARCH member name for the file's architecture (None: one this gguf-py
+    does not know, such as ``bailingmoe3``)."""
     for member, name in gguf.MODEL_ARCH_NAMES.items():
         if name == model.arch:
             return member.name
-    raise KeyError(f"general.architecture {model.arch!r}")
+    return None
 
 
 def _common(m: GGUFModel, model_type: str) -> dict[str, Any]:
@@ -568,6 +572,92 @@ _KIMI_MERGES = (Merge(("blk.{n}.attn_k_b.weight", "blk.{n}.attn_v_b.weight"),
                       "model.layers.{n}.self_attn.kv_b_proj.weight", combine=_kv_b),)
 
 
+# ---- Ling 3.0 hybrids (bailingmoe3) --------------------------------------------------------
+
+
+def _ling_config(m: GGUFModel) -> dict[str, Any]:
+    """Ling's hybrid (``BailingMoeV3ForCausalLM``; transformers' ``bailing_hybrid``): KDA
+    layers have no key-value heads, MLA layers the converter's one latent head. The KDA
+    heads are read off the first KDA layer's ``ssm_a`` (one decay a head); the converter
+    writes no expert groups, so a file has one."""
+    c = _common(m, "bailing_hybrid")
+    n = c["num_hidden_layers"]
+    kv = _per_layer(m.require("attention.head_count_kv"), n)
+    types = ["full_attention" if h else "linear_attention" for h in kv[:n]]
+    first_kda = types.index("linear_attention") if "linear_attention" in types else None
+    kda_heads = int(m.tensors[f"blk.{first_kda}.ssm_a"].shape[0]) if first_kda is not None \
+        else int(m.require("attention.head_count"))
+    rope = int(m.require("rope.dimension_count"))
+    dense = int(m.get("leading_dense_block_count", 0) or 0)
+    groups = int(m.get("expert_group_count", 1) or 1)
+    moe = int(m.require("expert_feed_forward_length"))
+    shared = int(m.get("expert_shared_feed_forward_length", 0) or 0)
+    return {**c, "hidden_act": "silu", "tie_word_embeddings": False,
+            "model_max_length": c["max_position_embeddings"],
+            "layer_types": types,
+            "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(n)],
+            "intermediate_size": int(m.require("feed_forward_length")),
+            "rms_norm_eps": float(m.require("attention.layer_norm_rms_epsilon")),
+            "linear_num_heads": kda_heads, "linear_head_dim": int(m.require("kda.head_dim")),
+            "linear_conv_kernel_dim": int(m.require("ssm.conv_kernel")),
+            "kda_safe_gate": bool(m.get("kda.safe_gate", True)),
+            "kda_lower_bound": float(m.get("kda.gate_lower_bound", -5.0)),
+            "num_attention_heads": int(m.require("attention.head_count")),
+            "q_lora_rank": int(m.get("attention.q_lora_rank", 0) or 0) or None,
+            "kv_lora_rank": int(m.require("attention.kv_lora_rank")),
+            "qk_nope_head_dim": int(m.require("attention.key_length_mla")) - rope,
+            "qk_rope_head_dim": rope,
+            "v_head_dim": int(m.require("attention.value_length_mla")),
+            "rope_parameters": {"rope_type": "default",
+                                "rope_theta": float(m.require("rope.freq_base"))},
+            "num_experts": int(m.require("expert_count")),
+            "num_experts_per_token": int(m.require("expert_used_count")),
+            "moe_intermediate_size": moe,
+            "num_shared_experts": shared // moe if shared else
+            int(m.get("expert_shared_count", 0) or 0),
+            "num_expert_group": groups,
+            "topk_group": int(m.get("expert_group_used_count", 1) or 1) if groups > 1 else 1,
+            "moe_renormalize": bool(m.get("expert_weights_norm", True)),
+            "routed_scaling_factor": float(m.get("expert_weights_scale", 1.0))}
+
+
+def _ling_transform(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
+    """Ling's A_log, which the converter writes as exp(A_log) (Kimi's as −exp)."""
+    del cfg
+    return torch.log(t) if name.endswith("A_log") else t
+
+
+_LING_ATTENTION = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
+                   "attn_output": "dense", "attn_q_a": "q_a_proj", "attn_q_b": "q_b_proj",
+                   "attn_q_a_norm": "q_a_layernorm", "attn_kv_a_mqa": "kv_a_proj_with_mqa",
+                   "attn_kv_a_norm": "kv_a_layernorm", "attn_gate": "g_proj",
+                   "ssm_beta": "b_proj", "ssm_f_a": "f_proj", "ssm_g_a": "g_proj",
+                   "ssm_conv1d_q": "q_conv1d", "ssm_conv1d_k": "k_conv1d",
+                   "ssm_conv1d_v": "v_conv1d", "ssm_norm": "o_norm"}
+_LING_MLP = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj",
+             "ffn_gate_inp": "gate", "ffn_gate_shexp": "shared_experts.gate_proj",
+             "ffn_up_shexp": "shared_experts.up_proj",
+             "ffn_down_shexp": "shared_experts.down_proj"}
+# gguf-py on PyPI has no bailingmoe3 tensor map: every name is given here, GGUF -> the
+# checkpoint's (the family's rules take them on from there)
+_LING_NAMES = (
+    (r"token_embd\.weight", "model.word_embeddings.weight"),
+    (r"output_norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    *((rf"blk\.(\d+)\.{g}\.weight", rf"model.layers.\1.attention.{h}.weight")
+      for g, h in _LING_ATTENTION.items()),
+    (r"blk\.(\d+)\.ssm_a", r"model.layers.\1.attention.A_log"),
+    (r"blk\.(\d+)\.ssm_dt\.bias", r"model.layers.\1.attention.dt_bias"),
+    *((rf"blk\.(\d+)\.{g}\.weight", rf"model.layers.\1.mlp.{h}.weight")
+      for g, h in _LING_MLP.items()),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", r"model.layers.\1.mlp.experts.\2_proj"),
+    (r"blk\.(\d+)\.exp_probs_b\.bias", r"model.layers.\1.mlp.gate.expert_bias"))
+_LING_MERGES = (Merge(("blk.{n}.attn_k_b.weight", "blk.{n}.attn_v_b.weight"),
+                      "model.layers.{n}.attention.kv_b_proj.weight", combine=_kv_b),)
+
+
 ARCHS: dict[str, GGUFArch] = {a.name: a for a in (
     GGUFArch("qwen35", _qwen35_config, _dt_bias, _qwen35_transform),
     GGUFArch("qwen35moe", _qwen35_config, _dt_bias, _qwen35_transform),
@@ -592,6 +682,8 @@ ARCHS: dict[str, GGUFArch] = {a.name: a for a in (
     GGUFArch("kimi-linear", _kimi_config, _dt_bias, _ssm_a, lambda cfg: _KIMI_MERGES, names=(
         (r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", r"model.layers.\1.mlp.experts.\2_proj"),
         (r"blk\.(\d+)\.exp_probs_b\.bias", r"model.layers.\1.mlp.gate.e_score_correction_bias"))),
+    GGUFArch("bailingmoe3", _ling_config, transform=_ling_transform,
+             merges=lambda cfg: _LING_MERGES, names=_LING_NAMES),
 )}
 
 

