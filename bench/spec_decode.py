@@ -321,11 +321,13 @@ def main() -> None:
     args = p.parse_args()
     old = RESULTS / "spec_decode.json"  # the parts not run now are kept
     out: dict[str, Any] = read_json("spec_decode") if old.is_file() else {}
-    out.update({"machine": machine(), "checkpoint": str(args.checkpoint)})
-    if "cost" in args.parts:
-        out["verify_cost"] = merge(out.get("verify_cost"),
-                                   [verify_costs(args.checkpoint, q) for q in args.quantizations])
-        print_table(out["verify_cost"], list(out["verify_cost"][0]))
+    out["machine"] = machine()
+    if "cost" in args.parts:  # the 0.8B shapes' rows under "verify_cost", another's apart
+        key = "verify_cost" if args.checkpoint.name == "qwen3.5-0.8b-shapes" \
+            else f"verify_cost:{args.checkpoint.resolve().name}"
+        out[key] = merge(out.get(key), [verify_costs(args.checkpoint, q)
+                                        for q in args.quantizations])
+        print_table(out[key], list(out[key][0]))
     if "cost-4b" in args.parts:
         if not (args.checkpoint_4b / "config.json").is_file():
             from bench.hf import SHAPE_4B, make

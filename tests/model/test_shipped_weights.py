@@ -70,21 +70,25 @@ def test_greedy_is_deterministic_and_forms_agree(kind: str) -> None:
     assert (logits - full[:, 4]).abs().max().item() <= 1e-3
 
 
-QWEN_MTP = WEIGHTS / "qwen35-mtp"
+# the trained Qwen3.5s with an MTP layer: 7M parameters, and 45M (a step that reads its
+# weights from memory, for the speculative-decoding figures)
+QWEN_MTP = [WEIGHTS / "qwen35-mtp", WEIGHTS / "qwen35-mtp-45m"]
 
 
-@pytest.mark.skipif(not (QWEN_MTP / "model.safetensors").exists(), reason="not shipped")
-def test_the_trained_qwen_with_mtp_is_transformers_and_drafts_well() -> None:
-    """weights/qwen35-mtp: logits as transformers computes them (fp32), and its MTP layer's
+@pytest.mark.parametrize("folder", QWEN_MTP, ids=lambda p: p.name)
+def test_the_trained_qwen_with_mtp_is_transformers_and_drafts_well(folder: Path) -> None:
+    """weights/qwen35-mtp*: logits as transformers computes them (fp32), and its MTP layer's
     greedy drafts are kept often on held-out text (random weights keep almost none)."""
+    if not (folder / "model.safetensors").exists():
+        pytest.skip("not shipped")
     transformers = pytest.importorskip("transformers")
     from linserve.model import loader
     from linserve.server.engine.engine import Engine, EngineLimits
     from linserve.server.engine.types import GenerationRequest
     from linserve.server.speculative.config import SpeculativeConfig
 
-    ours = loader.load(QWEN_MTP, "float32")
-    ref = transformers.Qwen3_5ForCausalLM.from_pretrained(QWEN_MTP, dtype=torch.float32)
+    ours = loader.load(folder, "float32")
+    ref = transformers.Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tok = ours.tokenizer()
     ids = torch.tensor([tok.encode("MACBETH.\nIs this a dagger which I see before me,")])
     with torch.no_grad():

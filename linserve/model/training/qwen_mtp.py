@@ -175,8 +175,9 @@ layer with `--speculative-config '{{"method": "mtp", "num_speculative_tokens": 2
 
 - **Layers:** {layers} ({types}), hidden {hidden}, vocabulary 8,192 (the project's
   tokenizer), tied head; bfloat16 on disk.
-- **Parameters:** {params:,} in the model, {mtp_params:,} in the MTP layer (fc, norms, one
-  decoder layer; the embedding and head are shared).
+- **Parameters:** {params:,} in the model ({megabytes:.0f} MB in bf16, all of it read at every
+  decode step), {mtp_params:,} in the MTP layer (fc, norms, one decoder layer; the embedding
+  and head are shared).
 - **Training:** {steps} steps of {batch} × {seq_len} tokens ({tokens:,} tokens), AdamW, lr
   {lr} cosine to a tenth; loss = next token + {mtp_weight} × MTP (the token after next);
   {minutes:.0f} min on 2 CPU cores.
@@ -202,6 +203,7 @@ def write_card(out: Path) -> None:
     (out / "MODEL_CARD.md").write_text(CARD.format(
         name=out.resolve().name, shape_args=shape, types=types,
         tokens=summary["tokens_seen"], minutes=summary["wall_seconds"] / 60,
+        megabytes=2 * summary["params"] / 1e6,
         ppl=math.exp(last["val_loss"]), **{k: v for k, v in summary.items()
                                            if k not in ("history", "tokens_seen")},
         **{k: v for k, v in last.items() if k != "step"}))
