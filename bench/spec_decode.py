@@ -301,6 +301,28 @@ def plot(sweep: list[dict[str, Any]], costs: list[dict[str, Any]]) -> None:
     save_figure(fig, "spec_decode.png")
 
 
+def plot_trained(out: dict[str, Any]) -> None:
+    """``spec_decode_trained.png``: the speedup of each case on every trained checkpoint
+    and weights measured (the ``trained:NAME:DTYPE`` rows), beside the 7M model's."""
+    import matplotlib.pyplot as plt
+    runs = {k.removeprefix("trained").strip(":") or "qwen35-mtp": v
+            for k, v in out.items() if k.startswith("trained")}
+    cases = [r["case"] for r in next(iter(runs.values()))]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(runs)
+    for i, (name, rows) in enumerate(runs.items()):
+        speed = {r["case"]: r["speedup"] for r in rows}
+        ax.bar([c + i * width for c in range(len(cases))], [speed.get(c, 0) for c in cases],
+               width, label=name)
+    ax.axhline(1.0, ls=":", c="grey")
+    ax.axhline(1.5, ls="--", c="grey", lw=0.8)
+    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))], cases, rotation=20,
+                  ha="right", fontsize=8)
+    ax.set(ylabel="speedup over plain decoding", title="trained checkpoints, batch 1, greedy")
+    ax.legend(fontsize=8)
+    save_figure(fig, "spec_decode_trained.png")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3.5-0.8b-shapes"))
@@ -355,6 +377,8 @@ def main() -> None:
     write_json("spec_decode", out)
     if "verify_cost" in out and "acceptance" in out:
         plot(out["acceptance"], out["verify_cost"])
+    if any(k.startswith("trained") for k in out):
+        plot_trained(out)
 
 
 if __name__ == "__main__":
