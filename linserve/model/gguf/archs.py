@@ -527,13 +527,22 @@ def _jamba_config(m: GGUFModel) -> dict[str, Any]:
 # ---- Kimi-Linear (kimi-linear) -----------------------------------------------------------
 
 
+def _mla(m: GGUFModel) -> dict[str, Any]:
+    """Multi-head latent attention's lengths (Kimi-Linear's and Ling's MLA layers)."""
+    rope = int(m.require("rope.dimension_count"))
+    return {"q_lora_rank": int(m.get("attention.q_lora_rank", 0) or 0) or None,
+            "kv_lora_rank": int(m.require("attention.kv_lora_rank")),
+            "qk_nope_head_dim": int(m.require("attention.key_length_mla")) - rope,
+            "qk_rope_head_dim": rope,
+            "v_head_dim": int(m.require("attention.value_length_mla"))}
+
+
 def _kimi_config(m: GGUFModel) -> dict[str, Any]:
     """Kimi-Linear: KDA layers have no key-value heads (``attention.head_count_kv`` 0), the
     MLA layers' are the converter's one latent head; the KDA heads are the attention heads."""
     c = _common(m, "kimi_linear")
     n = c["num_hidden_layers"]
     heads = int(m.require("attention.head_count"))
-    rope = int(m.require("rope.dimension_count"))
     dense = int(m.get("leading_dense_block_count", 0) or 0)
     kv = _per_layer(m.require("attention.head_count_kv"), n)
     return {**c, "tie_word_embeddings": False,
@@ -542,11 +551,7 @@ def _kimi_config(m: GGUFModel) -> dict[str, Any]:
             "num_attention_heads": heads, "num_key_value_heads": heads,
             "intermediate_size": int(m.require("feed_forward_length")),
             "rms_norm_eps": float(m.require("attention.layer_norm_rms_epsilon")),
-            "q_lora_rank": int(m.get("attention.q_lora_rank", 0) or 0) or None,
-            "kv_lora_rank": int(m.require("attention.kv_lora_rank")),
-            "qk_nope_head_dim": int(m.require("attention.key_length_mla")) - rope,
-            "qk_rope_head_dim": rope,
-            "v_head_dim": int(m.require("attention.value_length_mla")),
+            **_mla(m),
             "linear_attn_config": {"num_heads": heads,
                                    "head_dim": int(m.require("kda.head_dim")),
                                    "short_conv_kernel_size": int(m.require("ssm.conv_kernel"))},
@@ -587,7 +592,6 @@ def _ling_config(m: GGUFModel) -> dict[str, Any]:
     first_kda = types.index("linear_attention") if "linear_attention" in types else None
     kda_heads = int(m.tensors[f"blk.{first_kda}.ssm_a"].shape[0]) if first_kda is not None \
         else int(m.require("attention.head_count"))
-    rope = int(m.require("rope.dimension_count"))
     dense = int(m.get("leading_dense_block_count", 0) or 0)
     groups = int(m.get("expert_group_count", 1) or 1)
     moe = int(m.require("expert_feed_forward_length"))
@@ -603,11 +607,7 @@ def _ling_config(m: GGUFModel) -> dict[str, Any]:
             "kda_safe_gate": bool(m.get("kda.safe_gate", True)),
             "kda_lower_bound": float(m.get("kda.gate_lower_bound", -5.0)),
             "num_attention_heads": int(m.require("attention.head_count")),
-            "q_lora_rank": int(m.get("attention.q_lora_rank", 0) or 0) or None,
-            "kv_lora_rank": int(m.require("attention.kv_lora_rank")),
-            "qk_nope_head_dim": int(m.require("attention.key_length_mla")) - rope,
-            "qk_rope_head_dim": rope,
-            "v_head_dim": int(m.require("attention.value_length_mla")),
+            **_mla(m),
             "rope_parameters": {"rope_type": "default",
                                 "rope_theta": float(m.require("rope.freq_base"))},
             "num_experts": int(m.require("expert_count")),
