@@ -41,6 +41,31 @@ def test_the_vocabulary_encodes_llamacpps_test_vectors(name: str) -> None:
         assert tok.encode(text, add_special_tokens=False).ids == want, text
 
 
+def test_a_large_vocabulary_is_built_once_and_read_back(tmp_path: Path) -> None:
+    """Qwen3.5's 248k-token vocabulary: built at the first load and kept under the cache
+    root; the next load reads it back and encodes llama.cpp's test vectors to the same ids;
+    a replaced file (another modification time) is built again."""
+    import os
+    import shutil
+
+    from linserve.model.gguf import vocab_cache
+    path = tmp_path / "ggml-vocab-qwen35.gguf"
+    shutil.copy(llamacpp_assets.vendored("models/ggml-vocab-qwen35.gguf"), path)
+    model, root = open_model(path), tmp_path / "cache"
+    built = vocab_cache.load(model.files, model.meta, root)
+    entry = vocab_cache.cache_file(model.files, root)
+    assert entry.is_file() and list(root.iterdir()) == [entry]
+    again = vocab_cache.load(model.files, model.meta, root)
+    texts = Path(f"{llamacpp_assets.vendored('models/ggml-vocab-qwen35.gguf')}.inp") \
+        .read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    for text in texts:
+        assert again.encode(text, add_special_tokens=False).ids == \
+            built.encode(text, add_special_tokens=False).ids
+    assert again.to_str() == built.to_str()
+    os.utime(path, ns=(1, 1))
+    assert vocab_cache.cache_file(open_model(path).files, root) != entry
+
+
 def test_sentencepiece_puts_bos_first_where_the_file_says() -> None:
     meta = open_model(llamacpp_assets.vendored("models/ggml-vocab-llama-spm.gguf")).meta
     tok = vocab.build(meta)

@@ -25,7 +25,7 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
 from tokenizers import Tokenizer as HFTokenizer
 
-from linserve.model.gguf import archs, vocab
+from linserve.model.gguf import archs, vocab, vocab_cache
 from linserve.model.gguf.files import GGUFFileError, GGUFModel, Tensor, open_model, release_pages
 from linserve.model.quantize import PACKED_BYTES
 from linserve.model.tokenizer import Tokenizer
@@ -254,7 +254,7 @@ class GGUFCheckpoint:
         loads)."""
         if self._tokenizer is None:
             try:
-                self._tokenizer = vocab.build(self.model.meta)
+                self._tokenizer = vocab_cache.load(self.model.files, self.model.meta)
             except (vocab.VocabError, KeyError) as exc:
                 raise GGUFFileError(f"{self.path}: {exc}") from None
         if vocab_size not in self._wrapped:  # its byte table takes a second for 250k tokens

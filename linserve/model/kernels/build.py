@@ -97,14 +97,19 @@ def write_ninja(build_dir: Path, arch: str) -> Path:
     return library
 
 
+def cache_root() -> Path:
+    """Where the server keeps what it builds once (the kernels, GGUF vocabularies):
+    ``$LINSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/linserve`` or ``~/.cache/linserve``."""
+    return Path(os.environ.get("LINSERVE_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "linserve")
+
+
 def default_build_dir(name: str) -> Path:
     """The cache folder for ``name``, one per source checkout (two checkouts, a CI clone
-    beside a working tree, writing one folder rebuilt it in turn on every start):
-    ``$LINSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/linserve`` or ``~/.cache/linserve``."""
-    root = os.environ.get("LINSERVE_CACHE_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "linserve"
+    beside a working tree, writing one folder rebuilt it in turn on every start), under
+    :func:`cache_root`."""
     where = hashlib.sha1(str(HERE.resolve()).encode()).hexdigest()[:10]
-    return Path(root) / "kernels" / f"{name}-{where}"
+    return cache_root() / "kernels" / f"{name}-{where}"
 
 
 @contextlib.contextmanager

@@ -1,0 +1,59 @@
+"""A GGUF file's vocabulary, built once and kept on disk.
+
+Building a ``tokenizers`` tokenizer from ``tokenizer.ggml.*`` (:func:`vocab.build`) takes
+seconds for a 250k-token vocabulary, at every start. The built tokenizer's JSON is kept
+under ``cache_root()/gguf-vocab``, named by the file (path, size and modification time:
+a replaced file is built again) and by the source of :mod:`.vocab` (a changed rule is too);
+a later start of the same file reads it back in a fraction of the time. Only vocabularies
+of :data:`SMALLEST` tokens or more are kept (a small one builds in a blink). A cache that
+cannot be read or written is passed over: the vocabulary is built as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from linserve.model.gguf import vocab
+from linserve.model.kernels.build import cache_root
+
+_RULES = hashlib.sha1(Path(vocab.__file__).read_bytes()).hexdigest()[:12]
+SMALLEST = 32_768
+
+
+def cache_file(files: Sequence[Path], root: Path | None = None) -> Path:
+    """The cache entry for the model in ``files`` (its shards; the vocabulary is in the
+    first), under ``root`` (default: ``cache_root()/gguf-vocab``)."""
+    h = hashlib.sha1(_RULES.encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return (root or cache_root() / "gguf-vocab") / f"{h.hexdigest()[:20]}.json"
+
+
+def load(files: Sequence[Path], meta: dict[str, Any], root: Path | None = None
+         ) -> HFTokenizer:
+    """The vocabulary of the model in ``files`` with metadata ``meta``: from the cache
+    (under ``root``) where it holds it, else built (:func:`vocab.build`, which raises
+    :class:`vocab.VocabError`) and kept there when it is large."""
+    if len(meta.get("tokenizer.ggml.tokens") or ()) < SMALLEST:
+        return vocab.build(meta)
+    path = cache_file(files, root)
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception:  # absent or unreadable (tokenizers raises Exception): build it
+        pass
+    tok = vocab.build(meta)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(tok.to_str(), encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        pass
+    return tok
