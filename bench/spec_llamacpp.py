@@ -37,10 +37,16 @@ PROMPTS = ["ROMEO:\nBut soft, what light through yonder window breaks?\n",
            "JULIET:\nO Romeo, Romeo, wherefore art thou Romeo?\n"]
 
 
-def ours_cmd(checkpoint: Path, k: int, dtype: str = "auto") -> tuple[list[str], int]:
+# --weights: this server's flags for them (llama-server gets the converter's file, or
+# llama-quantize's Q8_0 of its bf16 one)
+OURS = {"bf16": ["--dtype", "bfloat16"], "f32": ["--dtype", "float32"],
+        "q8_0": ["--quantization", "int8"]}
+
+
+def ours_cmd(checkpoint: Path, k: int, weights: str = "bf16") -> tuple[list[str], int]:
     port = free_port()
     cmd = [sys.executable, "-m", "linserve", "serve", "--model", str(checkpoint), "--port",
-           str(port), "--threads", "2", "--dtype", dtype]
+           str(port), "--threads", "2", *OURS[weights]]
     if k:
         cmd += ["--speculative-config", json.dumps({"method": "mtp",
                                                     "num_speculative_tokens": k})]
@@ -72,9 +78,9 @@ def one(port: int, prompt: str, tokens: int) -> dict[str, Any]:
 
 
 def pair(checkpoint: Path, gguf: Path, k: int, rounds: int, tokens: int,
-         dtype: str = "auto") -> dict[str, Any]:
+         weights: str = "bf16") -> dict[str, Any]:
     """Both servers up, requests alternately; the median tokens/s of each."""
-    ours, o_port = ours_cmd(checkpoint, k, dtype)
+    ours, o_port = ours_cmd(checkpoint, k, weights)
     theirs, t_port = theirs_cmd(gguf, k)
     runs: dict[str, list[dict[str, Any]]] = {"ours": [], "llama_server": []}
     with lc.running(ours, o_port, RESULTS / f"spec-llamacpp-ours-k{k}.log"), \
@@ -111,6 +117,21 @@ def _acceptance(metrics: str) -> float | None:
         if drafted else None
 
 
+def _gguf(copy: Path, weights: str) -> Path:
+    """llama-server's file of ``weights`` for the checkpoint at ``copy`` (made once)."""
+    script = str(Path(__file__).with_name("llamacpp.sh"))
+    out = copy / f"llamacpp-{weights}.gguf"
+    if out.exists():
+        return out
+    if weights == "q8_0":
+        subprocess.run(["bash", script, "quantize", str(_gguf(copy, "bf16")), str(out),
+                        "Q8_0"], check=True)
+        return out
+    subprocess.run(["bash", script, "convert", str(copy), str(out), weights], check=True,
+                   env={**os.environ, "LINSERVE_GGUF_PRE": "gpt-2"})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", type=Path, default=Path("weights/qwen35-mtp"))
@@ -118,21 +139,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--k", type=int, default=3, help="draft tokens a step")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--weights", choices=["bf16", "f32"], default="bf16",
-                   help="both servers' weights: ours --dtype bfloat16 / float32, theirs the "
-                        "converter's --outtype")
+    p.add_argument("--weights", choices=sorted(OURS), default="bf16",
+                   help="both servers' weights: ours --dtype bfloat16 / float32 or "
+                        "--quantization int8, theirs the converter's bf16 / f32 file or "
+                        "llama-quantize's Q8_0")
     args = p.parse_args(argv)
     copy = args.root / args.checkpoint.name
     if not copy.exists():
         shutil.copytree(args.checkpoint, copy)
-    gguf = copy / f"llamacpp-{args.weights}.gguf"
-    if not gguf.exists():
-        subprocess.run(["bash", str(Path(__file__).with_name("llamacpp.sh")), "convert",
-                        str(copy), str(gguf), args.weights], check=True,
-                       env={**os.environ, "LINSERVE_GGUF_PRE": "gpt-2"})
-    dtype = {"bf16": "bfloat16", "f32": "float32"}[args.weights]
-    plain = pair(copy, gguf, 0, args.rounds, args.tokens, dtype)
-    spec = pair(copy, gguf, args.k, args.rounds, args.tokens, dtype)
+    gguf = _gguf(copy, args.weights)
+    plain = pair(copy, gguf, 0, args.rounds, args.tokens, args.weights)
+    spec = pair(copy, gguf, args.k, args.rounds, args.tokens, args.weights)
     rows = [{"server": who, "plain tok/s": round(plain[who]["tok_s"], 1),
              f"mtp k={args.k} tok/s": round(spec[who]["tok_s"], 1),
              "speedup": round(spec[who]["tok_s"] / plain[who]["tok_s"], 2),
