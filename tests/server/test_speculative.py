@@ -336,10 +336,14 @@ def test_draft_length_follows_acceptance_and_cost() -> None:
         best_length,
         expected_tokens,
     )
-    assert expected_tokens(0.0, 3) == 1.0 and expected_tokens(1.0, 3) == 4.0
-    assert best_length(0.9, 4, lambda k: 1.0 + 0.05 * k) == 4
-    assert best_length(0.1, 4, lambda k: 1.0 + 0.05 * k) == 0  # drafts do not pay
-    assert best_length(0.9, 4, lambda k: 12.0) == 0  # a verify costs 12 steps (tiny models)
+    assert expected_tokens([0.0] * 3) == 1.0 and expected_tokens([1.0] * 3) == 4.0
+    assert expected_tokens([0.5, 0.5]) == 1.75
+    assert best_length([0.9] * 4, lambda k: 1.0 + 0.05 * k) == 4
+    assert best_length([0.1] * 4, lambda k: 1.0 + 0.05 * k) == 0  # drafts do not pay
+    assert best_length([0.9] * 4, lambda k: 12.0) == 0  # a verify costs 12 steps (tiny models)
+    # An MTP layer's drafts (§63): the third is kept 31% of the time and costs more than
+    # it gives, so two are drafted, where one rate for all positions (0.67) drafted three.
+    assert best_length([0.92, 0.77, 0.31], lambda k: 1.0 + 0.25 * k) == 2
     costs = CostModel()
     costs.note_step(1, 0.01)
     for t in range(1, 6):
@@ -351,6 +355,12 @@ def test_draft_length_follows_acceptance_and_cost() -> None:
     assert budget.length("a", 10) == 4
     assert budget.length("a", 2) == 2  # no draft past max_tokens
     assert [budget.length("b", 10) for _ in range(8)] == [0] * 7 + [1]  # probed now and then
+    for _ in range(10):  # "c" keeps its first two drafts and never a third
+        budget.record("c", 4, 2)
+    rates = budget.rates("c")
+    assert rates[0] > 0.85 and rates[1] > 0.85 and rates[2] < 0.2
+    assert budget.length("c", 10) == 2
+    assert budget.rates("new")[0] == pytest.approx(budget.everyone.rates([0.5] * 4, 1.0)[0])
 
 
 @pytest.mark.parametrize("family,dtype", [("qwen3_5", "float32"), ("qwen3_5", "bfloat16"),

@@ -3,18 +3,23 @@
 A verify of T tokens per row costs more than a plain step (``bench.spec_decode`` measures
 T(k+1) ÷ T(1)); it pays only where enough drafts are kept. :class:`CostModel` keeps the
 measured seconds of plain steps and of verifies by the tokens they ran (seeded at start by
-timing both forms); :class:`DraftBudget` keeps each request's acceptance rate α (a decaying
-count of kept over tried drafts) and picks the draft length k that maximises the expected
-tokens per second, E = (1 − α^(k+1)) / (1 − α) per verify, or 0 (a plain step) where no k
-beats plain decoding. A request at k = 0 is probed with one draft every ``PROBE_EVERY`` steps
-so that a text that turns repetitive is noticed.
+timing both forms); :class:`DraftBudget` keeps each request's acceptance by draft position,
+a_i = P(draft i kept | the drafts before it kept) (decaying counts, starting from every
+request's rates), and picks the draft length k that maximises the expected tokens per
+second, E = 1 + a_1 + a_1 a_2 + ... + a_1 ⋯ a_k per verify, or 0 (a plain step) where no k
+beats plain decoding. Per position, because a draft's chance falls with its distance: an MTP
+layer fed its own output kept its first draft 92% of the time and its third 31% (§63), so
+one rate for all positions over-drafts. A request at k = 0 is probed with one draft every
+``PROBE_EVERY`` steps so that a text that turns repetitive is noticed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-DECAY = 0.7  # weight of the past in a request's acceptance counts
+DECAY = 0.8  # weight of the past in a request's acceptance counts
+GLOBAL_DECAY = 0.99  # ... and in the counts of every request together
+PRIOR_TRIES = 2.0  # a request's counts start as this many tries at everyone's rates
 PROBE_EVERY = 8
 MARGIN = 1.05  # a verify must promise this much more than plain decoding
 
@@ -62,37 +67,63 @@ class CostModel:
         return self._estimate(self.verify, tokens)
 
 
+class PositionRates:
+    """Decaying counts of drafts kept and tried at each draft position, and the conditional
+    rate a_i = P(draft i kept | drafts before it kept) they give (``prior`` before any)."""
+
+    def __init__(self, k_max: int, decay: float) -> None:
+        self.decay = decay
+        self.kept = [0.0] * k_max
+        self.tried = [0.0] * k_max
+
+    def record(self, drafted: int, kept: int) -> None:
+        """``kept`` of ``drafted`` drafts accepted: positions before ``kept`` were kept, the
+        one at ``kept`` (if any) refused, the rest never reached."""
+        for i in range(min(drafted, kept + 1)):
+            self.kept[i] = self.decay * self.kept[i] + (1.0 if i < kept else 0.0)
+            self.tried[i] = self.decay * self.tried[i] + 1.0
+
+    def rates(self, prior: list[float], weight: float) -> list[float]:
+        """Each position's rate, its counts shrunk toward ``prior`` by ``weight`` tries."""
+        return [(k + weight * p) / (t + weight)
+                for k, t, p in zip(self.kept, self.tried, prior, strict=True)]
+
+
 class DraftBudget:
-    """Per request: acceptance counts and the draft length they earn (see module doc)."""
+    """Per request: acceptance by draft position and the draft length it earns (see module
+    doc). A request's rates start from the rates of every request so far."""
 
     def __init__(self, k_max: int, costs: CostModel) -> None:
         self.k_max, self.costs = k_max, costs
-        self.kept: dict[str, float] = {}
-        self.tried: dict[str, float] = {}
+        self.everyone = PositionRates(k_max, GLOBAL_DECAY)
+        self.per_request: dict[str, PositionRates] = {}
         self.idle: dict[str, int] = {}
 
-    def alpha(self, key: str) -> float:
-        """The request's acceptance rate (a prior of 1/2 before any draft)."""
-        return (self.kept.get(key, 1.0)) / (self.tried.get(key, 2.0))
+    def rates(self, key: str) -> list[float]:
+        """The request's conditional acceptance by position (a prior of 1/2 before any draft
+        anywhere)."""
+        prior = self.everyone.rates([0.5] * self.k_max, 1.0)
+        own = self.per_request.get(key)
+        return prior if own is None else own.rates(prior, PRIOR_TRIES)
 
     def record(self, key: str, drafted: int, kept: int) -> None:
-        """``kept`` of ``drafted`` drafts were accepted (tried: up to the first refusal)."""
+        """``kept`` of ``drafted`` drafts were accepted."""
         if drafted == 0:
             return
-        tried = kept + (1 if kept < drafted else 0)
-        self.kept[key] = DECAY * self.kept.get(key, 1.0) + kept
-        self.tried[key] = DECAY * self.tried.get(key, 2.0) + tried
+        self.everyone.record(drafted, kept)
+        own = self.per_request.setdefault(key, PositionRates(self.k_max, DECAY))
+        own.record(drafted, kept)
 
     def drop(self, key: str) -> None:
-        for table in (self.kept, self.tried, self.idle):
-            table.pop(key, None)
+        self.per_request.pop(key, None)
+        self.idle.pop(key, None)
 
     def length(self, key: str, limit: int) -> int:
         """The draft length for the request's next verify (at most ``limit``)."""
         k_max = min(self.k_max, limit)
         if k_max <= 0:
             return 0
-        k = best_length(self.alpha(key), k_max, self._relative_cost)
+        k = best_length(self.rates(key)[:k_max], self._relative_cost)
         if k == 0:
             self.idle[key] = self.idle.get(key, 0) + 1
             if self.idle[key] >= PROBE_EVERY:
@@ -108,17 +139,22 @@ class DraftBudget:
         return (verify + k * self.costs.draft_token) / step
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens one verify of k drafts yields when each is kept with probability α."""
-    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def expected_tokens(rates: list[float]) -> float:
+    """Tokens one verify of ``len(rates)`` drafts yields when draft i is kept with
+    probability ``rates[i]`` given the drafts before it were: 1 + a_1 + a_1 a_2 + ..."""
+    total, reach = 1.0, 1.0
+    for a in rates:
+        reach *= a
+        total += reach
+    return total
 
 
-def best_length(alpha: float, k_max: int, relative_cost: Callable[[int], float]) -> int:
-    """The k in 0..k_max with the most tokens per plain step's time (0 unless some k beats
-    plain decoding by :data:`MARGIN`)."""
+def best_length(rates: list[float], relative_cost: Callable[[int], float]) -> int:
+    """The k in 0..len(rates) with the most tokens per plain step's time (0 unless some k
+    beats plain decoding by :data:`MARGIN`)."""
     best, best_rate = 0, MARGIN
-    for k in range(1, k_max + 1):
-        rate = expected_tokens(alpha, k) / relative_cost(k)
+    for k in range(1, len(rates) + 1):
+        rate = expected_tokens(rates[:k]) / relative_cost(k)
         if rate > best_rate:
             best, best_rate = k, rate
     return best
