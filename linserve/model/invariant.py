@@ -199,11 +199,18 @@ def _given_blocks(parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     given = [_block_values.pop(p.data_ptr(), None) for p in parts]
     if not all(given) or len({g[2] for g in given if g}) != 1 or not kernels.load():
         return None
-    q = torch.cat([g[0] for g in given if g]).t().contiguous()
-    scales = torch.cat([g[1] for g in given if g])  # [out, in / 32] or [out, in / 32, 2]
-    scales = (scales.t() if scales.dim() == 2 else scales.permute(2, 1, 0)).contiguous()
+    # transposed views: the packer reads them in place (a copy of the head's q into [in,
+    # out] took seconds of a start)
+    q = _joined([g[0] for g in given if g]).t()
+    scales = _joined([g[1] for g in given if g])  # [out, in / 32] or [out, in / 32, 4]
+    scales = scales.t() if scales.dim() == 2 else scales.permute(2, 1, 0)
     fmt = next(g[2] for g in given if g)
     return cast(torch.Tensor, torch.ops.linserve.pack_quantized(q, scales, fmt))
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts stacked by rows (one part as it is, not copied)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def packed(linear: nn.Module) -> torch.Tensor:

@@ -5,6 +5,8 @@ from."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -149,6 +151,23 @@ def test_a_quantized_file_loads_each_tensor_in_its_own_format(
     flat = gguf_fixtures.dequantized_copy(mixed, tmp_path / "flat.gguf")
     ids = torch.randint(0, 8192, (1, 29), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(_logits(mixed, ids), _logits(flat, ids), rtol=0, atol=0)
+
+
+def test_loading_a_file_leaves_torch_dynamo_unimported(
+        converted: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """A start finds the shapes the converter's transforms give without meta-tensor
+    arithmetic, whose first call imports ``torch._dynamo`` (1.5 s or more of a start), and
+    the native blocks' check likewise. Both forms, in a fresh process as a server is."""
+    _, file = converted["qwen3_5-i2-untied"]
+    q4 = gguf_fixtures.requantize(file, tmp_path / "q4_0.gguf",
+                                   lambda name, shape: GGMLQuantizationType.Q4_0
+                                   if len(shape) == 2 and shape[-1] % 32 == 0 else None)
+    for path in (file, q4):
+        code = ("import sys; from pathlib import Path; from linserve.model import loader; "
+                f"loader.load(Path({str(path)!r})); print('torch._dynamo' in sys.modules)")
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True)
+        assert run.stdout.strip().splitlines()[-1] == "False", (path.name, run.stderr[-2000:])
 
 
 def test_a_real_vocabulary_and_template_come_from_the_file(tmp_path: Path) -> None:

@@ -134,9 +134,10 @@ class GGUFCheckpoint:
         each meta-tensor transform costs ~0.2 ms, 0.7 s a 0.8B model's match.)"""
         key = (hf_name, *gguf_names)
         if key not in self._shapes:
-            metas = [torch.empty(self.model.tensors[g].shape, device="meta") for g in gguf_names]
+            shapes = [self.model.tensors[g].shape for g in gguf_names]
+            probes = [_shape_probe(s, sum(int(np.prod(x)) for x in shapes)) for s in shapes]
             self._shapes[key] = tuple(
-                self.arch.transform(hf_name, self._join(hf_name, metas), self.config).shape)
+                self.arch.transform(hf_name, self._join(hf_name, probes), self.config).shape)
         return self._shapes[key]
 
     def read(self, hf_name: str) -> torch.Tensor:
@@ -171,7 +172,8 @@ class GGUFCheckpoint:
         if (len({t.qtype for t in parts}) != 1 or parts[0].qtype not in NATIVE
                 or any(len(t.shape) != 2 for t in parts) or not self._stacked(hf_name, names)):
             return None
-        probe = torch.empty(sum(t.shape[0] for t in parts), parts[0].shape[1], device="meta")
+        rows, cols = sum(t.shape[0] for t in parts), parts[0].shape[1]
+        probe = _shape_probe((rows, cols), rows * cols)
         if self.arch.transform(hf_name, probe, self.config) is not probe:
             return None
         values = [block_values(t) for t in parts]
@@ -286,6 +288,20 @@ class GGUFCheckpoint:
                 while chunk := fh.read(1 << 24):
                     h.update(chunk)
         return h.hexdigest()
+
+
+# Elements up to which a shape is found on a zeroed CPU tensor rather than a meta one.
+PROBE_ELEMENTS = 1 << 24
+
+
+def _shape_probe(shape: tuple[int, ...], together: int) -> torch.Tensor:
+    """A tensor of ``shape`` to run a transform on for the shape it gives: zeros on the CPU
+    where the tensors merged with it have ``together`` elements at most, else a meta tensor.
+    Arithmetic on a meta tensor runs through ``torch._refs``, whose first call imports
+    ``torch._dynamo``: 1.5 s or more of every start, for norms' ``w - 1`` and the like."""
+    if together <= PROBE_ELEMENTS:
+        return torch.zeros(shape)
+    return torch.empty(shape, device="meta")
 
 
 def dequantize(t: Tensor) -> torch.Tensor:

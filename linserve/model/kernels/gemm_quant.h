@@ -991,59 +991,85 @@ inline void quant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y, bo
   }
 }
 
+// A tensor's bytes by index whatever its strides: q [K, N] and the scales' parts [P, K / 32,
+// N] may be transposed views (a GGUF matrix's blocks unpack as [N, K]; copying them into
+// [K, N] first, a byte transpose of a 250k-column head, took seconds of a load).
+struct StridedBytes {
+  const uint8_t* p;
+  int64_t s0, s1, s2, e;  // strides in elements, element size in bytes
+  const uint8_t* at(int64_t i, int64_t j, int64_t k = 0) const {
+    return p + (i * s0 + j * s1 + k * s2) * e;
+  }
+};
+
+inline StridedBytes strided(const at::Tensor& t) {
+  const int64_t d = t.dim();
+  return {static_cast<const uint8_t*>(t.data_ptr()), t.stride(0), t.stride(1),
+          d > 2 ? t.stride(2) : 0, static_cast<int64_t>(t.element_size())};
+}
+
 // A panel's super-block pairs: parts 2 and 3 (d and e) of each super-block's first block.
-inline void pack_pairs(const float* pv, int64_t blocks, int64_t n, int64_t sb, int64_t p0,
+inline void pack_pairs(const StridedBytes& pv, int64_t blocks, int64_t sb, int64_t p0,
                        int64_t width, uint8_t* out) {
   for (int64_t sp = 0; sp < blocks / sb; ++sp)
     for (int64_t e = 0; e < 2; ++e)
-      std::memcpy(out + (2 * sp + e) * 4 * width, pv + (((2 + e) * blocks + sp * sb) * n + p0),
-                  4 * width);
+      for (int64_t c = 0; c < width; ++c)
+        std::memcpy(out + ((2 * sp + e) * width + c) * 4, pv.at(2 + e, sp * sb, p0 + c), 4);
+}
+
+// One block's stored rows of a panel: q's 32 inputs from k0 for the panel's columns, as
+// bytes (q + offset) or, for the nibble formats, pairs of inputs 4 apart in one byte.
+inline void pack_block_rows(const StridedBytes& q, int64_t k0, int64_t p0, int64_t width,
+                            bool nib, int32_t offset, uint8_t* blk) {
+  const int64_t per = nib ? kBlock / 8 : kBlock / 4;
+  for (int64_t t = 0; t < per; ++t) {
+    for (int64_t i = 0; i < 4; ++i) {
+      const int64_t k = k0 + (nib ? 8 * t + i : 4 * t + i);
+      uint8_t* lane = blk + t * width * 4 + i;
+      for (int64_t c = 0; c < width; ++c) {
+        const int32_t lo = static_cast<int8_t>(*q.at(k, p0 + c)) + offset;
+        const int32_t hi = nib ? static_cast<int8_t>(*q.at(k + 4, p0 + c)) + offset : 0;
+        lane[4 * c] = static_cast<uint8_t>(nib ? lo | (hi << 4) : lo);
+      }
+    }
+  }
 }
 
 // The block-scaled formats' panels (see the layout above) written straight from q [K, N]
 // int8 (K a multiple of 32) and `parts` [P, K / 32, N]: fp16 scales, or the K formats' four
 // fp32 numbers (two multipliers, stored as bytes, and the super-block's d and e), into out
-// (column_bytes x N bytes); a task per panel. (Built from tensor ops, with an int32 copy of
-// q and its permutes, packing took 2.9 s of a 0.8B Q4_K_M file's 16 s load.)
+// (column_bytes x N bytes); a task per panel. Either may be a strided view (StridedBytes).
+// (Built from tensor ops, with an int32 copy of q and its permutes, packing took 2.9 s of a
+// 0.8B Q4_K_M file's 16 s load.)
 inline void pack_blocks(const at::Tensor& q, const at::Tensor& parts, int format, uint8_t* out) {
   const int64_t k_len = q.size(0), n = q.size(1), blocks = k_len / kBlock;
-  const int64_t e = parts.element_size();
   const bool nib = format == kQInt4 || format == kQ4K || format == kQ4L;
   const int32_t offset = format == kQInt4 ? 8 : nib ? 0 : 128;
   const int64_t per = nib ? kBlock / 8 : kBlock / 4, bb = block_bytes(format);
   const int64_t sb = super_blocks(format);
-  const int8_t* qv = q.data_ptr<int8_t>();
-  const uint8_t* pv = static_cast<const uint8_t*>(parts.data_ptr());
+  const StridedBytes qv = strided(q), pv = strided(parts);
   const int64_t panels = (n + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
     for (int64_t p = p_begin; p < p_end; ++p) {
       const int64_t p0 = p * kPanel, width = std::min(kPanel, n - p0);
       uint8_t* panel = out + p0 * column_bytes(format, blocks);
-      if (has_super(format))
-        pack_pairs(reinterpret_cast<const float*>(pv), blocks, n, sb, p0, width, panel);
+      if (has_super(format)) pack_pairs(pv, blocks, sb, p0, width, panel);
       uint8_t* first = panel + (has_super(format) ? blocks / sb * 8 * width : 0);
       for (int64_t b = 0; b < blocks; ++b) {
         uint8_t* blk = first + b * bb * width;
-        for (int64_t t = 0; t < per; ++t) {
-          for (int64_t i = 0; i < 4; ++i) {
-            const int64_t k = b * kBlock + (nib ? 8 * t + i : 4 * t + i);
-            const int8_t* row = qv + k * n + p0;
-            uint8_t* lane = blk + t * width * 4 + i;
-            for (int64_t c = 0; c < width; ++c) {
-              const int32_t lo = row[c] + offset;
-              lane[4 * c] = static_cast<uint8_t>(nib ? lo | ((row[4 * n + c] + offset) << 4) : lo);
-            }
-          }
-        }
-        if (!has_super(format)) {
-          std::memcpy(blk + per * 4 * width, pv + (b * n + p0) * e, e * width);
+        pack_block_rows(qv, b * kBlock, p0, width, nib, offset, blk);
+        uint8_t* tail = blk + per * 4 * width;
+        if (!has_super(format)) {  // the block's fp16 scales
+          for (int64_t c = 0; c < width; ++c)
+            std::memcpy(tail + c * pv.e, pv.at(0, b, p0 + c), pv.e);
           continue;
         }
-        const float* f = reinterpret_cast<const float*>(pv);
-        for (int64_t m = 0; m < 2; ++m)
-          for (int64_t c = 0; c < width; ++c)
-            blk[per * 4 * width + m * width + c] = static_cast<uint8_t>(
-                static_cast<int32_t>(f[(m * blocks + b) * n + p0 + c]));
+        for (int64_t m = 0; m < 2; ++m)  // its two multipliers, as bytes
+          for (int64_t c = 0; c < width; ++c) {
+            float f;
+            std::memcpy(&f, pv.at(m, b, p0 + c), 4);
+            tail[m * width + c] = static_cast<uint8_t>(static_cast<int32_t>(f));
+          }
       }
     }
   });
@@ -1074,9 +1100,9 @@ inline at::Tensor pack_quantized(const at::Tensor& q, const at::Tensor& scales, 
   TORCH_CHECK(ok, "pack_quantized: int8 scales are fp32 [N], int4 and q8 scales fp16 [K / 32, "
               "N], the K formats' fp32 [4, K / 32, N] (K a multiple of 256 for q4k, q8k, q6)");
   at::Tensor flat = at::zeros({quant_rows_of(k_len, format) * n * 4}, q.options().dtype(at::kByte));
-  if (format != kQInt8) {
-    const at::Tensor parts = k_format ? scales.contiguous() : scales.contiguous().unsqueeze(0);
-    pack_blocks(q.contiguous(), parts, static_cast<int>(format), flat.data_ptr<uint8_t>());
+  if (format != kQInt8) {  // q and the scales read in place, whatever their strides
+    const at::Tensor parts = k_format ? scales : scales.unsqueeze(0);
+    pack_blocks(q, parts, static_cast<int>(format), flat.data_ptr<uint8_t>());
   } else {
     const int64_t k32 = (k_len + kBlock - 1) / kBlock * kBlock;
     at::Tensor u = at::full({k32, n}, 128, q.options().dtype(at::kInt));
