@@ -8,6 +8,7 @@ import torch
 
 from linserve.model.architectures.linserve import LanguageModel, OwnModel
 from linserve.model.config import ModelConfig
+from linserve.model.kernels import cpu_flags
 from linserve.model.tokenizer import Tokenizer
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "weights" / "tokenizer.json"
@@ -43,3 +44,15 @@ def tiny_model(kind: str = "linear", seed: int = 0, **overrides: object) -> Lang
 def served(model: LanguageModel, tok: Tokenizer | None = None) -> OwnModel:
     """``model`` behind the server's model interface (with the shipped tokenizer)."""
     return OwnModel(model, tok if tok is not None else Tokenizer.from_file(TOKENIZER))
+
+
+AVX512 = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"})
+
+
+def forced_avx2_runs_new_paths() -> bool:
+    """Whether a run with ATen and the kernels forced to AVX2 (``x86-64-v3``) tests paths the
+    main run does not: on a CPU with AVX-512. On one without, the main run already is an
+    AVX2 machine's (ATen's AVX2 paths, the kernels built for AVX2), and the forced runs' own
+    build cost 160 s of CI on a Zen 3."""
+    flags = cpu_flags()
+    return {"avx2", "fma", "bmi2"} <= flags and flags >= AVX512

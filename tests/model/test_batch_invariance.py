@@ -20,7 +20,7 @@ import torch
 
 from linserve.model import invariant, kernels
 from linserve.model.kernels import cpu_flags
-from tests.model.helpers import tiny_model
+from tests.model.helpers import AVX512, forced_avx2_runs_new_paths, tiny_model
 
 KINDS = ["linear", "gated", "favor", "softmax", "window"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -253,9 +253,9 @@ def _instruction_sets() -> list[tuple[str, str]]:
     ("native-no-amx": its AVX512-BF16 dot products, which CPUs without AMX run)."""
     flags = cpu_flags()
     runs = [("default", "x86-64")]
-    if {"avx2", "fma"} <= flags:
+    if forced_avx2_runs_new_paths():
         runs.append(("avx2", "x86-64-v3"))
-    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= flags:
+    if flags >= AVX512:
         runs.append(("avx512", "x86-64-v4"))
     if kernels.load() and torch.ops.linserve.amx_active():
         runs.append(("avx512", "native-no-amx"))

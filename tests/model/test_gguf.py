@@ -115,12 +115,12 @@ CONVERTED = [("qwen3_5", "i2-untied", NO_MTP), ("qwen3_5", "i3-gqa", NO_MTP),
 def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
     """(safetensors folder, its F32 GGUF) for each of :data:`CONVERTED`."""
     root = tmp_path_factory.mktemp("gguf")
-    out = {}
-    for family, shape, extra in CONVERTED:
-        hf = family_fixtures.make(root / f"{family}-{shape}", family, shape)
-        out[f"{family}-{shape}"] = (hf, gguf_fixtures.convert(
-            hf, root / f"{family}-{shape}.gguf", extra=extra))
-    return out
+    made = {f"{family}-{shape}": (family_fixtures.make(root / f"{family}-{shape}", family, shape),
+                                  extra) for family, shape, extra in CONVERTED}
+    files = gguf_fixtures.convert_many([gguf_fixtures.Conversion(hf, root / f"{case}.gguf",
+                                                                 extra=extra)
+                                        for case, (hf, extra) in made.items()])
+    return {case: (hf, file) for (case, (hf, _)), file in zip(made.items(), files, strict=True)}
 
 
 def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:

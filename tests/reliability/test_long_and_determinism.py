@@ -15,8 +15,8 @@ import torch
 
 from bench.serverproc import ServerProcess
 from linserve.model.architectures.linserve import load_model
-from linserve.model.kernels import cpu_flags
 from linserve.model.state_blob import state_from_bytes
+from tests.model.helpers import forced_avx2_runs_new_paths
 from tests.reliability.helpers import FULL, stream
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -77,7 +77,7 @@ LOAD_PROMPTS = ["Alarum.", "ROMEO.\nBut soft, what light", "KING LEAR.\n", "Ente
 # (dtype, ATEN_CPU_CAPABILITY, LINSERVE_KERNEL_ARCH): the default build in each weight dtype,
 # and an AVX2-only machine's paths forced on this one (where the CPU can run them).
 DETERMINISM_RUNS = [("float32", None, None), ("bfloat16", None, None)]
-if {"avx2", "fma"} <= cpu_flags():
+if forced_avx2_runs_new_paths():
     DETERMINISM_RUNS.append(("float32", "avx2", "x86-64-v3"))
 
 
