@@ -34,9 +34,18 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     command, rest = (args[0], args[1:]) if args else ("", [])
     if command == "serve":
-        from linserve.server.serve import main as serve
+        import time
 
-        serve(serve_args(rest))
+        from linserve.server.engine.prelaunch import cancel, prelaunch
+
+        boot = time.monotonic()
+        prelaunch(serve_args(rest))  # the engine process imports while this one does
+        try:
+            from linserve.server.serve import main as serve
+
+            serve(serve_args(rest), boot)
+        finally:
+            cancel()  # never started (a bad checkpoint, an interrupt): it leaves quietly
     elif command == "build-kernels":
         from linserve.model.kernels import main as kernels_main
 

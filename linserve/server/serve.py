@@ -47,11 +47,12 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, boot: float | None = None) -> None:
     """Parse the settings from ``argv`` (default: ``sys.argv[1:]``), check the checkpoint
     (a bad one is one line and exit status 1), make the native kernels ready (compiled on a
-    machine's first start, and said so) and serve until SIGTERM / SIGINT."""
-    boot = time.monotonic()
+    machine's first start, and said so) and serve until SIGTERM / SIGINT. ``boot``: the
+    command's start (``time.monotonic()``; default now), which the ready line counts from."""
+    boot = time.monotonic() if boot is None else boot
     try:
         settings = parse_cli(argv)
     except ValidationError as exc:  # a bad flag or variable: say which, without a traceback

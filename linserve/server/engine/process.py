@@ -27,6 +27,7 @@ from typing import Any, cast
 
 from linserve.model.interface import ModelInfo, ServedModel, State
 from linserve.server import metrics
+from linserve.server.engine import prelaunch
 from linserve.server.engine.client import EngineHealth, EngineUnavailable, RequestHandle
 from linserve.server.engine.engine import Engine, EngineLimits, Overloaded
 from linserve.server.engine.loading import load_engine_model, state_budget, warm_up
@@ -233,14 +234,20 @@ class ProcessEngineClient:
         """Start a fresh engine process (new queues: a killed process may leave the old ones
         locked) and its reader thread; returns once the model is loaded and warm."""
         self.generation += 1
-        self.inbox: Any = self.ctx.Queue()
-        outbox: Any = self.ctx.Queue()
-        ready = self.ctx.Event()
-        self.heartbeat: Any = self.ctx.Value("d", 0.0, lock=False)
-        self.proc = self.ctx.Process(target=child_main, name="linserve-engine", daemon=True,
-                                     args=(self.settings, self.inbox, outbox, ready,
-                                           self.heartbeat))
-        self.proc.start()
+        early = prelaunch.take() if self.generation == 1 else None
+        if early is not None:  # spawned by `linserve serve` first thing, imported by now
+            self.inbox, outbox, ready = early.inbox, early.outbox, early.ready
+            self.heartbeat, self.proc = early.heartbeat, early.process
+            early.go.put(self.settings)
+        else:
+            self.inbox = self.ctx.Queue()
+            outbox = self.ctx.Queue()
+            ready = self.ctx.Event()
+            self.heartbeat = self.ctx.Value("d", 0.0, lock=False)
+            self.proc = self.ctx.Process(target=child_main, name="linserve-engine",
+                                         daemon=True, args=(self.settings, self.inbox, outbox,
+                                                            ready, self.heartbeat))
+            self.proc.start()
         deadline = time.monotonic() + 300.0
         while not await asyncio.to_thread(ready.wait, 0.25):  # short waits: cancellable
             if not self.proc.is_alive():

@@ -1,0 +1,89 @@
+"""The engine process, started before the server's own imports.
+
+Each process of a server imports torch, the model code and (the HTTP one) FastAPI: 5 s in
+the HTTP process and 4 s in the engine's on two AVX2 cores. The engine process used to be
+spawned once the HTTP process had done its imports and checked the checkpoint, so the two
+came one after the other: 9.7 s to healthy for the shipped 5M-parameter model, every start
+of every test server included. ``linserve serve`` now spawns it first thing
+(:func:`prelaunch`, light: this module imports nothing heavy). It imports while the HTTP
+process does, then waits for its settings (:func:`waiting_child`). The HTTP process sends
+them when it starts its engine (``ProcessEngineClient``, which :func:`take` s the process
+instead of spawning one), after the checkpoint's check: a bad checkpoint is still one line,
+and the waiting process, told no settings come (:func:`cancel`, or the parent's exit: it is
+a daemon), leaves without a word. A restarted engine is spawned afresh, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing as mp
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Prelaunched:
+    """A spawned engine process waiting for its settings on ``go``, and what it was given:
+    the command and output queues, the ready event and the heartbeat (``child_main``'s)."""
+
+    process: Any
+    go: Any
+    inbox: Any
+    outbox: Any
+    ready: Any
+    heartbeat: Any
+
+
+_handle: list[Prelaunched | None] = [None]
+
+
+def prelaunch(argv: list[str]) -> None:
+    """Spawn the engine process for ``linserve serve argv`` ahead of the server's imports,
+    unless the settings put the engine in this process (``--engine-mode thread``), ask for
+    ``--help``, or do not parse (the server then says why, once)."""
+    if any(a in ("-h", "--help") for a in argv):
+        return
+    try:
+        from linserve.server.settings import parse_cli
+
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            settings = parse_cli(argv)
+    except BaseException:  # a bad flag is the server's to report, once
+        return
+    if settings.engine_mode != "process":
+        return
+    ctx = mp.get_context("spawn")
+    go, inbox, outbox, ready = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
+    heartbeat = ctx.Value("d", 0.0, lock=False)
+    process = ctx.Process(target=waiting_child, name="linserve-engine", daemon=True,
+                          args=(go, inbox, outbox, ready, heartbeat))
+    process.start()
+    _handle[0] = Prelaunched(process, go, inbox, outbox, ready, heartbeat)
+
+
+def take() -> Prelaunched | None:
+    """The prelaunched engine process, once (None where there is none, or it was taken)."""
+    handle, _handle[0] = _handle[0], None
+    return handle
+
+
+def cancel() -> None:
+    """Tell a prelaunched process that no settings will come: it exits without a word."""
+    handle = take()
+    if handle is None:
+        return
+    handle.go.put(None)
+    handle.process.join(timeout=5)
+    if handle.process.is_alive():
+        handle.process.kill()
+
+
+def waiting_child(go: Any, inbox: Any, outbox: Any, ready: Any, heartbeat: Any) -> None:
+    """The prelaunched process: the engine's imports, then its settings from ``go`` (None:
+    the server is not starting), then the engine (``child_main``)."""
+    from linserve.server.engine.process import child_main
+
+    settings = go.get()
+    if settings is not None:
+        child_main(settings, inbox, outbox, ready, heartbeat)
