@@ -184,8 +184,9 @@ def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
         else:
             for p in parts:
                 _unfilled.pop(p.data_ptr(), None)
-        w = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts])
-        cached = (key, given if given is not None else pack(w.t(), quantized), parts)
+        if given is None:  # the floats, joined only where no blocks were given
+            given = pack(_joined([p.detach() for p in parts]).t(), quantized)
+        cached = (key, given, parts)
         owner.__dict__["_invariant_wt"] = cached
         if _packing_once[0] is not None:
             _freeze(owner, _packing_once[0])
