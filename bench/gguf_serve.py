@@ -98,7 +98,7 @@ def _measure(servers: dict[str, tuple[int, str]], out: dict[str, Any],
     out["ours"]["health"] = httpx.get(servers["ours"][1] + "/health", timeout=30).json()
 
 
-def plot(result: dict[str, Any]) -> None:
+def plot(result: dict[str, Any], out: str = OUT) -> None:
     """Bars of ours ÷ llama-server per measure, one group per (model, type): above 1 is
     faster (or, for memory and load time, larger)."""
     import matplotlib.pyplot as plt
@@ -116,7 +116,7 @@ def plot(result: dict[str, Any]) -> None:
     ax.set_yscale("log")
     ax.legend(fontsize=8)
     ax.set_title("One GGUF file, both servers (2 cores)")
-    save_figure(fig, "gguf_serve.png")
+    save_figure(fig, f"{out}.png")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -129,10 +129,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill-requests", type=int, default=2)
     p.add_argument("--ours-args", nargs="*", default=[])
     p.add_argument("--plot-only", action="store_true")
+    p.add_argument("--out", default=OUT, help="results name (bench/results/OUT.json, .png): "
+                   "one per machine, so that one plot never mixes CPUs")
     args = p.parse_args(argv)
-    result = read_json(OUT) if (RESULTS / f"{OUT}.json").exists() else {"runs": {}}
+    out = args.out
+    result = read_json(out) if (RESULTS / f"{out}.json").exists() else {"runs": {}}
     if args.plot_only:
-        plot(result)
+        plot(result, out)
         return
     result["machine"] = machine()
     for checkpoint in args.checkpoints:
@@ -144,8 +147,8 @@ def main(argv: list[str] | None = None) -> None:
                                          "--kinds", kind])
             result["runs"][f"{checkpoint.name}/{kind}"] = entry
             print({k: round(v, 3) for k, v in entry["ratios"].items()}, flush=True)
-            write_json(OUT, result)
-    plot(result)
+            write_json(out, result)
+    plot(result, out)
 
 
 if __name__ == "__main__":
