@@ -360,7 +360,12 @@ def test_draft_length_follows_acceptance_and_cost() -> None:
     rates = budget.rates("c")
     assert rates[0] > 0.85 and rates[1] > 0.85 and rates[2] < 0.2
     assert budget.length("c", 10) == 2
-    assert budget.rates("new")[0] == pytest.approx(budget.everyone.rates([0.5] * 4, 1.0)[0])
+    assert budget.rates("new") == pytest.approx(budget.everyone.rates(None, 1.0))
+    fresh = DraftBudget(3, costs)  # a position never tried inherits the one before's rate
+    for _ in range(10):
+        fresh.record("d", 1, 1)
+    assert fresh.rates("d")[1] == pytest.approx(fresh.rates("d")[0], rel=0.05)
+    assert fresh.length("d", 10) >= 2
 
 
 @pytest.mark.parametrize("family,dtype", [("qwen3_5", "float32"), ("qwen3_5", "bfloat16"),
