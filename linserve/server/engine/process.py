@@ -235,6 +235,8 @@ class ProcessEngineClient:
         locked) and its reader thread; returns once the model is loaded and warm."""
         self.generation += 1
         early = prelaunch.take() if self.generation == 1 else None
+        if early is not None and not early.process.is_alive():
+            early = None  # it died waiting (killed from outside): spawn one as usual
         if early is not None:  # spawned by `linserve serve` first thing, imported by now
             self.inbox, outbox, ready = early.inbox, early.outbox, early.ready
             self.heartbeat, self.proc = early.heartbeat, early.process
