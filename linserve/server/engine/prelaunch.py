@@ -54,12 +54,18 @@ def prelaunch(argv: list[str]) -> None:
     if settings.engine_mode != "process":
         return
     ctx = mp.get_context("spawn")
-    go, inbox, outbox, ready = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
-    heartbeat = ctx.Value("d", 0.0, lock=False)
+    go = ctx.Queue()
+    inbox, outbox, ready, heartbeat = channels(ctx)
     process = ctx.Process(target=waiting_child, name="linserve-engine", daemon=True,
                           args=(go, inbox, outbox, ready, heartbeat))
     process.start()
     _handle[0] = Prelaunched(process, go, inbox, outbox, ready, heartbeat)
+
+
+def channels(ctx: Any) -> tuple[Any, Any, Any, Any]:
+    """What an engine process is given (``child_main``'s): its command and output queues,
+    its ready event and its heartbeat (a shared double)."""
+    return ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0, lock=False)
 
 
 def take() -> Prelaunched | None:

@@ -242,10 +242,7 @@ class ProcessEngineClient:
             self.heartbeat, self.proc = early.heartbeat, early.process
             early.go.put(self.settings)
         else:
-            self.inbox = self.ctx.Queue()
-            outbox = self.ctx.Queue()
-            ready = self.ctx.Event()
-            self.heartbeat = self.ctx.Value("d", 0.0, lock=False)
+            self.inbox, outbox, ready, self.heartbeat = prelaunch.channels(self.ctx)
             self.proc = self.ctx.Process(target=child_main, name="linserve-engine",
                                          daemon=True, args=(self.settings, self.inbox, outbox,
                                                             ready, self.heartbeat))
