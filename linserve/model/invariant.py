@@ -195,18 +195,34 @@ def gemm_weight(owner: object, *parts: torch.Tensor) -> torch.Tensor:
 
 def _given_blocks(parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     """The quantized GEMM weight of ``parts`` side by side, when every part's values were
-    given (:func:`give_blocks`) in one format; None otherwise (then packed from the floats).
-    Either way the parts' given values are dropped: their weight is packed now."""
+    given (:func:`give_blocks`): one packed weight where they share a format, else a mixed
+    weight of each run of one format (``gemm_mixed.h``: a GGUF file's Q6_K qkv beside its
+    Q4_K gate); None otherwise (then packed from the floats). Either way the parts' given
+    values are dropped: their weight is packed now."""
     given = [_block_values.pop(p.data_ptr(), None) for p in parts]
-    if not all(given) or len({g[2] for g in given if g}) != 1 or not kernels.load():
+    if not all(given) or not kernels.load():
         return None
+    runs: list[list[tuple[torch.Tensor, torch.Tensor, int]]] = []
+    for g in given:
+        assert g is not None
+        if runs and runs[-1][0][2] == g[2]:
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+    packed = [_pack_given(run) for run in runs]
+    if len(packed) == 1:
+        return packed[0]
+    return cast(torch.Tensor, torch.ops.linserve.join_quantized(packed))
+
+
+def _pack_given(run: list[tuple[torch.Tensor, torch.Tensor, int]]) -> torch.Tensor:
+    """Given blocks of one format side by side, packed as the quantized GEMM's weight."""
     # transposed views: the packer reads them in place (a copy of the head's q into [in,
     # out] took seconds of a start)
-    q = _joined([g[0] for g in given if g]).t()
-    scales = _joined([g[1] for g in given if g])  # [out, in / 32] or [out, in / 32, 4]
+    q = _joined([g[0] for g in run]).t()
+    scales = _joined([g[1] for g in run])  # [out, in / 32] or [out, in / 32, 4]
     scales = scales.t() if scales.dim() == 2 else scales.permute(2, 1, 0)
-    fmt = next(g[2] for g in given if g)
-    return cast(torch.Tensor, torch.ops.linserve.pack_quantized(q, scales, fmt))
+    return cast(torch.Tensor, torch.ops.linserve.pack_quantized(q, scales, run[0][2]))
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -137,7 +137,10 @@ PACKED_BYTES = dict(BLOCK_FORMATS.values())  # format number -> bytes a column's
 def mode_of(packed: torch.Tensor, k: int | None = None) -> str:
     """The quantization of a weight as :func:`pack` or :func:`linserve.model.invariant.pack` left
     it: ``int8``, ``int4``, ``none``, or (a GGUF file's blocks, told apart by the stored
-    rows of its ``k`` inputs) ``q8``, ``q4k``, ``q8k``, ``q6``, ``q4l`` or ``q8l``."""
+    rows of its ``k`` inputs) ``q8``, ``q4k``, ``q8k``, ``q6``, ``q4l`` or ``q8l``, or
+    ``mixed`` (parts of several of those side by side: ``gemm_mixed.h``)."""
+    if packed.dtype == torch.int16:
+        return "mixed"
     if k is not None and k % GROUP == 0 and packed.dtype in (torch.uint8, torch.int8):
         stored_as_int8 = ("q6",)  # (q8k, kByte, has q6's size: gemm_quant.h's quant_format)
         for name, (_, size) in BLOCK_FORMATS.items():

@@ -237,6 +237,47 @@ def test_blocks_multiply_natively_as_they_are(qtype: GGMLQuantizationType) -> No
                        layer.weight.detach()[tokens])
 
 
+def test_parts_in_different_formats_run_as_one_mixed_weight() -> None:
+    """One product of parts a file stores in different formats (Q4_K_M's Q6_K attn_qkv
+    beside its Q4_K attn_gate and ssm_alpha): a mixed weight of each part's own blocks, never
+    a dequantized copy; each part's columns are exactly that part's own product, and the
+    whole is batch-invariant."""
+    from linserve.model import invariant, kernels
+    from linserve.model.gguf.checkpoint import block_values
+
+    if not kernels.load():
+        pytest.skip("native kernels unavailable")
+    k = 512
+    shapes = [(GGMLQuantizationType.Q6_K, 70), (GGMLQuantizationType.Q4_K, 40),
+              (GGMLQuantizationType.Q4_K, 16), (GGMLQuantizationType.Q5_K, 9)]
+    owner, weights, alone = torch.nn.Module(), [], []
+    invariant.set_native_blocks(True)
+    try:
+        for i, (qtype, n) in enumerate(shapes):
+            raw = gguf_fixtures.random_blocks(qtype, n, k, seed=10 + i)
+            q, scales = block_values(Tensor("w", (n, k), qtype, raw, raw.nbytes))
+            w = torch.from_numpy(quants.dequantize(raw, qtype).reshape(n, k)).clone()
+            invariant.give_blocks(w, q, scales, NATIVE[qtype])
+            weights.append(w)
+            alone.append(torch.ops.linserve.pack_quantized(
+                q.t(), scales.t() if scales.dim() == 2 else scales.permute(2, 1, 0),
+                NATIVE[qtype]))
+        packed = invariant.gemm_weight(owner, *weights)
+    finally:
+        invariant.set_native_blocks(False)
+    assert quantize.mode_of(packed, k) == "mixed" and packed.shape[1] == 135
+    assert invariant.pending_blocks() == 0
+    assert packed.numel() * 2 < sum(w.numel() for w in weights)  # blocks, not bf16 values
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(4))
+    full = torch.ops.linserve.invariant_mm(x, packed)
+    parts = torch.cat([torch.ops.linserve.invariant_mm(x, w) for w in alone], dim=1)
+    assert torch.equal(full, parts)
+    for rows in (1, 2, 6, 16):
+        assert torch.equal(torch.ops.linserve.invariant_mm(x[:rows], packed), full[:rows])
+    want = quantize.quantize_activations(x).double() @ torch.cat(weights).double().t()
+    assert (full.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0,
                                    GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0],
                          ids=lambda q: q.name)
@@ -273,6 +314,35 @@ def test_a_block_file_runs_on_its_blocks_and_dtype_dequantizes(
     assert (got - want).abs().max().item() < bound
     agree = (in_bf16.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= min(0.8, agree - 0.15)
+
+
+@pytest.mark.parametrize("case", ["qwen3_5-i2-untied", "qwen3_5-i3-gqa"])
+def test_a_projection_of_mixed_formats_runs_on_its_blocks(
+        converted: dict[str, tuple[Path, Path]], tmp_path: Path, case: str) -> None:
+    """The Gated DeltaNet's input projection of a file that stores attn_qkv in one format and
+    attn_gate, ssm_beta and ssm_alpha in another (as Q4_K_M does in every third layer) runs
+    on the blocks of each, as one mixed weight, and answers as the file dequantized does;
+    also where the converter tiled the value heads (i3-gqa: 3 value heads a key head), whose
+    rows carry their blocks back to the checkpoint's order."""
+    _, file = converted[case]
+    mixed = gguf_fixtures.requantize(
+        file, tmp_path / "mixed.gguf",
+        lambda name, shape: GGMLQuantizationType.Q5_0 if name.endswith("attn_qkv.weight")
+        else GGMLQuantizationType.Q4_0 if name.endswith(("attn_gate.weight", "ssm_beta.weight",
+                                                         "ssm_alpha.weight")) else None)
+    flat = gguf_fixtures.dequantized_copy(mixed, tmp_path / "flat.gguf")
+    native = loader.load(mixed, dtype="auto")
+    assert invariant.pending_blocks() == 0
+    delta = [m for m in native.module.modules() if hasattr(m, "in_weight")]
+    assert delta and all(quantize.mode_of(m.in_weight()) == "mixed" for m in delta)
+    ids = torch.randint(0, 8192, (1, 29), generator=torch.Generator().manual_seed(8))
+    want = _logits(flat, ids)
+    got = native.prefill(ids, all_logits=True)[0]
+    in_bf16 = loader.load(mixed, dtype="bfloat16").prefill(ids, all_logits=True)[0]
+    bound = max(0.15 * want.abs().max().item(), 1.5 * (in_bf16 - want).abs().max().item())
+    assert (got - want).abs().max().item() < bound
+    _, state = native.prefill(ids[:, :-1])
+    torch.testing.assert_close(native.step(ids[:, -1], state), got[:, -1], rtol=0, atol=1e-4)
 
 
 def test_a_merged_matrix_runs_on_its_parts_blocks(tmp_path: Path) -> None:

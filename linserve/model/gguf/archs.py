@@ -216,7 +216,8 @@ def _qwen35_transform(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.
     if name.endswith(".out_proj.weight"):
         return _untile_v_heads(t, 1, cfg, dv)
     if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
-        t = torch.cat([t[:qk], _untile_v_heads(t[qk:], 0, cfg, dv)])
+        if cfg["linear_num_key_heads"] != cfg["linear_num_value_heads"]:  # (else as it is)
+            t = torch.cat([t[:qk], _untile_v_heads(t[qk:], 0, cfg, dv)])
         return t.unsqueeze(1) if name.endswith(".conv1d.weight") else t  # [C, K] -> [C, 1, K]
     return t
 

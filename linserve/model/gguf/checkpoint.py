@@ -173,8 +173,8 @@ class GGUFCheckpoint:
                 or any(len(t.shape) != 2 for t in parts) or not self._stacked(hf_name, names)):
             return None
         rows, cols = sum(t.shape[0] for t in parts), parts[0].shape[1]
-        probe = _shape_probe((rows, cols), rows * cols)
-        if self.arch.transform(hf_name, probe, self.config) is not probe:
+        order = self._row_order(hf_name, rows, cols)
+        if order is False:
             return None
         values = [block_values(t) for t in parts]
         for t in parts:
@@ -183,7 +183,32 @@ class GGUFCheckpoint:
                      for i in (0, 1))
         if parts[0].qtype == Q.Q8_0 and bool((q == -128).any()):
             return None
+        if isinstance(order, torch.Tensor):  # rows moved: each row's blocks move with it
+            q, scales = q[order], scales[order]
         return q, scales, NATIVE[parts[0].qtype]
+
+    def _row_order(self, hf_name: str, rows: int, cols: int) -> torch.Tensor | bool:
+        """How the converter's transform of ``hf_name`` (``[rows, cols]``) moved its rows:
+        True if it left the tensor as it is, the source row of each row if it only reordered
+        whole rows (Qwen3.5's value heads, tiled by the converter where a model has more
+        value heads than key heads: the blocks lie along a row, so they move with it), False
+        for any other change (values, or inputs moved across blocks)."""
+        probe = _shape_probe((rows, cols), rows * cols)
+        if self.arch.transform(hf_name, probe, self.config) is probe:
+            return True
+        if rows * cols > PROBE_ELEMENTS:
+            return False
+        index = torch.arange(rows, dtype=torch.float32)[:, None].expand(rows, cols)
+        moved = self.arch.transform(hf_name, index, self.config)
+        if moved.shape != (rows, cols) or not bool((moved == moved[:, :1]).all()):
+            return False
+        order = moved[:, 0].long()
+        if not torch.equal(order.sort().values, torch.arange(rows)):
+            return False
+        columns = torch.arange(cols, dtype=torch.float32)[None, :].expand(rows, cols)
+        if not torch.equal(self.arch.transform(hf_name, columns, self.config), columns):
+            return False
+        return order
 
     def _stacked(self, hf_name: str, names: tuple[str, ...]) -> bool:
         """Whether ``names`` make ``hf_name`` by stacking their rows (one name does)."""

@@ -8,6 +8,8 @@
 //   pack_quantized(q [K, N] int8, scales, format) -> an int8 (0: fp32 scales [N]), int4 (1)
 //   or q8 (2: fp16 scales [K/32, N]) weight in gemm_quant.h's formats, which invariant_mm
 //   also takes.
+//   join_quantized(parts) -> a mixed weight: packed quantized weights of one K, each in its
+//   own format, side by side (gemm_mixed.h), which invariant_mm also takes.
 //   head_rows(head, tokens [B], d) -> [B, d] fp32: a tied model's embeddings read from its
 //   GEMM head in any stored format (embed.h), so the table is held once.
 //   set_batch_invariant(on): whether the fused steps' projections use it (dense.h).
@@ -31,6 +33,10 @@ at::Tensor pack_weight_op(const at::Tensor& w) { return linserve::pack_weight(w)
 
 at::Tensor pack_quantized_op(const at::Tensor& q, const at::Tensor& scales, int64_t format) {
   return linserve::pack_quantized(q, scales, format);
+}
+
+at::Tensor join_quantized_op(const std::vector<at::Tensor>& parts) {
+  return linserve::join_quantized(parts);
 }
 
 at::Tensor head_rows_op(const at::Tensor& head, const at::Tensor& tokens, int64_t dim) {
@@ -60,6 +66,7 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("invariant_mm(Tensor a, Tensor w) -> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
   m.def("pack_quantized(Tensor q, Tensor scales, int format) -> Tensor");
+  m.def("join_quantized(Tensor[] parts) -> Tensor");
   m.def("head_rows(Tensor head, Tensor tokens, int dim) -> Tensor");
   m.def("has_bf16_dot() -> bool");
   m.def("amx_active() -> bool");
@@ -72,6 +79,7 @@ TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("invariant_mm", &invariant_mm_op);
   m.impl("pack_weight", &pack_weight_op);
   m.impl("pack_quantized", &pack_quantized_op);
+  m.impl("join_quantized", &join_quantized_op);
   m.impl("head_rows", &head_rows_op);
 }
 

@@ -442,6 +442,7 @@ inline at::Tensor pack_weight(const at::Tensor& w) {
 
 // int8 / int4 weights (gemm_quant.h, included at the end of this file).
 inline void quant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y, bool accumulate);
+inline void mixed_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y, bool accumulate);
 
 // y = a @ w (or y += a @ w with ``accumulate``): a [B, K] fp32 contiguous, y [B, N] fp32
 // contiguous, w [K, N] fp32 or bf16 row-major, or [K', N, J] from pack_weight, or an int8 /
@@ -456,6 +457,7 @@ inline void invariant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y
     TORCH_CHECK(w.dim() == 3 && y.size(0) == a.size(0), "invariant_mm: shapes disagree");
     return quant_mm(a, w, y, accumulate);
   }
+  if (w.scalar_type() == at::kShort) return mixed_mm(a, w, y, accumulate);  // gemm_mixed.h
   const bool packed = w.dim() == 3;
   const int64_t j = packed ? w.size(2) : 1;
   TORCH_CHECK(w.dim() == 2 || (packed && (j == 1 || (j == 2 && kHasBf16Dot))),
@@ -483,3 +485,4 @@ inline void invariant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y
 }  // namespace linserve
 
 #include "gemm_quant.h"  // NOLINT: defines quant_mm, declared above
+#include "gemm_mixed.h"  // NOLINT: defines mixed_mm, declared above

@@ -72,23 +72,27 @@ class Speculator:
         self.engine, self.config = engine, config
         self.proposer = build_proposer(config, engine.model, draft)
         self.costs = CostModel()
-        self.budget = DraftBudget(config.num_speculative_tokens, self.costs)
+        self.budget = DraftBudget(config.num_speculative_tokens, self.costs,
+                                  plain_is_verify=self.proposer.needs_hidden)
         self.drafted = self.accepted = self.verifies = 0  # since start
         self.kept_at = [0] * config.num_speculative_tokens  # drafts kept, by position
         self.tried_at = [0] * config.num_speculative_tokens  # drafts verified, by position
 
-    def calibrate(self) -> None:
-        """Seed the cost model: a plain step and verifies of 1..k+1 tokens, timed alone."""
+    def calibrate(self, rounds: int = 3) -> None:
+        """Seed the cost model: a plain step and verifies of 1..k+1 tokens, timed alone, in
+        ``rounds`` interleaved rounds after one untimed (the cost model reads medians)."""
         model = self.engine.model
         _, state = model.prefill(torch.zeros(1, 16, dtype=torch.long))
-        for _ in range(2):
+        for r in range(rounds + 1):
             t0 = time.perf_counter()
             model.step(torch.zeros(1, dtype=torch.long), state.copy())
-            self.costs.note_step(1, time.perf_counter() - t0)
-        for t in range(1, self.config.num_speculative_tokens + 2):
-            t0 = time.perf_counter()
-            model.verify(torch.zeros(1, t, dtype=torch.long), state.copy())
-            self.costs.note_verify(t, time.perf_counter() - t0)
+            if r:
+                self.costs.note_step(1, time.perf_counter() - t0)
+            for t in range(1, self.config.num_speculative_tokens + 2):
+                t0 = time.perf_counter()
+                model.verify(torch.zeros(1, t, dtype=torch.long), state.copy())
+                if r:
+                    self.costs.note_verify(t, time.perf_counter() - t0)
 
     def forget(self, seq: Sequence) -> None:
         """The request left: drop its draft state, and log its acceptance."""

@@ -9,12 +9,15 @@ request's rates), and picks the draft length k that maximises the expected token
 second, E = 1 + a_1 + a_1 a_2 + ... + a_1 ⋯ a_k per verify, or 0 (a plain step) where no k
 beats plain decoding. Per position, because a draft's chance falls with its distance: an MTP
 layer fed its own output kept its first draft 92% of the time and its third 31% (§63), so
-one rate for all positions over-drafts. A request at k = 0 is probed with one draft every
-``PROBE_EVERY`` steps so that a text that turns repetitive is noticed.
+one rate for all positions over-drafts. Every ``PROBE_EVERY`` verifies a request drafts one
+more than its best length (one draft at k = 0), so that a text that turns repetitive, or a
+position refused by chance at first, is noticed.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable
 
 DECAY = 0.8  # weight of the past in a request's acceptance counts
@@ -22,21 +25,25 @@ GLOBAL_DECAY = 0.99  # ... and in the counts of every request together
 PRIOR_TRIES = 2.0  # a request's counts start as this many tries at everyone's rates
 PROBE_EVERY = 8
 MARGIN = 1.05  # a verify must promise this much more than plain decoding
+WINDOW = 9  # timings kept per size
 
 
 class CostModel:
-    """Seconds of the model's calls by tokens run: plain steps by batch rows, verifies (and
-    replays) by total tokens; exponentially averaged."""
+    """Seconds of the model's calls by tokens run: plain steps by batch rows, verifies by
+    total tokens, and a draft token. Each size keeps its last :data:`WINDOW` timings and is
+    read as their median, so that one slow call (a page fault, a neighbour's burst, the first
+    call of a shape) does not stick to a size seldom run again: with one exponential average
+    a size timed once at 8x its cost was never chosen again, so never timed again (§65).
+    A verify size never timed is read off the line through the nearest timed sizes."""
 
     def __init__(self) -> None:
-        self.step: dict[int, float] = {}
-        self.verify: dict[int, float] = {}
-        self.draft_token = 0.0  # a draft model's step, per token
+        self.step: dict[int, deque[float]] = {}
+        self.verify: dict[int, deque[float]] = {}
+        self.drafts: deque[float] = deque(maxlen=WINDOW)  # seconds per draft token
 
     @staticmethod
-    def _note(table: dict[int, float], n: int, seconds: float) -> None:
-        old = table.get(n)
-        table[n] = seconds if old is None else 0.8 * old + 0.2 * seconds
+    def _note(table: dict[int, deque[float]], n: int, seconds: float) -> None:
+        table.setdefault(n, deque(maxlen=WINDOW)).append(seconds)
 
     def note_step(self, rows: int, seconds: float) -> None:
         self._note(self.step, rows, seconds)
@@ -46,19 +53,29 @@ class CostModel:
 
     def note_draft(self, tokens: int, seconds: float) -> None:
         if tokens:
-            per = seconds / tokens
-            self.draft_token = per if not self.draft_token else 0.8 * self.draft_token + 0.2 * per
+            self.drafts.append(seconds / tokens)
+
+    @property
+    def draft_token(self) -> float:
+        """A draft model's (or MTP layer's) seconds per drafted token; 0 before any."""
+        return statistics.median(self.drafts) if self.drafts else 0.0
 
     @staticmethod
-    def _estimate(table: dict[int, float], n: int) -> float | None:
-        """The nearest measured size's seconds, scaled up linearly past it."""
+    def _estimate(table: dict[int, deque[float]], n: int) -> float | None:
+        """Size ``n``'s median; else the line through the two nearest timed sizes (never
+        below the smaller one's), or a single timed size scaled linearly."""
         if not table:
             return None
         if n in table:
-            return table[n]
-        below = [m for m in table if m < n]
-        m = max(below) if below else min(table)
-        return table[m] * max(1.0, n / m)
+            return statistics.median(table[n])
+        sizes = sorted(table, key=lambda m: (abs(m - n), m))[:2]
+        if len(sizes) == 1:
+            m = sizes[0]
+            return statistics.median(table[m]) * max(1.0, n / m)
+        m0, m1 = sorted(sizes)
+        t0, t1 = statistics.median(table[m0]), statistics.median(table[m1])
+        slope = max(0.0, (t1 - t0) / (m1 - m0))
+        return max(t0, t0 + slope * (n - m0))
 
     def step_seconds(self, rows: int) -> float | None:
         return self._estimate(self.step, rows)
@@ -100,8 +117,11 @@ class DraftBudget:
     """Per request: acceptance by draft position and the draft length it earns (see module
     doc). A request's rates start from the rates of every request so far."""
 
-    def __init__(self, k_max: int, costs: CostModel) -> None:
-        self.k_max, self.costs = k_max, costs
+    def __init__(self, k_max: int, costs: CostModel, plain_is_verify: bool = False) -> None:
+        """``plain_is_verify``: a request drafting nothing still runs a verify of one token
+        (an MTP layer needs the served model's hidden state), so that is what drafts must
+        beat, not a plain step."""
+        self.k_max, self.costs, self.plain_is_verify = k_max, costs, plain_is_verify
         self.everyone = PositionRates(k_max, GLOBAL_DECAY)
         self.per_request: dict[str, PositionRates] = {}
         self.idle: dict[str, int] = {}
@@ -109,7 +129,7 @@ class DraftBudget:
     def rates(self, key: str) -> list[float]:
         """The request's conditional acceptance by position (everyone's, where it has drafted
         little; 1/2 before any draft anywhere)."""
-        prior = self.everyone.rates(None, 1.0)
+        prior = self.everyone.rates(None, PRIOR_TRIES)
         own = self.per_request.get(key)
         return prior if own is None else own.rates(prior, PRIOR_TRIES)
 
@@ -126,20 +146,26 @@ class DraftBudget:
         self.idle.pop(key, None)
 
     def length(self, key: str, limit: int) -> int:
-        """The draft length for the request's next verify (at most ``limit``)."""
+        """The draft length for the request's next verify (at most ``limit``): the best by
+        the rates, one more every :data:`PROBE_EVERY` verifies (below ``limit``), so that
+        the position past the best is tried now and then. Without it a position whose
+        first one or two drafts were refused stayed below its worth for good: an MTP
+        layer's second draft, kept 77% of the time, was tried 21 times in 116 verifies
+        (§65)."""
         k_max = min(self.k_max, limit)
         if k_max <= 0:
             return 0
         k = best_length(self.rates(key)[:k_max], self._relative_cost)
-        if k == 0:
+        if k < k_max:
             self.idle[key] = self.idle.get(key, 0) + 1
             if self.idle[key] >= PROBE_EVERY:
-                self.idle[key], k = 0, 1
+                self.idle[key], k = 0, k + 1
         return k
 
     def _relative_cost(self, k: int) -> float:
-        """A verify of k drafts (k + 1 tokens, and k draft steps) over a plain step, alone."""
-        step = self.costs.step_seconds(1)
+        """A verify of k drafts (k + 1 tokens, and k draft steps) over drafting none, alone."""
+        step = (self.costs.verify_seconds(1) if self.plain_is_verify
+                else self.costs.step_seconds(1))
         verify = self.costs.verify_seconds(k + 1)
         if not step or verify is None:
             return 1.0 + 0.1 * k  # not measured yet: optimistic, so that it is measured
