@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
@@ -25,6 +24,7 @@ from linserve.server.engine.engine import Engine, EngineLimits
 from linserve.server.engine.loading import (
     bf16_gemm,
     describe_model,
+    engine_threads,
     load_engine_model,
     pick_dtype,
     state_budget,
@@ -222,7 +222,8 @@ async def startup(app: FastAPI, settings: Settings) -> None:
         "state_bytes_per_session": info.state_bytes,
         "state_note": "grows with context" if info.state_grows else "constant",
         "session_store": settings.session_store.split("@")[-1],
-        "engine": settings.engine_mode, "threads": torch.get_num_threads(),
+        "engine": settings.engine_mode,
+        "threads": engine_threads(settings, info.weight_bytes),
         "kernel_build_seconds": round(kernels.build_seconds(), 2),
         "load_seconds": round(time.monotonic() - t0, 2)}))
     log.info("ready in %.1f s from the command's start (native kernels: %s)",

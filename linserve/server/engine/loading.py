@@ -24,13 +24,32 @@ log = logging.getLogger("linserve")
 # the few MB left are reused by the server's own allocations, so nothing is trimmed.
 TRIM_ABOVE = 256 << 20
 
+# Weights from which the engine takes every CPU by default (``--threads 0``): the step's
+# arithmetic then dwarfs what the HTTP process does per token. The 0.8B shapes' Q4_K_M file
+# decoded at 73 ms a token on one of two cores and 43 ms on both, over HTTP (§65); a model of
+# a few MB, whose thousands of tokens a second keep the HTTP process busy, ran faster with a
+# core left to it (§15).
+ALL_CPUS_ABOVE = 64 << 20
+
+
+def engine_threads(settings: Settings, weight_bytes: int) -> int:
+    """The engine's torch threads: ``--threads``, else every CPU this process may use for
+    weights of :data:`ALL_CPUS_ABOVE` or more, one fewer (at least one) below."""
+    if settings.threads:
+        return settings.threads
+    cpus = available_cpus()
+    return cpus if weight_bytes >= ALL_CPUS_ABOVE else max(1, cpus - 1)
+
+
 def load_engine_model(settings: Settings) -> ServedModel:
-    """The served model, with the engine's thread count set first."""
-    torch.set_num_threads(settings.threads or max(1, available_cpus() - 1))
+    """The served model, loaded on every CPU (or ``--threads``), then run on
+    :func:`engine_threads`."""
+    torch.set_num_threads(settings.threads or available_cpus())
     start = time.perf_counter()
     model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
                  settings.quantization)
     info = model.info
+    torch.set_num_threads(engine_threads(settings, info.weight_bytes))
     if info.weight_bytes >= TRIM_ABOVE:
         trim()
     # What loading made (modules, parameters, the tokenizer) lives as long as the process:
@@ -41,12 +60,13 @@ def load_engine_model(settings: Settings) -> ServedModel:
     keep_scratch()  # a step's scratch is reused from the heap, not faulted in afresh
     log.info("model: %s, %s parameters, loaded in %.1f s, state %s bytes a session (%s); "
              "decode step %s; weights %s (%s), quantization %s, %s MB resident; "
-             "batch-invariant %s",
+             "batch-invariant %s; %d engine threads",
              info.architecture, f"{info.params:,}", time.perf_counter() - start,
              f"{info.state_bytes:,}",
              "grows with context" if info.state_grows else "constant", info.decode_step,
              info.dtype, pick_dtype(settings.dtype)[1], info.quantization,
-             f"{info.weight_bytes / 1e6:,.1f}", "on" if batch_invariant_active() else "off")
+             f"{info.weight_bytes / 1e6:,.1f}", "on" if batch_invariant_active() else "off",
+             torch.get_num_threads())
     return model
 
 
