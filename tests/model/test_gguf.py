@@ -240,8 +240,8 @@ def test_blocks_multiply_natively_as_they_are(qtype: GGMLQuantizationType) -> No
 def test_parts_in_different_formats_run_as_one_mixed_weight() -> None:
     """One product of parts a file stores in different formats (Q4_K_M's Q6_K attn_qkv
     beside its Q4_K attn_gate and ssm_alpha): a mixed weight of each part's own blocks, never
-    a dequantized copy; each part's columns are exactly that part's own product, and the
-    whole is batch-invariant."""
+    a dequantized copy; each run of one format's columns are exactly that run's own product
+    (the two Q4_K parts are one run), and the whole is batch-invariant."""
     from linserve.model import invariant, kernels
     from linserve.model.gguf.checkpoint import block_values
 
@@ -259,9 +259,7 @@ def test_parts_in_different_formats_run_as_one_mixed_weight() -> None:
             w = torch.from_numpy(quants.dequantize(raw, qtype).reshape(n, k)).clone()
             invariant.give_blocks(w, q, scales, NATIVE[qtype])
             weights.append(w)
-            alone.append(torch.ops.linserve.pack_quantized(
-                q.t(), scales.t() if scales.dim() == 2 else scales.permute(2, 1, 0),
-                NATIVE[qtype]))
+            alone.append((q, scales))
         packed = invariant.gemm_weight(owner, *weights)
     finally:
         invariant.set_native_blocks(False)
@@ -270,7 +268,12 @@ def test_parts_in_different_formats_run_as_one_mixed_weight() -> None:
     assert packed.numel() * 2 < sum(w.numel() for w in weights)  # blocks, not bf16 values
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(4))
     full = torch.ops.linserve.invariant_mm(x, packed)
-    parts = torch.cat([torch.ops.linserve.invariant_mm(x, w) for w in alone], dim=1)
+    runs = [[alone[0]], [alone[1], alone[2]], [alone[3]]]  # Q6_K, Q4_K, Q5_K
+    packs = [torch.ops.linserve.pack_quantized(
+        torch.cat([q for q, _ in run]).t(), torch.cat([s for _, s in run]).permute(2, 1, 0),
+        NATIVE[qtype]) for run, (qtype, _) in zip(runs, [shapes[0], shapes[1], shapes[3]],
+                                                  strict=True)]
+    parts = torch.cat([torch.ops.linserve.invariant_mm(x, w) for w in packs], dim=1)
     assert torch.equal(full, parts)
     for rows in (1, 2, 6, 16):
         assert torch.equal(torch.ops.linserve.invariant_mm(x[:rows], packed), full[:rows])

@@ -31,6 +31,17 @@ constexpr int64_t kKeyBlock = 64;
 // misses overlap instead of coming one column pass at a time. With both, the 12 groups took
 // 0.55-0.75 of the time of attend_head over their heads one by one.
 constexpr int64_t kAhead = 2;
+// Keys a score pass takes at once, and 16-column vectors a value pass keeps per head: with
+// kGroupHeads heads, two keys' 8 sums (or 4 x kCols values) fill AVX-512's 32 registers,
+// and AVX2's 16 (each v16 two) spilled on every product: 6 GFLOP/s on a Zen 3 (§65). Either
+// way an element's own arithmetic is the same (J and NV only share loads).
+#if defined(__AVX512F__)
+constexpr int64_t kScoreKeys = 2;
+constexpr int64_t kValueCols = kCols;
+#else
+constexpr int64_t kScoreKeys = 1;
+constexpr int64_t kValueCols = 1;
+#endif
 
 // Scores of keys [j, j + J) (J = 1 or 2: two keys share each load of q) for R heads.
 template <int64_t R, int64_t J>
@@ -58,8 +69,9 @@ inline void group_scores(const float* q, const float* keys, int64_t n, int64_t d
                          float* scores) {
   const float scale = 1.f / std::sqrt(static_cast<float>(dim));
   int64_t j = 0;
-  for (; j + 2 <= n; j += 2) key_scores<R, 2>(q, keys, n, dim, j, scale, scores);
-  if (j < n) key_scores<R, 1>(q, keys, n, dim, j, scale, scores);
+  if constexpr (kScoreKeys == 2)
+    for (; j + 2 <= n; j += 2) key_scores<R, 2>(q, keys, n, dim, j, scale, scores);
+  for (; j < n; ++j) key_scores<R, 1>(q, keys, n, dim, j, scale, scores);
 }
 
 // scores [n] -> exp(scores - max) in place; returns their sum. In 16 lanes: the max, the
@@ -130,8 +142,8 @@ inline void attend_heads(const float* q, const float* keys, const float* values,
   for (int64_t j0 = 0; j0 < n; j0 += kKeyBlock) {
     const int64_t j1 = std::min(n, j0 + kKeyBlock);
     int64_t m0 = 0;
-    for (; m0 + 16 * kCols <= dim; m0 += 16 * kCols)
-      group_values<R, kCols>(scores, n, values, dim, j0, j1, m0, out);
+    for (; m0 + 16 * kValueCols <= dim; m0 += 16 * kValueCols)
+      group_values<R, kValueCols>(scores, n, values, dim, j0, j1, m0, out);
     for (; m0 < dim; m0 += 16) group_values<R, 1>(scores, n, values, dim, j0, j1, m0, out);
   }
   for (int64_t h = 0; h < R; ++h)

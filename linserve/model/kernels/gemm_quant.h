@@ -213,20 +213,33 @@ inline float k_min(const QCol& col, int64_t b) {
   return multiplier<F>(multipliers(col, b, 1)) * *super_pair(col, b, 1);
 }
 
+// kLanes one-byte multipliers from m as floats (exact). On AVX2 two instructions and a
+// convert: the element loop compiled to a load, a convert and an insert a lane, per block and
+// column vector of every tile (§65).
+template <int F>
+inline vfloat multipliers_v(const uint8_t* m) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m));
+  const __m256 v = _mm256_cvtepi32_ps(F == kQ6 ? _mm256_cvtepi8_epi32(bytes)
+                                               : _mm256_cvtepu8_epi32(bytes));
+  vfloat out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
+#else
+  vfloat v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = multiplier<F>(m + l);
+  return v;
+#endif
+}
+
 // kLanes of them, for the columns from col's.
 template <int F>
 inline vfloat k_scales_v(const QCol& col, int64_t b, int64_t i) {
-  const uint8_t* m = multipliers(col, b, i);
-  vfloat v;
-  for (int64_t l = 0; l < kLanes; ++l) v[l] = multiplier<F>(m + l);
-  return v * load_w(super_pair(col, b, 0));
+  return multipliers_v<F>(multipliers(col, b, i)) * load_w(super_pair(col, b, 0));
 }
 template <int F>
 inline vfloat k_mins_v(const QCol& col, int64_t b) {
-  const uint8_t* m = multipliers(col, b, 1);
-  vfloat v;
-  for (int64_t l = 0; l < kLanes; ++l) v[l] = multiplier<F>(m + l);
-  return v * load_w(super_pair(col, b, 1));
+  return multipliers_v<F>(multipliers(col, b, 1)) * load_w(super_pair(col, b, 1));
 }
 
 // x [B, K] quantized per row and block of kBlock inputs (zeros past K).
@@ -360,7 +373,12 @@ inline vfloat load_scales(const QCol& col, int64_t b, int64_t g = 0) {
   if constexpr (kTwoF32<F>) return k_scales_v<F>(col, b, g);
   const uint16_t* s = group_scales(col, b);
   vfloat out;
+#if defined(__AVX2__) && !defined(__AVX512F__) && defined(__F16C__)
+  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  std::memcpy(&out, &v, sizeof(out));  // (exact, as half_to_float)
+#else
   for (int64_t i = 0; i < kLanes; ++i) out[i] = half_to_float(s[i]);
+#endif
   return out;
 }
 
