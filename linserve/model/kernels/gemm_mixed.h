@@ -86,6 +86,7 @@ inline at::Tensor join_quantized(const std::vector<at::Tensor>& parts) {
 
 // y = a @ W (or y +=) for a mixed weight: each part's product into its columns.
 inline void mixed_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y, bool accumulate) {
+  TORCH_CHECK(is_mixed(w), "mixed_mm: a kShort weight that join_quantized did not make");
   TORCH_CHECK(y.size(0) == a.size(0) && y.size(1) == w.size(1), "mixed_mm: shapes disagree");
   for (const MixedPart& part : mixed_parts(w)) {
     const int64_t n = part.w.size(1);
