@@ -16,6 +16,10 @@
 #include <cmath>
 #include <cstdint>
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "dense.h"
 #include "fastmath.h"
 
@@ -35,6 +39,7 @@ constexpr int64_t kAhead = 2;
 // kGroupHeads heads, two keys' 8 sums (or 4 x kCols values) fill AVX-512's 32 registers,
 // and AVX2's 16 (each v16 two) spilled on every product: 6 GFLOP/s on a Zen 3 (§65). Either
 // way an element's own arithmetic is the same (J and NV only share loads).
+// On AVX2 (without AVX-512) both passes are written on ymm registers below.
 #if defined(__AVX512F__)
 constexpr int64_t kScoreKeys = 2;
 constexpr int64_t kValueCols = kCols;
@@ -63,6 +68,39 @@ inline void key_scores(const float* q, const float* keys, int64_t n, int64_t dim
     for (int64_t h = 0; h < R; ++h) scores[h * n + j + i] = sum16(acc[i][h]) * scale;
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// sum16's tree on a v16 held as two ymm (lanes 0-7, 8-15): the same additions in the same
+// order, without the value going through memory.
+inline float sum16_halves(__m256 lo, __m256 hi) {
+  const __m256 a = _mm256_add_ps(lo, hi);
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 even = _mm_add_ss(b, _mm_movehl_ps(b, b));                    // b0 + b2
+  const __m128 odd = _mm_add_ss(_mm_movehdup_ps(b), _mm_movehl_ps(b, _mm_movehdup_ps(b)));
+  return _mm_cvtss_f32(_mm_add_ss(even, odd));                              // (b0+b2)+(b1+b3)
+}
+
+// key_scores<R, 1> on AVX2's ymm registers by hand: GCC moved the v16 sums through the stack
+// in 16-byte halves (perf annotate, 6 GFLOP/s). Each lane's sum is the same chain of fused
+// multiply-adds over d, then sum16's tree: the same bits as the v16 form.
+template <int64_t R>
+inline void key_scores_avx2(const float* q, const float* keys, int64_t n, int64_t dim,
+                            int64_t j, float scale, float* scores) {
+  const float* kj = keys + j * dim;
+  if (j + kAhead < n)
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) __builtin_prefetch(kj + kAhead * dim + d0, 0, 3);
+  __m256 lo[R], hi[R];
+  for (int64_t h = 0; h < R; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
+  for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+    const __m256 klo = _mm256_loadu_ps(kj + d0), khi = _mm256_loadu_ps(kj + d0 + 8);
+    for (int64_t h = 0; h < R; ++h) {
+      lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim + d0), klo, lo[h]);
+      hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim + d0 + 8), khi, hi[h]);
+    }
+  }
+  for (int64_t h = 0; h < R; ++h) scores[h * n + j] = sum16_halves(lo[h], hi[h]) * scale;
+}
+#endif
+
 // scores [R, n] = q [R, D] K^T / sqrt(D), K [n, D]; D a multiple of 16.
 template <int64_t R>
 inline void group_scores(const float* q, const float* keys, int64_t n, int64_t dim,
@@ -71,7 +109,11 @@ inline void group_scores(const float* q, const float* keys, int64_t n, int64_t d
   int64_t j = 0;
   if constexpr (kScoreKeys == 2)
     for (; j + 2 <= n; j += 2) key_scores<R, 2>(q, keys, n, dim, j, scale, scores);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  for (; j < n; ++j) key_scores_avx2<R>(q, keys, n, dim, j, scale, scores);
+#else
   for (; j < n; ++j) key_scores<R, 1>(q, keys, n, dim, j, scale, scores);
+#endif
 }
 
 // scores [n] -> exp(scores - max) in place; returns their sum. In 16 lanes: the max, the
@@ -131,6 +173,35 @@ inline void group_values(const float* p, int64_t n, const float* values, int64_t
     for (int64_t v = 0; v < NV; ++v) store16(out + h * dim + m0 + 16 * v, acc[h][v]);
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// group_values<R, 1> on ymm registers by hand (as key_scores_avx2): each lane the same chain
+// of fused multiply-adds in j order.
+template <int64_t R>
+inline void group_values_avx2(const float* p, int64_t n, const float* values, int64_t dim,
+                              int64_t j0, int64_t j1, int64_t m0, float* out) {
+  __m256 lo[R], hi[R];
+  for (int64_t h = 0; h < R; ++h) {
+    lo[h] = _mm256_loadu_ps(out + h * dim + m0);
+    hi[h] = _mm256_loadu_ps(out + h * dim + m0 + 8);
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* vj = values + j * dim + m0;
+    if (m0 == 0)
+      for (int64_t d0 = 0; d0 < dim; d0 += 16) __builtin_prefetch(vj + d0, 0, 3);
+    const __m256 vlo = _mm256_loadu_ps(vj), vhi = _mm256_loadu_ps(vj + 8);
+    for (int64_t h = 0; h < R; ++h) {
+      const __m256 ph = _mm256_broadcast_ss(p + h * n + j);
+      lo[h] = _mm256_fmadd_ps(ph, vlo, lo[h]);
+      hi[h] = _mm256_fmadd_ps(ph, vhi, hi[h]);
+    }
+  }
+  for (int64_t h = 0; h < R; ++h) {
+    _mm256_storeu_ps(out + h * dim + m0, lo[h]);
+    _mm256_storeu_ps(out + h * dim + m0 + 8, hi[h]);
+  }
+}
+#endif
+
 // R heads: q [R, D], K, V [n, D] -> out [R, D]; scores scratch [R, n].
 template <int64_t R>
 inline void attend_heads(const float* q, const float* keys, const float* values, int64_t n,
@@ -141,10 +212,15 @@ inline void attend_heads(const float* q, const float* keys, const float* values,
   std::fill(out, out + R * dim, 0.f);
   for (int64_t j0 = 0; j0 < n; j0 += kKeyBlock) {
     const int64_t j1 = std::min(n, j0 + kKeyBlock);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    for (int64_t m0 = 0; m0 < dim; m0 += 16)
+      group_values_avx2<R>(scores, n, values, dim, j0, j1, m0, out);
+#else
     int64_t m0 = 0;
     for (; m0 + 16 * kValueCols <= dim; m0 += 16 * kValueCols)
       group_values<R, kValueCols>(scores, n, values, dim, j0, j1, m0, out);
     for (; m0 < dim; m0 += 16) group_values<R, 1>(scores, n, values, dim, j0, j1, m0, out);
+#endif
   }
   for (int64_t h = 0; h < R; ++h)
     for (int64_t m = 0; m < dim; ++m) out[h * dim + m] *= 1.f / sums[h];
