@@ -38,3 +38,20 @@ def test_incremental_detokenizer_never_emits_partial_characters(tok: Tokenizer, 
 def test_eos_token_exists(tok: Tokenizer) -> None:
     assert tok.eos_id is not None
     assert tok.decode([tok.eos_id]) == ""
+
+
+def test_piece_bytes_translate_as_the_byte_table_does() -> None:
+    """A byte-level piece's bytes through str.translate equal the table read a character at a
+    time, for every character below 600 alone and in random pieces (those outside the table,
+    such as SentencePiece's ▁, are byte 0 either way)."""
+    import random
+
+    from linserve.model import tokenizer
+
+    def slow(piece: str) -> bytes:
+        return bytes(tokenizer._DECODER.get(ch, 0) for ch in piece)
+
+    chars = [chr(i) for i in range(600)] + ["▁", "Ġ", "Ċ"]
+    rng = random.Random(0)
+    pieces = chars + ["".join(rng.choices(chars, k=rng.randint(1, 8))) for _ in range(5000)]
+    assert all(tokenizer._piece_bytes(p) == slow(p) for p in pieces)

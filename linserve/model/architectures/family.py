@@ -12,6 +12,7 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Self
 
@@ -126,7 +127,7 @@ class HFFamily:
                 log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other),
                             other[0])
         per_token = state_sizes(module, cfg.max_position_embeddings)[1]
-        return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path),
+        return hf.HFServedModel(module, tok, hf.chat_template(path), partial(hf.fingerprint, path),
                                 self.describe(cfg), cfg.max_position_embeddings, per_token,
                                 decode_step=None if native is not None
                                 else "eager (layer by layer)")

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -480,13 +481,18 @@ class HFServedModel:
     """A Hugging Face text model behind the server's interface. ``module`` provides
     ``prefill``, ``step``, ``new_state`` and ``n_params`` (as :class:`Qwen35ForCausalLM`)."""
 
-    def __init__(self, module: Any, tok: Tokenizer, template: str | None, fp: str,
-                 architecture: str, context_limit: int, per_token: int,
-                 chunk: int = 64, decode_step: str | None = None) -> None:
+    def __init__(self, module: Any, tok: Tokenizer, template: str | None,
+                 fp: str | Callable[[], str], architecture: str, context_limit: int,
+                 per_token: int, chunk: int = 64, decode_step: str | None = None) -> None:
+        """``fp``: the weights' fingerprint, or what computes it on first use (hashing a
+        file of 500 MB took a second of every start, and only states and shared prefixes
+        need it)."""
         self.module, self._tok, self._template = module, tok, template
         # states of quantized weights are not interchangeable with the unquantized ones'
         quant = invariant.quantization()
-        self._fp = fp if quant == "none" else f"{fp}-{quant}"
+        self._fp_of, self._fp_suffix = fp, "" if quant == "none" else f"-{quant}"
+        self._fp: str | None = None
+        self._hashing: threading.Thread | None = None
         self.chunk = chunk
         self.context_limit = context_limit
         empty = module.new_state(1, context_limit)
@@ -503,8 +509,18 @@ class HFServedModel:
             weight_bytes=0 if described else invariant.resident_bytes(module),
             embedding_bytes=0 if described else invariant.embedding_bytes(module),
             quantization=invariant.quantization())
+        if described:  # the HTTP process's model: hashed while the engine loads the weights
+            self._hashing = threading.Thread(target=self.fingerprint, name="fingerprint",
+                                             daemon=True)
+            self._hashing.start()
 
     def fingerprint(self) -> str:
+        hashing = self._hashing
+        if hashing is not None and hashing is not threading.current_thread():
+            hashing.join()
+        if self._fp is None:
+            fp = self._fp_of if isinstance(self._fp_of, str) else self._fp_of()
+            self._fp = fp + self._fp_suffix
         return self._fp
 
     def drop_weights(self) -> None:
@@ -546,7 +562,7 @@ class HFServedModel:
         return invariant.prefill_split(todo, cap, budget, self.chunk)
 
     def state_to_bytes(self, state: State, extra: dict[str, Any] | None = None) -> bytes:
-        return state_to_bytes(state, self._fp, extra)
+        return state_to_bytes(state, self.fingerprint(), extra)
 
     def state_from_bytes(self, data: bytes) -> tuple[State, dict[str, Any]]:
-        return state_from_bytes(data, self.new_state(1), self._fp)
+        return state_from_bytes(data, self.new_state(1), self.fingerprint())

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -577,7 +578,7 @@ class Variant:
             module = hf.cast(Qwen35ForCausalLM(cfg), dtype).eval()  # never all of it in fp32
         if weights:
             self._load_weights(module.to_empty(device="cpu"), path, dtype)
-        return hf.HFServedModel(module, tok, hf.chat_template(path), hf.fingerprint(path),
+        return hf.HFServedModel(module, tok, hf.chat_template(path), partial(hf.fingerprint, path),
                                 self.describe(cfg), cfg.max_position_embeddings,
                                 state_bytes_per_token(cfg),
                                 decode_step=None if module.fused else "eager (layer by layer)")

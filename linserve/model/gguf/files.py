@@ -151,6 +151,21 @@ class _Cursor:
         self.at += 8 + n
         return bytes(self.buf[self.at - n:self.at]).decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary's 250k tokens and merges: a loop of
+        locals, a third of :meth:`string`'s time a string)."""
+        buf, at = self.buf, self.at
+        out: list[str] = []
+        length = struct.Struct("<Q").unpack_from
+        append = out.append
+        for _ in range(count):
+            (n,) = length(buf, at)
+            at += 8
+            append(str(buf[at:at + n], "utf-8", "replace"))
+            at += n
+        self.at = at
+        return out
+
     def value(self, kind: int) -> Any:
         if kind == 8:
             return self.string()
@@ -159,7 +174,7 @@ class _Cursor:
         sub, count = struct.unpack_from("<IQ", self.buf, self.at)
         self.at += 12
         if sub == 8:
-            return [self.string() for _ in range(count)]
+            return self.strings(count)
         if sub == 9:
             return [self.value(9) for _ in range(count)]
         dtype = np.dtype(_SCALARS[sub])
