@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import warnings
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -25,6 +26,7 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
 from tokenizers import Tokenizer as HFTokenizer
 
+from linserve.model import kernels
 from linserve.model.gguf import archs, vocab, vocab_cache
 from linserve.model.gguf.files import GGUFFileError, GGUFModel, Tensor, open_model, release_pages
 from linserve.model.quantize import PACKED_BYTES
@@ -459,7 +461,13 @@ def _q5_k(b: np.ndarray) -> Unpacked:
 def _q6_k(b: np.ndarray) -> Unpacked:
     """Q6_K's blocks of 256 -> q [n, 256] int8 in [−32, 31], the int8 scales of the first
     and second 16 of each 32 [n, 8] each, and d; W = sc d q."""
-    q = (_nibbles(b[:, :128], 128) | (_bits(b[:, 128:192], 2, 4) << 4)).view(torch.int8) - 32
+    if kernels.available():  # one native pass (the layout is in q6_k_values), no copy
+        with warnings.catch_warnings():  # a read-only map: the op only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = torch.from_numpy(np.ascontiguousarray(b))
+        q = torch.ops.linserve.q6_k_values(blocks)
+    else:
+        q = (_nibbles(b[:, :128], 128) | (_bits(b[:, 128:192], 2, 4) << 4)).view(torch.int8) - 32
     sc = b[:, 192:208].view(np.int8)
     d = _fp16(b[:, 208:210])
     return q, sc[:, 0::2], sc[:, 1::2], d, np.zeros_like(d)
