@@ -117,7 +117,7 @@ class HFFamily:
         module.native = fused
         native = None
         if weights:
-            module = module.to_empty(device="cpu")
+            module = hf.materialise(module)
             with invariant.packing_once(module):  # packed layer by layer as it is read
                 unused = hf.load_weights(module, path, self.renames(cfg), dtype, module)
                 module.pack_weights()  # anything the layers alone did not build

@@ -324,6 +324,15 @@ def load_weights(module: nn.Module, path: Path, rename: Callable[[str], str | No
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
+def materialise(module: ModuleT) -> ModuleT:
+    """``module.to_empty(device="cpu")``: a meta module's tensors allocated on the CPU,
+    uninitialised, each with its size, strides and dtype. Through ``torch.empty_strided``:
+    ``to_empty``'s ``empty_like`` took PyTorch's Python reference path for every tensor (0.66 s
+    of the 0.8B shapes' load for 320 tensors, against 0.01 s)."""
+    return module._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype,
+                                                       device="cpu"))
+
+
 def cast(module: ModuleT, dtype: torch.dtype) -> ModuleT:
     """``module.to(dtype)``, except for the floating tensors of a submodule that sets
     ``fp32_weights`` (a router): those stay or become fp32, as llama.cpp keeps

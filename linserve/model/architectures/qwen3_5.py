@@ -577,7 +577,7 @@ class Variant:
         with torch.device("meta"):
             module = hf.cast(Qwen35ForCausalLM(cfg), dtype).eval()  # never all of it in fp32
         if weights:
-            self._load_weights(module.to_empty(device="cpu"), path, dtype)
+            self._load_weights(hf.materialise(module), path, dtype)
         return hf.HFServedModel(module, tok, hf.chat_template(path), partial(hf.fingerprint, path),
                                 self.describe(cfg), cfg.max_position_embeddings,
                                 state_bytes_per_token(cfg),
