@@ -16,7 +16,10 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+// The passes by hand on ymm registers (key_scores_avx2, group_values_avx2): AVX2 builds
+// with FMA and without AVX-512.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define LINSERVE_ATTENTION_YMM 1
 #include <immintrin.h>
 #endif
 
@@ -68,7 +71,7 @@ inline void key_scores(const float* q, const float* keys, int64_t n, int64_t dim
     for (int64_t h = 0; h < R; ++h) scores[h * n + j + i] = sum16(acc[i][h]) * scale;
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(LINSERVE_ATTENTION_YMM)
 // sum16's tree on a v16 held as two ymm (lanes 0-7, 8-15): the same additions in the same
 // order, without the value going through memory.
 inline float sum16_halves(__m256 lo, __m256 hi) {
@@ -109,7 +112,7 @@ inline void group_scores(const float* q, const float* keys, int64_t n, int64_t d
   int64_t j = 0;
   if constexpr (kScoreKeys == 2)
     for (; j + 2 <= n; j += 2) key_scores<R, 2>(q, keys, n, dim, j, scale, scores);
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(LINSERVE_ATTENTION_YMM)
   for (; j < n; ++j) key_scores_avx2<R>(q, keys, n, dim, j, scale, scores);
 #else
   for (; j < n; ++j) key_scores<R, 1>(q, keys, n, dim, j, scale, scores);
@@ -173,7 +176,7 @@ inline void group_values(const float* p, int64_t n, const float* values, int64_t
     for (int64_t v = 0; v < NV; ++v) store16(out + h * dim + m0 + 16 * v, acc[h][v]);
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(LINSERVE_ATTENTION_YMM)
 // group_values<R, 1> on ymm registers by hand (as key_scores_avx2): each lane the same chain
 // of fused multiply-adds in j order.
 template <int64_t R>
@@ -212,7 +215,7 @@ inline void attend_heads(const float* q, const float* keys, const float* values,
   std::fill(out, out + R * dim, 0.f);
   for (int64_t j0 = 0; j0 < n; j0 += kKeyBlock) {
     const int64_t j1 = std::min(n, j0 + kKeyBlock);
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(LINSERVE_ATTENTION_YMM)
     for (int64_t m0 = 0; m0 < dim; m0 += 16)
       group_values_avx2<R>(scores, n, values, dim, j0, j1, m0, out);
 #else
