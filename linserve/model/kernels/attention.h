@@ -82,9 +82,9 @@ inline float sum16_halves(__m256 lo, __m256 hi) {
   return _mm_cvtss_f32(_mm_add_ss(even, odd));                              // (b0+b2)+(b1+b3)
 }
 
-// key_scores<R, 1> on AVX2's ymm registers by hand: GCC moved the v16 sums through the stack
-// in 16-byte halves (perf annotate; both passes 13 GFLOP/s). Each lane's sum is the same chain of fused
-// multiply-adds over d, then sum16's tree: the same bits as the v16 form.
+// key_scores<R, 1> on AVX2's ymm registers by hand: GCC moved the v16 sums through the
+// stack in 16-byte halves (perf annotate; both passes 13 GFLOP/s). Each lane's sum is the
+// same chain of fused multiply-adds over d, then sum16's tree: the same bits as the v16 form.
 template <int64_t R>
 inline void key_scores_avx2(const float* q, const float* keys, int64_t n, int64_t dim,
                             int64_t j, float scale, float* scores) {
