@@ -87,6 +87,20 @@ def test_every_block_format_dequantizes_as_gguf_py_does(qtype: GGMLQuantizationT
     assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
 
 
+def test_q6_k_values_natively_as_pytorch_unpacks_them() -> None:
+    """The native Q6_K unpack (``q6_k_values``, used where the kernels load) gives the values
+    of the PyTorch form the loader falls back to, on random blocks."""
+    from linserve.model import kernels
+    from linserve.model.gguf import checkpoint
+
+    if not kernels.load():
+        pytest.skip("no native kernels")
+    b = gguf_fixtures.random_blocks(GGMLQuantizationType.Q6_K, 40, 1024).reshape(-1, 210)
+    slow = (checkpoint._nibbles(b[:, :128], 128)
+            | (checkpoint._bits(b[:, 128:192], 2, 4) << 4)).view(torch.int8) - 32
+    assert torch.equal(torch.ops.linserve.q6_k_values(torch.from_numpy(b.copy())), slow)
+
+
 # (family, shape, converter arguments): every served family llama.cpp's converter writes,
 # in shapes it can represent (it writes no RoPE for a Granite-4.0-H hybrid, and Qwen3-Next
 # only with all-MoE layers)
