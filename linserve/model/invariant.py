@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -49,11 +50,28 @@ def set_quantization(mode: str) -> None:
     _quantization[0] = mode
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """A weight ``[out, in]`` (``shape``) in blocks the quantized GEMM takes as they are, in
+    its format ``fmt``: either their values, q ``[out, in]`` int8 and ``scales`` (see
+    :func:`give_blocks`), or ``raw [out, row bytes]`` uint8, a GGUF K-quant matrix's own
+    rows of blocks of ggml type ``ggml_type`` (Q4_K, Q5_K, Q6_K), packed natively straight
+    from them (``pack_gguf``: the same bytes as from their values, in one pass)."""
+
+    shape: tuple[int, int]
+    fmt: int
+    q: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    raw: torch.Tensor | None = None
+    ggml_type: int = 0
+    done: Callable[[], None] | None = None  # called once they are packed (pages released)
+
+
 # A GGUF file's blocks the quantized GEMM takes as they are (linserve.model.gguf.checkpoint's
-# NATIVE formats): whether loading keeps them (--dtype auto), and each such weight's values
-# by its data pointer until it is packed: (q, scales, the GEMM format).
+# NATIVE formats): whether loading keeps them (--dtype auto), and each such weight's blocks
+# by its data pointer until it is packed.
 _native_blocks = [False]
-_block_values: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+_block_values: dict[int, Blocks] = {}
 # Weights given as blocks alone (their own values not written at load: the packed blocks are
 # what runs), by data pointer: the weight and how to compute its values, should anything
 # need them as floats after all (fill_values).
@@ -72,17 +90,18 @@ def native_blocks() -> bool:
     return _native_blocks[0]
 
 
-def give_blocks(weight: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
-                fmt: int = 1, values: Callable[[], torch.Tensor] | None = None) -> None:
-    """``weight [out, in]`` holds exactly q ``[out, in]`` (int8) times the fp16 ``scales
-    [out, in / 32]`` (``fmt`` 1: int4, q in [−8, 7]; 2: q8, q in [−127, 127]), or s q + t
-    with ``scales [out, in / 32, 2]`` fp32 s and t (3: q4k, q in [0, 15]; 4: q8k, bytes),
-    or s_h q with the scales of each half of 32 ``[out, in / 32, 2]`` (5: q6, Q6_K's):
-    :func:`gemm_weight` packs those in the GEMM format ``fmt``, never quantizing. With
+def give_blocks(weight: torch.Tensor, blocks: Blocks,
+                values: Callable[[], torch.Tensor] | None = None) -> None:
+    """``weight [out, in]`` holds exactly the values of ``blocks``: q ``[out, in]`` (int8)
+    times the fp16 ``scales [out, in / 32]`` (``fmt`` 1: int4, q in [−8, 7]; 2: q8, q in
+    [−127, 127]), or s q + t with ``scales [out, in / 32, 4]`` (m_s, m_t, d, e: s = m_s d,
+    t = m_t e; 3: q4k, q in [0, 15]; 4: q8k, bytes), or s_h q with the multipliers of each
+    half of 32 (5: q6, Q6_K's), or a GGUF K-quant's raw blocks (:class:`Blocks`):
+    :func:`gemm_weight` packs them in the GEMM format ``fmt``, never quantizing. With
     ``values``, ``weight`` was left unwritten (the load skips a GGUF matrix's dequantized
     copy): ``values()`` gives its values if it is packed from floats after all (a router,
     a merge of formats), or is never packed by the end of the load (:func:`fill_values`)."""
-    _block_values[weight.data_ptr()] = (q, scales, fmt)
+    _block_values[weight.data_ptr()] = blocks
     if values is not None:
         _unfilled[weight.data_ptr()] = (weight, values)
 
@@ -200,29 +219,38 @@ def _given_blocks(parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     Q4_K gate); None otherwise (then packed from the floats). Either way the parts' given
     values are dropped: their weight is packed now."""
     given = [_block_values.pop(p.data_ptr(), None) for p in parts]
-    if not all(given) or not kernels.load():
-        return None
-    runs: list[list[tuple[torch.Tensor, torch.Tensor, int]]] = []
-    for g in given:
-        assert g is not None
-        if runs and runs[-1][0][2] == g[2]:
-            runs[-1].append(g)
-        else:
-            runs.append([g])
-    packed = [_pack_given(run) for run in runs]
+    try:
+        if not all(given) or not kernels.load():
+            return None
+        runs: list[list[Blocks]] = []
+        for g in given:
+            assert g is not None
+            if runs and (runs[-1][0].fmt, runs[-1][0].ggml_type) == (g.fmt, g.ggml_type):
+                runs[-1].append(g)
+            else:
+                runs.append([g])
+        packed = [_pack_given(run) for run in runs]
+    finally:
+        for g in given:
+            if g is not None and g.done is not None:
+                g.done()
     if len(packed) == 1:
         return packed[0]
     return cast(torch.Tensor, torch.ops.linserve.join_quantized(packed))
 
 
-def _pack_given(run: list[tuple[torch.Tensor, torch.Tensor, int]]) -> torch.Tensor:
-    """Given blocks of one format side by side, packed as the quantized GEMM's weight."""
+def _pack_given(run: list[Blocks]) -> torch.Tensor:
+    """Given blocks of one format (and one kind) side by side, packed as the quantized
+    GEMM's weight."""
+    if run[0].ggml_type:  # raw GGUF rows, packed in one native pass
+        raw = _joined([cast(torch.Tensor, g.raw) for g in run])
+        return cast(torch.Tensor, torch.ops.linserve.pack_gguf(raw, run[0].ggml_type))
     # transposed views: the packer reads them in place (a copy of the head's q into [in,
     # out] took seconds of a start)
-    q = _joined([g[0] for g in run]).t()
-    scales = _joined([g[1] for g in run])  # [out, in / 32] or [out, in / 32, 4]
+    q = _joined([cast(torch.Tensor, g.q) for g in run]).t()
+    scales = _joined([cast(torch.Tensor, g.scales) for g in run])  # [out, in/32(, 4)]
     scales = scales.t() if scales.dim() == 2 else scales.permute(2, 1, 0)
-    return cast(torch.Tensor, torch.ops.linserve.pack_quantized(q, scales, run[0][2]))
+    return cast(torch.Tensor, torch.ops.linserve.pack_quantized(q, scales, run[0].fmt))
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

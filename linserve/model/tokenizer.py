@@ -64,14 +64,29 @@ def train_tokenizer(files: Iterable[Path], vocab_size: int = 8192) -> HFTokenize
     return tok
 
 
+def byte_table(tok: HFTokenizer) -> list[bytes]:
+    """The exact bytes of each of ``tok``'s tokens (``[tok.get_vocab_size()]``): a special
+    added token prints nothing, another added one its text, ``<|endoftext|>`` nothing, any
+    other its ByteLevel piece's bytes."""
+    table = [b""] * tok.get_vocab_size()
+    added = tok.get_added_tokens_decoder()
+    for piece, idx in tok.get_vocab().items():
+        if idx in added:  # special tokens print nothing; other added ones their text
+            table[idx] = b"" if added[idx].special else piece.encode()
+        elif piece != EOS_TOKEN:
+            table[idx] = _piece_bytes(piece)
+    return table
+
+
 class Tokenizer:
     """Encode/decode text; ``token_bytes[i]`` is the exact byte string of token i."""
 
     def __init__(self, tok: HFTokenizer, eos_ids: Sequence[int] | None = None,
-                 size: int | None = None) -> None:
+                 size: int | None = None, token_bytes: list[bytes] | None = None) -> None:
         """``eos_ids``: the ids that end a generation (default: ``<|endoftext|>``'s);
         ``size``: the model's vocabulary when it is larger than the tokenizer's (ids past the
-        tokenizer decode to nothing)."""
+        tokenizer decode to nothing); ``token_bytes``: the byte table :func:`byte_table`
+        made of ``tok`` before (kept on disk: a 250k-token vocabulary's takes a second)."""
         self._tok = tok
         self.vocab_size: int = max(tok.get_vocab_size(), size or 0)
         if eos_ids is None:
@@ -79,13 +94,8 @@ class Tokenizer:
             eos_ids = [] if eos is None else [eos]
         self.eos_ids: tuple[int, ...] = tuple(eos_ids)
         self.eos_id: int | None = self.eos_ids[0] if self.eos_ids else None
-        self.token_bytes: list[bytes] = [b""] * self.vocab_size
-        added = tok.get_added_tokens_decoder()
-        for piece, idx in tok.get_vocab().items():
-            if idx in added:  # special tokens print nothing; other added ones their text
-                self.token_bytes[idx] = b"" if added[idx].special else piece.encode()
-            elif piece != EOS_TOKEN:
-                self.token_bytes[idx] = _piece_bytes(piece)
+        table = byte_table(tok) if token_bytes is None else token_bytes
+        self.token_bytes: list[bytes] = table + [b""] * (self.vocab_size - len(table))
 
     @classmethod
     def from_file(cls, path: str | Path, eos_ids: Sequence[int] | None = None,

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from linserve import __version__
 from linserve.model import kernels, loader
 from linserve.server.api.app import create_app, wrap
+from linserve.server.engine.loading import resolve_checkpoint
 from linserve.server.settings import parse_cli
 from linserve.server.speculative.draft import check_speculative
 from linserve.server.system.malloc import pin_mmap_threshold
@@ -61,11 +62,7 @@ def main(argv: list[str] | None = None, boot: float | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     pin_mmap_threshold(settings.malloc_mmap_threshold)
     try:
-        if settings.model:  # a folder or a repo id: both processes load the resolved folder
-            settings = settings.model_copy(update={"weights": loader.resolve(settings.model)})
-        if not settings.max_memory:  # resolved once, so both processes budget alike
-            settings = settings.model_copy(
-                update={"max_memory": int(0.8 * loader.available_memory())})
+        settings = resolve_checkpoint(settings)
         loader.check(settings.weights, settings.dtype, settings.quantization,
                      settings.max_memory)
         state_limit = max_state_bytes(settings.weights)

@@ -68,6 +68,42 @@ def test_a_large_vocabulary_is_built_once_and_read_back(tmp_path: Path) -> None:
     assert vocab_cache.cache_file(open_model(path).files, root) != entry
 
 
+def test_the_byte_table_is_kept_beside_the_vocabulary(tmp_path: Path) -> None:
+    """The tokenizer's byte table of a large vocabulary is kept beside it and read back equal
+    to the one made from the tokenizer; a cut-short entry is passed over (made again)."""
+    import shutil
+
+    from linserve.model.gguf import vocab_cache
+    from linserve.model.tokenizer import byte_table
+    path = tmp_path / "ggml-vocab-qwen35.gguf"
+    shutil.copy(llamacpp_assets.vendored("models/ggml-vocab-qwen35.gguf"), path)
+    model, root = open_model(path), tmp_path / "cache"
+    assert vocab_cache.load_bytes(model.files, root) is None
+    table = byte_table(vocab_cache.load(model.files, model.meta, root))
+    vocab_cache.keep_bytes(model.files, table, root)
+    assert vocab_cache.load_bytes(model.files, root) == table
+    entry = vocab_cache.cache_file(model.files, root).with_suffix(".bytes")
+    entry.write_bytes(entry.read_bytes()[:-1])
+    assert vocab_cache.load_bytes(model.files, root) is None
+
+
+def test_a_files_string_arrays_read_as_gguf_py_reads_them() -> None:
+    """A vocabulary's tokens and merges (read when asked for, :class:`files.Strings`) are
+    the strings gguf-py's reader gives, whole, one by one, by slices and counted."""
+    import gguf
+
+    from linserve.model.gguf import files
+    path = llamacpp_assets.vendored("models/ggml-vocab-qwen35.gguf")
+    meta, reader = open_model(path).meta, gguf.GGUFReader(path)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        field = reader.fields[key]
+        want = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+        got = meta[key]
+        assert isinstance(got, files.Strings) and len(got) == len(want)
+        assert list(got) == want and got[-1] == want[-1] and got[7:19] == want[7:19]
+        assert [got[i] for i in range(0, len(want), 997)] == want[::997]
+
+
 def test_sentencepiece_puts_bos_first_where_the_file_says() -> None:
     meta = open_model(llamacpp_assets.vendored("models/ggml-vocab-llama-spm.gguf")).meta
     tok = vocab.build(meta)
@@ -99,6 +135,28 @@ def test_q6_k_values_natively_as_pytorch_unpacks_them() -> None:
     slow = (checkpoint._nibbles(b[:, :128], 128)
             | (checkpoint._bits(b[:, 128:192], 2, 4) << 4)).view(torch.int8) - 32
     assert torch.equal(torch.ops.linserve.q6_k_values(torch.from_numpy(b.copy())), slow)
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+                                   GGMLQuantizationType.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 7, 16, 150])
+def test_k_quants_pack_from_their_blocks_as_from_their_values(
+        qtype: GGMLQuantizationType, rows: int) -> None:
+    """``pack_gguf`` (a GGUF K-quant's rows of blocks straight into the GEMM's stored format,
+    what a load uses) writes the very bytes ``pack_quantized`` writes from their values and
+    scales (``block_values``, the form tested against gguf-py), for widths of whole and
+    partial panels on AVX2 and AVX-512 builds alike."""
+    from linserve.model import kernels
+    from linserve.model.gguf.checkpoint import NATIVE, block_values
+
+    if not kernels.load():
+        pytest.skip("no native kernels")
+    k = 768  # three super-blocks a row
+    raw = gguf_fixtures.random_blocks(qtype, rows, k, seed=rows)
+    q, scales = block_values(Tensor("w", (rows, k), qtype, raw, raw.nbytes))
+    want = torch.ops.linserve.pack_quantized(q.t(), scales.permute(2, 1, 0), NATIVE[qtype])
+    got = torch.ops.linserve.pack_gguf(torch.from_numpy(raw.copy()), int(qtype))
+    assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 # (family, shape, converter arguments): every served family llama.cpp's converter writes,
@@ -244,7 +302,7 @@ def test_blocks_multiply_natively_as_they_are(qtype: GGMLQuantizationType) -> No
         layer.weight.copy_(torch.from_numpy(quants.dequantize(raw, qtype).reshape(n, k)))
     invariant.set_native_blocks(True)
     try:
-        invariant.give_blocks(layer.weight, q, scales, NATIVE[qtype])
+        invariant.give_blocks(layer.weight, invariant.Blocks((n, k), NATIVE[qtype], q, scales))
         packed = invariant.gemm_weight(layer, layer.weight)
     finally:
         invariant.set_native_blocks(False)
@@ -284,7 +342,7 @@ def test_parts_in_different_formats_run_as_one_mixed_weight() -> None:
             raw = gguf_fixtures.random_blocks(qtype, n, k, seed=10 + i)
             q, scales = block_values(Tensor("w", (n, k), qtype, raw, raw.nbytes))
             w = torch.from_numpy(quants.dequantize(raw, qtype).reshape(n, k)).clone()
-            invariant.give_blocks(w, q, scales, NATIVE[qtype])
+            invariant.give_blocks(w, invariant.Blocks((n, k), NATIVE[qtype], q, scales))
             weights.append(w)
             alone.append((q, scales))
         packed = invariant.gemm_weight(owner, *weights)
@@ -386,9 +444,10 @@ def test_a_merged_matrix_runs_on_its_parts_blocks(tmp_path: Path) -> None:
     from linserve.model.gguf.checkpoint import checkpoint
 
     blocks = checkpoint(q8).native_blocks("model.layers.0.shared_mlp.input_linear.weight")
-    assert blocks is not None and blocks[2] == NATIVE[GGMLQuantizationType.Q8_0]
+    assert blocks is not None and blocks.fmt == NATIVE[GGMLQuantizationType.Q8_0]
     gate = checkpoint(q8).model.tensors["blk.0.ffn_gate_shexp.weight"].shape
-    assert tuple(blocks[0].shape) == (2 * gate[0], gate[1])
+    assert blocks.q is not None and tuple(blocks.q.shape) == blocks.shape == (2 * gate[0],
+                                                                              gate[1])
     # (the shared expert is a small part of this model: its blocks take less than floats)
     assert native.info.weight_bytes < loader.load(flat, dtype="auto").info.weight_bytes
     ids = torch.randint(0, 8192, (1, 21), generator=torch.Generator().manual_seed(6))

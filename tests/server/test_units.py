@@ -204,6 +204,51 @@ def test_loading_the_engine_model_freezes_what_it_made(monkeypatch: pytest.Monke
         torch.set_num_threads(threads)
 
 
+def test_a_prelaunched_engine_loads_on_the_command_lines_settings(
+        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    """``load_early``: the model loaded on ``linserve serve``'s own arguments, served only
+    where the server's settings agree on what is loaded; nothing loaded, and nothing said,
+    for a checkpoint that fails its check (the HTTP process says why) or settings that do
+    not parse."""
+    from linserve.server.engine import loading
+    from linserve.server.settings import Settings
+
+    threads = torch.get_num_threads()
+    try:
+        early = loading.load_early(["--model", "weights/linear", "--threads", "1"])
+        assert early is not None and early.model.info.params > 0
+        assert early.serves(loading.resolve_checkpoint(
+            Settings(model="weights/linear", threads=1, port=9999, max_running=3)))
+        assert not early.serves(loading.resolve_checkpoint(
+            Settings(model="weights/linear", threads=1, dtype="bfloat16")))
+        assert not early.serves(loading.resolve_checkpoint(
+            Settings(model="weights/linear-ungated", threads=1)))
+    finally:
+        torch.set_num_threads(threads)
+    capfd.readouterr()
+    assert loading.load_early(["--model", "weights/no-such-model"]) is None
+    assert loading.load_early(["--no-such-flag"]) is None
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+
+
+def test_torchs_build_paths_are_kept_as_cpp_extension_gives_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels' compiler flags need torch's include and library folders; they are
+    kept under the cache root (importing ``cpp_extension`` took 1.2 s of every start)
+    and read back the same."""
+    import importlib
+
+    from torch.utils import cpp_extension
+
+    build = importlib.import_module("linserve.model.kernels.build")
+    monkeypatch.setenv("LINSERVE_CACHE_DIR", str(tmp_path))
+    want = (cpp_extension.include_paths(), cpp_extension.library_paths())
+    assert build.torch_paths() == want
+    assert len(list((tmp_path / "kernels").glob("torch-paths-*.json"))) == 1
+    assert build.torch_paths() == want
+
+
 def test_the_engine_takes_every_cpu_for_a_model_of_some_size(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``--threads 0``: every CPU for weights of 64 MB or more (the 0.8B shapes decoded 1.7x

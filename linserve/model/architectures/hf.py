@@ -382,9 +382,9 @@ def read_into(file: Path, pairs: list[tuple[torch.Tensor, str, Index]]) -> None:
             whole = dests[0][0]
             blocks = (ck.native_blocks(name) if invariant.native_blocks() and len(dests) == 1
                       and dests[0][1] is None and len(whole.shape) == 2 else None)
-            if blocks is not None and blocks[0].shape == whole.shape:
+            if blocks is not None and blocks.shape == tuple(whole.shape):
                 # packed from its blocks: no dequantized copy is written
-                invariant.give_blocks(whole, *blocks, values=functools.partial(ck.read, name))
+                invariant.give_blocks(whole, blocks, values=functools.partial(ck.read, name))
                 continue
             t = ck.read(name)
             if dests[0][1] is None and t.shape != whole.shape and t.numel() == whole.numel():

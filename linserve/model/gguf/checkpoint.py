@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 import warnings
 from collections.abc import Callable
-from functools import lru_cache
+from concurrent.futures import Future
+from functools import lru_cache, partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -29,6 +31,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from linserve.model import kernels
 from linserve.model.gguf import archs, vocab, vocab_cache
 from linserve.model.gguf.files import GGUFFileError, GGUFModel, Tensor, open_model, release_pages
+from linserve.model.invariant import Blocks
 from linserve.model.quantize import PACKED_BYTES
 from linserve.model.tokenizer import Tokenizer
 
@@ -43,11 +46,16 @@ FLOATS = (Q.F32, Q.F16, Q.BF16)
 # super-block of one block).
 NATIVE = {Q.Q4_0: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q4_1: 6, Q.Q5_K: 4, Q.Q5_0: 7, Q.Q5_1: 7,
           Q.Q6_K: 5}
+# The K-quants the kernels pack straight from the file's blocks (gguf_blocks.h's pack_gguf);
+# the others go through their values (block_values).
+PACKED_RAW = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # Control tokens that end a generation in llama.cpp (its llama_vocab end-of-generation
 # list), besides tokenizer.ggml.eos_token_id / eot_token_id / eom_token_id.
 END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
                      "<|eom_id|>", "<EOT>", "<|end_of_text|>", "<｜end▁of▁sentence｜>",
                      "<|return|>", "<|call|>", "<|im_end|>")
+
+T = TypeVar("T")
 
 
 class GGUFCheckpoint:
@@ -68,7 +76,10 @@ class GGUFCheckpoint:
         # merge), once accepted
         self._names: dict[str, tuple[str, ...]] = {}
         self._orders: dict[tuple[str, int, int], torch.Tensor | bool] = {}  # (_row_order)
-        self._tokenizer: HFTokenizer | None = None
+        # the vocabulary, read from the cache (or built) in a thread from the start: reading
+        # a 250k-token one's JSON takes ~1 s with the GIL released, beside the check's work
+        self._vocab: Future[HFTokenizer] = _in_background(
+            vocab_cache.load, self.model.files, self.model.meta)
         self._wrapped: dict[int, Tokenizer] = {}
         self._shapes: dict[tuple[str, ...], tuple[int, ...]] = {}  # _shape's answers
 
@@ -159,10 +170,12 @@ class GGUFCheckpoint:
         return next(r for r in self.arch.merges(self.config)
                     if re.fullmatch(r.into.replace(".", r"\.").format(n=r"\d+"), hf_name))
 
-    def native_blocks(self, hf_name: str) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    def native_blocks(self, hf_name: str) -> Blocks | None:
         """A matrix ``[out, in]`` in one of the :data:`NATIVE` formats as the quantized
-        GEMM's values: q ``[out, in]`` int8, its scales (:func:`block_values`) and the GEMM
-        format: the same numbers, so it is repacked, not quantized again. A merge of parts
+        GEMM's blocks: a K-quant's own rows of blocks where the kernels pack those directly
+        (:data:`PACKED_RAW`), else q ``[out, in]`` int8 and its scales
+        (:func:`block_values`): the same numbers, so it is repacked, not quantized again. A
+        merge of parts
         stacked by rows (Granite's gate and up in one ``input_linear``) is its parts' blocks
         stacked, when they share a format. None for any other tensor, one the converter
         transformed, an untied embedding table (never a GEMM's: its rows are read from the
@@ -179,16 +192,25 @@ class GGUFCheckpoint:
         order = self._row_order(hf_name, rows, cols)
         if order is False:
             return None
+        qtype = parts[0].qtype
+        if qtype in PACKED_RAW and kernels.available():
+            if len(parts) == 1 and order is True:  # packed from the mapped file itself
+                return Blocks((rows, cols), NATIVE[qtype], raw=_mapped(parts[0]),
+                              ggml_type=int(qtype), done=partial(release_pages, parts[0].raw))
+            raw = _raw_rows(parts)
+            if isinstance(order, torch.Tensor):  # rows moved: each row's blocks move with it
+                raw = raw[order]
+            return Blocks((rows, cols), NATIVE[qtype], raw=raw, ggml_type=int(qtype))
         values = [block_values(t) for t in parts]
         for t in parts:
             release_pages(t.raw)
         q, scales = (torch.cat([v[i] for v in values]) if len(values) > 1 else values[0][i]
                      for i in (0, 1))
-        if parts[0].qtype == Q.Q8_0 and bool((q == -128).any()):
+        if qtype == Q.Q8_0 and bool((q == -128).any()):
             return None
         if isinstance(order, torch.Tensor):  # rows moved: each row's blocks move with it
             q, scales = q[order], scales[order]
-        return q, scales, NATIVE[parts[0].qtype]
+        return Blocks((rows, cols), NATIVE[qtype], q=q, scales=scales)
 
     def _row_order(self, hf_name: str, rows: int, cols: int) -> torch.Tensor | bool:
         """How the converter's transform of ``hf_name`` (``[rows, cols]``) moved its rows:
@@ -290,13 +312,19 @@ class GGUFCheckpoint:
         """The file's vocabulary (:mod:`linserve.model.gguf.vocab`) with its end ids (built
         once: a 250k-token vocabulary takes seconds, and the loader checks it before it
         loads)."""
-        if self._tokenizer is None:
-            try:
-                self._tokenizer = vocab_cache.load(self.model.files, self.model.meta)
-            except (vocab.VocabError, KeyError) as exc:
-                raise GGUFFileError(f"{self.path}: {exc}") from None
+        try:
+            hf_tok = self._vocab.result()
+        except (vocab.VocabError, KeyError) as exc:
+            raise GGUFFileError(f"{self.path}: {exc}") from None
         if vocab_size not in self._wrapped:  # its byte table takes a second for 250k tokens
-            self._wrapped[vocab_size] = Tokenizer(self._tokenizer, self.end_ids(), vocab_size)
+            large = len(self.model.meta.get("tokenizer.ggml.tokens") or ()) >= \
+                vocab_cache.SMALLEST
+            table = vocab_cache.load_bytes(self.model.files) if large else None
+            tok = Tokenizer(hf_tok, self.end_ids(), vocab_size, table)
+            if large and table is None:
+                own = hf_tok.get_vocab_size()
+                vocab_cache.keep_bytes(self.model.files, tok.token_bytes[:own])
+            self._wrapped[vocab_size] = tok
         return self._wrapped[vocab_size]
 
     def end_ids(self) -> list[int]:
@@ -305,11 +333,10 @@ class GGUFCheckpoint:
         meta = self.model.meta
         ids = [int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom")
                if meta.get(f"tokenizer.ggml.{k}_token_id") is not None]
-        tokens = list(meta.get("tokenizer.ggml.tokens") or [])
-        types = list(meta.get("tokenizer.ggml.token_type") or [])
-        ends = set(END_OF_GENERATION)
-        ids += [i for i, (t, k) in enumerate(zip(tokens, types, strict=False))
-                if k == vocab.CONTROL and t in ends]
+        tokens = meta.get("tokenizer.ggml.tokens") or []
+        types = list(meta.get("tokenizer.ggml.token_type") or [])[:len(tokens)]
+        ends = set(END_OF_GENERATION)  # (only the control tokens' names are read)
+        ids += [i for i, k in enumerate(types) if k == vocab.CONTROL and tokens[i] in ends]
         return list(dict.fromkeys(ids))
 
     def chat_template(self) -> str | None:
@@ -396,6 +423,23 @@ def q8_0_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = torch.from_numpy(np.asarray(t.raw).reshape(rows, -1, 34).copy())
     scales = blocks[..., :2].contiguous().view(torch.float16).reshape(rows, -1)
     return blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1), scales
+
+
+def _mapped(t: Tensor) -> torch.Tensor:
+    """A block tensor's rows ``[rows, row bytes]`` uint8 where the file is mapped (read
+    only: the kernels only read them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns of a read-only array
+        return torch.from_numpy(np.asarray(t.raw))
+
+
+def _raw_rows(parts: list[Tensor]) -> torch.Tensor:
+    """The parts' rows of blocks ``[Σ rows, row bytes]`` uint8, stacked, in memory of their
+    own (the mapped file's pages are released: the packed weight is what stays)."""
+    raw = torch.from_numpy(np.concatenate([np.asarray(t.raw) for t in parts]))
+    for t in parts:
+        release_pages(t.raw)
+    return raw
 
 
 def block_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -499,6 +543,20 @@ _K_UNPACK = {Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
 # (under mtp.), as _QwenMtpMixin renames them.
 _NEXTN = {"eh_proj": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
           "shared_head_norm": "norm"}
+
+
+def _in_background(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``fn(*args)`` run in a daemon thread; its result (or exception) in the future."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to whoever asks for the result
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="gguf-vocabulary", daemon=True).start()
+    return future
 
 
 @lru_cache(maxsize=4)

@@ -4,7 +4,9 @@ Building a ``tokenizers`` tokenizer from ``tokenizer.ggml.*`` (:func:`vocab.buil
 seconds for a 250k-token vocabulary, at every start. The built tokenizer's JSON is kept
 under ``cache_root()/gguf-vocab``, named by the file (path, size and modification time:
 a replaced file is built again) and by the source of :mod:`.vocab` (a changed rule is too);
-a later start of the same file reads it back in a fraction of the time. Only vocabularies
+a later start of the same file reads it back in a fraction of the time, and with it the
+tokenizer's byte table (:func:`linserve.model.tokenizer.byte_table`, another second, kept
+beside it as ``.bytes``: the lengths, then the bytes). Only vocabularies
 of :data:`SMALLEST` tokens or more are kept (a small one builds in a blink). A cache that
 cannot be read or written is passed over: the vocabulary is built as before.
 """
@@ -17,12 +19,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
+from linserve.model import tokenizer
 from linserve.model.gguf import vocab
 from linserve.model.kernels.build import cache_root
 
-_RULES = hashlib.sha1(Path(vocab.__file__).read_bytes()).hexdigest()[:12]
+_RULES = hashlib.sha1(Path(vocab.__file__).read_bytes()
+                      + Path(tokenizer.__file__).read_bytes()).hexdigest()[:12]
 SMALLEST = 32_768
 
 
@@ -57,3 +62,31 @@ def load(files: Sequence[Path], meta: dict[str, Any], root: Path | None = None
     except OSError:
         pass
     return tok
+
+
+def load_bytes(files: Sequence[Path], root: Path | None = None) -> list[bytes] | None:
+    """The byte table :func:`keep_bytes` kept for the model in ``files``, or None."""
+    try:
+        data = (cache_file(files, root).with_suffix(".bytes")).read_bytes()
+        count = int.from_bytes(data[:8], "little")
+        ends = np.frombuffer(data, np.uint32, count, 8).cumsum().tolist()
+    except (OSError, ValueError):
+        return None
+    start = 8 + 4 * count
+    if start + (ends[-1] if ends else 0) != len(data):
+        return None  # cut short: built again
+    return [data[start + a:start + b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+def keep_bytes(files: Sequence[Path], table: list[bytes], root: Path | None = None) -> None:
+    """Keep ``table`` (a tokenizer's bytes for each token) beside the vocabulary of the
+    model in ``files`` (nothing if that cannot be written)."""
+    path = cache_file(files, root).with_suffix(".bytes")
+    lengths = np.array([len(b) for b in table], dtype=np.uint32)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(len(table).to_bytes(8, "little") + lengths.tobytes() + b"".join(table))
+        tmp.replace(path)
+    except OSError:
+        pass

@@ -40,6 +40,7 @@ from linserve.model.kernels.build import (  # noqa: F401 (the package's interfac
     default_build_dir,
     march_flags,
 )
+from linserve.model.kernels.build import cached as build_cached
 
 log = logging.getLogger(__name__)
 _state: dict[str, bool | str | float] = {}
@@ -131,6 +132,12 @@ def load() -> bool:
         ok = False
     _state["ok"] = ok
     return ok
+
+
+def cached() -> bool:
+    """Whether :func:`load` would load a library without compiling one: loaded already, a
+    prebuilt one, or this CPU's build in the cache up to date."""
+    return is_loaded() or bool(prebuilt_library()) or build_cached()
 
 
 def available() -> bool:

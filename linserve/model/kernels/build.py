@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import subprocess
@@ -64,15 +65,42 @@ def compiler_flags(arch: str) -> tuple[list[str], list[str]]:
     ``at::parallel_for`` is an inline OpenMP loop, serial without it; the library then shares
     torch's own libgomp.so.1 (already loaded, same soname) and its threads."""
     import torch
-    from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes, libraries = torch_paths()
     cflags = [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{HERE}",
-              *(f"-isystem {p}" for p in cpp_extension.include_paths()),
+              *(f"-isystem {p}" for p in includes),
               "-fPIC", "-std=c++20", "-O3", *march_flags(arch), "-fopenmp", "-fno-math-errno"]
-    ldflags = ["-shared", "-fopenmp", *(f"-L{p}" for p in cpp_extension.library_paths()),
+    ldflags = ["-shared", "-fopenmp", *(f"-L{p}" for p in libraries),
                "-lc10", "-ltorch_cpu", "-ltorch"]
     return cflags, ldflags
+
+
+def torch_paths() -> tuple[list[str], list[str]]:
+    """torch's include and library folders, as ``torch.utils.cpp_extension`` gives them.
+    Importing that module (and setuptools with it) took 1.2 s of every start, build or no
+    build, so its answer is kept under :func:`cache_root`, named by torch's version and
+    place."""
+    import torch
+
+    key = hashlib.sha1(f"{torch.__version__}:{Path(torch.__file__).resolve()}".encode())
+    kept = cache_root() / "kernels" / f"torch-paths-{key.hexdigest()[:12]}.json"
+    try:
+        found = json.loads(kept.read_text())
+        return list(found["include"]), list(found["lib"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from torch.utils import cpp_extension
+
+    includes, libraries = cpp_extension.include_paths(), cpp_extension.library_paths()
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"include": includes, "lib": libraries}))
+        tmp.replace(kept)
+    except OSError:
+        pass
+    return includes, libraries
 
 
 def write_ninja(build_dir: Path, arch: str) -> Path:
@@ -175,15 +203,30 @@ class Built:
     compiled: bool
 
 
+def build_dir_for(directory: str | Path | None = None) -> tuple[Path, str]:
+    """The build folder (``directory``, else the per-checkout, per-``LINSERVE_KERNEL_ARCH``
+    cache folder) and the -march level."""
+    arch = os.environ.get("LINSERVE_KERNEL_ARCH", "native")
+    name = NAME if directory is not None or arch == "native" else \
+        f"{NAME}_{arch.replace('-', '_')}"
+    return (Path(directory) if directory is not None else default_build_dir(name)), arch
+
+
+def cached() -> bool:
+    """Whether :func:`build` would find the default build up to date (and compile
+    nothing)."""
+    build_dir, arch = build_dir_for()
+    with build_lock(build_dir):
+        library = write_ninja(build_dir, arch)
+        return library.exists() and up_to_date(build_dir)
+
+
 def build(directory: str | Path | None = None, verbose: bool = False) -> Built:
     """Compile the kernels (cached: ninja rebuilds only what changed) into ``directory``, by
     default a per-checkout, per-``LINSERVE_KERNEL_ARCH`` cache folder.
     The default cache keeps one build per -march, so switching ``LINSERVE_KERNEL_ARCH`` (the
     tests run each instruction set this CPU has) does not rebuild over the other."""
-    arch = os.environ.get("LINSERVE_KERNEL_ARCH", "native")
-    name = NAME if directory is not None or arch == "native" else \
-        f"{NAME}_{arch.replace('-', '_')}"
-    build_dir = Path(directory) if directory is not None else default_build_dir(name)
+    build_dir, arch = build_dir_for(directory)
     with build_lock(build_dir):
         library = write_ninja(build_dir, arch)
         if library.exists() and up_to_date(build_dir):

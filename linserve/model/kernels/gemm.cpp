@@ -14,6 +14,8 @@
 //   GEMM head in any stored format (embed.h), so the table is held once.
 //   q6_k_values(blocks [n, 210] uint8) -> q [n, 256] int8: a GGUF Q6_K tensor's 6-bit values
 //   (model/gguf/checkpoint.py's _q6_k; its scales are read there).
+//   pack_gguf(raw [N, row bytes] uint8, ggml type) -> a GGUF Q4_K / Q5_K / Q6_K matrix's
+//   rows as the stored q4k / q8k / q6 weight, straight from its blocks (gguf_blocks.h).
 //   set_batch_invariant(on): whether the fused steps' projections use it (dense.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,6 +24,7 @@
 #include "dense.h"
 #include "embed.h"
 #include "gemm.h"
+#include "gguf_blocks.h"
 
 namespace gemm_cpp {  // named, not anonymous: unity units (build.py) join sources
 
@@ -46,11 +49,8 @@ at::Tensor head_rows_op(const at::Tensor& head, const at::Tensor& tokens, int64_
   return linserve::embed_rows(head, tokens, dim, true);
 }
 
-// llama.cpp's Q6_K block: ql [128] (low nibbles), qh [64] (two high bits), 16 int8 scales and
-// an fp16 d. Value j of half h (128 each) is (nibble | high << 4) - 32, the nibble that of
-// ql[64 h + j % 64] (low for j < 64, else high) and the high bits those of qh[32 h + j % 32]
-// at bit 2 (j / 32): gguf-py's order. One pass where PyTorch's took five over the tensor (1.9 s
-// of a 248k-row embedding's load).
+// A GGUF Q6_K tensor's values, a block at a time (gguf_blocks.h's q6_k_values_of): one pass
+// where PyTorch's took five over the tensor (1.9 s of a 248k-row embedding's load).
 at::Tensor q6_k_values(const at::Tensor& blocks) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) == 210 && blocks.scalar_type() == at::kByte &&
                   blocks.is_contiguous(),
@@ -60,21 +60,12 @@ at::Tensor q6_k_values(const at::Tensor& blocks) {
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   int8_t* dst = q.data_ptr<int8_t>();
   at::parallel_for(0, n, 4096, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* ql = src + b * 210;
-      const uint8_t* qh = ql + 128;
-      int8_t* out = dst + b * 256;
-      for (int64_t h = 0; h < 2; ++h, ql += 64, qh += 32, out += 128)
-        for (int64_t l = 0; l < 32; ++l) {  // (as llama.cpp's dequantize_row_q6_K)
-          out[l] = static_cast<int8_t>(((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32);
-          out[l + 32] = static_cast<int8_t>(((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
-          out[l + 64] = static_cast<int8_t>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-          out[l + 96] = static_cast<int8_t>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
-        }
-    }
+    for (int64_t b = b0; b < b1; ++b) linserve::q6_k_values_of(src + b * 210, dst + b * 256);
   });
   return q;
 }
+
+at::Tensor pack_gguf_op(const at::Tensor& raw, int64_t type) { return linserve::pack_gguf(raw, type); }
 
 bool has_bf16_dot() { return linserve::kHasBf16Dot; }
 
@@ -102,6 +93,7 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("join_quantized(Tensor[] parts) -> Tensor");
   m.def("head_rows(Tensor head, Tensor tokens, int dim) -> Tensor");
   m.def("q6_k_values(Tensor blocks) -> Tensor");
+  m.def("pack_gguf(Tensor raw, int type) -> Tensor");
   m.def("has_bf16_dot() -> bool");
   m.def("amx_active() -> bool");
   m.def("set_amx(bool on) -> ()");
@@ -116,6 +108,7 @@ TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("join_quantized", &join_quantized_op);
   m.impl("head_rows", &head_rows_op);
   m.impl("q6_k_values", &q6_k_values);
+  m.impl("pack_gguf", &pack_gguf_op);
 }
 
 TORCH_LIBRARY_IMPL(linserve, CatchAll, m) {

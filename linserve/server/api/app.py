@@ -25,17 +25,15 @@ from linserve.server.engine.loading import (
     bf16_gemm,
     describe_model,
     engine_threads,
-    load_engine_model,
+    load_engine,
     pick_dtype,
     state_budget,
-    warm_up,
 )
 from linserve.server.engine.process import ProcessEngineClient
 from linserve.server.playground.routes import install_playground
 from linserve.server.prefix_cache.remote import RemotePrefixes
 from linserve.server.sessions.store import MemorySessionStore, SessionStore
 from linserve.server.settings import Settings
-from linserve.server.speculative.draft import load_draft
 
 log = logging.getLogger("linserve")
 Scope = MutableMapping[str, Any]
@@ -176,16 +174,12 @@ async def startup(app: FastAPI, settings: Settings) -> None:
         client.model = model
         await loading
     else:
-        model = await asyncio.to_thread(load_engine_model, settings)
-        info = model.info
-        await asyncio.to_thread(warm_up, model)
+        loaded = await asyncio.to_thread(load_engine, settings)
+        model, draft, info = loaded.model, loaded.draft, loaded.model.info
         limits = EngineLimits(settings.max_running, settings.max_waiting,
                               settings.prefill_chunk, settings.step_token_budget,
                               settings.prefix_cache_bytes, settings.prefix_cache_interval,
                               state_budget(settings, info))
-        draft = await asyncio.to_thread(load_draft, settings.speculative, settings.dtype,
-                                        settings.fused_step, settings.batch_invariant,
-                                        settings.quantization)
         client = EngineClient(
             lambda deliver, beat: Engine(model, limits, deliver, beat,
                                          speculative=settings.speculative, draft=draft),

@@ -6,17 +6,29 @@ the engine process does not import the app that starts it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
+from linserve.model import kernels
 from linserve.model.heap import keep_scratch, trim
 from linserve.model.interface import ModelInfo, ServedModel
 from linserve.model.kernels import bf16_gemm  # noqa: F401 (re-exported for the app's startup)
-from linserve.model.loader import batch_invariant_active, load, pick_dtype
-from linserve.server.settings import Settings
+from linserve.model.loader import (
+    available_memory,
+    batch_invariant_active,
+    check,
+    load,
+    pick_dtype,
+    resolve,
+)
+from linserve.server.settings import Settings, parse_cli
+from linserve.server.speculative.draft import load_draft
 from linserve.server.system.cpus import available_cpus
 
 log = logging.getLogger("linserve")
@@ -39,6 +51,17 @@ def engine_threads(settings: Settings, weight_bytes: int) -> int:
         return settings.threads
     cpus = available_cpus()
     return cpus if weight_bytes >= ALL_CPUS_ABOVE else max(1, cpus - 1)
+
+
+def resolve_checkpoint(settings: Settings) -> Settings:
+    """``settings`` with what both processes must agree on resolved: ``--model`` (a folder,
+    a GGUF file or a repo id) as the ``weights`` path, and an unset ``--max-memory`` as 0.8
+    of the memory available."""
+    if settings.model:
+        settings = settings.model_copy(update={"weights": resolve(settings.model)})
+    if not settings.max_memory:
+        settings = settings.model_copy(update={"max_memory": int(0.8 * available_memory())})
+    return settings
 
 
 def load_engine_model(settings: Settings) -> ServedModel:
@@ -94,3 +117,65 @@ def warm_up(model: ServedModel) -> None:
     """Run each form once so the first request does not pay for lazy initialisation."""
     _, state = model.prefill(torch.zeros(1, 8, dtype=torch.long))
     model.step(torch.zeros(1, dtype=torch.long), state)
+
+
+# The settings that decide what the engine loads (and how it logs while loading): a model
+# loaded early on the command line's settings serves only if the server's agree on these.
+LOAD_FIELDS = {"weights", "dtype", "fused_step", "batch_invariant", "quantization", "threads",
+               "speculative_config", "log_level"}
+
+
+@dataclass
+class LoadedEngine:
+    """What an engine process loads before it runs: the settings it loaded on, the served
+    model and the draft model of a ``draft_model`` speculative config (else None)."""
+
+    settings: Settings
+    model: ServedModel
+    draft: ServedModel | None
+
+    def serves(self, settings: Settings) -> bool:
+        """Whether this load is the one ``settings`` ask for."""
+        return (self.settings.model_dump(include=LOAD_FIELDS)
+                == settings.model_dump(include=LOAD_FIELDS))
+
+
+def setup_engine_process(settings: Settings) -> None:
+    """Logging for an engine process. malloc stays at glibc's defaults here, unlike the HTTP process
+    (``linserve.server.system.malloc``): a pinned 64 KiB mmap threshold sends every step's
+    temporaries (the logits, the MLP's hidden rows) to fresh mappings, page-faulted anew each step:
+    1,367 minor faults a batch-64 step against 41. That cost the engine loop 55% of its throughput
+    (``bench.engine_loop --malloc-threshold``) and halved the soak test's streams; the
+    dynamic threshold keeps them on the heap, and the soak still holds RSS flat with the
+    prefix cache churning."""
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def load_engine(settings: Settings) -> LoadedEngine:
+    """The draft (first: loading sets the process's GEMM modes, which must end as the served
+    model's), then the served model, warmed up."""
+    draft = load_draft(settings.speculative, settings.dtype, settings.fused_step,
+                       settings.batch_invariant, settings.quantization)
+    model = load_engine_model(settings)
+    warm_up(model)
+    return LoadedEngine(settings, model, draft)
+
+
+def load_early(argv: list[str]) -> LoadedEngine | None:
+    """The engine loaded on ``linserve serve argv``'s own settings, in a prelaunched engine
+    process while the HTTP process imports and checks (:mod:`.prelaunch`), or None where
+    that cannot be done quietly: settings that do not parse, a checkpoint that fails its
+    check (the HTTP process says why, once) or kernels not built yet for this CPU (a first
+    start: the HTTP process compiles them, logged). Used only if the server's settings
+    agree (:meth:`LoadedEngine.serves`)."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            settings = resolve_checkpoint(parse_cli(argv))
+        if not kernels.cached():
+            return None
+        check(settings.weights, settings.dtype, settings.quantization, settings.max_memory)
+    except (Exception, SystemExit):  # the HTTP process reports it, once
+        return None
+    setup_engine_process(settings)
+    return load_engine(settings)

@@ -57,7 +57,7 @@ def prelaunch(argv: list[str]) -> None:
     go = ctx.Queue()
     inbox, outbox, ready, heartbeat = channels(ctx)
     process = ctx.Process(target=waiting_child, name="linserve-engine", daemon=True,
-                          args=(go, inbox, outbox, ready, heartbeat))
+                          args=(argv, go, inbox, outbox, ready, heartbeat))
     process.start()
     _handle[0] = Prelaunched(process, go, inbox, outbox, ready, heartbeat)
 
@@ -85,11 +85,16 @@ def cancel() -> None:
         handle.process.kill()
 
 
-def waiting_child(go: Any, inbox: Any, outbox: Any, ready: Any, heartbeat: Any) -> None:
-    """The prelaunched process: the engine's imports, then its settings from ``go`` (None:
-    the server is not starting), then the engine (``child_main``)."""
+def waiting_child(argv: list[str], go: Any, inbox: Any, outbox: Any, ready: Any,
+                  heartbeat: Any) -> None:
+    """The prelaunched process: the engine's imports, the model loaded on ``argv``'s own
+    settings where that can be done quietly (``load_early``), then the server's settings
+    from ``go`` (None: the server is not starting), then the engine (``child_main``, which
+    serves the early load if the settings agree)."""
+    from linserve.server.engine.loading import load_early
     from linserve.server.engine.process import child_main
 
+    early = load_early(argv)
     settings = go.get()
     if settings is not None:
-        child_main(settings, inbox, outbox, ready, heartbeat)
+        child_main(settings, inbox, outbox, ready, heartbeat, early)

@@ -30,11 +30,15 @@ from linserve.server import metrics
 from linserve.server.engine import prelaunch
 from linserve.server.engine.client import EngineHealth, EngineUnavailable, RequestHandle
 from linserve.server.engine.engine import Engine, EngineLimits, Overloaded
-from linserve.server.engine.loading import load_engine_model, state_budget, warm_up
+from linserve.server.engine.loading import (
+    LoadedEngine,
+    load_engine,
+    setup_engine_process,
+    state_budget,
+)
 from linserve.server.engine.progress import ProgressWatch
 from linserve.server.engine.types import GenerationRequest, Output
 from linserve.server.settings import Settings
-from linserve.server.speculative.draft import load_draft
 
 log = logging.getLogger("linserve.engine")
 MetricEvent = tuple[str, tuple[tuple[str, str], ...], str, float]
@@ -81,21 +85,23 @@ def apply_metric_events(events: list[MetricEvent]) -> None:
         getattr(metric, op)(value)
 
 
-def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbeat: Any) -> None:
+def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbeat: Any,
+               early: LoadedEngine | None = None) -> None:
     """Entry point of the engine process. ``heartbeat`` (a shared double) gets the monotonic
     time at every engine iteration, and during a long one as the engine thread computes
     (:class:`ProgressWatch`), while the command pump is alive: the parent's supervisor reads
-    it to tell a stuck engine from a busy one."""
+    it to tell a stuck engine from a busy one. ``early``: what a prelaunched process loaded
+    on the command line's settings (:func:`load_early`), served if ``settings`` agree."""
 
-    _setup_process(settings)
+    setup_engine_process(settings)
     events: list[MetricEvent] = []
     lock = threading.Lock()
     for name in ENGINE_METRICS:
         setattr(metrics, name, _Recorder(name, events, lock))
-    draft = load_draft(settings.speculative, settings.dtype, settings.fused_step,
-                       settings.batch_invariant, settings.quantization)
-    model = load_engine_model(settings)
-    warm_up(model)
+    if early is None or not early.serves(settings):
+        early = None  # freed before the load that replaces it
+        early = load_engine(settings)
+    model, draft = early.model, early.draft
 
     def take_events() -> list[MetricEvent]:
         with lock:
@@ -151,18 +157,6 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
     # Long steps beat from inside the work: the engine thread's CPU clock (progress.py).
     ProgressWatch.start(threading.current_thread(), beat, settings.engine_stall_seconds)
     engine.run()
-
-
-def _setup_process(settings: Settings) -> None:
-    """Logging for the child. malloc stays at glibc's defaults here, unlike the HTTP process
-    (``linserve.server.system.malloc``): a pinned 64 KiB mmap threshold sends every step's
-    temporaries (the logits, the MLP's hidden rows) to fresh mappings, page-faulted anew each step:
-    1,367 minor faults a batch-64 step against 41. That cost the engine loop 55% of its throughput
-    (``bench.engine_loop --malloc-threshold``) and halved the soak test's streams; the
-    dynamic threshold keeps them on the heap, and the soak still holds RSS flat with the
-    prefix cache churning."""
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _pump(inbox: Any, outbox: Any, model: ServedModel, engine: Engine) -> None:

@@ -1,0 +1,164 @@
+// A GGUF file's K-quant blocks (llama.cpp's Q4_K, Q5_K and Q6_K super-blocks of 256 inputs)
+// read straight into the quantized GEMM's stored formats (gemm_quant.h's q4k, q8k and q6),
+// for the load of a GGUF file.
+//
+// The same bytes as pack_quantized given model/gguf/checkpoint.py's block_values (q, and
+// the multipliers m_s, m_t and the super-block's d and e): the tests compare the two. Here
+// each output row's super-blocks are decoded into a SuperBlock and written into its column
+// of the panel, one pass over the file's bytes. Through block_values (PyTorch and numpy
+// unpacking, an int8 copy of every value and fp32 scales, then the packer reading them
+// transposed) the 0.8B shapes' Q4_K_M file took 3.9 s of its 5.5 s load.
+//
+//   Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
+//     nibbles; W = (sc d) q - (mn dmin), q in [0, 15]; stored as q4k, e = -dmin.
+//   Q5_K (176 bytes): Q4_K's with 32 bytes of high bits before the nibbles; q in [0, 31];
+//     stored as q8k (bytes q + 128).
+//   Q6_K (210 bytes): 128 bytes of low nibbles, 64 of two high bits, 16 int8 scales (one a
+//     16 inputs), fp16 d; W = (sc d) q, q in [-32, 31]; stored as q6 (bytes q + 128), its
+//     multipliers each half's scale, e = 0.
+// Value orders are llama.cpp's dequantize_row_q4_K / _q5_K / _q6_K (gguf-py's).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "gemm_quant.h"
+
+namespace linserve {
+
+// ggml's type numbers for the three K-quants.
+constexpr int64_t kGgmlQ4K = 12, kGgmlQ5K = 13, kGgmlQ6K = 14;
+
+// One super-block decoded: its 256 values as the stored format takes them, the two
+// multipliers of each of its 8 blocks (as bytes: q6's are signed) and the pair (d, e).
+struct SuperBlock {
+  int8_t q[256];
+  uint8_t ms[8], mt[8];
+  float d, e;
+};
+
+inline float fp16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// llama.cpp's get_scale_min_k4: block j's 6-bit scale and min from the 12 packed bytes.
+inline void scale_min_k4(int j, const uint8_t* s, uint8_t& sc, uint8_t& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = static_cast<uint8_t>((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+    mn = static_cast<uint8_t>((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+  }
+}
+
+// Q4_K and Q5_K (`five`): d, dmin, the scales, (Q5_K's high bits,) the nibbles.
+inline void decode_q45_k(const uint8_t* b, bool five, SuperBlock& out) {
+  out.d = fp16_at(b);
+  out.e = -fp16_at(b + 2);
+  for (int j = 0; j < 8; ++j) scale_min_k4(j, b + 4, out.ms[j], out.mt[j]);
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + (five ? 48 : 16);
+  for (int c = 0; c < 4; ++c)  // four runs of 64: 32 bytes' low nibbles, then their high ones
+    for (int l = 0; l < 32; ++l) {
+      int lo = qs[32 * c + l] & 15, hi = qs[32 * c + l] >> 4;
+      if (five) {
+        lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+        hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+      }
+      out.q[64 * c + l] = static_cast<int8_t>(lo);
+      out.q[64 * c + 32 + l] = static_cast<int8_t>(hi);
+    }
+}
+
+// Q6_K's 256 values into q (as llama.cpp's dequantize_row_q6_K orders them).
+inline void q6_k_values_of(const uint8_t* b, int8_t* q) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  for (int h = 0; h < 2; ++h, ql += 64, qh += 32, q += 128)
+    for (int l = 0; l < 32; ++l) {
+      q[l] = static_cast<int8_t>(((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32);
+      q[l + 32] = static_cast<int8_t>(((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
+      q[l + 64] = static_cast<int8_t>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+      q[l + 96] = static_cast<int8_t>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+    }
+}
+
+inline void decode_q6_k(const uint8_t* b, SuperBlock& out) {
+  q6_k_values_of(b, out.q);
+  for (int j = 0; j < 8; ++j) {  // each block's halves' int8 scales, kept as their bytes
+    out.ms[j] = b[192 + 2 * j];
+    out.mt[j] = b[192 + 2 * j + 1];
+  }
+  out.d = fp16_at(b + 208);
+  out.e = 0.0f;
+}
+
+inline void decode_k(const uint8_t* b, int64_t type, SuperBlock& out) {
+  if (type == kGgmlQ6K) return decode_q6_k(b, out);
+  decode_q45_k(b, type == kGgmlQ5K, out);
+}
+
+// One super-block into column c of a panel `width` wide (gemm_quant.h's layout: the pairs
+// at `panel`, the blocks from `first`).
+inline void store_super_block(const SuperBlock& sb, int64_t sp, int64_t c, int64_t width,
+                              int format, uint8_t* panel, uint8_t* first) {
+  std::memcpy(panel + ((2 * sp) * width + c) * 4, &sb.d, 4);
+  std::memcpy(panel + ((2 * sp + 1) * width + c) * 4, &sb.e, 4);
+  const bool nib = format == kQ4K;
+  const int64_t per = nib ? kBlock / 8 : kBlock / 4, bb = block_bytes(format);
+  for (int64_t j = 0; j < 8; ++j) {
+    uint8_t* blk = first + (8 * sp + j) * bb * width;
+    const int8_t* q = sb.q + 32 * j;
+    for (int64_t t = 0; t < per; ++t)
+      for (int64_t i = 0; i < 4; ++i) {
+        uint8_t* lane = blk + t * width * 4 + i + 4 * c;
+        *lane = nib ? static_cast<uint8_t>(q[8 * t + i] | (q[8 * t + i + 4] << 4))
+                    : static_cast<uint8_t>(q[4 * t + i] + 128);
+      }
+    uint8_t* tail = blk + per * 4 * width;
+    tail[c] = sb.ms[j];
+    tail[width + c] = sb.mt[j];
+  }
+}
+
+// raw [N, row bytes] uint8 (a GGUF K-quant matrix's rows, each K / 256 super-blocks of
+// `type`) -> the stored q4k / q8k / q6 weight pack_quantized would make of its values.
+inline at::Tensor pack_gguf(const at::Tensor& raw, int64_t type) {
+  TORCH_CHECK(type == kGgmlQ4K || type == kGgmlQ5K || type == kGgmlQ6K,
+              "pack_gguf takes Q4_K (12), Q5_K (13) or Q6_K (14) blocks");
+  const int64_t size = type == kGgmlQ4K ? 144 : type == kGgmlQ5K ? 176 : 210;
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
+                  raw.size(1) % size == 0 && raw.size(1) > 0,
+              "pack_gguf takes contiguous uint8 rows [N, K / 256 x block bytes]");
+  const int format = type == kGgmlQ4K ? kQ4K : type == kGgmlQ5K ? kQ8K : kQ6;
+  const int64_t n = raw.size(0), supers = raw.size(1) / size, k_len = supers * 256;
+  const int64_t blocks = k_len / kBlock;
+  at::Tensor flat = at::zeros({quant_rows_of(k_len, format) * n * 4}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* out = flat.data_ptr<uint8_t>();
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
+    SuperBlock sb;
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      const int64_t p0 = p * kPanel, width = std::min(kPanel, n - p0);
+      uint8_t* panel = out + p0 * column_bytes(format, blocks);
+      uint8_t* first = panel + supers * 8 * width;
+      for (int64_t c = 0; c < width; ++c)
+        for (int64_t sp = 0; sp < supers; ++sp) {
+          decode_k(src + (p0 + c) * raw.size(1) + sp * size, type, sb);
+          store_super_block(sb, sp, c, width, format, panel, first);
+        }
+    }
+  });
+  flat = flat.view({-1, n, 4});
+  return format == kQ6 ? flat.view(at::kChar) : flat;
+}
+
+}  // namespace linserve
