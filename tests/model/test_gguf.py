@@ -138,25 +138,43 @@ def test_q6_k_values_natively_as_pytorch_unpacks_them() -> None:
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
-                                   GGMLQuantizationType.Q6_K], ids=lambda q: q.name)
+                                   GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_0,
+                                   GGMLQuantizationType.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [1, 7, 16, 150])
-def test_k_quants_pack_from_their_blocks_as_from_their_values(
+def test_blocks_pack_straight_from_the_file_as_from_their_values(
         qtype: GGMLQuantizationType, rows: int) -> None:
-    """``pack_gguf`` (a GGUF K-quant's rows of blocks straight into the GEMM's stored format,
+    """``pack_gguf`` (a GGUF matrix's rows of blocks straight into the GEMM's stored format,
     what a load uses) writes the very bytes ``pack_quantized`` writes from their values and
     scales (``block_values``, the form tested against gguf-py), for widths of whole and
     partial panels on AVX2 and AVX-512 builds alike."""
     from linserve.model import kernels
-    from linserve.model.gguf.checkpoint import NATIVE, block_values
+    from linserve.model.gguf.checkpoint import NATIVE, PACKED_RAW, block_values
 
     if not kernels.load():
         pytest.skip("no native kernels")
+    assert qtype in PACKED_RAW
     k = 768  # three super-blocks a row
     raw = gguf_fixtures.random_blocks(qtype, rows, k, seed=rows)
     q, scales = block_values(Tensor("w", (rows, k), qtype, raw, raw.nbytes))
-    want = torch.ops.linserve.pack_quantized(q.t(), scales.permute(2, 1, 0), NATIVE[qtype])
+    scales = scales.permute(2, 1, 0) if scales.dim() == 3 else scales.t()
+    want = torch.ops.linserve.pack_quantized(q.t(), scales, NATIVE[qtype])
     got = torch.ops.linserve.pack_gguf(torch.from_numpy(raw.copy()), int(qtype))
     assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_a_q8_0_matrix_holding_minus_128_is_told_apart() -> None:
+    """A Q8_0 matrix with a value of −128 is dequantized instead of packed (the AVX2
+    product takes each value's sign apart); the check reads the values, not the scales."""
+    from linserve.model.gguf import checkpoint
+
+    raw = gguf_fixtures.random_blocks(GGMLQuantizationType.Q8_0, 6, 256, seed=2)
+    raw = raw.reshape(6, -1, 34)
+    raw[..., 2:][raw[..., 2:] == 0x80] = 0x81
+    raw[..., :2] = 0x80  # scales' bytes may be anything
+    t = Tensor("w", (6, 256), GGMLQuantizationType.Q8_0, raw.reshape(6, -1), raw.nbytes)
+    assert not checkpoint._holds_minus_128(t)
+    raw[4, 5, 33] = 0x80
+    assert checkpoint._holds_minus_128(t)
 
 
 # (family, shape, converter arguments): every served family llama.cpp's converter writes,
@@ -446,8 +464,8 @@ def test_a_merged_matrix_runs_on_its_parts_blocks(tmp_path: Path) -> None:
     blocks = checkpoint(q8).native_blocks("model.layers.0.shared_mlp.input_linear.weight")
     assert blocks is not None and blocks.fmt == NATIVE[GGMLQuantizationType.Q8_0]
     gate = checkpoint(q8).model.tensors["blk.0.ffn_gate_shexp.weight"].shape
-    assert blocks.q is not None and tuple(blocks.q.shape) == blocks.shape == (2 * gate[0],
-                                                                              gate[1])
+    assert blocks.raw is not None and blocks.shape == (2 * gate[0], gate[1])
+    assert blocks.raw.shape[0] == 2 * gate[0]  # the parts' rows of blocks, stacked
     # (the shared expert is a small part of this model: its blocks take less than floats)
     assert native.info.weight_bytes < loader.load(flat, dtype="auto").info.weight_bytes
     ids = torch.randint(0, 8192, (1, 21), generator=torch.Generator().manual_seed(6))

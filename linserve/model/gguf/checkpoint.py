@@ -46,9 +46,9 @@ FLOATS = (Q.F32, Q.F16, Q.BF16)
 # super-block of one block).
 NATIVE = {Q.Q4_0: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q4_1: 6, Q.Q5_K: 4, Q.Q5_0: 7, Q.Q5_1: 7,
           Q.Q6_K: 5}
-# The K-quants the kernels pack straight from the file's blocks (gguf_blocks.h's pack_gguf);
+# The formats the kernels pack straight from the file's blocks (gguf_blocks.h's pack_gguf);
 # the others go through their values (block_values).
-PACKED_RAW = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+PACKED_RAW = (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # Control tokens that end a generation in llama.cpp (its llama_vocab end-of-generation
 # list), besides tokenizer.ggml.eos_token_id / eot_token_id / eom_token_id.
 END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
@@ -194,6 +194,8 @@ class GGUFCheckpoint:
             return None
         qtype = parts[0].qtype
         if qtype in PACKED_RAW and kernels.available():
+            if qtype == Q.Q8_0 and any(_holds_minus_128(t) for t in parts):
+                return None
             if len(parts) == 1 and order is True:  # packed from the mapped file itself
                 return Blocks((rows, cols), NATIVE[qtype], raw=_mapped(parts[0]),
                               ggml_type=int(qtype), done=partial(release_pages, parts[0].raw))
@@ -423,6 +425,12 @@ def q8_0_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = torch.from_numpy(np.asarray(t.raw).reshape(rows, -1, 34).copy())
     scales = blocks[..., :2].contiguous().view(torch.float16).reshape(rows, -1)
     return blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1), scales
+
+
+def _holds_minus_128(t: Tensor) -> bool:
+    """Whether a Q8_0 matrix has a value of −128 (byte 0x80 after a block's fp16 scale)."""
+    values = _mapped(t).view(t.raw.shape[0], -1, 34)[..., 2:]
+    return bool((values == 0x80).any())
 
 
 def _mapped(t: Tensor) -> torch.Tensor:

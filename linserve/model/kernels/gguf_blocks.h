@@ -1,10 +1,10 @@
-// A GGUF file's K-quant blocks (llama.cpp's Q4_K, Q5_K and Q6_K super-blocks of 256 inputs)
-// read straight into the quantized GEMM's stored formats (gemm_quant.h's q4k, q8k and q6),
-// for the load of a GGUF file.
+// A GGUF file's blocks (llama.cpp's Q4_K, Q5_K and Q6_K super-blocks of 256 inputs, its
+// Q4_0 and Q8_0 blocks of 32) read straight into the quantized GEMM's stored formats
+// (gemm_quant.h's q4k, q8k, q6, int4 and q8), for the load of a GGUF file.
 //
 // The same bytes as pack_quantized given model/gguf/checkpoint.py's block_values (q, and
-// the multipliers m_s, m_t and the super-block's d and e): the tests compare the two. Here
-// each output row's super-blocks are decoded into a SuperBlock and written into its column
+// the multipliers m_s, m_t and the super-block's d and e, or a block's fp16 d): the tests
+// compare the two. Here each output row's blocks are decoded and written into its column
 // of the panel, one pass over the file's bytes. Through block_values (PyTorch and numpy
 // unpacking, an int8 copy of every value and fp32 scales, then the packer reading them
 // transposed) the 0.8B shapes' Q4_K_M file took 3.9 s of its 5.5 s load.
@@ -16,7 +16,11 @@
 //   Q6_K (210 bytes): 128 bytes of low nibbles, 64 of two high bits, 16 int8 scales (one a
 //     16 inputs), fp16 d; W = (sc d) q, q in [-32, 31]; stored as q6 (bytes q + 128), its
 //     multipliers each half's scale, e = 0.
-// Value orders are llama.cpp's dequantize_row_q4_K / _q5_K / _q6_K (gguf-py's).
+//   Q4_0 (18 bytes): fp16 d, 16 bytes: input j the low nibble of byte j, j + 16 its high
+//     one; W = d (nibble - 8); stored as int4 (the nibbles as they are).
+//   Q8_0 (34 bytes): fp16 d, 32 int8 q; W = d q; stored as q8 (bytes q + 128; the caller
+//     keeps a matrix holding -128 off this path, checkpoint.py's native_blocks).
+// Value orders are llama.cpp's dequantize_row_q4_K / _q5_K / _q6_K / _q4_0 / _q8_0.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -30,8 +34,8 @@
 
 namespace linserve {
 
-// ggml's type numbers for the three K-quants.
-constexpr int64_t kGgmlQ4K = 12, kGgmlQ5K = 13, kGgmlQ6K = 14;
+// ggml's type numbers of the formats packed here.
+constexpr int64_t kGgmlQ4_0 = 2, kGgmlQ8_0 = 8, kGgmlQ4K = 12, kGgmlQ5K = 13, kGgmlQ6K = 14;
 
 // One super-block decoded: its 256 values as the stored format takes them, the two
 // multipliers of each of its 8 blocks (as bytes: q6's are signed) and the pair (d, e).
@@ -105,6 +109,19 @@ inline void decode_k(const uint8_t* b, int64_t type, SuperBlock& out) {
   decode_q45_k(b, type == kGgmlQ5K, out);
 }
 
+// One block's 32 values q into column c of its stored rows at `blk` (a panel `width` wide):
+// bytes q + 128, or (`nib`) pairs of inputs 4 apart as nibbles q + `offset`.
+inline void store_rows(const int8_t* q, bool nib, int32_t offset, int64_t c, int64_t width,
+                       uint8_t* blk) {
+  const int64_t per = nib ? kBlock / 8 : kBlock / 4;
+  for (int64_t t = 0; t < per; ++t)
+    for (int64_t i = 0; i < 4; ++i) {
+      uint8_t* lane = blk + t * width * 4 + i + 4 * c;
+      *lane = nib ? static_cast<uint8_t>((q[8 * t + i] + offset) | ((q[8 * t + i + 4] + offset) << 4))
+                  : static_cast<uint8_t>(q[4 * t + i] + 128);
+    }
+}
+
 // One super-block into column c of a panel `width` wide (gemm_quant.h's layout: the pairs
 // at `panel`, the blocks from `first`).
 inline void store_super_block(const SuperBlock& sb, int64_t sp, int64_t c, int64_t width,
@@ -115,32 +132,59 @@ inline void store_super_block(const SuperBlock& sb, int64_t sp, int64_t c, int64
   const int64_t per = nib ? kBlock / 8 : kBlock / 4, bb = block_bytes(format);
   for (int64_t j = 0; j < 8; ++j) {
     uint8_t* blk = first + (8 * sp + j) * bb * width;
-    const int8_t* q = sb.q + 32 * j;
-    for (int64_t t = 0; t < per; ++t)
-      for (int64_t i = 0; i < 4; ++i) {
-        uint8_t* lane = blk + t * width * 4 + i + 4 * c;
-        *lane = nib ? static_cast<uint8_t>(q[8 * t + i] | (q[8 * t + i + 4] << 4))
-                    : static_cast<uint8_t>(q[4 * t + i] + 128);
-      }
+    store_rows(sb.q + 32 * j, nib, 0, c, width, blk);
     uint8_t* tail = blk + per * 4 * width;
     tail[c] = sb.ms[j];
     tail[width + c] = sb.mt[j];
   }
 }
 
-// raw [N, row bytes] uint8 (a GGUF K-quant matrix's rows, each K / 256 super-blocks of
-// `type`) -> the stored q4k / q8k / q6 weight pack_quantized would make of its values.
+// A Q4_0 (`four`) or Q8_0 block into column c of block `blk` of a panel `width` wide: its
+// stored rows, then its fp16 d as it is.
+inline void store_legacy_block(const uint8_t* b, bool four, int64_t c, int64_t width,
+                               uint8_t* blk) {
+  int8_t q[32];
+  for (int j = 0; j < (four ? 16 : 32); ++j) {
+    if (four) {
+      q[j] = static_cast<int8_t>((b[2 + j] & 15) - 8);
+      q[j + 16] = static_cast<int8_t>((b[2 + j] >> 4) - 8);
+    } else {
+      q[j] = static_cast<int8_t>(b[2 + j]);
+    }
+  }
+  store_rows(q, four, 8, c, width, blk);
+  std::memcpy(blk + (four ? kBlock / 8 : kBlock / 4) * 4 * width + 2 * c, b, 2);
+}
+
+// The stored format of a ggml type, and its block's bytes and inputs.
+struct GgmlBlocks {
+  int format;
+  int64_t bytes, inputs;
+};
+
+inline GgmlBlocks ggml_blocks(int64_t type) {
+  switch (type) {
+    case kGgmlQ4_0: return {kQInt4, 18, 32};
+    case kGgmlQ8_0: return {kQ8, 34, 32};
+    case kGgmlQ4K: return {kQ4K, 144, 256};
+    case kGgmlQ5K: return {kQ8K, 176, 256};
+    case kGgmlQ6K: return {kQ6, 210, 256};
+    default: TORCH_CHECK(false, "pack_gguf takes Q4_0 (2), Q8_0 (8), Q4_K (12), Q5_K (13) or "
+                         "Q6_K (14) blocks, not type ", type);
+  }
+}
+
+// raw [N, row bytes] uint8 (a GGUF matrix's rows, each of blocks of `type`) -> the stored
+// weight pack_quantized would make of its values.
 inline at::Tensor pack_gguf(const at::Tensor& raw, int64_t type) {
-  TORCH_CHECK(type == kGgmlQ4K || type == kGgmlQ5K || type == kGgmlQ6K,
-              "pack_gguf takes Q4_K (12), Q5_K (13) or Q6_K (14) blocks");
-  const int64_t size = type == kGgmlQ4K ? 144 : type == kGgmlQ5K ? 176 : 210;
+  const GgmlBlocks g = ggml_blocks(type);
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
-                  raw.size(1) % size == 0 && raw.size(1) > 0,
-              "pack_gguf takes contiguous uint8 rows [N, K / 256 x block bytes]");
-  const int format = type == kGgmlQ4K ? kQ4K : type == kGgmlQ5K ? kQ8K : kQ6;
-  const int64_t n = raw.size(0), supers = raw.size(1) / size, k_len = supers * 256;
-  const int64_t blocks = k_len / kBlock;
-  at::Tensor flat = at::zeros({quant_rows_of(k_len, format) * n * 4}, raw.options());
+                  raw.size(1) % g.bytes == 0 && raw.size(1) > 0,
+              "pack_gguf takes contiguous uint8 rows [N, K / block inputs x block bytes]");
+  const int64_t n = raw.size(0), units = raw.size(1) / g.bytes, k_len = units * g.inputs;
+  const int64_t blocks = k_len / kBlock, bb = block_bytes(g.format);
+  const bool super = has_super(g.format);
+  at::Tensor flat = at::zeros({quant_rows_of(k_len, g.format) * n * 4}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* out = flat.data_ptr<uint8_t>();
   const int64_t panels = (n + kPanel - 1) / kPanel;
@@ -148,17 +192,23 @@ inline at::Tensor pack_gguf(const at::Tensor& raw, int64_t type) {
     SuperBlock sb;
     for (int64_t p = p_begin; p < p_end; ++p) {
       const int64_t p0 = p * kPanel, width = std::min(kPanel, n - p0);
-      uint8_t* panel = out + p0 * column_bytes(format, blocks);
-      uint8_t* first = panel + supers * 8 * width;
-      for (int64_t c = 0; c < width; ++c)
-        for (int64_t sp = 0; sp < supers; ++sp) {
-          decode_k(src + (p0 + c) * raw.size(1) + sp * size, type, sb);
-          store_super_block(sb, sp, c, width, format, panel, first);
+      uint8_t* panel = out + p0 * column_bytes(g.format, blocks);
+      uint8_t* first = panel + (super ? units * 8 * width : 0);
+      for (int64_t c = 0; c < width; ++c) {
+        const uint8_t* row = src + (p0 + c) * raw.size(1);
+        for (int64_t u = 0; u < units; ++u) {
+          if (!super) {
+            store_legacy_block(row + u * g.bytes, type == kGgmlQ4_0, c, width, first + u * bb * width);
+            continue;
+          }
+          decode_k(row + u * g.bytes, type, sb);
+          store_super_block(sb, u, c, width, g.format, panel, first);
         }
+      }
     }
   });
   flat = flat.view({-1, n, 4});
-  return format == kQ6 ? flat.view(at::kChar) : flat;
+  return g.format == kQ6 || g.format == kQInt8 ? flat.view(at::kChar) : flat;
 }
 
 }  // namespace linserve
