@@ -228,6 +228,9 @@ def test_a_prelaunched_engine_loads_on_the_command_lines_settings(
     capfd.readouterr()
     assert loading.load_early(["--model", "weights/no-such-model"]) is None
     assert loading.load_early(["--no-such-flag"]) is None
+    assert loading.load_early(["--model", "weights/linear", "--speculative-config",
+                               '{"method": "draft_model", "model": "/nonexistent/x", '
+                               '"num_speculative_tokens": 2}']) is None
     out, err = capfd.readouterr()
     assert out == "" and err == ""
 

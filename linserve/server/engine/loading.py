@@ -166,16 +166,17 @@ def load_early(argv: list[str]) -> LoadedEngine | None:
     """The engine loaded on ``linserve serve argv``'s own settings, in a prelaunched engine
     process while the HTTP process imports and checks (:mod:`.prelaunch`), or None where
     that cannot be done quietly: settings that do not parse, a checkpoint that fails its
-    check (the HTTP process says why, once) or kernels not built yet for this CPU (a first
-    start: the HTTP process compiles them, logged). Used only if the server's settings
-    agree (:meth:`LoadedEngine.serves`)."""
+    check or a load that fails (a draft model that is not there: the HTTP process says
+    why, once; the engine loads again on its settings if it does start), or kernels not
+    built yet for this CPU (a first start: the HTTP process compiles them, logged). Used
+    only if the server's settings agree (:meth:`LoadedEngine.serves`)."""
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             settings = resolve_checkpoint(parse_cli(argv))
         if not kernels.cached():
             return None
         check(settings.weights, settings.dtype, settings.quantization, settings.max_memory)
+        setup_engine_process(settings)
+        return load_engine(settings)
     except (Exception, SystemExit):  # the HTTP process reports it, once
         return None
-    setup_engine_process(settings)
-    return load_engine(settings)
