@@ -210,25 +210,28 @@ def test_a_prelaunched_engine_loads_on_the_command_lines_settings(
     where the server's settings agree on what is loaded; nothing loaded, and nothing said,
     for a checkpoint that fails its check (the HTTP process says why) or settings that do
     not parse."""
+    from bench.serverproc import ROOT
     from linserve.server.engine import loading
     from linserve.server.settings import Settings
 
+    linear, ungated = str(ROOT / "weights" / "linear"), str(ROOT / "weights" / "linear-ungated")
+
     threads = torch.get_num_threads()
     try:
-        early = loading.load_early(["--model", "weights/linear", "--threads", "1"])
+        early = loading.load_early(["--model", linear, "--threads", "1"])
         assert early is not None and early.model.info.params > 0
         assert early.serves(loading.resolve_checkpoint(
-            Settings(model="weights/linear", threads=1, port=9999, max_running=3)))
+            Settings(model=linear, threads=1, port=9999, max_running=3)))
         assert not early.serves(loading.resolve_checkpoint(
-            Settings(model="weights/linear", threads=1, dtype="bfloat16")))
+            Settings(model=linear, threads=1, dtype="bfloat16")))
         assert not early.serves(loading.resolve_checkpoint(
-            Settings(model="weights/linear-ungated", threads=1)))
+            Settings(model=ungated, threads=1)))
     finally:
         torch.set_num_threads(threads)
     capfd.readouterr()
     assert loading.load_early(["--model", "weights/no-such-model"]) is None
     assert loading.load_early(["--no-such-flag"]) is None
-    assert loading.load_early(["--model", "weights/linear", "--speculative-config",
+    assert loading.load_early(["--model", linear, "--speculative-config",
                                '{"method": "draft_model", "model": "/nonexistent/x", '
                                '"num_speculative_tokens": 2}']) is None
     out, err = capfd.readouterr()
