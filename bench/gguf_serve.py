@@ -7,7 +7,9 @@ published shape) and each GGUF type: llama.cpp's converter writes the bf16 file 
 them). Both servers are then up at once on that one file (``linserve serve FILE`` as a user
 starts it, ``llama-server -m FILE -t 2 --parallel 16``) and measured alternately with one
 client (:mod:`bench.memory`'s): time to healthy, one stream alone, a prompt of about 2,048
-tokens (``--prefill``), 16 concurrent streams, resident memory after them.
+tokens (``--prefill``), 16 concurrent streams, resident memory after them. With
+``--start-rounds N`` each server is also started alone N times, alternately, and the time
+to healthy is the median of those.
 
 Writes ``bench/results/gguf_serve.json`` (each (model, type) kept until it is run again).
 """
@@ -84,6 +86,29 @@ def one_file(file: Path, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def start_rounds(file: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Each server started alone on ``file`` and timed to a healthy ``/health``,
+    alternately, ``args.start_rounds`` times (one start, as in :func:`one_file`, varies by
+    a second or more on a VM); the medians and their ratio."""
+    import statistics
+
+    warm_page_cache(file)
+    times: dict[str, list[float]] = {"ours": [], "llama_server": []}
+    for _ in range(args.start_rounds):
+        port = lc.free_port()
+        ours_cmd = [sys.executable, "-m", "linserve", "serve", str(file), "--port", str(port),
+                    "--threads", "2", *args.ours_args]
+        theirs_cmd, theirs_port = lc.llama_server_cmd(file, args.streams, 2048)
+        theirs_cmd += ["-t", "2", "--kv-unified"]
+        for who, cmd, at in (("ours", ours_cmd, port), ("llama_server", theirs_cmd, theirs_port)):
+            started = time.time()
+            with lc.running(cmd, at, RESULTS / f"gguf-start-{who}.log"):
+                times[who].append(time.time() - started)
+    medians = {who: statistics.median(t) for who, t in times.items()}
+    return {"seconds": times, "median_s": medians,
+            "ratio": medians["ours"] / medians["llama_server"]}
+
+
 def _measure(servers: dict[str, tuple[int, str]], out: dict[str, Any],
              args: argparse.Namespace) -> None:
     for who, (_, url) in servers.items():  # alternately: batch 1, prefill, then the streams
@@ -128,6 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--prefill-requests", type=int, default=2)
     p.add_argument("--ours-args", nargs="*", default=[])
+    p.add_argument("--start-rounds", type=int, default=0,
+                   help="also start each server alone this many times, alternately, and "
+                   "record the median times to healthy (load_s is then their ratio)")
+    p.add_argument("--starts-only", action="store_true",
+                   help="only the --start-rounds starts, into an earlier run's entry")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--out", default=OUT, help="results name (bench/results/OUT.json, .png): "
                    "one per machine, so that one plot never mixes CPUs")
@@ -142,10 +172,21 @@ def main(argv: list[str] | None = None) -> None:
         for kind in args.kinds:
             file = lc.gguf(checkpoint, kind)
             print(f"== {checkpoint.name} {kind}: {file}", flush=True)
+            key = f"{checkpoint.name}/{kind}"
+            if args.starts_only:  # the starts alone, into the entry of an earlier run
+                entry = result["runs"][key]
+                entry["starts"] = start_rounds(file, args)
+                entry["ratios"]["load_s"] = entry["starts"]["ratio"]
+                print(entry["starts"]["median_s"], flush=True)
+                write_json(out, result)
+                continue
             entry = one_file(file, args)
+            if args.start_rounds:
+                entry["starts"] = start_rounds(file, args)
+                entry["ratios"]["load_s"] = entry["starts"]["ratio"]
             entry["command"] = " ".join(["python -m bench.gguf_serve", str(checkpoint),
                                          "--kinds", kind])
-            result["runs"][f"{checkpoint.name}/{kind}"] = entry
+            result["runs"][key] = entry
             print({k: round(v, 3) for k, v in entry["ratios"].items()}, flush=True)
             write_json(out, result)
     plot(result, out)

@@ -429,8 +429,7 @@ def q8_0_values(t: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _holds_minus_128(t: Tensor) -> bool:
     """Whether a Q8_0 matrix has a value of −128 (byte 0x80 after a block's fp16 scale)."""
-    values = _mapped(t).view(t.raw.shape[0], -1, 34)[..., 2:]
-    return bool((values == 0x80).any())
+    return bool(torch.ops.linserve.q8_0_holds_minus_128(_mapped(t)))
 
 
 def _mapped(t: Tensor) -> torch.Tensor:

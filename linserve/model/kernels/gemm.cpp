@@ -14,8 +14,9 @@
 //   GEMM head in any stored format (embed.h), so the table is held once.
 //   q6_k_values(blocks [n, 210] uint8) -> q [n, 256] int8: a GGUF Q6_K tensor's 6-bit values
 //   (model/gguf/checkpoint.py's _q6_k; its scales are read there).
-//   pack_gguf(raw [N, row bytes] uint8, ggml type) -> a GGUF Q4_K / Q5_K / Q6_K matrix's
-//   rows as the stored q4k / q8k / q6 weight, straight from its blocks (gguf_blocks.h).
+//   pack_gguf(raw [N, row bytes] uint8, ggml type) -> a GGUF Q4_0 / Q8_0 / K-quant matrix's
+//   rows as the stored weight (int4, q8, q4k, q8k, q6), straight from its blocks (gguf_blocks.h).
+//   q8_0_holds_minus_128(raw [N, row bytes] uint8) -> whether a Q8_0 matrix has a −128.
 //   set_batch_invariant(on): whether the fused steps' projections use it (dense.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -67,6 +68,8 @@ at::Tensor q6_k_values(const at::Tensor& blocks) {
 
 at::Tensor pack_gguf_op(const at::Tensor& raw, int64_t type) { return linserve::pack_gguf(raw, type); }
 
+bool q8_0_holds_minus_128_op(const at::Tensor& raw) { return linserve::q8_0_holds_minus_128(raw); }
+
 bool has_bf16_dot() { return linserve::kHasBf16Dot; }
 
 // Whether bf16 GEMMs run on AMX tiles now; set_amx(false) keeps them on AVX512-BF16 (tests
@@ -94,6 +97,7 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("head_rows(Tensor head, Tensor tokens, int dim) -> Tensor");
   m.def("q6_k_values(Tensor blocks) -> Tensor");
   m.def("pack_gguf(Tensor raw, int type) -> Tensor");
+  m.def("q8_0_holds_minus_128(Tensor raw) -> bool");
   m.def("has_bf16_dot() -> bool");
   m.def("amx_active() -> bool");
   m.def("set_amx(bool on) -> ()");
@@ -109,6 +113,7 @@ TORCH_LIBRARY_IMPL(linserve, CPU, m) {
   m.impl("head_rows", &head_rows_op);
   m.impl("q6_k_values", &q6_k_values);
   m.impl("pack_gguf", &pack_gguf_op);
+  m.impl("q8_0_holds_minus_128", &q8_0_holds_minus_128_op);
 }
 
 TORCH_LIBRARY_IMPL(linserve, CatchAll, m) {

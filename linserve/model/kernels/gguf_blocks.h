@@ -27,6 +27,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -209,6 +210,28 @@ inline at::Tensor pack_gguf(const at::Tensor& raw, int64_t type) {
   });
   flat = flat.view({-1, n, 4});
   return g.format == kQ6 || g.format == kQInt8 ? flat.view(at::kChar) : flat;
+}
+
+// Whether a Q8_0 matrix's rows [N, row bytes] hold a value of -128 (a byte 0x80 after a
+// block's fp16 d): such a matrix is dequantized (the AVX2 product takes each value's sign
+// apart, and -128 has no positive twin). In PyTorch, a strided compare over the values took
+// 1.7 s of a 0.8B Q8_0 file's load.
+inline bool q8_0_holds_minus_128(const at::Tensor& raw) {
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
+                  raw.size(1) % 34 == 0,
+              "q8_0_holds_minus_128 takes contiguous uint8 rows of Q8_0 blocks");
+  const int64_t blocks = raw.numel() / 34;
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  std::atomic<bool> found{false};
+  at::parallel_for(0, blocks, 1 << 14, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1 && !found.load(std::memory_order_relaxed); ++b) {
+      const uint8_t* v = src + b * 34 + 2;
+      uint8_t hit = 0;
+      for (int j = 0; j < 32; ++j) hit |= static_cast<uint8_t>(v[j] == 0x80);
+      if (hit) found.store(true, std::memory_order_relaxed);
+    }
+  });
+  return found.load();
 }
 
 }  // namespace linserve
