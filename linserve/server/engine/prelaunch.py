@@ -15,8 +15,9 @@ a daemon), leaves without a word. A restarted engine is spawned afresh, as befor
 The waiting process does not idle: once imported, it loads the model on the command line's
 own settings (``loading.load_early``: parsed and resolved as the HTTP process does, the
 checkpoint checked first, quietly), and serves that load if the settings it is sent agree
-on what is loaded (else it loads again). The 0.8B shapes' Q4_K_M file: 15.0 s to healthy
-before, the load waiting on the HTTP process's imports and check.
+on what is loaded (else it loads again). The 0.8B shapes' Q4_K_M file was healthy in 15.0 s,
+its load waiting on the HTTP process's imports and check; with this and a quicker load, in
+8.6–10.8 s (BENCHMARKS.md §67).
 """
 
 from __future__ import annotations
