@@ -141,13 +141,13 @@ class LoadedEngine:
 
 
 def setup_engine_process(settings: Settings) -> None:
-    """Logging for an engine process. malloc stays at glibc's defaults here, unlike the HTTP process
-    (``linserve.server.system.malloc``): a pinned 64 KiB mmap threshold sends every step's
-    temporaries (the logits, the MLP's hidden rows) to fresh mappings, page-faulted anew each step:
-    1,367 minor faults a batch-64 step against 41. That cost the engine loop 55% of its throughput
-    (``bench.engine_loop --malloc-threshold``) and halved the soak test's streams; the
-    dynamic threshold keeps them on the heap, and the soak still holds RSS flat with the
-    prefix cache churning."""
+    """Logging for an engine process. malloc stays at glibc's defaults here, unlike the HTTP
+    process (``linserve.server.system.malloc``): a pinned 64 KiB mmap threshold sends every
+    step's temporaries (the logits, the MLP's hidden rows) to fresh mappings, page-faulted
+    anew each step: 1,367 minor faults a batch-64 step against 41. That cost the engine loop
+    55% of its throughput (``bench.engine_loop --malloc-threshold``) and halved the soak
+    test's streams; the dynamic threshold keeps them on the heap, and the soak still holds
+    RSS flat with the prefix cache churning."""
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
