@@ -78,13 +78,13 @@ def test_the_byte_table_is_kept_beside_the_vocabulary(tmp_path: Path) -> None:
     path = tmp_path / "ggml-vocab-qwen35.gguf"
     shutil.copy(llamacpp_assets.vendored("models/ggml-vocab-qwen35.gguf"), path)
     model, root = open_model(path), tmp_path / "cache"
-    assert vocab_cache.load_bytes(model.files, root) is None
+    assert vocab_cache.load_bytes(model.files, model.meta, root) is None
     table = byte_table(vocab_cache.load(model.files, model.meta, root))
-    vocab_cache.keep_bytes(model.files, table, root)
-    assert vocab_cache.load_bytes(model.files, root) == table
+    vocab_cache.keep_bytes(model.files, model.meta, table, root)
+    assert vocab_cache.load_bytes(model.files, model.meta, root) == table
     entry = vocab_cache.cache_file(model.files, root).with_suffix(".bytes")
     entry.write_bytes(entry.read_bytes()[:-1])
-    assert vocab_cache.load_bytes(model.files, root) is None
+    assert vocab_cache.load_bytes(model.files, model.meta, root) is None
 
 
 def test_a_files_string_arrays_read_as_gguf_py_reads_them() -> None:

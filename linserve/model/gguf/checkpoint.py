@@ -319,13 +319,11 @@ class GGUFCheckpoint:
         except (vocab.VocabError, KeyError) as exc:
             raise GGUFFileError(f"{self.path}: {exc}") from None
         if vocab_size not in self._wrapped:  # its byte table takes a second for 250k tokens
-            large = len(self.model.meta.get("tokenizer.ggml.tokens") or ()) >= \
-                vocab_cache.SMALLEST
-            table = vocab_cache.load_bytes(self.model.files) if large else None
+            files, meta = self.model.files, self.model.meta
+            table = vocab_cache.load_bytes(files, meta)
             tok = Tokenizer(hf_tok, self.end_ids(), vocab_size, table)
-            if large and table is None:
-                own = hf_tok.get_vocab_size()
-                vocab_cache.keep_bytes(self.model.files, tok.token_bytes[:own])
+            if table is None:
+                vocab_cache.keep_bytes(files, meta, tok.token_bytes[:hf_tok.get_vocab_size()])
             self._wrapped[vocab_size] = tok
         return self._wrapped[vocab_size]
 

@@ -46,7 +46,7 @@ def load(files: Sequence[Path], meta: dict[str, Any], root: Path | None = None
     """The vocabulary of the model in ``files`` with metadata ``meta``: from the cache
     (under ``root``) where it holds it, else built (:func:`vocab.build`, which raises
     :class:`vocab.VocabError`) and kept there when it is large."""
-    if len(meta.get("tokenizer.ggml.tokens") or ()) < SMALLEST:
+    if not kept(meta):
         return vocab.build(meta)
     path = cache_file(files, root)
     try:
@@ -64,8 +64,17 @@ def load(files: Sequence[Path], meta: dict[str, Any], root: Path | None = None
     return tok
 
 
-def load_bytes(files: Sequence[Path], root: Path | None = None) -> list[bytes] | None:
-    """The byte table :func:`keep_bytes` kept for the model in ``files``, or None."""
+def kept(meta: dict[str, Any]) -> bool:
+    """Whether the vocabulary of metadata ``meta`` is large enough to be kept."""
+    return len(meta.get("tokenizer.ggml.tokens") or ()) >= SMALLEST
+
+
+def load_bytes(files: Sequence[Path], meta: dict[str, Any], root: Path | None = None
+               ) -> list[bytes] | None:
+    """The byte table :func:`keep_bytes` kept for the model in ``files``, or None (none
+    kept, or a vocabulary too small to keep)."""
+    if not kept(meta):
+        return None
     try:
         data = (cache_file(files, root).with_suffix(".bytes")).read_bytes()
         count = int.from_bytes(data[:8], "little")
@@ -78,9 +87,12 @@ def load_bytes(files: Sequence[Path], root: Path | None = None) -> list[bytes] |
     return [data[start + a:start + b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
-def keep_bytes(files: Sequence[Path], table: list[bytes], root: Path | None = None) -> None:
+def keep_bytes(files: Sequence[Path], meta: dict[str, Any], table: list[bytes],
+               root: Path | None = None) -> None:
     """Keep ``table`` (a tokenizer's bytes for each token) beside the vocabulary of the
-    model in ``files`` (nothing if that cannot be written)."""
+    model in ``files`` (nothing for a small vocabulary, or if it cannot be written)."""
+    if not kept(meta):
+        return
     path = cache_file(files, root).with_suffix(".bytes")
     lengths = np.array([len(b) for b in table], dtype=np.uint32)
     try:
