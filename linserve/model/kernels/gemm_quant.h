@@ -1035,21 +1035,27 @@ inline void pack_pairs(const StridedBytes& pv, int64_t blocks, int64_t sb, int64
         std::memcpy(out + ((2 * sp + e) * width + c) * 4, pv.at(2 + e, sp * sb, p0 + c), 4);
 }
 
-// One block's stored rows of a panel: q's 32 inputs from k0 for the panel's columns, as
-// bytes (q + offset) or, for the nibble formats, pairs of inputs 4 apart in one byte.
+// One block's 32 values q into column c of its stored rows at `blk` (a panel `width` wide):
+// bytes q + 128, or (`nib`) pairs of inputs 4 apart as nibbles q + `offset`.
+inline void store_rows(const int8_t* q, bool nib, int32_t offset, int64_t c, int64_t width,
+                       uint8_t* blk) {
+  const int64_t per = nib ? kBlock / 8 : kBlock / 4;
+  for (int64_t t = 0; t < per; ++t)
+    for (int64_t i = 0; i < 4; ++i) {
+      uint8_t* lane = blk + t * width * 4 + i + 4 * c;
+      *lane = nib ? static_cast<uint8_t>((q[8 * t + i] + offset) | ((q[8 * t + i + 4] + offset) << 4))
+                  : static_cast<uint8_t>(q[4 * t + i] + 128);
+    }
+}
+
+// One block's stored rows of a panel: q's 32 inputs from k0 for the panel's columns
+// (store_rows, a column at a time).
 inline void pack_block_rows(const StridedBytes& q, int64_t k0, int64_t p0, int64_t width,
                             bool nib, int32_t offset, uint8_t* blk) {
-  const int64_t per = nib ? kBlock / 8 : kBlock / 4;
-  for (int64_t t = 0; t < per; ++t) {
-    for (int64_t i = 0; i < 4; ++i) {
-      const int64_t k = k0 + (nib ? 8 * t + i : 4 * t + i);
-      uint8_t* lane = blk + t * width * 4 + i;
-      for (int64_t c = 0; c < width; ++c) {
-        const int32_t lo = static_cast<int8_t>(*q.at(k, p0 + c)) + offset;
-        const int32_t hi = nib ? static_cast<int8_t>(*q.at(k + 4, p0 + c)) + offset : 0;
-        lane[4 * c] = static_cast<uint8_t>(nib ? lo | (hi << 4) : lo);
-      }
-    }
+  int8_t column[kBlock];
+  for (int64_t c = 0; c < width; ++c) {
+    for (int64_t k = 0; k < kBlock; ++k) column[k] = static_cast<int8_t>(*q.at(k0 + k, p0 + c));
+    store_rows(column, nib, offset, c, width, blk);
   }
 }
 

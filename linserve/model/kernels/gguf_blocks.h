@@ -110,19 +110,6 @@ inline void decode_k(const uint8_t* b, int64_t type, SuperBlock& out) {
   decode_q45_k(b, type == kGgmlQ5K, out);
 }
 
-// One block's 32 values q into column c of its stored rows at `blk` (a panel `width` wide):
-// bytes q + 128, or (`nib`) pairs of inputs 4 apart as nibbles q + `offset`.
-inline void store_rows(const int8_t* q, bool nib, int32_t offset, int64_t c, int64_t width,
-                       uint8_t* blk) {
-  const int64_t per = nib ? kBlock / 8 : kBlock / 4;
-  for (int64_t t = 0; t < per; ++t)
-    for (int64_t i = 0; i < 4; ++i) {
-      uint8_t* lane = blk + t * width * 4 + i + 4 * c;
-      *lane = nib ? static_cast<uint8_t>((q[8 * t + i] + offset) | ((q[8 * t + i + 4] + offset) << 4))
-                  : static_cast<uint8_t>(q[4 * t + i] + 128);
-    }
-}
-
 // One super-block into column c of a panel `width` wide (gemm_quant.h's layout: the pairs
 // at `panel`, the blocks from `first`).
 inline void store_super_block(const SuperBlock& sb, int64_t sp, int64_t c, int64_t width,
