@@ -154,6 +154,15 @@ def check(path: Path, dtype: str = "auto", quantization: str = "none", budget: i
     that its weights, as served, fit the memory available and the ``budget``
     (``--max-memory``; 0: none), then the family's own checks (config, tensors, tokenizer).
     """
+    check_memory(path, dtype, quantization, budget)
+    family(path).check(path, getattr(torch, pick_dtype(dtype)[0]))
+
+
+def check_memory(path: Path, dtype: str = "auto", quantization: str = "none",
+                 budget: int = 0) -> None:
+    """:func:`check`'s first part alone: that the weights, as served, fit the memory
+    available and the ``budget`` (0: none). What an early load checks before it loads
+    (the load checks the rest itself, quietly)."""
     fam = family(path)
     dt = getattr(torch, pick_dtype(dtype)[0])
     need = weight_bytes(fam.params(path), dt, quantization)
@@ -174,7 +183,6 @@ def check(path: Path, dtype: str = "auto", quantization: str = "none", budget: i
     if budget and need > budget:
         raise CheckpointError(f"{path}: the weights need {need / 2**30:.1f} GiB as {served}, "
                               f"more than --max-memory ({budget / 2**30:.1f} GiB)")
-    fam.check(path, dt)
 
 
 def weight_bytes(params: int, dtype: torch.dtype, quantization: str = "none") -> int:

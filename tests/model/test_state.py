@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from linserve.model.fingerprint import HEAD, WINDOW, WINDOWS, files_fingerprint
 from linserve.model.state import KVEntry, RecurrentEntry, State, StateError
 from linserve.model.state_blob import state_from_bytes as _from_bytes
 from linserve.model.state_blob import state_to_bytes
@@ -195,3 +197,36 @@ def test_a_kept_state_gives_back_its_kv_room() -> None:
     before = kv.k[:, :, :20].clone()
     st.trim_kv()
     assert kv.capacity == 32 and torch.equal(kv.k[:, :, :20], before)
+
+
+def test_a_checkpoint_file_is_fingerprinted_by_its_size_head_and_windows(tmp_path: Path
+                                                                          ) -> None:
+    """A checkpoint's fingerprint reads a small file whole and a large one in a head and
+    evenly spaced windows: any byte of those, its size or the config changes it; a byte
+    between two windows does not (the trade for not reading gigabytes at every start)."""
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"a" * 1000)
+    first = files_fingerprint([small])
+    small.write_bytes(b"a" * 999 + b"b")
+    assert files_fingerprint([small]) != first
+    big = tmp_path / "big.safetensors"
+    with big.open("wb") as f:
+        f.truncate(HEAD + 4 * WINDOWS * WINDOW)  # sparse: windows 4 WINDOW apart
+    base = files_fingerprint([big])
+    assert files_fingerprint([big], b"{}") != base
+
+    def changed_at(at: int) -> bool:
+        with big.open("r+b") as f:
+            f.seek(at)
+            f.write(b"x")
+        out = files_fingerprint([big]) != base
+        with big.open("r+b") as f:
+            f.seek(at)
+            f.write(b"\0")
+        return out
+
+    assert changed_at(10) and changed_at(HEAD + 5) and changed_at(big.stat().st_size - 1)
+    assert not changed_at(HEAD + 2 * WINDOW)
+    with big.open("ab") as f:
+        f.write(b"\0")
+    assert files_fingerprint([big]) != base

@@ -12,13 +12,11 @@ Every problem is a :class:`CheckpointError` with a one-line message.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import os
 import re
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -29,6 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from linserve.model import heap, invariant, kernels
+from linserve.model.fingerprint import files_fingerprint
 from linserve.model.gguf.checkpoint import GGUFCheckpoint
 from linserve.model.gguf.checkpoint import checkpoint as gguf_checkpoint
 from linserve.model.gguf.files import GGUFFileError, is_gguf
@@ -425,16 +424,11 @@ def _scatter(t: torch.Tensor, dests: list[tuple[torch.Tensor, Index]]) -> None:
 
 
 def fingerprint(path: Path) -> str:
-    """blake2b over config.json and every weight file's bytes."""
+    """config.json and the weight files, sampled (:mod:`linserve.model.fingerprint`)."""
     if is_gguf(path):
         return gguf(path).fingerprint()
-    h = hashlib.blake2b(digest_size=16)
-    h.update((path / "config.json").read_bytes())
-    for f in sorted(set(tensor_files(path).values())):
-        with f.open("rb") as fh:
-            while chunk := fh.read(1 << 24):
-                h.update(chunk)
-    return h.hexdigest()
+    return files_fingerprint(sorted(set(tensor_files(path).values())),
+                             (path / "config.json").read_bytes())
 
 
 def load_tokenizer(path: Path, config: dict[str, Any], vocab_size: int) -> Tokenizer:
@@ -493,15 +487,13 @@ class HFServedModel:
     def __init__(self, module: Any, tok: Tokenizer, template: str | None,
                  fp: str | Callable[[], str], architecture: str, context_limit: int,
                  per_token: int, chunk: int = 64, decode_step: str | None = None) -> None:
-        """``fp``: the weights' fingerprint, or what computes it on first use (hashing a
-        file of 500 MB took a second of every start, and only states and shared prefixes
-        need it)."""
+        """``fp``: the weights' fingerprint, or what computes it on first use (only states
+        and shared prefixes need it)."""
         self.module, self._tok, self._template = module, tok, template
         # states of quantized weights are not interchangeable with the unquantized ones'
         quant = invariant.quantization()
         self._fp_of, self._fp_suffix = fp, "" if quant == "none" else f"-{quant}"
         self._fp: str | None = None
-        self._hashing: threading.Thread | None = None
         self.chunk = chunk
         self.context_limit = context_limit
         empty = module.new_state(1, context_limit)
@@ -518,15 +510,8 @@ class HFServedModel:
             weight_bytes=0 if described else invariant.resident_bytes(module),
             embedding_bytes=0 if described else invariant.embedding_bytes(module),
             quantization=invariant.quantization())
-        if described:  # the HTTP process's model: hashed while the engine loads the weights
-            self._hashing = threading.Thread(target=self.fingerprint, name="fingerprint",
-                                             daemon=True)
-            self._hashing.start()
 
     def fingerprint(self) -> str:
-        hashing = self._hashing
-        if hashing is not None and hashing is not threading.current_thread():
-            hashing.join()
         if self._fp is None:
             fp = self._fp_of if isinstance(self._fp_of, str) else self._fp_of()
             self._fp = fp + self._fp_suffix

@@ -12,7 +12,6 @@ applies (:mod:`linserve.model.gguf.archs`).
 
 from __future__ import annotations
 
-import hashlib
 import re
 import threading
 import warnings
@@ -29,6 +28,7 @@ from gguf import GGMLQuantizationType as Q
 from tokenizers import Tokenizer as HFTokenizer
 
 from linserve.model import kernels
+from linserve.model.fingerprint import files_fingerprint
 from linserve.model.gguf import archs, vocab, vocab_cache
 from linserve.model.gguf.files import GGUFFileError, GGUFModel, Tensor, open_model, release_pages
 from linserve.model.invariant import Blocks
@@ -344,13 +344,8 @@ class GGUFCheckpoint:
         return template if isinstance(template, str) else None
 
     def fingerprint(self) -> str:
-        """blake2b over every file's bytes."""
-        h = hashlib.blake2b(digest_size=16)
-        for f in self.model.files:
-            with f.open("rb") as fh:
-                while chunk := fh.read(1 << 24):
-                    h.update(chunk)
-        return h.hexdigest()
+        """The files, sampled (:mod:`linserve.model.fingerprint`)."""
+        return files_fingerprint(self.model.files)
 
 
 # Elements up to which a shape is found on a zeroed CPU tensor rather than a meta one.

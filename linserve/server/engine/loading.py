@@ -22,7 +22,7 @@ from linserve.model.kernels import bf16_gemm  # noqa: F401 (re-exported for the 
 from linserve.model.loader import (
     available_memory,
     batch_invariant_active,
-    check,
+    check_memory,
     load,
     pick_dtype,
     resolve,
@@ -165,17 +165,18 @@ def load_engine(settings: Settings) -> LoadedEngine:
 def load_early(argv: list[str]) -> LoadedEngine | None:
     """The engine loaded on ``linserve serve argv``'s own settings, in a prelaunched engine
     process while the HTTP process imports and checks (:mod:`.prelaunch`), or None where
-    that cannot be done quietly: settings that do not parse, a checkpoint that fails its
-    check or a load that fails (a draft model that is not there: the HTTP process says
-    why, once; the engine loads again on its settings if it does start), or kernels not
-    built yet for this CPU (a first start: the HTTP process compiles them, logged). Used
-    only if the server's settings agree (:meth:`LoadedEngine.serves`)."""
+    that cannot be done quietly: settings that do not parse, weights that do not fit the
+    memory (checked first; the load runs the family's own checks), a load that fails (a
+    draft model that is not there: the HTTP process says why, once; the engine loads again
+    on its settings if it does start), or kernels not built yet for this CPU (a first
+    start: the HTTP process compiles them, logged). Used only if the server's settings
+    agree (:meth:`LoadedEngine.serves`)."""
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             settings = resolve_checkpoint(parse_cli(argv))
         if not kernels.cached():
             return None
-        check(settings.weights, settings.dtype, settings.quantization, settings.max_memory)
+        check_memory(settings.weights, settings.dtype, settings.quantization, settings.max_memory)
         setup_engine_process(settings)
         return load_engine(settings)
     except (Exception, SystemExit):  # the HTTP process reports it, once
