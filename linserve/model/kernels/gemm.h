@@ -93,6 +93,18 @@ struct Weights {
   }
 };
 
+// Steps ahead that a tile of several rows prefetches its weights on AVX2 (one line a step:
+// a panel's row of fp32 is 64 bytes there). A tile reads one panel, a single stream, and
+// with 2-6 rows of FMAs a line it kept too few reads in flight: 4 rows of fp32 weights read
+// from memory took 1.42-1.46 times one row, 1.25-1.38 with this (BENCHMARKS.md §68); the
+// one-row GEMV reads two panels at once instead (gemv_two_panels). Not measured on AVX-512,
+// whose tiles read four lines a step, so not done there.
+#if defined(__AVX512F__)
+constexpr int64_t kTileAhead = 0;
+#else
+constexpr int64_t kTileAhead = 32;
+#endif
+
 // ROWS rows x NV vectors of columns starting at (x, w, y); K sequential steps.
 template <int64_t ROWS, int64_t NV, typename W>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y, int64_t ldy,
@@ -101,6 +113,8 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y,
   for (int64_t r = 0; r < ROWS; ++r)
     for (int64_t j = 0; j < NV; ++j) acc[r][j] = vfloat{};
   for (int64_t k = 0; k < k_len; ++k) {
+    if constexpr (ROWS > 1 && kTileAhead > 0)
+      __builtin_prefetch(w + (k + kTileAhead) * ldw, 0, 3);
     vfloat wv[NV];
     for (int64_t j = 0; j < NV; ++j) wv[j] = load_w(w + k * ldw + j * kLanes);
     for (int64_t r = 0; r < ROWS; ++r) {
