@@ -40,7 +40,7 @@ from bench.common import (
     time_interleaved,
     write_json,
 )
-from linserve.model import loader
+from linserve.model import kernels, loader
 from linserve.model.heap import keep_scratch
 from linserve.model.interface import ServedModel
 from linserve.model.sampling import SamplingParams
@@ -51,8 +51,9 @@ from linserve.server.speculative.config import SpeculativeConfig
 K = 3
 
 
-def verify_costs(path: Path, quant: str, k_max: int = 5) -> dict[str, Any]:
-    model = loader.load(path, "bfloat16", quantization=quant)
+def verify_costs(path: Path, quant: str, k_max: int = 5, dtype: str = "bfloat16"
+                 ) -> dict[str, Any]:
+    model = loader.load(path, dtype, quantization=quant)
     keep_scratch()  # as the engine does once its weights are in (model/heap.py)
     _, state = model.prefill(torch.randint(0, 1000, (1, 64)))
     fns: dict[str, Callable[[], object]] = {
@@ -61,16 +62,25 @@ def verify_costs(path: Path, quant: str, k_max: int = 5) -> dict[str, Any]:
         toks = torch.randint(0, 1000, (1, t))
         fns[f"T{t}"] = partial(lambda x: model.verify(x, state.copy()), toks)
     ms = time_interleaved(fns, rounds=5, round_seconds=0.5)
-    row: dict[str, Any] = {"quantization": quant, "step_ms": round(ms["step"], 2)}
+    row: dict[str, Any] = {"quantization": quant, "dtype": dtype, "isa": isa(),
+                           "step_ms": round(ms["step"], 2)}
     for t in range(1, k_max + 1):
         row[f"k={t - 1}"] = round(ms[f"T{t}"] / ms["step"], 3)
     return row
 
 
+def isa() -> str:
+    """The vector width the kernels run at here (rows of both are kept apart)."""
+    return "avx512" if "avx512f" in kernels.cpu_flags() else "avx2"
+
+
 def merge(old: list[dict[str, Any]] | None, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Cost rows: ``new``'s, and ``old``'s for weights not measured now."""
-    done = {r["quantization"] for r in new}
-    return [r for r in old or [] if r["quantization"] not in done] + new
+    def weights(r: dict[str, Any]) -> tuple[str, str, str]:
+        return r["quantization"], r.get("dtype", "bfloat16"), r.get("isa", "avx512")
+
+    done = {weights(r) for r in new}
+    return [r for r in old or [] if weights(r) not in done] + new
 
 
 def config(**extra: object) -> SpeculativeConfig:
@@ -285,7 +295,9 @@ def plot(sweep: list[dict[str, Any]], costs: list[dict[str, Any]]) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for c in costs:
         ks = [k for k in c if k.startswith("k=")]
-        a.plot([int(k[2:]) for k in ks], [c[k] for k in ks], marker="o", label=c["quantization"])
+        label = c["quantization"] if c["quantization"] != "none" else c.get("dtype", "bfloat16")
+        label += f" ({c.get('isa', 'avx512').upper()})"
+        a.plot([int(k[2:]) for k in ks], [c[k] for k in ks], marker="o", label=label)
     a.axhline(1.3, ls=":", c="grey")
     a.set(xlabel="drafts k", ylabel="T(k+1) / T(1)", title="verify cost, batch 1")
     a.legend()
@@ -330,6 +342,9 @@ def main() -> None:
                    help="the 4B-class shape of cost-4b (made there if missing)")
     p.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"],
                    help="the weights of the cost parts (rows of other weights are kept)")
+    p.add_argument("--cost-dtype", default="bfloat16",
+                   help="the cost parts' weights (and the dtype beside int8 / int4): "
+                        "bfloat16, or float32 (what auto serves on an AVX2 CPU)")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--trained", type=Path, default=Path("weights/qwen35-mtp"))
     p.add_argument("--dtype", default="auto",
@@ -347,7 +362,7 @@ def main() -> None:
     if "cost" in args.parts:  # the 0.8B shapes' rows under "verify_cost", another's apart
         key = "verify_cost" if args.checkpoint.name == "qwen3.5-0.8b-shapes" \
             else f"verify_cost:{args.checkpoint.resolve().name}"
-        out[key] = merge(out.get(key), [verify_costs(args.checkpoint, q)
+        out[key] = merge(out.get(key), [verify_costs(args.checkpoint, q, dtype=args.cost_dtype)
                                         for q in args.quantizations])
         print_table(out[key], list(out[key][0]))
     if "cost-4b" in args.parts:
@@ -355,7 +370,8 @@ def main() -> None:
             from bench.hf import SHAPE_4B, make
             make(args.checkpoint_4b, SHAPE_4B)
         out["verify_cost_4b"] = merge(out.get("verify_cost_4b"),
-                                      [verify_costs(args.checkpoint_4b, q)
+                                      [verify_costs(args.checkpoint_4b, q,
+                                                    dtype=args.cost_dtype)
                                        for q in args.quantizations])
         print_table(out["verify_cost_4b"], list(out["verify_cost_4b"][0]))
     if "sweep" in args.parts:
