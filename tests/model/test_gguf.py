@@ -68,6 +68,26 @@ def test_a_large_vocabulary_is_built_once_and_read_back(tmp_path: Path) -> None:
     assert vocab_cache.cache_file(open_model(path).files, root) != entry
 
 
+def test_only_the_vocabularies_used_last_are_kept(tmp_path: Path) -> None:
+    """The cache keeps the KEEP entries used last: older ones go with their byte tables, and
+    an entry read back counts as used."""
+    import os
+
+    from linserve.model.gguf import vocab_cache
+    root = tmp_path / "cache"
+    root.mkdir()
+    for i in range(vocab_cache.KEEP + 3):
+        for suffix in (".json", ".bytes"):
+            (root / f"{i:02d}{suffix}").write_text("{}")
+            os.utime(root / f"{i:02d}{suffix}", ns=(i * 10**9, i * 10**9))
+    os.utime(root / "01.json")  # read just now
+    vocab_cache.prune(root)
+    kept = sorted(p.name for p in root.iterdir())
+    assert len(kept) == 2 * vocab_cache.KEEP
+    assert "01.json" in kept and "01.bytes" in kept
+    assert not {"00.json", "00.bytes", "02.json", "02.bytes", "03.json"} & set(kept)
+
+
 def test_the_byte_table_is_kept_beside_the_vocabulary(tmp_path: Path) -> None:
     """The tokenizer's byte table of a large vocabulary is kept beside it and read back equal
     to the one made from the tokenizer; a cut-short entry is passed over (made again)."""

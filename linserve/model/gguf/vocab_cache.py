@@ -7,12 +7,15 @@ a replaced file is built again) and by the source of :mod:`.vocab` (a changed ru
 a later start of the same file reads it back in a fraction of the time, and with it the
 tokenizer's byte table (:func:`linserve.model.tokenizer.byte_table`, another second, kept
 beside it as ``.bytes``: the lengths, then the bytes). Only vocabularies
-of :data:`SMALLEST` tokens or more are kept (a small one builds in a blink). A cache that
-cannot be read or written is passed over: the vocabulary is built as before.
+of :data:`SMALLEST` tokens or more are kept (a small one builds in a blink), and only the
+:data:`KEEP` entries used last (an entry is touched when read; each new file, or a file
+replaced, adds one of ~7 MB for a 250k-token vocabulary, which nothing else would remove). A
+cache that cannot be read or written is passed over: the vocabulary is built as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Sequence
@@ -29,6 +32,7 @@ from linserve.model.kernels.build import cache_root
 _RULES = hashlib.sha1(Path(vocab.__file__).read_bytes()
                       + Path(tokenizer.__file__).read_bytes()).hexdigest()[:12]
 SMALLEST = 32_768
+KEEP = 16
 
 
 def cache_file(files: Sequence[Path], root: Path | None = None) -> Path:
@@ -50,9 +54,13 @@ def load(files: Sequence[Path], meta: dict[str, Any], root: Path | None = None
         return vocab.build(meta)
     path = cache_file(files, root)
     try:
-        return HFTokenizer.from_file(str(path))
+        tok = HFTokenizer.from_file(str(path))
     except Exception:  # absent or unreadable (tokenizers raises Exception): build it
         pass
+    else:
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used now: kept by prune
+        return tok
     tok = vocab.build(meta)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +69,22 @@ def load(files: Sequence[Path], meta: dict[str, Any], root: Path | None = None
         tmp.replace(path)
     except OSError:
         pass
+    prune(path.parent)
     return tok
+
+
+def prune(directory: Path, keep: int = KEEP) -> None:
+    """Remove all but the ``keep`` entries of ``directory`` used last (by modification
+    time: written, or touched when read), each with its byte table."""
+    try:
+        entries = sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime_ns,
+                         reverse=True)
+    except OSError:  # (one removed meanwhile by another process: pruned next time)
+        return
+    for old in entries[keep:]:
+        for f in (old, old.with_suffix(".bytes")):
+            with contextlib.suppress(OSError):
+                f.unlink()
 
 
 def kept(meta: dict[str, Any]) -> bool:
