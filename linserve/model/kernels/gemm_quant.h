@@ -402,7 +402,25 @@ inline void store_out(float* out, vfloat v, bool accumulate) {
 // (llama.cpp's trick): a pair is at most 2 x 127 x 127, and the offset's correction is not
 // needed (the dot starts at 0, not at -128 Σ x). int4's nibbles (0..15) stay unsigned: a
 // block's four stored rows of pairs sum to at most 8 x 15 x 127 < 2^15 before vpmaddwd.
+// The narrow byte formats need neither sign: their values (stored q + 128) are taken as
+// q + kNarrowBias, unsigned and at most 63 (Q6_K's q in [-32, 31] as q + 32; q8k's, Q5_K's
+// and Q5_1's in [0, 31] or Q5_0's in [-16, 15], as q + 16), so two stored rows' pairs sum to
+// at most 2 x 2 x 63 x 127 < 2^15 before vpmaddwd: two instructions a stored row instead of
+// four. Their dot starts at -kNarrowBias Σ x, the offset's correction (-128 Σ x) over 4 or 8:
+// exact.
 constexpr bool kAvx2Dot = true;
+template <int F> constexpr bool kNarrowBytes = F == kQ6 || F == kQ8K;
+template <int F> constexpr int32_t kNarrowBias = F == kQ6 ? 32 : 16;
+
+// A dot product's starting value on AVX2: 0 for the byte formats taken signed, the
+// correction for the nibbles and the narrow bytes.
+template <int F>
+inline int32_t avx2_dot_start(int32_t d0, int32_t d0_lo, int64_t g) {
+  if constexpr (kNib<F>) return half_start<F>(d0, d0_lo, g);
+  if constexpr (kNarrowBytes<F>)
+    return (kHalves<F> == 2 ? half_start<F>(d0, d0_lo, g) : d0) / (128 / kNarrowBias<F>);
+  return 0;
+}
 
 template <int F, int64_t ROWS, int64_t NV>
 inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int64_t b,
@@ -431,6 +449,27 @@ inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int6
         dot[r][j] += reinterpret_cast<const vi32&>(sum[r][j] = _mm256_madd_epi16(sum[r][j], ones));
     return;
   }
+  if constexpr (kNarrowBytes<F>) {  // two stored rows at a time, unsigned
+    const __m256i off = _mm256_set1_epi8(static_cast<char>(128 - kNarrowBias<F>));
+    __m256i sum[ROWS][NV];
+    for (auto& row : sum) for (auto& v : row) v = _mm256_setzero_si256();
+    for (int64_t t = t0; t < t1; t += 2) {
+      for (int64_t j = 0; j < NV; ++j) {
+        const uint8_t* q = col[j].q + b * col[j].block + t * col[j].ld;
+        const __m256i u0 = _mm256_sub_epi8(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), off);
+        const __m256i u1 = _mm256_sub_epi8(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + col[j].ld)), off);
+        for (int64_t r = 0; r < ROWS; ++r)
+          sum[r][j] = _mm256_add_epi32(sum[r][j], _mm256_madd_epi16(_mm256_add_epi16(
+              _mm256_maddubs_epi16(u0, _mm256_set1_epi32(xq[r][t])),
+              _mm256_maddubs_epi16(u1, _mm256_set1_epi32(xq[r][t + 1]))), ones));
+      }
+    }
+    for (int64_t r = 0; r < ROWS; ++r)
+      for (int64_t j = 0; j < NV; ++j) dot[r][j] += reinterpret_cast<const vi32&>(sum[r][j]);
+    return;
+  }
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t t = t0; t < t1; ++t) {  // (stored rows t0 .. t1 - 1: kQ6's half)
     __m256i xb[ROWS], ax[ROWS];
@@ -451,6 +490,9 @@ inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int6
 }
 #else
 constexpr bool kAvx2Dot = false;
+
+template <int F>  // never called: tile_q's generic loop runs
+inline int32_t avx2_dot_start(int32_t, int32_t, int64_t) { return 0; }
 
 template <int F, int64_t ROWS, int64_t NV>  // never called: tile_q's generic loop runs
 inline void block_dot_avx2(const QuantActs&, int64_t, const QCol*, int64_t, vi32 (*)[NV],
@@ -517,7 +559,8 @@ inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int
       vi32 dot[ROWS][NV];
       for (int64_t r = 0; r < ROWS; ++r)
         for (int64_t j = 0; j < NV; ++j)
-          dot[r][j] = vi32{} + (kAvx2Dot && !kNib<F> ? 0 : half_start<F>(
+          dot[r][j] = vi32{} + (kAvx2Dot ? avx2_dot_start<F>(
+              a.d0(s.r0 + r, b), a.d0_lo(s.r0 + r, b), g) : half_start<F>(
               a.d0(s.r0 + r, b), a.d0_lo(s.r0 + r, b), g));
       if constexpr (kAvx2Dot) block_dot_avx2<F, ROWS, NV>(a, s.r0, col, b, dot, t0, t1);
       for (int64_t t = t0; t < (kAvx2Dot ? t0 : t1); ++t) {
