@@ -417,8 +417,7 @@ template <int F> constexpr int32_t kNarrowBias = F == kQ6 ? 32 : 16;
 template <int F>
 inline int32_t avx2_dot_start(int32_t d0, int32_t d0_lo, int64_t g) {
   if constexpr (kNib<F>) return half_start<F>(d0, d0_lo, g);
-  if constexpr (kNarrowBytes<F>)
-    return (kHalves<F> == 2 ? half_start<F>(d0, d0_lo, g) : d0) / (128 / kNarrowBias<F>);
+  if constexpr (kNarrowBytes<F>) return half_start<F>(d0, d0_lo, g) / (128 / kNarrowBias<F>);
   return 0;
 }
 
