@@ -8,7 +8,9 @@ once its bytes are complete, so a stream never carries U+FFFD or half a characte
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -79,23 +81,63 @@ def byte_table(tok: HFTokenizer) -> list[bytes]:
 
 
 class Tokenizer:
-    """Encode/decode text; ``token_bytes[i]`` is the exact byte string of token i."""
+    """Encode/decode text; ``token_bytes[i]`` is the exact byte string of token i.
 
-    def __init__(self, tok: HFTokenizer, eos_ids: Sequence[int] | None = None,
-                 size: int | None = None, token_bytes: list[bytes] | None = None) -> None:
+    ``tok`` may be given as a function that reads it (with ``token_bytes`` kept from before):
+    decoding, the end ids and the byte table need only the table, and reading a 250k-token
+    vocabulary's JSON holds the GIL for half a second (``tokenizers`` does not release it),
+    which an engine loading its weights beside it waited out. Such a tokenizer reads it at
+    its first encode, or in a thread from :meth:`prefetch`."""
+
+    def __init__(self, tok: HFTokenizer | Callable[[], HFTokenizer],
+                 eos_ids: Sequence[int] | None = None, size: int | None = None,
+                 token_bytes: list[bytes] | None = None) -> None:
         """``eos_ids``: the ids that end a generation (default: ``<|endoftext|>``'s);
         ``size``: the model's vocabulary when it is larger than the tokenizer's (ids past the
         tokenizer decode to nothing); ``token_bytes``: the byte table :func:`byte_table`
-        made of ``tok`` before (kept on disk: a 250k-token vocabulary's takes a second)."""
-        self._tok = tok
-        self.vocab_size: int = max(tok.get_vocab_size(), size or 0)
+        made of ``tok`` before (kept on disk: a 250k-token vocabulary's takes a second;
+        required where ``tok`` is a function, whose tokenizer has exactly its tokens)."""
+        self._read: Future[HFTokenizer] = Future()
+        self._reader: Callable[[], HFTokenizer] | None = None
+        self._lock = threading.Lock()
+        if isinstance(tok, HFTokenizer):
+            self._read.set_result(tok)
+        elif token_bytes is None or eos_ids is None:
+            raise ValueError("a tokenizer read later needs its byte table and end ids")
+        else:
+            self._reader = tok
+        table = byte_table(self._tok) if token_bytes is None else token_bytes
+        known = len(table) if self._reader is not None else self._tok.get_vocab_size()
+        self.vocab_size: int = max(known, size or 0)
         if eos_ids is None:
-            eos = tok.token_to_id(EOS_TOKEN)
+            eos = self._tok.token_to_id(EOS_TOKEN)
             eos_ids = [] if eos is None else [eos]
         self.eos_ids: tuple[int, ...] = tuple(eos_ids)
         self.eos_id: int | None = self.eos_ids[0] if self.eos_ids else None
-        table = byte_table(tok) if token_bytes is None else token_bytes
         self.token_bytes: list[bytes] = table + [b""] * (self.vocab_size - len(table))
+
+    @property
+    def _tok(self) -> HFTokenizer:
+        """The ``tokenizers`` tokenizer, read now if it is not yet (once, by one thread)."""
+        if not self._read.done():
+            self._resolve()
+        return self._read.result()
+
+    def _resolve(self) -> None:
+        with self._lock:
+            reader, self._reader = self._reader, None
+        if reader is None:  # read, or being read by another thread: result() waits
+            return
+        try:
+            self._read.set_result(reader())
+        except BaseException as exc:  # handed to every caller
+            self._read.set_exception(exc)
+
+    def prefetch(self) -> None:
+        """Read a tokenizer given as a function in a daemon thread from now (nothing when it
+        is read or being read)."""
+        if self._reader is not None:
+            threading.Thread(target=self._resolve, name="tokenizer-read", daemon=True).start()
 
     @classmethod
     def from_file(cls, path: str | Path, eos_ids: Sequence[int] | None = None,

@@ -107,6 +107,29 @@ def test_the_byte_table_is_kept_beside_the_vocabulary(tmp_path: Path) -> None:
     assert vocab_cache.load_bytes(model.files, model.meta, root) is None
 
 
+def test_a_kept_vocabulary_is_read_when_first_needed(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a large vocabulary and its byte table are kept, a checkpoint's tokenizer decodes
+    and knows its end ids without reading the vocabulary (reading it holds the GIL for half
+    a second); its first encode reads it, and encodes as the vocabulary built afresh."""
+    from linserve.model.gguf import checkpoint as ck
+    from linserve.model.gguf import vocab_cache
+    monkeypatch.setattr(vocab_cache, "cache_root", lambda: tmp_path / "cache")
+    hf = make_checkpoint(tmp_path / "qwen", "i4-tied")
+    path = gguf_fixtures.convert(hf, tmp_path / "qwen.gguf", pre=None, extra=NO_MTP)
+    size = len(open_model(path).meta["tokenizer.ggml.tokens"])
+    assert size >= vocab_cache.SMALLEST
+    first = ck.GGUFCheckpoint(path).tokenizer(size)  # builds and keeps both
+    text = "Hello world, <|im_start|>user\nwhat's 2+2?<|im_end|>"
+    ids = first.encode(text)
+    again = ck.GGUFCheckpoint(path)
+    tok = again.tokenizer(size)
+    assert again._vocab_read is None
+    assert tok.decode(ids) == first.decode(ids) and tok.eos_ids == first.eos_ids
+    assert again._vocab_read is None
+    assert tok.encode(text) == ids and again._vocab_read is not None
+
+
 def test_a_files_string_arrays_read_as_gguf_py_reads_them() -> None:
     """A vocabulary's tokens and merges (read when asked for, :class:`files.Strings`) are
     the strings gguf-py's reader gives, whole, one by one, by slices and counted."""

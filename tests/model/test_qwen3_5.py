@@ -174,3 +174,25 @@ def test_a_rows_native_step_does_not_depend_on_the_batch(native_checkpoint: Path
         assert torch.equal(alone[0], together[i])
 
 
+
+
+def test_a_checkpoint_is_checked_once_as_its_files_are(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's check and the load's own check run the family's check once for the
+    same files; a changed file checks again, and a check that fails raises every time."""
+    from linserve.model.architectures import hf
+
+    path = make_checkpoint(tmp_path / "ck", sorted(SHAPES)[0], tokenizer="project")
+    runs: list[Path] = []
+    real = hf.plan
+    monkeypatch.setattr(hf, "plan", lambda *a, **k: (runs.append(a[1]), real(*a, **k))[1])
+    loader.check(path, "float32")
+    loader.load(path, "float32", weights=False)
+    assert runs == [path]
+    (path / "config.json").write_text((path / "config.json").read_text() + " ")
+    loader.check(path, "float32")
+    assert runs == [path, path]
+    (path / "tokenizer.json").write_text("{")
+    for _ in range(2):
+        with pytest.raises(loader.CheckpointError, match=r"tokenizer\.json"):
+            loader.check(path, "float32")

@@ -55,3 +55,42 @@ def test_piece_bytes_translate_as_the_byte_table_does() -> None:
     rng = random.Random(0)
     pieces = chars + ["".join(rng.choices(chars, k=rng.randint(1, 8))) for _ in range(5000)]
     assert all(tokenizer._piece_bytes(p) == slow(p) for p in pieces)
+
+
+def test_a_tokenizer_read_later_decodes_before_and_encodes_after(tok: Tokenizer) -> None:
+    """A tokenizer given as a function with its byte table and end ids decodes and knows its
+    size without reading it; its first encode reads it (once), as a prefetch does in a
+    thread; what the function raises, every encode raises."""
+    import threading
+
+    from linserve.model.tokenizer import byte_table
+
+    calls: list[int] = []
+    hf = tok._tok
+
+    def read() -> object:
+        calls.append(1)
+        return hf
+
+    lazy = Tokenizer(read, tok.eos_ids, None, byte_table(hf))  # type: ignore[arg-type]
+    ids = tok.encode(TEXTS[0])
+    assert lazy.decode(ids) == TEXTS[0] and lazy.vocab_size == tok.vocab_size
+    assert calls == []
+    assert lazy.encode(TEXTS[1]) == tok.encode(TEXTS[1]) and calls == [1]
+    lazy.encode(TEXTS[2])
+    assert calls == [1]
+
+    prefetched = Tokenizer(read, tok.eos_ids, None, byte_table(hf))  # type: ignore[arg-type]
+    prefetched.prefetch()
+    [t.join() for t in threading.enumerate() if t.name == "tokenizer-read"]
+    assert calls == [1, 1] and prefetched.encode(TEXTS[3]) == tok.encode(TEXTS[3])
+
+    def broken() -> object:
+        raise ValueError("no vocabulary")
+
+    bad = Tokenizer(broken, tok.eos_ids, None, byte_table(hf))  # type: ignore[arg-type]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="no vocabulary"):
+            bad.encode("x")
+    with pytest.raises(ValueError, match="byte table"):
+        Tokenizer(read)  # type: ignore[arg-type]

@@ -95,6 +95,7 @@ class HFFamily:
         """Parameters of the module ``path``'s config builds (read nothing else)."""
         return self._meta(self.read_config(path)).n_params()
 
+    @hf.checked_once
     def check(self, path: Path, dtype: torch.dtype) -> None:
         """Everything that can be checked before reading weights: the config, every
         tensor's presence and shape (from the safetensors headers), and the tokenizer.

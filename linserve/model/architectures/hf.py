@@ -173,6 +173,36 @@ Wanted = dict[str, tuple[Path, str, Index]]  # parameter -> (file, tensor name, 
 Split = Callable[[str, tuple[int, ...]], list[tuple[str, Index]] | None]
 
 
+CheckT = TypeVar("CheckT", bound=Callable[[Any, Path, torch.dtype], None])
+_CHECKED: set[tuple[str, Path, torch.dtype, tuple[tuple[str, int, int], ...]]] = set()
+
+
+def checked_once(check: CheckT) -> CheckT:
+    """A family's ``check(self, path, dtype)`` run once a process for each checkpoint as its
+    files are now (their names, sizes and times): the server checks before it starts and
+    the load checks again (the match of a 0.8B model's tensor names and its tokenizer took
+    0.3 s of every start). A check that fails runs again, and raises again."""
+
+    @functools.wraps(check)
+    def run(family: Any, path: Path, dtype: torch.dtype) -> None:
+        key = (type(family).__qualname__, path, dtype, _files_now(path))
+        if key not in _CHECKED:
+            check(family, path, dtype)
+            _CHECKED.add(key)
+
+    return run  # type: ignore[return-value]
+
+
+def _files_now(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """(name, size, modification time) of the checkpoint file ``path`` or of each file in
+    the folder ``path`` (nothing where it cannot be read)."""
+    try:
+        files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+        return tuple((f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in files)
+    except OSError:
+        return ()
+
+
 def plan(module: nn.Module, path: Path, rename: Callable[[str], str | None],
          split: Split = moe.split_stacked) -> tuple[Wanted, list[str]]:
     """Which checkpoint tensor fills each of ``module``'s parameters (``rename`` maps a

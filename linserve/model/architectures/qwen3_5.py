@@ -554,6 +554,7 @@ class Variant:
         with torch.device("meta"):
             return Qwen35ForCausalLM(self.config(path)).n_params()
 
+    @hf.checked_once
     def check(self, path: Path, dtype: torch.dtype) -> None:
         """Everything that can be checked before reading weights: the config, every
         tensor's presence and shape (from the safetensors headers), and the tokenizer.

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from functools import lru_cache, partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,8 +55,6 @@ END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|
                      "<|eom_id|>", "<EOT>", "<|end_of_text|>", "<｜end▁of▁sentence｜>",
                      "<|return|>", "<|call|>", "<|im_end|>")
 
-T = TypeVar("T")
-
 
 class GGUFCheckpoint:
     """The model at ``path`` (any shard of it). Raises :class:`GGUFFileError` (one line) for
@@ -75,11 +73,11 @@ class GGUFCheckpoint:
         # Hugging Face name -> the GGUF tensors it is read from (one, or the parts of a
         # merge), once accepted
         self._names: dict[str, tuple[str, ...]] = {}
+        self._candidate_names: dict[str, list[str]] | None = None  # (_hf_names)
         self._orders: dict[tuple[str, int, int], torch.Tensor | bool] = {}  # (_row_order)
-        # the vocabulary, read from the cache (or built) in a thread from the start: reading
-        # a 250k-token one's JSON takes ~1 s with the GIL released, beside the check's work
-        self._vocab: Future[HFTokenizer] = _in_background(
-            vocab_cache.load, self.model.files, self.model.meta)
+        # the vocabulary, read from the cache (or built) once asked for (_vocab)
+        self._vocab_read: Future[HFTokenizer] | None = None
+        self._vocab_lock = threading.Lock()
         self._wrapped: dict[int, Tokenizer] = {}
         self._shapes: dict[tuple[str, ...], tuple[int, ...]] = {}  # _shape's answers
 
@@ -89,7 +87,23 @@ class GGUFCheckpoint:
         have (a tensor none is accepted for keeps its GGUF name, and is reported unused)."""
         merged = self._merges()
         out: dict[str, tuple[str, ...]] = {}
-        taken = {part for parts in merged.values() for part in parts}
+        for gname, names in self._hf_names().items():
+            chosen = next((n for n in names if accept(n, self._shape(n, gname))), gname)
+            out[chosen] = (gname,)
+        out.update(merged)
+        self._names = out
+        return {name: parts[0] for name, parts in out.items()}
+
+    def _hf_names(self) -> dict[str, list[str]]:
+        """GGUF name -> the Hugging Face names it may have, in order of preference, for
+        every tensor that is not part of a merge (matched once: the check and the load
+        each ask, and the regular expressions took 0.24 s a 0.8B model's match)."""
+        if self._candidate_names is not None:
+            return self._candidate_names
+        taken = {part for parts in self._merges().values() for part in parts}
+        patterns = [(re.compile(pattern), repl) for pattern, repl in self.arch.names]
+        mtp = self._mtp_names()
+        out: dict[str, list[str]] = {}
         for gname in self.model.tensors:
             if gname in taken:
                 continue
@@ -98,33 +112,31 @@ class GGUFCheckpoint:
                 base, dot, suffix = gname, "", ""
             # each name with the suffix, then bare, where the converter added one (LFM2-MoE's
             # expert_bias buffer became exp_probs_b.bias)
-            names = [re.sub(pattern, repl, gname) for pattern, repl in self.arch.names
-                     if re.fullmatch(pattern, gname)]
-            names += [self._mtp_name(self.arch.rename(n)) for cand in self._candidates.get(base, ())
+            names = [p.sub(repl, gname) for p, repl in patterns if p.fullmatch(gname)]
+            names += [mtp(self.arch.rename(n)) for cand in self._candidates.get(base, ())
                       for n in ((f"{cand}{dot}{suffix}", cand) if dot else (cand,))]
-            nextn = re.fullmatch(r"blk\.\d+\.nextn\.(\w+)\.(weight|bias)", gname)
+            nextn = _NEXTN_NAME.fullmatch(gname)
             if nextn and nextn.group(1) in _NEXTN:  # gguf-py maps them for some arches only
                 names.insert(0, f"mtp.{_NEXTN[nextn.group(1)]}.{nextn.group(2)}")
-            chosen = next((n for n in names if accept(n, self._shape(n, gname))), gname)
-            out[chosen] = (gname,)
-        out.update(merged)
-        self._names = out
-        return {name: parts[0] for name, parts in out.items()}
+            out[gname] = names
+        self._candidate_names = out
+        return out
 
-    def _mtp_name(self, name: str) -> str:
+    def _mtp_names(self) -> Callable[[str], str]:
         """A Hugging Face name of a block past the model's layers as its MTP name: llama.cpp
         writes MTP layer i as block ``n_layer + i`` (``nextn_predict_layers`` of them), and
         the MTP block's fc and norms as that block's ``nextn.*`` (:data:`_NEXTN`; Qwen's
         ``_QwenMtpMixin``)."""
         nextn = int(self.model.get("nextn_predict_layers", 0) or 0)
-        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-        if not nextn or not match:
-            return name
         first = int(self.model.require("block_count")) - nextn
-        index, rest = int(match.group(1)) - first, match.group(2)
-        if index < 0:
-            return name
-        return f"mtp.layers.{index}.{rest}"
+
+        def rename(name: str) -> str:
+            match = _LAYER_NAME.fullmatch(name) if nextn else None
+            if match is None or int(match.group(1)) < first:
+                return name
+            return f"mtp.layers.{int(match.group(1)) - first}.{match.group(2)}"
+
+        return rename
 
     def _merges(self) -> dict[str, tuple[str, ...]]:
         """Hugging Face name -> its parts, for every merge of the architecture whose parts
@@ -311,21 +323,37 @@ class GGUFCheckpoint:
         return sum(t.nbytes for t in self.model.tensors.values())
 
     def tokenizer(self, vocab_size: int) -> Tokenizer:
-        """The file's vocabulary (:mod:`linserve.model.gguf.vocab`) with its end ids (built
-        once: a 250k-token vocabulary takes seconds, and the loader checks it before it
-        loads)."""
-        try:
-            hf_tok = self._vocab.result()
-        except (vocab.VocabError, KeyError) as exc:
-            raise GGUFFileError(f"{self.path}: {exc}") from None
-        if vocab_size not in self._wrapped:  # its byte table takes a second for 250k tokens
+        """The file's vocabulary (:mod:`linserve.model.gguf.vocab`) with its end ids (made
+        once). Where its byte table is kept (:mod:`.vocab_cache`: the vocabulary was built
+        and read before), the ``tokenizers`` one is read when first needed (a 250k-token
+        vocabulary's JSON holds the GIL for half a second: :class:`Tokenizer`); else it is
+        built or read now, and checked."""
+        if vocab_size not in self._wrapped:
             files, meta = self.model.files, self.model.meta
             table = vocab_cache.load_bytes(files, meta)
-            tok = Tokenizer(hf_tok, self.end_ids(), vocab_size, table)
-            if table is None:
+            if table is not None:
+                tok = Tokenizer(self._vocab, self.end_ids(), vocab_size, table)
+            else:
+                hf_tok = self._vocab()
+                tok = Tokenizer(hf_tok, self.end_ids(), vocab_size)
                 vocab_cache.keep_bytes(files, meta, tok.token_bytes[:hf_tok.get_vocab_size()])
             self._wrapped[vocab_size] = tok
         return self._wrapped[vocab_size]
+
+    def _vocab(self) -> HFTokenizer:
+        """The ``tokenizers`` vocabulary (:func:`vocab_cache.load`, once: the first caller
+        reads it, others wait). Raises :class:`GGUFFileError` for one that cannot be built."""
+        with self._vocab_lock:
+            first = self._vocab_read is None
+            if self._vocab_read is None:
+                self._vocab_read = Future()
+        if first:
+            try:
+                self._vocab_read.set_result(vocab_cache.load(self.model.files, self.model.meta))
+            except (vocab.VocabError, KeyError) as exc:
+                self._vocab_read.set_exception(GGUFFileError(f"{self.path}: {exc}"))
+        assert self._vocab_read is not None
+        return self._vocab_read.result()
 
     def end_ids(self) -> list[int]:
         """The ids that end a generation: EOS, EOT and EOM, and the control tokens
@@ -543,20 +571,8 @@ _K_UNPACK = {Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
 # (under mtp.), as _QwenMtpMixin renames them.
 _NEXTN = {"eh_proj": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
           "shared_head_norm": "norm"}
-
-
-def _in_background(fn: Callable[..., T], *args: Any) -> Future[T]:
-    """``fn(*args)`` run in a daemon thread; its result (or exception) in the future."""
-    future: Future[T] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # handed to whoever asks for the result
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="gguf-vocabulary", daemon=True).start()
-    return future
+_NEXTN_NAME = re.compile(r"blk\.\d+\.nextn\.(\w+)\.(weight|bias)")
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 @lru_cache(maxsize=4)

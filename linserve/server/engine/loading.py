@@ -99,6 +99,7 @@ def describe_model(settings: Settings) -> ServedModel:
     ``info`` is replaced by the engine's once that has loaded."""
     model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
                  settings.quantization, weights=False)
+    model.tokenizer().prefetch()  # read while the engine loads (a vocabulary read later)
     trim()  # reading the tokenizer (twice: checked, then loaded) leaves ~100 MB of free heap
     return model
 

@@ -1,23 +1,29 @@
 """The engine process, started before the server's own imports.
 
-Each process of a server imports torch, the model code and (the HTTP one) FastAPI: 5 s in
-the HTTP process and 4 s in the engine's on two AVX2 cores. The engine process used to be
-spawned once the HTTP process had done its imports and checked the checkpoint, so the two
-came one after the other: 9.7 s to healthy for the shipped 5M-parameter model, every start
-of every test server included. ``linserve serve`` now spawns it first thing
-(:func:`prelaunch`, light: this module imports nothing heavy). It imports while the HTTP
-process does, then waits for its settings (:func:`waiting_child`). The HTTP process sends
-them when it starts its engine (``ProcessEngineClient``, which :func:`take` s the process
-instead of spawning one), after the checkpoint's check: a bad checkpoint is still one line,
-and the waiting process, told no settings come (:func:`cancel`, or the parent's exit: it is
-a daemon), leaves without a word. A restarted engine is spawned afresh, as before.
+Each process of a server would import torch and the model code (about 2.5 s of CPU on two
+AVX2 cores), the HTTP one FastAPI as well. The engine process used to be spawned once the
+HTTP process had done its imports and checked the checkpoint, so the two came one after the
+other: 9.7 s to healthy for the shipped 5M-parameter model. Then it was spawned first thing,
+importing beside the HTTP process (§67); on two cores the two imports of torch still took
+one core's worth each.
 
-The waiting process does not idle: once imported, it loads the model on the command line's
-own settings (``loading.load_early``: parsed and resolved as the HTTP process does, the
-checkpoint checked first, quietly), and serves that load if the settings it is sent agree
-on what is loaded (else it loads again). The 0.8B shapes' Q4_K_M file was healthy in 15.0 s,
-its load waiting on the HTTP process's imports and check; with this and a quicker load, in
-8.6–10.8 s (BENCHMARKS.md §67).
+``linserve serve`` now imports the engine's modules (torch and the model code) first and
+forks the engine process from there (:func:`prelaunch`): it has them already, and the HTTP
+process goes on with its own imports (FastAPI) and the checkpoint's check while the engine
+loads. Nothing but the imports is done before the fork: no thread of torch's, no logging,
+no malloc settings. The forked process waits for its settings (:func:`waiting_child`). The
+HTTP process sends them when it starts its engine (``ProcessEngineClient``, which
+:func:`take` s the process instead of spawning one), after the checkpoint's check: a bad
+checkpoint is still one line, and the waiting process, told no settings come
+(:func:`cancel`, or the parent's exit: it is a daemon), leaves without a word. A restarted
+engine is spawned afresh, as before.
+
+The waiting process does not idle: it loads the model on the command line's own settings
+(``loading.load_early``: parsed and resolved as the HTTP process does, the checkpoint
+checked first, quietly), and serves that load if the settings it is sent agree on what is
+loaded (else it loads again). The 0.8B shapes' Q4_K_M file was healthy in 15.0 s, its load
+waiting on the HTTP process's imports and check; with the early load and a quicker load, in
+8.6–10.8 s (BENCHMARKS.md §67); forked, in FIXME.
 """
 
 from __future__ import annotations
@@ -46,9 +52,10 @@ _handle: list[Prelaunched | None] = [None]
 
 
 def prelaunch(argv: list[str]) -> None:
-    """Spawn the engine process for ``linserve serve argv`` ahead of the server's imports,
-    unless the settings put the engine in this process (``--engine-mode thread``), ask for
-    ``--help``, or do not parse (the server then says why, once)."""
+    """Fork the engine process for ``linserve serve argv`` once the engine's modules are
+    imported, ahead of the server's own imports, unless the settings put the engine in this
+    process (``--engine-mode thread``), ask for ``--help``, or do not parse (the server
+    then says why, once)."""
     if any(a in ("-h", "--help") for a in argv):
         return
     try:
@@ -60,7 +67,11 @@ def prelaunch(argv: list[str]) -> None:
         return
     if settings.engine_mode != "process":
         return
-    ctx = mp.get_context("spawn")
+    # the engine's imports (torch, the model code), which the forked process has with it
+    import linserve.server.engine.loading
+    import linserve.server.engine.process  # noqa: F401
+
+    ctx = mp.get_context("fork")
     go = ctx.Queue()
     inbox, outbox, ready, heartbeat = channels(ctx)
     process = ctx.Process(target=waiting_child, name="linserve-engine", daemon=True,

@@ -154,6 +154,9 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
     pump_thread.start()
     threading.Thread(target=flush_metrics, daemon=True).start()
     ready.set()
+    # A vocabulary read later (decoding needs only its byte table) is read now, once the
+    # server is ready: reading it holds the GIL for half a second a 250k-token one.
+    model.tokenizer().prefetch()
     # Long steps beat from inside the work: the engine thread's CPU clock (progress.py).
     ProgressWatch.start(threading.current_thread(), beat, settings.engine_stall_seconds)
     engine.run()
