@@ -2,8 +2,8 @@
 in the two orders of the server's processes (never run by CI).
 
 - ``prelaunched``: ``python -m linserve serve`` as users start it: the engine process is
-  spawned first thing and imports while the HTTP process does
-  (``linserve/server/engine/prelaunch.py``);
+  forked once the engine's modules are imported, and loads while the HTTP process does its
+  own imports and checks (``linserve/server/engine/prelaunch.py``);
 - ``after imports``: ``python -m linserve.server.serve``, the same server entered past the
   command, so the engine process is spawned once the HTTP process has its imports and has
   checked the checkpoint (the order before the prelaunch).

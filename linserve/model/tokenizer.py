@@ -133,11 +133,18 @@ class Tokenizer:
         except BaseException as exc:  # handed to every caller
             self._read.set_exception(exc)
 
-    def prefetch(self) -> None:
-        """Read a tokenizer given as a function in a daemon thread from now (nothing when it
-        is read or being read)."""
-        if self._reader is not None:
-            threading.Thread(target=self._resolve, name="tokenizer-read", daemon=True).start()
+    def prefetch(self, then: Callable[[], object] | None = None) -> None:
+        """Read a tokenizer given as a function in a daemon thread from now, then call
+        ``then`` there (nothing when it is read or being read)."""
+        if self._reader is None:
+            return
+
+        def read() -> None:
+            self._resolve()
+            if then is not None:
+                then()
+
+        threading.Thread(target=read, name="tokenizer-read", daemon=True).start()
 
     @classmethod
     def from_file(cls, path: str | Path, eos_ids: Sequence[int] | None = None,

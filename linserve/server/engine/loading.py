@@ -99,8 +99,10 @@ def describe_model(settings: Settings) -> ServedModel:
     ``info`` is replaced by the engine's once that has loaded."""
     model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
                  settings.quantization, weights=False)
-    model.tokenizer().prefetch()  # read while the engine loads (a vocabulary read later)
-    trim()  # reading the tokenizer (twice: checked, then loaded) leaves ~100 MB of free heap
+    # reading a tokenizer leaves ~100 MB of free heap; one read later (a kept GGUF
+    # vocabulary) is read while the engine loads, and trimmed after
+    model.tokenizer().prefetch(then=trim)
+    trim()
     return model
 
 

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
+from linserve.model.heap import trim
 from linserve.model.interface import ModelInfo, ServedModel, State
 from linserve.server import metrics
 from linserve.server.engine import prelaunch
@@ -156,7 +157,7 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
     ready.set()
     # A vocabulary read later (decoding needs only its byte table) is read now, once the
     # server is ready: reading it holds the GIL for half a second a 250k-token one.
-    model.tokenizer().prefetch()
+    model.tokenizer().prefetch(then=trim)
     # Long steps beat from inside the work: the engine thread's CPU clock (progress.py).
     ProgressWatch.start(threading.current_thread(), beat, settings.engine_stall_seconds)
     engine.run()
