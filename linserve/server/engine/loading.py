@@ -22,7 +22,7 @@ from linserve.model.kernels import bf16_gemm  # noqa: F401 (re-exported for the 
 from linserve.model.loader import (
     available_memory,
     batch_invariant_active,
-    check_memory,
+    check,
     load,
     pick_dtype,
     resolve,
@@ -166,20 +166,38 @@ def load_engine(settings: Settings) -> LoadedEngine:
 
 
 def load_early(argv: list[str]) -> LoadedEngine | None:
-    """The engine loaded on ``linserve serve argv``'s own settings, in a prelaunched engine
-    process while the HTTP process imports and checks (:mod:`.prelaunch`), or None where
-    that cannot be done quietly: settings that do not parse, weights that do not fit the
-    memory (checked first; the load runs the family's own checks), a load that fails (a
-    draft model that is not there: the HTTP process says why, once; the engine loads again
-    on its settings if it does start), or kernels not built yet for this CPU (a first
-    start: the HTTP process compiles them, logged). Used only if the server's settings
-    agree (:meth:`LoadedEngine.serves`)."""
+    """The engine loaded on ``linserve serve argv``'s own settings (:func:`prepare_early`,
+    then :func:`load_prepared`), or None where that cannot be done quietly."""
+    settings = prepare_early(argv)
+    return None if settings is None else load_prepared(settings)
+
+
+def prepare_early(argv: list[str]) -> Settings | None:
+    """``linserve serve argv``'s own settings, resolved, with the checkpoint checked
+    quietly (``loader.check``: its memory, then the family's checks, which are not run
+    again for the same files): what a prelaunched engine process loads early. Run before
+    that process is forked (:mod:`.prelaunch`), so it has the file's metadata read, its
+    names matched and the check done. None where the settings do not parse, the checkpoint
+    fails its check (the HTTP process says why, once), or the kernels are not built yet for
+    this CPU (a first start: the HTTP process compiles them, logged)."""
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             settings = resolve_checkpoint(parse_cli(argv))
-        if not kernels.cached():
-            return None
-        check_memory(settings.weights, settings.dtype, settings.quantization, settings.max_memory)
+            if not kernels.cached():
+                return None
+            check(settings.weights, settings.dtype, settings.quantization, settings.max_memory)
+    except (Exception, SystemExit):  # the HTTP process reports it, once
+        return None
+    return settings
+
+
+def load_prepared(settings: Settings) -> LoadedEngine | None:
+    """The engine loaded on ``settings`` (:func:`prepare_early`'s), in a prelaunched engine
+    process while the HTTP process imports and checks, or None where the load fails (a
+    draft model that is not there: the HTTP process says why, once; the engine loads again
+    on its settings if it does start). Used only if the server's settings agree
+    (:meth:`LoadedEngine.serves`)."""
+    try:
         setup_engine_process(settings)
         return load_engine(settings)
     except (Exception, SystemExit):  # the HTTP process reports it, once

@@ -7,23 +7,23 @@ other: 9.7 s to healthy for the shipped 5M-parameter model. Then it was spawned 
 importing beside the HTTP process (§67); on two cores the two imports of torch still took
 one core's worth each.
 
-``linserve serve`` now imports the engine's modules (torch and the model code) first and
-forks the engine process from there (:func:`prelaunch`): it has them already, and the HTTP
-process goes on with its own imports (FastAPI) and the checkpoint's check while the engine
-loads. Nothing but the imports is done before the fork: no thread of torch's, no logging,
-no malloc settings. The forked process waits for its settings (:func:`waiting_child`). The
-HTTP process sends them when it starts its engine (``ProcessEngineClient``, which
-:func:`take` s the process instead of spawning one), after the checkpoint's check: a bad
-checkpoint is still one line, and the waiting process, told no settings come
-(:func:`cancel`, or the parent's exit: it is a daemon), leaves without a word. A restarted
-engine is spawned afresh, as before.
+``linserve serve`` now imports the engine's modules (torch and the model code) first,
+checks the checkpoint quietly (``loading.prepare_early``: the file's metadata read, its
+tensor names matched, the family's check done, none of which the engine does again), and
+forks the engine process from there (:func:`prelaunch`): it has all that already, and the
+HTTP process goes on with its own imports (FastAPI) while the engine loads. No thread of
+torch's, no logging and no malloc setting is made before the fork. The forked process
+loads the model on the command line's own settings (:func:`waiting_child`) and waits for
+the server's settings; it serves that load if they agree on what is loaded (else it loads
+again). The HTTP process sends them when it starts its engine (``ProcessEngineClient``,
+which :func:`take` s the process instead of spawning one), after its own check (for the
+same files, remembered): a bad checkpoint is still one line, and the waiting process, told
+no settings come (:func:`cancel`, or the parent's exit: it is a daemon), leaves without a
+word. A restarted engine is spawned afresh, as before.
 
-The waiting process does not idle: it loads the model on the command line's own settings
-(``loading.load_early``: parsed and resolved as the HTTP process does, the checkpoint
-checked first, quietly), and serves that load if the settings it is sent agree on what is
-loaded (else it loads again). The 0.8B shapes' Q4_K_M file was healthy in 15.0 s, its load
-waiting on the HTTP process's imports and check; with the early load and a quicker load, in
-8.6–10.8 s (BENCHMARKS.md §67); forked, in FIXME.
+The 0.8B shapes' Q4_K_M file was healthy in 15.0 s when the engine's load waited on the
+HTTP process's imports and check; with an early load and a quicker load, in 8.6–10.8 s
+(BENCHMARKS.md §67); forked after the check, 10% sooner than spawned (§69).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 
 @dataclass
 class Prelaunched:
-    """A spawned engine process waiting for its settings on ``go``, and what it was given:
+    """A forked engine process waiting for its settings on ``go``, and what it was given:
     the command and output queues, the ready event and the heartbeat (``child_main``'s)."""
 
     process: Any
@@ -67,15 +67,17 @@ def prelaunch(argv: list[str]) -> None:
         return
     if settings.engine_mode != "process":
         return
-    # the engine's imports (torch, the model code), which the forked process has with it
-    import linserve.server.engine.loading
+    # the engine's imports (torch, the model code) and the checkpoint's check, which the
+    # forked process has with it
     import linserve.server.engine.process  # noqa: F401
+    from linserve.server.engine.loading import prepare_early
 
+    prepared = prepare_early(argv)
     ctx = mp.get_context("fork")
     go = ctx.Queue()
     inbox, outbox, ready, heartbeat = channels(ctx)
     process = ctx.Process(target=waiting_child, name="linserve-engine", daemon=True,
-                          args=(argv, go, inbox, outbox, ready, heartbeat))
+                          args=(prepared, go, inbox, outbox, ready, heartbeat))
     process.start()
     _handle[0] = Prelaunched(process, go, inbox, outbox, ready, heartbeat)
 
@@ -103,16 +105,16 @@ def cancel() -> None:
         handle.process.kill()
 
 
-def waiting_child(argv: list[str], go: Any, inbox: Any, outbox: Any, ready: Any,
+def waiting_child(prepared: Any, go: Any, inbox: Any, outbox: Any, ready: Any,
                   heartbeat: Any) -> None:
-    """The prelaunched process: the engine's imports, the model loaded on ``argv``'s own
-    settings where that can be done quietly (``load_early``), then the server's settings
-    from ``go`` (None: the server is not starting), then the engine (``child_main``, which
-    serves the early load if the settings agree)."""
-    from linserve.server.engine.loading import load_early
+    """The forked process: the model loaded on the command line's own settings
+    (``prepared``: ``prepare_early``'s, None where they cannot be loaded quietly), then the
+    server's settings from ``go`` (None: the server is not starting), then the engine
+    (``child_main``, which serves the early load if the settings agree)."""
+    from linserve.server.engine.loading import load_prepared
     from linserve.server.engine.process import child_main
 
-    early = load_early(argv)
+    early = None if prepared is None else load_prepared(prepared)
     settings = go.get()
     if settings is not None:
         child_main(settings, inbox, outbox, ready, heartbeat, early)
