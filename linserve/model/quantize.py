@@ -129,24 +129,34 @@ def pack(w: torch.Tensor, mode: str) -> torch.Tensor:
 # block_bytes): int4 for --quantization int4 and Q4_0, the others for a GGUF file's blocks.
 # (The K formats' blocks of 32 take 18 or 34 bytes and their super-block's fp32 pair 8 more
 # a super-block: of 8 blocks for the K-quants, of one for q4l and q8l, the legacy blocks.)
+# Q6_K's values go to format 5 and are stored as q6 (bytes) on VNNI builds and as q6s (six
+# bits) on the others: stored_format.
 BLOCK_FORMATS = {"int4": (1, 18), "q8": (2, 34), "q4k": (3, 19), "q8k": (4, 35), "q6": (5, 35),
-                 "q4l": (6, 26), "q8l": (7, 42)}
+                 "q4l": (6, 26), "q8l": (7, 42), "q6s": (8, 27)}
 PACKED_BYTES = dict(BLOCK_FORMATS.values())  # format number -> bytes a column's block
+
+
+def stored_format(fmt: int) -> int:
+    """The format a weight given to the kernels as ``fmt`` is stored in on this build (Q6_K's
+    5: 8 where the kernels store it in six bits); ``fmt`` itself where they are not loaded."""
+    if fmt == 5 and kernels.is_loaded():
+        return int(torch.ops.linserve.stored_format(fmt))
+    return fmt
 
 
 def mode_of(packed: torch.Tensor, k: int | None = None) -> str:
     """The quantization of a weight as :func:`pack` or :func:`linserve.model.invariant.pack` left
     it: ``int8``, ``int4``, ``none``, or (a GGUF file's blocks, told apart by the stored
-    rows of its ``k`` inputs) ``q8``, ``q4k``, ``q8k``, ``q6``, ``q4l`` or ``q8l``, or
+    rows of its ``k`` inputs) ``q8``, ``q4k``, ``q8k``, ``q6``, ``q6s``, ``q4l`` or ``q8l``, or
     ``mixed`` (parts of several of those side by side: ``gemm_mixed.h``)."""
     if packed.dtype == torch.int16:
         return "mixed"
     if k is not None and k % GROUP == 0 and packed.dtype in (torch.uint8, torch.int8):
-        stored_as_int8 = ("q6",)  # (q8k, kByte, has q6's size: gemm_quant.h's quant_format)
+        stored_as_int8 = ("q6", "q6s")  # (q8k, kByte, has q6's size: gemm_quant.h's quant_format)
         for name, (_, size) in BLOCK_FORMATS.items():
             if name == "int4" or (name in stored_as_int8) != (packed.dtype == torch.int8):
                 continue
-            if name in ("q4k", "q8k", "q6") and k % 256:  # the K-quants' super-blocks
+            if name in ("q4k", "q8k", "q6", "q6s") and k % 256:  # the K-quants' super-blocks
                 continue
             if packed.shape[0] == (k // GROUP * size + 3) // 4:
                 return name

@@ -367,9 +367,10 @@ def test_blocks_multiply_natively_as_they_are(qtype: GGMLQuantizationType) -> No
         packed = invariant.gemm_weight(layer, layer.weight)
     finally:
         invariant.set_native_blocks(False)
-    assert quantize.mode_of(packed, k) == {1: "int4", 2: "q8", 3: "q4k", 4: "q8k",
-                                           5: "q6", 6: "q4l", 7: "q8l"}[NATIVE[qtype]]
-    assert packed.numel() <= quantize.PACKED_BYTES[NATIVE[qtype]] * n * k // 32 + 4 * n
+    stored = quantize.stored_format(NATIVE[qtype])  # (Q6_K: q6s in six bits, or q6)
+    assert quantize.mode_of(packed, k) == {1: "int4", 2: "q8", 3: "q4k", 4: "q8k", 5: "q6",
+                                           6: "q4l", 7: "q8l", 8: "q6s"}[stored]
+    assert packed.numel() <= quantize.PACKED_BYTES[stored] * n * k // 32 + 4 * n
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(4))
     full = torch.ops.linserve.invariant_mm(x, packed)
     for i in range(19):
@@ -381,6 +382,37 @@ def test_blocks_multiply_natively_as_they_are(qtype: GGMLQuantizationType) -> No
     tokens = torch.tensor([0, 17, 149])
     assert torch.equal(torch.ops.linserve.head_rows(packed, tokens, k),
                        layer.weight.detach()[tokens])
+
+
+def test_q6_k_in_six_bits_multiplies_the_same_at_every_row_count() -> None:
+    """Q6_K stored in six bits (q6s) is widened in the tiles for a few rows and once a column
+    chunk for many (into a scratch each thread reuses for the chunk's next row groups): over
+    several chunks, a partial last panel and two weights in turn, every row count gives each
+    row the bits it has alone, within fp32 rounding of the dequantized product; a tied head
+    in it gives its rows back exactly."""
+    from linserve.model import kernels
+    from linserve.model.gguf.checkpoint import block_values
+
+    if not kernels.load():
+        pytest.skip("native kernels unavailable")
+    q6 = GGMLQuantizationType.Q6_K
+    n, k = 1100, 768  # three chunks of columns, the last a partial panel; three super-blocks
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(5))
+    for seed in (1, 2):  # a second weight of the same shape: no chunk is reused across them
+        raw = gguf_fixtures.random_blocks(q6, n, k, seed=seed)
+        q, scales = block_values(Tensor("w", (n, k), q6, raw, raw.nbytes))
+        packed = torch.ops.linserve.pack_quantized(q.t(), scales.permute(2, 1, 0), 8)
+        assert quantize.mode_of(packed, k) == "q6s"
+        assert packed.numel() <= quantize.PACKED_BYTES[8] * n * k // 32 + 4 * n
+        full = torch.ops.linserve.invariant_mm(x, packed)
+        for rows in (1, 2, 5, 6, 7, 13, 16, 39):
+            assert torch.equal(torch.ops.linserve.invariant_mm(x[:rows], packed), full[:rows])
+        assert torch.equal(torch.ops.linserve.invariant_mm(x[-1:], packed), full[-1:])
+        weight = torch.from_numpy(quants.dequantize(raw, q6).reshape(n, k))
+        want = quantize.quantize_activations(x).double() @ weight.double().t()
+        assert (full.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+        tokens = torch.tensor([0, 511, 512, 1099])
+        assert torch.equal(torch.ops.linserve.head_rows(packed, tokens, k), weight[tokens])
 
 
 def test_parts_in_different_formats_run_as_one_mixed_weight() -> None:

@@ -32,7 +32,7 @@ from linserve.model.fingerprint import files_fingerprint
 from linserve.model.gguf import archs, vocab, vocab_cache
 from linserve.model.gguf.files import GGUFFileError, GGUFModel, Tensor, open_model, release_pages
 from linserve.model.invariant import Blocks
-from linserve.model.quantize import PACKED_BYTES
+from linserve.model.quantize import PACKED_BYTES, stored_format
 from linserve.model.tokenizer import Tokenizer
 
 # The storage types served: the float ones, llama.cpp's legacy blocks and its K-quants.
@@ -42,8 +42,8 @@ FLOATS = (Q.F32, Q.F16, Q.BF16)
 # Block formats whose matrices the quantized GEMM multiplies as they are, and the GEMM
 # format each is packed in (linserve/model/kernels/gemm_quant.h's QFormat: 1 int4, 2 q8,
 # 3 q4k, 4 q8k: W = s q + t per 32, nibbles or bytes, s and t one-byte multipliers of a
-# super-block's pair; 5 q6: W = s q per 16, bytes; 6 q4l and 7 q8l: q4k and q8k with a
-# super-block of one block).
+# super-block's pair; 5 q6: W = s q per 16, in six bits or bytes (quantize.stored_format);
+# 6 q4l and 7 q8l: q4k and q8k with a super-block of one block).
 NATIVE = {Q.Q4_0: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q4_1: 6, Q.Q5_K: 4, Q.Q5_0: 7, Q.Q5_1: 7,
           Q.Q6_K: 5}
 # The formats the kernels pack straight from the file's blocks (gguf_blocks.h's pack_gguf);
@@ -293,7 +293,7 @@ class GGUFCheckpoint:
         """The bytes the weights take as served: a :data:`NATIVE` matrix its packed blocks
         when ``native`` (it runs on them), every other tensor its values in ``dtype``."""
         size = torch.empty(0, dtype=dtype).element_size()
-        return sum(PACKED_BYTES[NATIVE[t.qtype]] * int(np.prod(t.shape)) // 32
+        return sum(PACKED_BYTES[stored_format(NATIVE[t.qtype])] * int(np.prod(t.shape)) // 32
                    if native and t.qtype in NATIVE and len(t.shape) == 2
                    else int(np.prod(t.shape)) * size for t in self.model.tensors.values())
 

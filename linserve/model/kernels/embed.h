@@ -58,13 +58,15 @@ inline void int8_column(const uint8_t* base, int64_t n, int64_t k32, int64_t c, 
 // inputs, each its stored rows of [width, 4] bytes (nibbles: inputs 8t..8t+3 in the low
 // nibbles, 8t+4..8t+7 in the high ones; bytes: inputs 4t..4t+3) and then its scales. int4:
 // (nibble - 8) s; q8: (byte - 128) s; q4k, q4l: nibble s + t; q8k, q8l: (byte - 128) s + t;
-// q6: (byte - 128) s_h, s_h the scale of the input's half of the block.
+// q6: (byte - 128) s_h, s_h the scale of the input's half of the block; q6s: its six bits
+// (gemm_quant.h's six_bits) - 32, times s_h.
 inline void block_column(const QuantWeights& w, int64_t c, int64_t d, float* out) {
   const QCol col = column(w, c);
   const int f = w.format;
-  const bool nib = f == kQInt4 || f == kQ4K || f == kQ4L, q6 = f == kQ6;
+  const bool six = f == kQ6S;
+  const bool nib = f == kQInt4 || f == kQ4K || f == kQ4L || six, q6 = f == kQ6 || six;
   const bool k = has_super(f) && !q6;
-  const int32_t offset = f == kQInt4 ? 8 : nib ? 0 : 128;
+  const int32_t offset = f == kQInt4 ? 8 : six ? 32 : nib ? 0 : 128;
   for (int64_t b = 0; b < w.k32 / 32 && b * 32 < d; ++b) {
     const float t = k ? k_min<kQ4K>(col, b) : 0.f;
     for (int64_t i = 0; i < 32 && b * 32 + i < d; ++i) {
@@ -72,7 +74,10 @@ inline void block_column(const QuantWeights& w, int64_t c, int64_t d, float* out
                                                          : half_to_float(*group_scales(col, b));
       const int64_t r = nib ? i / 8 : i / 4, within = nib ? i % 8 : i % 4;
       const uint8_t byte = col.q[b * col.block + r * col.ld + within % 4];
-      const int32_t v = (nib ? (within < 4 ? (byte & 0xF) : (byte >> 4)) : byte) - offset;
+      const uint32_t high = six ? col.q[b * col.block + (kSteps<kQ6S> + r / 2) * col.ld + within % 4] : 0;
+      const int32_t v = static_cast<int32_t>(
+          six ? six_bits<uint32_t>(byte, high, r, within / 4)
+              : nib ? (within < 4 ? (byte & 0xF) : (byte >> 4)) : byte) - offset;
       out[b * 32 + i] = static_cast<float>(v) * scale + t;  // the product is exact
     }
   }

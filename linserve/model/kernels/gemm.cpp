@@ -15,7 +15,8 @@
 //   q6_k_values(blocks [n, 210] uint8) -> q [n, 256] int8: a GGUF Q6_K tensor's 6-bit values
 //   (model/gguf/checkpoint.py's _q6_k; its scales are read there).
 //   pack_gguf(raw [N, row bytes] uint8, ggml type) -> a GGUF Q4_0 / Q8_0 / K-quant matrix's
-//   rows as the stored weight (int4, q8, q4k, q8k, q6), straight from its blocks (gguf_blocks.h).
+//   rows as the stored weight (int4, q8, q4k, q8k, q6 or q6s), straight from its blocks
+//   (gguf_blocks.h); stored_format(format) says which a format is stored as on this build.
 //   q8_0_holds_minus_128(raw [N, row bytes] uint8) -> whether a Q8_0 matrix has a −128.
 //   set_batch_invariant(on): whether the fused steps' projections use it (dense.h).
 #include <ATen/ATen.h>
@@ -72,6 +73,12 @@ bool q8_0_holds_minus_128_op(const at::Tensor& raw) { return linserve::q8_0_hold
 
 bool has_bf16_dot() { return linserve::kHasBf16Dot; }
 
+// The stored format pack_quantized and pack_gguf make of `format`: Q6_K's (5) is q6s (8) on
+// builds without VNNI (gemm_quant.h's kQ6Stored); every other the same.
+int64_t stored_format(int64_t format) {
+  return format == linserve::kQ6 ? linserve::kQ6Stored : format;
+}
+
 // Whether bf16 GEMMs run on AMX tiles now; set_amx(false) keeps them on AVX512-BF16 (tests
 // compare the two; a process must not flip it while it serves).
 bool amx_active() { return linserve::amx_active(); }
@@ -99,6 +106,7 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
   m.def("pack_gguf(Tensor raw, int type) -> Tensor");
   m.def("q8_0_holds_minus_128(Tensor raw) -> bool");
   m.def("has_bf16_dot() -> bool");
+  m.def("stored_format(int format) -> int");
   m.def("amx_active() -> bool");
   m.def("set_amx(bool on) -> ()");
   m.def("set_batch_invariant(bool on) -> ()");
@@ -120,6 +128,7 @@ TORCH_LIBRARY_IMPL(linserve, CatchAll, m) {
   m.impl("set_batch_invariant", &set_batch_invariant);
   m.impl("get_batch_invariant", &get_batch_invariant);
   m.impl("has_bf16_dot", &has_bf16_dot);
+  m.impl("stored_format", &stored_format);
   m.impl("amx_active", &amx_active);
   m.impl("set_amx", &set_amx);
 }

@@ -23,7 +23,8 @@
 //   multiplier per block (s = m_s d, t = m_t e; q6: s_h = m_h d, signed) of an fp32 pair
 //   (d, e) per super-block of 8 blocks (llama.cpp's 256 inputs). Every product m d is exact
 //   in fp32 (an fp16 d times a 6- or 8-bit integer), so the kernels' s and t are the values
-//   gguf-py dequantizes with, bit for bit. q4l (Q4_1) and q8l (Q5_0, Q5_1): q4k's and q8k's
+//   gguf-py dequantizes with, bit for bit. q6s (Q6_K in six bits): q6's values as q + 32 in
+//   a nibble and two high bits (kSix). q4l (Q4_1) and q8l (Q5_0, Q5_1): q4k's and q8k's
 //   kernels with a super-block of one block (multipliers 1, (d, e) = the block's s and t).
 // Layout: K padded to K32 (a multiple of 32) with zero weights; in gemm.h's column panels,
 // each (stored row, column) one 32-bit lane of four bytes, so a 64-byte load is 16 columns x
@@ -42,8 +43,11 @@
 //   [width] fp32 (d, then e), then its blocks as int4's / q8's, each block's stored rows then
 //   its two multipliers [width] bytes (m_s then m_t, or q6's two halves'): 18 or 34 bytes a
 //   column and block, plus 8 a super-block (4.75 bits a weight for Q4_K's 4.5, 8.75 for
-//   Q6_K's 6.56; the fp32 s and t a block took 6 and 10). q6 is a kChar tensor (q8k, kByte,
-//   has its size): quant_format.
+//   Q6_K's 6.56; the fp32 s and t a block took 6 and 10). q6s's block: four stored rows of
+//   nibbles as int4's (the low 4 bits of q + 32), then two stored rows of high bits (row u,
+//   byte i: bits 4s + 2h .. 4s + 2h + 1 the top two of input 8 (2u + s) + 4h + i), then its
+//   multipliers: 26 bytes, 6.75 bits a weight. q6 and q6s are kChar tensors (q8k, kByte, has
+//   q6's size): quant_format.
 //
 // Activations (quantize_acts): per row and block b of 32 inputs, s_b = max |x| / 127 and
 // x_q = round(x / s_b) (to nearest even), in [-127, 127]; model/quantize.py's
@@ -57,6 +61,7 @@
 // Integer sums are exact, so only the float steps' order matters, and it is fixed.
 #pragma once
 
+#include <atomic>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -94,15 +99,20 @@ typedef int32_t vi32 __attribute__((vector_size(kLanes * 4)));
 // kSuper<F>: scales as one-byte multipliers of a super-block's fp32 pair (kTwoF32's
 // formats). kQ4L and kQ8L are stored formats only: their products run kQ4K's and kQ8K's
 // kernels (super_blocks: 1).
+// kQ6S: kQ6's values in six bits, q + 32 as a nibble (kNib's stored rows) and two high bits
+// (kSixRows stored rows more), widened to bytes as they are read (kSix).
 enum QFormat : int { kQInt8 = 0, kQInt4 = 1, kQ8 = 2, kQ4K = 3, kQ8K = 4, kQ6 = 5, kQ4L = 6,
-                     kQ8L = 7 };
+                     kQ8L = 7, kQ6S = 8 };
 template <int F> constexpr bool kNib = F == kQInt4 || F == kQ4K;
+template <int F> constexpr bool kSix = F == kQ6S;
+constexpr int64_t kSixRows = 2;
 template <int F> constexpr bool kScaled = F != kQInt8;
 template <int F> constexpr bool kMin = F == kQ4K || F == kQ8K;
-template <int F> constexpr int64_t kHalves = F == kQ6 ? 2 : 1;
+template <int F> constexpr bool kQ6Like = F == kQ6 || F == kQ6S;  // signed multipliers a half
+template <int F> constexpr int64_t kHalves = kQ6Like<F> ? 2 : 1;
 // Formats with two multipliers a block and column and a super-block's pair (s and t, or
 // kQ6's two scales); they run on the VNNI tiles wherever AMX is (not measured on AMX).
-template <int F> constexpr bool kTwoF32 = kMin<F> || F == kQ6;
+template <int F> constexpr bool kTwoF32 = kMin<F> || kQ6Like<F>;
 
 // Whether a stored format keeps super-blocks, and how many blocks one covers.
 constexpr bool has_super(int format) { return format >= kQ4K; }
@@ -111,7 +121,7 @@ constexpr int64_t super_blocks(int format) { return format == kQ4L || format == 
 // Bytes of one column's block in the block-scaled formats: its stored rows, then its fp16
 // scale (int4, q8) or its two multipliers (the K formats).
 constexpr int64_t block_bytes(int format) {
-  return format == kQInt4 || format == kQ4K || format == kQ4L ? 18 : 34;
+  return format == kQInt4 || format == kQ4K || format == kQ4L ? 18 : format == kQ6S ? 26 : 34;
 }
 
 // Bytes of one column's `blocks` blocks: the super-blocks' fp32 pairs, then the blocks.
@@ -120,8 +130,17 @@ constexpr int64_t column_bytes(int format, int64_t blocks) {
 }
 
 // Stored rows of a block, and those of each half.
-template <int F> constexpr int64_t kSteps = kNib<F> ? kBlock / 8 : kBlock / 4;
+template <int F> constexpr int64_t kSteps = kNib<F> || kSix<F> ? kBlock / 8 : kBlock / 4;
 template <int F> constexpr int64_t kHalfSteps = kSteps<F> / kHalves<F>;
+
+// kQ6S's values q + 32 of nibble row t (inputs 8t + 4 half .. 8t + 4 half + 3, a byte each)
+// from the row's nibbles v and its high-bit row h (row kSteps + t / 2): one column's
+// uint32_t, or a vector of them.
+template <typename U>
+inline U six_bits(U v, U h, int64_t t, int64_t half) {
+  const U nib = (v >> (4 * half)) & 0x0F0F0F0Fu;
+  return nib | (((h >> (4 * (t & 1) + 2 * half)) & 0x03030303u) << 4);
+}
 
 // A dot product's starting value: the offset's correction d0 = -o Σ x_q (so the dot is of
 // q = stored - o), except Q4K's nibbles, which are q as they are (the correction then
@@ -131,8 +150,10 @@ constexpr int32_t dot_start(int32_t d0) { return F == kQ4K ? 0 : d0; }
 
 // Half g's starting value: kQ6's halves take the correction of their own 16 inputs (d0_lo
 // = -128 Σ of the first 16 x_q), every other format the block's (one half).
+// (kQ6S's values are q + 32: the correction over 4, exact.)
 template <int F>
 constexpr int32_t half_start(int32_t d0, int32_t d0_lo, int64_t g) {
+  if constexpr (kSix<F>) return (g == 0 ? d0_lo : d0 - d0_lo) / 4;
   if constexpr (kHalves<F> == 2) return g == 0 ? d0_lo : d0 - d0_lo;
   return dot_start<F>(d0);
 }
@@ -194,7 +215,7 @@ inline const uint8_t* multipliers(const QCol& col, int64_t b, int64_t i) {
 }
 template <int F>
 inline float multiplier(const uint8_t* p) {
-  return F == kQ6 ? static_cast<float>(static_cast<int8_t>(*p)) : static_cast<float>(*p);
+  return kQ6Like<F> ? static_cast<float>(static_cast<int8_t>(*p)) : static_cast<float>(*p);
 }
 
 // Block b's super-block pair's d (e = 0) or e (e = 1), for the columns from col's.
@@ -220,8 +241,8 @@ template <int F>
 inline vfloat multipliers_v(const uint8_t* m) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m));
-  const __m256 v = _mm256_cvtepi32_ps(F == kQ6 ? _mm256_cvtepi8_epi32(bytes)
-                                               : _mm256_cvtepu8_epi32(bytes));
+  const __m256 v = _mm256_cvtepi32_ps(kQ6Like<F> ? _mm256_cvtepi8_epi32(bytes)
+                                                 : _mm256_cvtepu8_epi32(bytes));
   vfloat out;
   std::memcpy(&out, &v, sizeof(out));
   return out;
@@ -416,7 +437,7 @@ template <int F> constexpr int32_t kNarrowBias = F == kQ6 ? 32 : 16;
 // correction for the nibbles and the narrow bytes.
 template <int F>
 inline int32_t avx2_dot_start(int32_t d0, int32_t d0_lo, int64_t g) {
-  if constexpr (kNib<F>) return half_start<F>(d0, d0_lo, g);
+  if constexpr (kNib<F> || kSix<F>) return half_start<F>(d0, d0_lo, g);
   if constexpr (kNarrowBytes<F>) return half_start<F>(d0, d0_lo, g) / (128 / kNarrowBias<F>);
   return 0;
 }
@@ -429,6 +450,30 @@ inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int6
   for (int64_t r = 0; r < ROWS; ++r) xq[r] = reinterpret_cast<const int32_t*>(a.block(r0 + r, b));
   __m256i sum[ROWS][NV];
   for (auto& row : sum) for (auto& v : row) v = _mm256_setzero_si256();
+  if constexpr (kSix<F>) {  // nibble rows t0 .. t1 - 1 (the half), widened to q + 32
+    const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < NV; ++j) {
+        const uint8_t* p = col[j].q + b * col[j].block;
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + t * col[j].ld));
+        const __m256i h = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(p + (kSteps<F> + t / 2) * col[j].ld));
+        // Row t's two high bits of its low inputs are bits 4 (t & 1) .. + 1 of h, of its high
+        // inputs the next two; shifted to bits 4-5 (bits carried across bytes masked off).
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(
+            (t & 1) ? h : _mm256_slli_epi16(h, 4), top));
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+            _mm256_and_si256((t & 1) ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2), top));
+        for (int64_t r = 0; r < ROWS; ++r)  // two pairs: at most 2 x 2 x 63 x 127 < 2^15
+          sum[r][j] = _mm256_add_epi32(sum[r][j], _mm256_madd_epi16(_mm256_add_epi16(
+              _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[r][2 * t])),
+              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[r][2 * t + 1]))), ones));
+      }
+    }
+    for (int64_t r = 0; r < ROWS; ++r)
+      for (int64_t j = 0; j < NV; ++j) dot[r][j] += reinterpret_cast<const vi32&>(sum[r][j]);
+    return;
+  }
   if (kNib<F>) {
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t t = 0; t < kBlock / 8; ++t) {
@@ -535,7 +580,7 @@ inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
 // each stored row's 4 bytes a column, and int4's fp16 scales.
 template <int F>
 inline void prefetch_tile(const QCol& col, int64_t columns, int64_t b) {
-  for (int64_t t = 0; t < kSteps<F>; ++t)
+  for (int64_t t = 0; t < kSteps<F> + (kSix<F> ? kSixRows : 0); ++t)
     prefetch_bytes(col.q + b * col.block + t * col.ld, 4 * columns);
   if constexpr (kTwoF32<F>) {
     prefetch_bytes(multipliers(col, b, 0), col.to_t + columns);
@@ -563,14 +608,24 @@ inline void tile_q(const QuantActs& a, const Span& s, const QuantWeights& w, int
               a.d0(s.r0 + r, b), a.d0_lo(s.r0 + r, b), g));
       if constexpr (kAvx2Dot) block_dot_avx2<F, ROWS, NV>(a, s.r0, col, b, dot, t0, t1);
       for (int64_t t = t0; t < (kAvx2Dot ? t0 : t1); ++t) {
-        vu32 v[NV];
-        for (int64_t j = 0; j < NV; ++j)
-          v[j] = *reinterpret_cast<const vu32_ua*>(col[j].q + b * col[j].block + t * col[j].ld);
+        vu32 v[NV], v6[NV];  // (kQ6S: v the low inputs' values q + 32, v6 the high ones')
+        for (int64_t j = 0; j < NV; ++j) {
+          const uint8_t* p = col[j].q + b * col[j].block;
+          v[j] = *reinterpret_cast<const vu32_ua*>(p + t * col[j].ld);
+          if constexpr (kSix<F>) {
+            const vu32 h = *reinterpret_cast<const vu32_ua*>(p + (kSteps<F> + t / 2) * col[j].ld);
+            v6[j] = six_bits(v[j], h, t, 1);
+            v[j] = six_bits(v[j], h, t, 0);
+          }
+        }
         for (int64_t i = 0; i < 4; ++i) {
           for (int64_t r = 0; r < ROWS; ++r) {
             const int8_t* xq = a.block(s.r0 + r, b);
             for (int64_t j = 0; j < NV; ++j) {
-              if (kNib<F>) {
+              if (kSix<F>) {
+                dot[r][j] += (vi32)((v[j] >> (8 * i)) & 255u) * xq[8 * t + i];
+                dot[r][j] += (vi32)((v6[j] >> (8 * i)) & 255u) * xq[8 * t + 4 + i];
+              } else if (kNib<F>) {
                 dot[r][j] += (vi32)((v[j] >> (8 * i)) & 15u) * xq[8 * t + i];
                 dot[r][j] += (vi32)((v[j] >> (8 * i + 4)) & 15u) * xq[8 * t + 4 + i];
               } else {
@@ -624,7 +679,12 @@ inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantW
           for (int64_t t = g * kHalfSteps<F>; t < (g + 1) * kHalfSteps<F>; ++t) {
             const uint8_t* lane = col.q + b * col.block + t * col.ld;
             for (int64_t i = 0; i < 4; ++i) {
-              if (kNib<F>) {
+              if (kSix<F>) {
+                const uint32_t v = lane[i];
+                const uint32_t h = col.q[b * col.block + (kSteps<F> + t / 2) * col.ld + i];
+                d += static_cast<int32_t>(six_bits(v, h, t, 0)) * xq[8 * t + i] +
+                     static_cast<int32_t>(six_bits(v, h, t, 1)) * xq[8 * t + 4 + i];
+              } else if (kNib<F>) {
                 d += (lane[i] & 15) * xq[8 * t + i] + (lane[i] >> 4) * xq[8 * t + 4 + i];
               } else {
                 d += lane[i] * xq[4 * t + i];
@@ -1003,6 +1063,102 @@ inline void quant_rows(const QuantActs& a, const float* x, const QuantWeights& w
   });
 }
 
+// ---- Q6_K in six bits (kQ6S): widened in the tiles, or once a column chunk --------------
+// A product of at most kSixInlineRows rows (a decode step's, a verify's) runs kQ6S's own
+// tiles, which widen each value to a byte as they read it. More rows (a prefill) read each
+// weight once a row group: each thread widens a column chunk once (widen_six, into a scratch
+// kept for that chunk's next groups) and runs q6's tiles on the bytes, the same integers, so
+// the same bits. (For 16 rows, three groups, widening each chunk measured slower than
+// widening in the tiles, and widening each 16-column panel into a buffer before its tile
+// slower still: BENCHMARKS.md §70.) VNNI builds store Q6_K as q6 (kQ6Stored): their many-row
+// tiles measured slower on six bits (BENCHMARKS.md §61); a q6s weight there always takes
+// the chunk path.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int kQ6Stored = kQ6;
+#else
+constexpr int kQ6Stored = kQ6S;
+constexpr int64_t kSixInlineRows = kWideRows;
+#endif
+
+typedef uint8_t vb32 __attribute__((vector_size(32)));
+typedef uint8_t vb32_ua __attribute__((vector_size(32), aligned(1), __may_alias__));
+
+// Columns [c0, c1) of a kQ6S weight as kQ6 panels at out, as that weight's own panels would
+// be stored as kQ6 (c0 a multiple of kPanel): the pairs and multipliers copied, each stored
+// row of nibbles widened to two of bytes q + 128.
+inline void widen_six(const QuantWeights& w, int64_t c0, int64_t c1, uint8_t* out) {
+  const int64_t blocks = w.k32 / kBlock, pairs = blocks / super_blocks(kQ6) * 8;
+  const int64_t from = column_bytes(kQ6S, blocks), to = column_bytes(kQ6, blocks);
+  for (int64_t p0 = c0; p0 < c1; p0 += kPanel) {
+    const int64_t width = std::min(kPanel, w.n - p0), ld = 4 * width;
+    const uint8_t* src = w.base + p0 * from;
+    uint8_t* dst = out + (p0 - c0) * to;
+    std::memcpy(dst, src, pairs * width);
+    src += pairs * width;
+    dst += pairs * width;
+    for (int64_t b = 0; b < blocks; ++b, src += block_bytes(kQ6S) * width,
+                 dst += block_bytes(kQ6) * width) {
+      for (int64_t t = 0; t < kSteps<kQ6S>; ++t) {
+        const uint8_t* nib = src + t * ld;
+        const uint8_t* high = src + (kSteps<kQ6S> + t / 2) * ld;
+        int64_t c = 0;
+        for (; c + 32 <= ld; c += 32) {  // 32 bytes a step (the loop below did not vectorize)
+          const vb32 v = *reinterpret_cast<const vb32_ua*>(nib + c);
+          const vb32 h = *reinterpret_cast<const vb32_ua*>(high + c) >> (4 * (t & 1));
+          *reinterpret_cast<vb32_ua*>(dst + 2 * t * ld + c) = ((v & 15) | ((h & 3) << 4)) + 0x60;
+          *reinterpret_cast<vb32_ua*>(dst + (2 * t + 1) * ld + c) =
+              ((v >> 4) | (((h >> 2) & 3) << 4)) + 0x60;
+        }
+        for (; c < ld; c += 4) {
+          uint32_t v, h;
+          std::memcpy(&v, nib + c, 4);
+          std::memcpy(&h, high + c, 4);
+          const uint32_t lo = six_bits(v, h, t, 0) + 0x60606060u;  // q + 32 + 96: no carry
+          const uint32_t hi = six_bits(v, h, t, 1) + 0x60606060u;
+          std::memcpy(dst + 2 * t * ld + c, &lo, 4);
+          std::memcpy(dst + (2 * t + 1) * ld + c, &hi, 4);
+        }
+      }
+      std::memcpy(dst + (block_bytes(kQ6) - 2) * width, src + (block_bytes(kQ6S) - 2) * width,
+                  2 * width);
+    }
+  }
+}
+
+// A thread's widened chunk: which product (a number per call) and which columns it holds.
+struct SixScratch {
+  std::vector<uint8_t> bytes;
+  uint64_t call = 0;
+  int64_t c0 = -1;
+};
+inline std::atomic<uint64_t> six_calls{0};
+
+// The product of a kQ6S weight (see above).
+inline void quant_rows_six(const QuantActs& a, const float* x, const QuantWeights& w, float* y,
+                           int64_t rows, int64_t k_len, bool accumulate) {
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+  if (rows <= kSixInlineRows) return quant_rows<kQ6S>(a, x, w, y, rows, k_len, accumulate);
+#endif
+  const uint64_t call = ++six_calls;
+  const int64_t cold_rows = a.group * at::get_num_threads();
+  const int64_t to = column_bytes(kQ6, w.k32 / kBlock);
+  for_spans(x, y, rows, k_len, w.n, accumulate, a.group, [&](int64_t r, const Span& s) {
+    thread_local SixScratch scratch;
+    if (scratch.call != call || scratch.c0 != s.c0) {
+      scratch.bytes.resize(static_cast<size_t>((s.c1 - s.c0) * to));
+      widen_six(w, s.c0, s.c1, scratch.bytes.data());
+      scratch.call = call;
+      scratch.c0 = s.c0;
+    }
+    Span local = s;  // the chunk's columns from 0 in the scratch; y still [B, N]
+    local.c0 = 0;
+    local.c1 = s.c1 - s.c0;
+    local.y = s.y + s.c0;
+    span_quant_rows<kQ6>(a, local, QuantWeights{scratch.bytes.data(), local.c1, w.k32, kQ6}, r,
+                         s.r0 < cold_rows);
+  });
+}
+
 // Stored rows of a weight of K inputs (rows of N columns x 4 bytes).
 inline int64_t quant_rows_of(int64_t k_len, int format) {
   const int64_t k32 = (k_len + kBlock - 1) / kBlock * kBlock;
@@ -1016,13 +1172,14 @@ inline bool holds(int format, int64_t k_len) {
 }
 
 // Which format a stored weight of K inputs is in (pack_quantized), told apart by dtype and
-// stored rows: int8 and q6 are kChar tensors, the other block-scaled formats kByte (q8k and
+// stored rows: int8, q6 and q6s are kChar tensors, the other block-scaled formats kByte (q8k and
 // q6 take the same bytes a block). -1: none.
 inline int quant_format(const at::Tensor& w, int64_t k_len) {
   if (w.dim() != 3 || w.size(2) != 4) return -1;
   if (w.scalar_type() == at::kChar) {
     if (w.size(0) == quant_rows_of(k_len, kQInt8)) return kQInt8;
-    return holds(kQ6, k_len) && w.size(0) == quant_rows_of(k_len, kQ6) ? kQ6 : -1;
+    if (holds(kQ6, k_len) && w.size(0) == quant_rows_of(k_len, kQ6)) return kQ6;
+    return holds(kQ6S, k_len) && w.size(0) == quant_rows_of(k_len, kQ6S) ? kQ6S : -1;
   }
   if (w.scalar_type() != at::kByte) return -1;
   for (const int f : {kQInt4, kQ8, kQ4K, kQ8K, kQ4L, kQ8L})
@@ -1047,6 +1204,7 @@ inline void quant_mm(const at::Tensor& a, const at::Tensor& w, at::Tensor& y, bo
     case kQ4K: case kQ4L: return quant_rows<kQ4K>(acts, x, qw, out, rows, k_len, accumulate);
     case kQ8K: case kQ8L: return quant_rows<kQ8K>(acts, x, qw, out, rows, k_len, accumulate);
     case kQ6: return quant_rows<kQ6>(acts, x, qw, out, rows, k_len, accumulate);
+    case kQ6S: return quant_rows_six(acts, x, qw, out, rows, k_len, accumulate);
     default: return quant_rows<kQInt8>(acts, x, qw, out, rows, k_len, accumulate);
   }
 }
@@ -1090,14 +1248,40 @@ inline void store_rows(const int8_t* q, bool nib, int32_t offset, int64_t c, int
     }
 }
 
+// One block's 32 values q (in [-32, 31]) into column c of kQ6S's stored rows at `blk`: the
+// nibbles of q + 32 as int4's, then the two rows of high bits (see the layout above).
+inline void store_six_rows(const int8_t* q, int64_t c, int64_t width, uint8_t* blk) {
+  for (int64_t t = 0; t < kSteps<kQ6S>; ++t)
+    for (int64_t i = 0; i < 4; ++i)
+      blk[t * width * 4 + 4 * c + i] = static_cast<uint8_t>(
+          ((q[8 * t + i] + 32) & 15) | (((q[8 * t + i + 4] + 32) & 15) << 4));
+  for (int64_t u = 0; u < kSixRows; ++u)
+    for (int64_t i = 0; i < 4; ++i) {
+      uint32_t byte = 0;
+      for (int64_t s = 0; s < 2; ++s)
+        for (int64_t h = 0; h < 2; ++h)
+          byte |= static_cast<uint32_t>(((q[8 * (2 * u + s) + 4 * h + i] + 32) >> 4) & 3)
+                  << (4 * s + 2 * h);
+      blk[(kSteps<kQ6S> + u) * width * 4 + 4 * c + i] = static_cast<uint8_t>(byte);
+    }
+}
+
+// One block's 32 values into column c of its stored rows, in `format` (store_rows with its
+// offset, or store_six_rows).
+inline void store_block(const int8_t* q, int format, int64_t c, int64_t width, uint8_t* blk) {
+  if (format == kQ6S) return store_six_rows(q, c, width, blk);
+  const bool nib = format == kQInt4 || format == kQ4K || format == kQ4L;
+  store_rows(q, nib, format == kQInt4 ? 8 : 0, c, width, blk);
+}
+
 // One block's stored rows of a panel: q's 32 inputs from k0 for the panel's columns
-// (store_rows, a column at a time).
+// (store_block, a column at a time).
 inline void pack_block_rows(const StridedBytes& q, int64_t k0, int64_t p0, int64_t width,
-                            bool nib, int32_t offset, uint8_t* blk) {
+                            int format, uint8_t* blk) {
   int8_t column[kBlock];
   for (int64_t c = 0; c < width; ++c) {
     for (int64_t k = 0; k < kBlock; ++k) column[k] = static_cast<int8_t>(*q.at(k0 + k, p0 + c));
-    store_rows(column, nib, offset, c, width, blk);
+    store_block(column, format, c, width, blk);
   }
 }
 
@@ -1109,10 +1293,7 @@ inline void pack_block_rows(const StridedBytes& q, int64_t k0, int64_t p0, int64
 // 0.8B Q4_K_M file's 16 s load.)
 inline void pack_blocks(const at::Tensor& q, const at::Tensor& parts, int format, uint8_t* out) {
   const int64_t k_len = q.size(0), n = q.size(1), blocks = k_len / kBlock;
-  const bool nib = format == kQInt4 || format == kQ4K || format == kQ4L;
-  const int32_t offset = format == kQInt4 ? 8 : nib ? 0 : 128;
-  const int64_t per = nib ? kBlock / 8 : kBlock / 4, bb = block_bytes(format);
-  const int64_t sb = super_blocks(format);
+  const int64_t bb = block_bytes(format), sb = super_blocks(format);
   const StridedBytes qv = strided(q), pv = strided(parts);
   const int64_t panels = (n + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t p_begin, int64_t p_end) {
@@ -1123,8 +1304,8 @@ inline void pack_blocks(const at::Tensor& q, const at::Tensor& parts, int format
       uint8_t* first = panel + (has_super(format) ? blocks / sb * 8 * width : 0);
       for (int64_t b = 0; b < blocks; ++b) {
         uint8_t* blk = first + b * bb * width;
-        pack_block_rows(qv, b * kBlock, p0, width, nib, offset, blk);
-        uint8_t* tail = blk + per * 4 * width;
+        pack_block_rows(qv, b * kBlock, p0, width, format, blk);
+        uint8_t* tail = blk + (bb - 2) * width;
         if (!has_super(format)) {  // the block's fp16 scales
           for (int64_t c = 0; c < width; ++c)
             std::memcpy(tail + c * pv.e, pv.at(0, b, p0 + c), pv.e);
@@ -1147,12 +1328,14 @@ inline void pack_blocks(const at::Tensor& q, const at::Tensor& parts, int format
 // + t with [4, K / 32, N] fp32 (m_s, m_t, d, e): s = m_s d, t = m_t e, d and e the same
 // across each super-block, m_s and m_t integers in [0, 255]: q4k and q4l (q in [0, 15]),
 // q8k and q8l (q in [-128, 127]); or q6 (q in [-128, 127], W = s_h q, s_h = m_h d with the
-// multipliers of each half of 16 in [-128, 127], e unused).
+// multipliers of each half of 16 in [-128, 127], e unused; stored as q6s where kQ6Stored
+// says so, and as q6s wherever format 8 is asked for).
 inline at::Tensor pack_quantized(const at::Tensor& q, const at::Tensor& scales, int64_t format) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_quantized takes q [K, N] int8");
-  TORCH_CHECK(format >= kQInt8 && format <= kQ8L,
+  TORCH_CHECK(format >= kQInt8 && format <= kQ6S,
               "pack_quantized: format is 0 (int8), 1 (int4), 2 (q8), 3 (q4k), 4 (q8k), 5 (q6), "
-              "6 (q4l) or 7 (q8l)");
+              "6 (q4l), 7 (q8l) or 8 (q6s)");
+  if (format == kQ6) format = kQ6Stored;  // Q6_K as this build stores it
   const int64_t k_len = q.size(0), n = q.size(1);
   const bool k_format = has_super(static_cast<int>(format));
   const bool ok = format == kQInt8 ? scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
@@ -1178,7 +1361,7 @@ inline at::Tensor pack_quantized(const at::Tensor& q, const at::Tensor& scales, 
     flat.narrow(0, 0, body.numel()).copy_(body);
   }
   flat = flat.view({-1, n, 4});
-  return format == kQInt8 || format == kQ6 ? flat.view(at::kChar) : flat;
+  return format == kQInt8 || format == kQ6 || format == kQ6S ? flat.view(at::kChar) : flat;
 }
 
 }  // namespace linserve

@@ -14,8 +14,8 @@
 //   Q5_K (176 bytes): Q4_K's with 32 bytes of high bits before the nibbles; q in [0, 31];
 //     stored as q8k (bytes q + 128).
 //   Q6_K (210 bytes): 128 bytes of low nibbles, 64 of two high bits, 16 int8 scales (one a
-//     16 inputs), fp16 d; W = (sc d) q, q in [-32, 31]; stored as q6 (bytes q + 128), its
-//     multipliers each half's scale, e = 0.
+//     16 inputs), fp16 d; W = (sc d) q, q in [-32, 31]; stored as q6s (six bits; q6, bytes
+//     q + 128, on VNNI builds: kQ6Stored), its multipliers each half's scale, e = 0.
 //   Q4_0 (18 bytes): fp16 d, 16 bytes: input j the low nibble of byte j, j + 16 its high
 //     one; W = d (nibble - 8); stored as int4 (the nibbles as they are).
 //   Q8_0 (34 bytes): fp16 d, 32 int8 q; W = d q; stored as q8 (bytes q + 128; the caller
@@ -116,12 +116,11 @@ inline void store_super_block(const SuperBlock& sb, int64_t sp, int64_t c, int64
                               int format, uint8_t* panel, uint8_t* first) {
   std::memcpy(panel + ((2 * sp) * width + c) * 4, &sb.d, 4);
   std::memcpy(panel + ((2 * sp + 1) * width + c) * 4, &sb.e, 4);
-  const bool nib = format == kQ4K;
-  const int64_t per = nib ? kBlock / 8 : kBlock / 4, bb = block_bytes(format);
+  const int64_t bb = block_bytes(format);
   for (int64_t j = 0; j < 8; ++j) {
     uint8_t* blk = first + (8 * sp + j) * bb * width;
-    store_rows(sb.q + 32 * j, nib, 0, c, width, blk);
-    uint8_t* tail = blk + per * 4 * width;
+    store_block(sb.q + 32 * j, format, c, width, blk);
+    uint8_t* tail = blk + (bb - 2) * width;
     tail[c] = sb.ms[j];
     tail[width + c] = sb.mt[j];
   }
@@ -156,7 +155,7 @@ inline GgmlBlocks ggml_blocks(int64_t type) {
     case kGgmlQ8_0: return {kQ8, 34, 32};
     case kGgmlQ4K: return {kQ4K, 144, 256};
     case kGgmlQ5K: return {kQ8K, 176, 256};
-    case kGgmlQ6K: return {kQ6, 210, 256};
+    case kGgmlQ6K: return {kQ6Stored, 210, 256};
     default: TORCH_CHECK(false, "pack_gguf takes Q4_0 (2), Q8_0 (8), Q4_K (12), Q5_K (13) or "
                          "Q6_K (14) blocks, not type ", type);
   }
@@ -196,7 +195,7 @@ inline at::Tensor pack_gguf(const at::Tensor& raw, int64_t type) {
     }
   });
   flat = flat.view({-1, n, 4});
-  return g.format == kQ6 || g.format == kQInt8 ? flat.view(at::kChar) : flat;
+  return g.format == kQ6 || g.format == kQ6S || g.format == kQInt8 ? flat.view(at::kChar) : flat;
 }
 
 // Whether a Q8_0 matrix's rows [N, row bytes] hold a value of -128 (a byte 0x80 after a
