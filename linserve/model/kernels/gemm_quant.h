@@ -1251,19 +1251,22 @@ inline void store_rows(const int8_t* q, bool nib, int32_t offset, int64_t c, int
 // One block's 32 values q (in [-32, 31]) into column c of kQ6S's stored rows at `blk`: the
 // nibbles of q + 32 as int4's, then the two rows of high bits (see the layout above).
 inline void store_six_rows(const int8_t* q, int64_t c, int64_t width, uint8_t* blk) {
-  for (int64_t t = 0; t < kSteps<kQ6S>; ++t)
-    for (int64_t i = 0; i < 4; ++i)
-      blk[t * width * 4 + 4 * c + i] = static_cast<uint8_t>(
-          ((q[8 * t + i] + 32) & 15) | (((q[8 * t + i + 4] + 32) & 15) << 4));
+  uint32_t high[kSixRows] = {};
+  for (int64_t t = 0; t < kSteps<kQ6S>; ++t) {  // inputs 8t .. 8t + 7, a byte each, as q + 32
+    uint64_t v;
+    std::memcpy(&v, q + 8 * t, 8);
+    // q + 32 in each byte without a carry between bytes (the low 7 bits added, the top
+    // bit's sum put back by xor)
+    v = ((v & 0x7F7F7F7F7F7F7F7Full) + 0x2020202020202020ull) ^ (v & 0x8080808080808080ull);
+    const uint64_t nib = v & 0x0F0F0F0F0F0F0F0Full, crumbs = (v >> 4) & 0x0303030303030303ull;
+    const uint32_t row = static_cast<uint32_t>(nib) | (static_cast<uint32_t>(nib >> 32) << 4);
+    std::memcpy(blk + t * width * 4 + 4 * c, &row, 4);  // (little-endian: byte i, input i)
+    const int shift = 4 * static_cast<int>(t & 1);
+    high[t / 2] |= (static_cast<uint32_t>(crumbs) << shift) |
+                   (static_cast<uint32_t>(crumbs >> 32) << (shift + 2));
+  }
   for (int64_t u = 0; u < kSixRows; ++u)
-    for (int64_t i = 0; i < 4; ++i) {
-      uint32_t byte = 0;
-      for (int64_t s = 0; s < 2; ++s)
-        for (int64_t h = 0; h < 2; ++h)
-          byte |= static_cast<uint32_t>(((q[8 * (2 * u + s) + 4 * h + i] + 32) >> 4) & 3)
-                  << (4 * s + 2 * h);
-      blk[(kSteps<kQ6S> + u) * width * 4 + 4 * c + i] = static_cast<uint8_t>(byte);
-    }
+    std::memcpy(blk + (kSteps<kQ6S> + u) * width * 4 + 4 * c, &high[u], 4);
 }
 
 // One block's 32 values into column c of its stored rows, in `format` (store_rows with its
