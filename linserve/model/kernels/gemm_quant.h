@@ -442,6 +442,36 @@ inline int32_t avx2_dot_start(int32_t d0, int32_t d0_lo, int64_t g) {
   return 0;
 }
 
+// block_dot_avx2's kQ6S part: nibble rows t0 .. t1 - 1 (a half) widened to q + 32 in
+// registers, then as the narrow bytes (two stored rows' pairs a vpmaddwd).
+template <int64_t ROWS, int64_t NV>
+inline void six_dot_avx2(const int32_t* const* xq, const QCol* col, int64_t b, int64_t t0,
+                         int64_t t1, __m256i (&sum)[ROWS][NV], vi32 (*dot)[NV]) {
+  constexpr int F = kQ6S;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t j = 0; j < NV; ++j) {
+      const uint8_t* p = col[j].q + b * col[j].block;
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + t * col[j].ld));
+      const __m256i h = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(p + (kSteps<F> + t / 2) * col[j].ld));
+      // Row t's two high bits of its low inputs are bits 4 (t & 1) .. + 1 of h, of its high
+      // inputs the next two; shifted to bits 4-5 (bits carried across bytes masked off).
+      const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(
+          (t & 1) ? h : _mm256_slli_epi16(h, 4), top));
+      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+          _mm256_and_si256((t & 1) ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2), top));
+      for (int64_t r = 0; r < ROWS; ++r)  // two pairs: at most 2 x 2 x 63 x 127 < 2^15
+        sum[r][j] = _mm256_add_epi32(sum[r][j], _mm256_madd_epi16(_mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[r][2 * t])),
+            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[r][2 * t + 1]))), ones));
+    }
+  }
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t j = 0; j < NV; ++j) dot[r][j] += reinterpret_cast<const vi32&>(sum[r][j]);
+}
+
 template <int F, int64_t ROWS, int64_t NV>
 inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int64_t b,
                            vi32 (*dot)[NV], int64_t t0 = 0, int64_t t1 = kBlock / 4) {
@@ -450,30 +480,7 @@ inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int6
   for (int64_t r = 0; r < ROWS; ++r) xq[r] = reinterpret_cast<const int32_t*>(a.block(r0 + r, b));
   __m256i sum[ROWS][NV];
   for (auto& row : sum) for (auto& v : row) v = _mm256_setzero_si256();
-  if constexpr (kSix<F>) {  // nibble rows t0 .. t1 - 1 (the half), widened to q + 32
-    const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t j = 0; j < NV; ++j) {
-        const uint8_t* p = col[j].q + b * col[j].block;
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + t * col[j].ld));
-        const __m256i h = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(p + (kSteps<F> + t / 2) * col[j].ld));
-        // Row t's two high bits of its low inputs are bits 4 (t & 1) .. + 1 of h, of its high
-        // inputs the next two; shifted to bits 4-5 (bits carried across bytes masked off).
-        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(
-            (t & 1) ? h : _mm256_slli_epi16(h, 4), top));
-        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-            _mm256_and_si256((t & 1) ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2), top));
-        for (int64_t r = 0; r < ROWS; ++r)  // two pairs: at most 2 x 2 x 63 x 127 < 2^15
-          sum[r][j] = _mm256_add_epi32(sum[r][j], _mm256_madd_epi16(_mm256_add_epi16(
-              _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[r][2 * t])),
-              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[r][2 * t + 1]))), ones));
-      }
-    }
-    for (int64_t r = 0; r < ROWS; ++r)
-      for (int64_t j = 0; j < NV; ++j) dot[r][j] += reinterpret_cast<const vi32&>(sum[r][j]);
-    return;
-  }
+  if constexpr (kSix<F>) return six_dot_avx2<ROWS, NV>(xq, col, b, t0, t1, sum, dot);
   if (kNib<F>) {
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t t = 0; t < kBlock / 8; ++t) {
