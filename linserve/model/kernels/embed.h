@@ -74,7 +74,8 @@ inline void block_column(const QuantWeights& w, int64_t c, int64_t d, float* out
                                                          : half_to_float(*group_scales(col, b));
       const int64_t r = nib ? i / 8 : i / 4, within = nib ? i % 8 : i % 4;
       const uint8_t byte = col.q[b * col.block + r * col.ld + within % 4];
-      const uint32_t high = six ? col.q[b * col.block + (kSteps<kQ6S> + r / 2) * col.ld + within % 4] : 0;
+      const int64_t high_row = kSteps<kQ6S> + r / 2;  // (q6s: the row's high bits)
+      const uint32_t high = six ? col.q[b * col.block + high_row * col.ld + within % 4] : 0;
       const int32_t v = static_cast<int32_t>(
           six ? six_bits<uint32_t>(byte, high, r, within / 4)
               : nib ? (within < 4 ? (byte & 0xF) : (byte >> 4)) : byte) - offset;

@@ -129,6 +129,11 @@ constexpr int64_t column_bytes(int format, int64_t blocks) {
   return blocks * block_bytes(format) + (has_super(format) ? blocks / super_blocks(format) * 8 : 0);
 }
 
+// Whether a stored format is a kChar tensor (quant_format tells q8k and q6 apart by it).
+constexpr bool stored_as_char(int format) {
+  return format == kQInt8 || format == kQ6 || format == kQ6S;
+}
+
 // Stored rows of a block, and those of each half.
 template <int F> constexpr int64_t kSteps = kNib<F> || kSix<F> ? kBlock / 8 : kBlock / 4;
 template <int F> constexpr int64_t kHalfSteps = kSteps<F> / kHalves<F>;
@@ -1371,7 +1376,7 @@ inline at::Tensor pack_quantized(const at::Tensor& q, const at::Tensor& scales, 
     flat.narrow(0, 0, body.numel()).copy_(body);
   }
   flat = flat.view({-1, n, 4});
-  return format == kQInt8 || format == kQ6 || format == kQ6S ? flat.view(at::kChar) : flat;
+  return stored_as_char(static_cast<int>(format)) ? flat.view(at::kChar) : flat;
 }
 
 }  // namespace linserve

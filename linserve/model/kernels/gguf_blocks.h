@@ -195,7 +195,7 @@ inline at::Tensor pack_gguf(const at::Tensor& raw, int64_t type) {
     }
   });
   flat = flat.view({-1, n, 4});
-  return g.format == kQ6 || g.format == kQ6S || g.format == kQInt8 ? flat.view(at::kChar) : flat;
+  return stored_as_char(g.format) ? flat.view(at::kChar) : flat;
 }
 
 // Whether a Q8_0 matrix's rows [N, row bytes] hold a value of -128 (a byte 0x80 after a
