@@ -387,6 +387,8 @@ inline QuantActs quantize_acts(const float* x, int64_t rows, int64_t k_len, int3
   });
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (rows <= kWideRows) a.group = rows;  // one wide group (see kWideRows)
+#endif
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && !defined(__AVX512F__))
   if (rows > 1) pack_groups(a, rows, std::max<int64_t>(1, grain / a.group));  // 1: GEMV
 #endif
   return a;
@@ -418,6 +420,14 @@ inline void store_out(float* out, vfloat v, bool accumulate) {
   }
   std::memcpy(out, &v, sizeof(v));
 }
+
+// f(std::integral_constant<int64_t, i>{}) for i = 0 .. N - 1, unrolled (i a constant).
+template <typename F, size_t... I>
+inline void unrolled(F&& f, std::index_sequence<I...>) {
+  (f(std::integral_constant<int64_t, static_cast<int64_t>(I)>{}), ...);
+}
+template <int64_t N, typename F>
+inline void unrolled(F&& f) { unrolled(f, std::make_index_sequence<N>{}); }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // ---- AVX2: one block's integer dot products with vpmaddubsw + vpmaddwd --------------------
@@ -474,7 +484,7 @@ inline void six_dot_avx2(const int32_t* const* xq, const QCol* col, int64_t b, i
     }
   }
   for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t j = 0; j < NV; ++j) dot[r][j] += reinterpret_cast<const vi32&>(sum[r][j]);
+    for (int64_t j = 0; j < NV; ++j) dot[r][j] += (vi32)sum[r][j];
 }
 
 template <int F, int64_t ROWS, int64_t NV>
@@ -502,7 +512,7 @@ inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int6
     }
     for (int64_t r = 0; r < ROWS; ++r)
       for (int64_t j = 0; j < NV; ++j)
-        dot[r][j] += reinterpret_cast<const vi32&>(sum[r][j] = _mm256_madd_epi16(sum[r][j], ones));
+        dot[r][j] += (vi32)(sum[r][j] = _mm256_madd_epi16(sum[r][j], ones));
     return;
   }
   if constexpr (kNarrowBytes<F>) {  // two stored rows at a time, unsigned
@@ -523,7 +533,7 @@ inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int6
       }
     }
     for (int64_t r = 0; r < ROWS; ++r)
-      for (int64_t j = 0; j < NV; ++j) dot[r][j] += reinterpret_cast<const vi32&>(sum[r][j]);
+      for (int64_t j = 0; j < NV; ++j) dot[r][j] += (vi32)sum[r][j];
     return;
   }
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -542,7 +552,7 @@ inline void block_dot_avx2(const QuantActs& a, int64_t r0, const QCol* col, int6
     }
   }
   for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t j = 0; j < NV; ++j) dot[r][j] += reinterpret_cast<const vi32&>(sum[r][j]);
+    for (int64_t j = 0; j < NV; ++j) dot[r][j] += (vi32)sum[r][j];
 }
 #else
 constexpr bool kAvx2Dot = false;
@@ -560,7 +570,7 @@ inline void block_dot_avx2(const QuantActs&, int64_t, const QCol*, int64_t, vi32
 // in flight, as gemm_amx.h's tiles. A VNNI GEMV (one row, 8 vectors) prefetches both panels'
 // whole block kQuantPrefetch blocks ahead (prefetch_block): 4 read a little faster than 2, 8
 // no faster. Every tile of the generic path (its int8 GEMV on AVX2 read 10-20% faster), and
-// the VNNI tiles of more rows where their weights are cold (quant_rows), prefetch their own
+// the VNNI and AVX2 tiles of more rows where their weights are cold (quant_rows), prefetch their own
 // lines kTilePrefetch blocks ahead (prefetch_tile; a tile of NV vectors 2 kTilePrefetch / NV:
 // the same bytes ahead, as a whole panel's tile reads twice a half panel's a block). Without
 // it a 16-row step's tiles read int4 weights from DRAM at 5 GB/s a thread, bound by the
@@ -716,9 +726,163 @@ inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantW
   }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// ---- AVX2: the tiles of 2 .. kRowsQuant rows, from packed records -------------------------
+// tile_q took each row through its own pointers and struct fields: the compiler spent more
+// instructions on addresses and on spilled sums than on the products (a 6-row Q6_K tile: 48
+// vpmaddubsw among ~840 instructions a half block). As tile_vnni_rows: one pointer serves
+// every row of a record (pack_group) at constant offsets, one the tile's weight vectors
+// (they share a panel), and a pass keeps only its own rows' dots live. The arithmetic of
+// tile_q, element by element (the same integers, the same float steps in the same order),
+// so the bits are the same. One Zen 3 core, rows 6 / 16 / 512 of a 2,048 x 4,096 weight,
+// GMAC/s (BENCHMARKS.md §71): Q6_K 37 / 37 / 44 -> 49 / 51 / 60, Q8_0 44 / 44 / 45 -> 47 /
+// 48 / 50.
+// base[OFF] in every lane, by one vpbroadcastd from base + 4 OFF (broadcast_at's reason).
+template <int64_t OFF>
+inline __m256i broadcast_ymm_at(const int32_t* base) {
+  __m256i v;
+  asm volatile("vpbroadcastd %c2(%1), %0" : "=x"(v) : "r"(base), "i"(OFF * 4), "m"(*base));
+  return v;
+}
+
+// The rows and vectors of a tile whose dots a pass of a half block keeps live (each row's
+// inputs broadcast once for the pass's vectors), by format: measured (one Zen 3 core, 6,
+// 16 and 512 rows of 2,048 x 4,096), the narrow bytes' pairs fastest a vector at a time
+// (6 x 1), the six bits and the signed bytes 3 x 2. (The nibbles keep tile_q: these tiles
+// measured no faster on them.)
+template <int F> constexpr int64_t kPassRows = kNarrowBytes<F> ? 6 : 3;
+template <int F> constexpr int64_t kPassVecs = kNarrowBytes<F> ? 1 : 2;
+
+// Half G of a block (the block, or kQ6's half): NV vectors of 8 columns' integer dots of
+// rows R0 .. R0 + P - 1 (inputs xq [ROWS][8] of 4), added to dot; the weights' stored rows
+// at p + t ld, vector j 32 bytes on.
+template <int F, int64_t P, int64_t NV, int64_t G, int64_t R0>
+inline void half_dot_avx2(const int32_t* xq, const uint8_t* p, int64_t ld,
+                          __m256i (&dot)[P][NV]) {  // (p: the pass's first vector)
+  const __m256i ones = _mm256_set1_epi16(1);
+  constexpr int64_t t0 = G * kHalfSteps<F>;
+  const auto at = [&](int64_t t, int64_t j) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + t * ld + 32 * j));
+  };
+  if constexpr (kSix<F> || kNarrowBytes<F>) {  // pairs of byte rows a vpmaddwd
+    unrolled<kHalfSteps<F> / (kSix<F> ? 1 : 2)>([&](auto tt) {
+      __m256i u0[NV], u1[NV];  // two stored rows of bytes, u0's inputs at xq[xi]
+      if constexpr (kSix<F>) {  // nibble row t widened to q + 32 (six_dot_avx2)
+        constexpr int64_t t = t0 + tt;
+        const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+        for (int64_t j = 0; j < NV; ++j) {
+          const __m256i v = at(t, j), h = at(kSteps<F> + t / 2, j);
+          u0[j] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(
+              (t & 1) ? h : _mm256_slli_epi16(h, 4), top));
+          u1[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+              _mm256_and_si256((t & 1) ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2), top));
+        }
+      } else {  // two stored rows of bytes, q + kNarrowBias
+        constexpr int64_t t = t0 + 2 * tt;
+        const __m256i off = _mm256_set1_epi8(static_cast<char>(128 - kNarrowBias<F>));
+        for (int64_t j = 0; j < NV; ++j) {
+          u0[j] = _mm256_sub_epi8(at(t, j), off);
+          u1[j] = _mm256_sub_epi8(at(t + 1, j), off);
+        }
+      }
+      constexpr int64_t xi = kSix<F> ? 2 * (t0 + tt) : t0 + 2 * tt;
+      unrolled<P>([&](auto r) {
+        const __m256i a0 = broadcast_ymm_at<8 * (R0 + r) + xi>(xq);
+        const __m256i a1 = broadcast_ymm_at<8 * (R0 + r) + xi + 1>(xq);
+        for (int64_t j = 0; j < NV; ++j)
+          dot[r][j] = _mm256_add_epi32(dot[r][j], _mm256_madd_epi16(_mm256_add_epi16(
+              _mm256_maddubs_epi16(u0[j], a0), _mm256_maddubs_epi16(u1[j], a1)), ones));
+      });
+    });
+  } else {  // bytes taken signed, x's sign moved onto q (block_dot_avx2)
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    unrolled<kHalfSteps<F>>([&](auto tt) {
+      constexpr int64_t t = t0 + tt;
+      __m256i q[NV];
+      for (int64_t j = 0; j < NV; ++j) q[j] = _mm256_xor_si256(flip, at(t, j));
+      unrolled<P>([&](auto r) {
+        const __m256i xb = broadcast_ymm_at<8 * (R0 + r) + t>(xq);
+        const __m256i ax = _mm256_sign_epi8(xb, xb);
+        for (int64_t j = 0; j < NV; ++j)
+          dot[r][j] = _mm256_add_epi32(dot[r][j], _mm256_madd_epi16(
+              _mm256_maddubs_epi16(ax, _mm256_sign_epi8(q[j], xb)), ones));
+      });
+    });
+  }
+}
+
+// Block b's half G for the tile's rows R0 .. ROWS - 1 and vectors J0 .. NV - 1, a pass of
+// kPassRows x kPassVecs at a time: their dots, then tile_q's float steps into acc.
+template <int F, int64_t ROWS, int64_t NV, int64_t G, int64_t R0 = 0, int64_t J0 = 0>
+inline void half_rows_avx2(const uint8_t* rec, const uint8_t* q, const QCol* col,
+                           const vfloat* sc, const vfloat* tv, vfloat (&acc)[ROWS][NV]) {
+  constexpr int64_t P = std::min(kPassRows<F>, ROWS - R0), V = std::min(kPassVecs<F>, NV - J0);
+  const int32_t* xq = reinterpret_cast<const int32_t*>(rec);  // [ROWS][8] of 4 inputs
+  const float* sx = reinterpret_cast<const float*>(rec + ROWS * kBlock);
+  const int32_t* d0 = reinterpret_cast<const int32_t*>(rec + ROWS * (kBlock + 4));
+  const int32_t* d0_lo = reinterpret_cast<const int32_t*>(rec + ROWS * (kBlock + 8));
+  __m256i dot[P][V];
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t j = 0; j < V; ++j)
+      dot[r][j] = _mm256_set1_epi32(avx2_dot_start<F>(d0[R0 + r], d0_lo[R0 + r], G));
+  half_dot_avx2<F, P, V, G, R0>(xq, q + 4 * kLanes * J0, col[0].ld, dot);
+  for (int64_t r = 0; r < P; ++r) {
+    const float s = sx[R0 + r];
+    for (int64_t j = 0; j < V; ++j) {
+      const vfloat d = __builtin_convertvector((vi32)dot[r][j], vfloat);
+      vfloat& out = acc[R0 + r][J0 + j];
+      out = kScaled<F> ? out + d * (sc[J0 + j] * s) : out + d * s;
+      if constexpr (kMin<F>) out = out + tv[J0 + j] * (s * min_sum<F>(d0[R0 + r]));
+    }
+  }
+  if constexpr (R0 + P < ROWS)
+    half_rows_avx2<F, ROWS, NV, G, R0 + P, J0>(rec, q, col, sc, tv, acc);
+  else if constexpr (J0 + V < NV)
+    half_rows_avx2<F, ROWS, NV, G, 0, J0 + V>(rec, q, col, sc, tv, acc);
+}
+
+// ROWS rows (packed records from rec) x NV vectors of 8 columns from col[0]'s column (col:
+// each vector's column), into y [ROWS, ldy] at that column; `prefetch`: the weights are cold.
+template <int F, int64_t ROWS, int64_t NV>
+[[gnu::flatten]] inline void tile_avx2_rows(const uint8_t* rec, int64_t blocks, const QCol* col,
+                                            float* y, int64_t ldy, bool accumulate,
+                                            bool prefetch) {
+  vfloat acc[ROWS][NV] = {};
+  const uint8_t* q = col[0].q;
+  for (int64_t b = 0; b < blocks; ++b, q += col[0].block, rec += record_bytes(ROWS)) {
+    if (prefetch) prefetch_tile<F>(col[0], kLanes * NV, b + kTilePrefetch);
+    unrolled<kHalves<F>>([&](auto g) {  // the block, or kQ6's two halves in turn
+      vfloat sc[NV], tv[NV];
+      for (int64_t j = 0; j < NV; ++j) {
+        sc[j] = kScaled<F> ? load_scales<F>(col[j], b, g) : vfloat{} + 1.f;
+        tv[j] = kMin<F> ? k_mins_v<F>(col[j], b) : vfloat{};
+      }
+      half_rows_avx2<F, ROWS, NV, g>(rec, q, col, sc, tv, acc);
+    });
+  }
+  for (int64_t j = 0; j < NV; ++j) {
+    const vfloat sw = kScaled<F> ? vfloat{} + 1.f : load_scales<kQInt8>(col[j], 0);
+    for (int64_t r = 0; r < ROWS; ++r)
+      store_out(y + r * ldy + j * kLanes, kScaled<F> ? acc[r][j] : acc[r][j] * sw, accumulate);
+  }
+}
+#endif
+
 template <int F, int64_t ROWS>
-inline void span_rows_quant(const QuantActs& a, const Span& s, const QuantWeights& w) {
+inline void span_rows_quant(const QuantActs& a, const Span& s, const QuantWeights& w,
+                            bool cold = true) {
   int64_t c = s.c0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (ROWS > 1 && !kNib<F>) {  // whole panels from the records (one group's rows)
+    for (; c + kVecs * kLanes <= s.c1; c += kVecs * kLanes) {
+      QCol col[kVecs];
+      for (int64_t j = 0; j < kVecs; ++j) col[j] = column(w, c + j * kLanes);
+      tile_avx2_rows<F, ROWS, kVecs>(a.records(s.r0), a.blocks, col, s.y + c, s.n,
+                                     s.accumulate, cold);
+    }
+  }
+#endif
+  (void)cold;
   for (; c + kVecs * kLanes <= s.c1; c += kVecs * kLanes) tile_q<F, ROWS, kVecs>(a, s, w, c);
   // The last single vectors one row at a time: a narrow tile's arithmetic changed with the
   // number of rows it held, so a row's last columns depended on its batch (seen on AVX2).
@@ -859,14 +1023,6 @@ inline __m512i broadcast_at(const int32_t* base) {
   asm volatile("vpbroadcastd %c2(%1), %0" : "=v"(v) : "r"(base), "i"(OFF * 4), "m"(*base));
   return v;
 }
-
-// f(std::integral_constant<int64_t, i>{}) for i = 0 .. N - 1, unrolled (i a constant).
-template <typename F, size_t... I>
-inline void unrolled(F&& f, std::index_sequence<I...>) {
-  (f(std::integral_constant<int64_t, static_cast<int64_t>(I)>{}), ...);
-}
-template <int64_t N, typename F>
-inline void unrolled(F&& f) { unrolled(f, std::make_index_sequence<N>{}); }
 
 // The many-row tiles read their rows from packed records (pack_group). A tile that took
 // each of its 6 rows, and each of its 2 weight vectors, through its own pointers and run-time
@@ -1025,8 +1181,7 @@ inline void span_quant(const QuantActs& a, const Span& s, const QuantWeights& w,
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return span_rows_vnni<F, ROWS>(a, s, w, cold);
 #else
-  (void)cold;  // the generic tiles always prefetch
-  return span_rows_quant<F, ROWS>(a, s, w);
+  return span_rows_quant<F, ROWS>(a, s, w, cold);
 #endif
 }
 
