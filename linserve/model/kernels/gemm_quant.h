@@ -388,8 +388,10 @@ inline QuantActs quantize_acts(const float* x, int64_t rows, int64_t k_len, int3
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (rows <= kWideRows) a.group = rows;  // one wide group (see kWideRows)
 #endif
-#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && !defined(__AVX512F__))
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (rows > 1) pack_groups(a, rows, std::max<int64_t>(1, grain / a.group));  // 1: GEMV
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  pack_groups(a, rows, std::max<int64_t>(1, grain / a.group));  // (tile_avx2_rows: any rows)
 #endif
   return a;
 }
@@ -727,7 +729,7 @@ inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantW
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// ---- AVX2: the tiles of 2 .. kRowsQuant rows, from packed records -------------------------
+// ---- AVX2: the byte formats' tiles of 1 .. kRowsQuant rows, from packed records ---------
 // tile_q took each row through its own pointers and struct fields: the compiler spent more
 // instructions on addresses and on spilled sums than on the products (a 6-row Q6_K tile: 48
 // vpmaddubsw among ~840 instructions a half block). As tile_vnni_rows: one pointer serves
@@ -736,7 +738,7 @@ inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantW
 // tile_q, element by element (the same integers, the same float steps in the same order),
 // so the bits are the same. One Zen 3 core, rows 6 / 16 / 512 of a 2,048 x 4,096 weight,
 // GMAC/s (BENCHMARKS.md §71): Q6_K 37 / 37 / 44 -> 49 / 51 / 60, Q8_0 44 / 44 / 45 -> 47 /
-// 48 / 50.
+// 48 / 50; one row (a GEMV) too: Q6_K 19 -> 21. The nibbles keep tile_q (kPassRows).
 // base[OFF] in every lane, by one vpbroadcastd from base + 4 OFF (broadcast_at's reason).
 template <int64_t OFF>
 inline __m256i broadcast_ymm_at(const int32_t* base) {
@@ -873,7 +875,7 @@ inline void span_rows_quant(const QuantActs& a, const Span& s, const QuantWeight
                             bool cold = true) {
   int64_t c = s.c0;
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if constexpr (ROWS > 1 && !kNib<F>) {  // whole panels from the records (one group's rows)
+  if constexpr (!kNib<F>) {  // whole panels from the records (one group's rows)
     for (; c + kVecs * kLanes <= s.c1; c += kVecs * kLanes) {
       QCol col[kVecs];
       for (int64_t j = 0; j < kVecs; ++j) col[j] = column(w, c + j * kLanes);
