@@ -387,8 +387,6 @@ inline QuantActs quantize_acts(const float* x, int64_t rows, int64_t k_len, int3
   });
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (rows <= kWideRows) a.group = rows;  // one wide group (see kWideRows)
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (rows > 1) pack_groups(a, rows, std::max<int64_t>(1, grain / a.group));  // 1: GEMV
 #elif defined(__AVX2__) && !defined(__AVX512F__)
   pack_groups(a, rows, std::max<int64_t>(1, grain / a.group));  // (tile_avx2_rows: any rows)
@@ -459,6 +457,18 @@ inline int32_t avx2_dot_start(int32_t d0, int32_t d0_lo, int64_t g) {
   return 0;
 }
 
+// kQ6S's nibble row t (v) and its high-bit row (h) widened to two rows of bytes q + 32: lo
+// the row's low inputs, hi its high ones. Row t's two high bits of its low inputs are bits
+// 4 (t & 1) .. + 1 of h, of its high inputs the next two; shifted to bits 4-5 (bits carried
+// across bytes masked off).
+inline void widen_six_avx2(__m256i v, __m256i h, int64_t t, __m256i& lo, __m256i& hi) {
+  const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+  lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(
+      (t & 1) ? h : _mm256_slli_epi16(h, 4), top));
+  hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+      _mm256_and_si256((t & 1) ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2), top));
+}
+
 // block_dot_avx2's kQ6S part: nibble rows t0 .. t1 - 1 (a half) widened to q + 32 in
 // registers, then as the narrow bytes (two stored rows' pairs a vpmaddwd).
 template <int64_t ROWS, int64_t NV>
@@ -466,19 +476,14 @@ inline void six_dot_avx2(const int32_t* const* xq, const QCol* col, int64_t b, i
                          int64_t t1, __m256i (&sum)[ROWS][NV], vi32 (*dot)[NV]) {
   constexpr int F = kQ6S;
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t j = 0; j < NV; ++j) {
       const uint8_t* p = col[j].q + b * col[j].block;
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + t * col[j].ld));
       const __m256i h = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(p + (kSteps<F> + t / 2) * col[j].ld));
-      // Row t's two high bits of its low inputs are bits 4 (t & 1) .. + 1 of h, of its high
-      // inputs the next two; shifted to bits 4-5 (bits carried across bytes masked off).
-      const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(
-          (t & 1) ? h : _mm256_slli_epi16(h, 4), top));
-      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-          _mm256_and_si256((t & 1) ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2), top));
+      __m256i lo, hi;
+      widen_six_avx2(v, h, t, lo, hi);
       for (int64_t r = 0; r < ROWS; ++r)  // two pairs: at most 2 x 2 x 63 x 127 < 2^15
         sum[r][j] = _mm256_add_epi32(sum[r][j], _mm256_madd_epi16(_mm256_add_epi16(
             _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[r][2 * t])),
@@ -572,9 +577,10 @@ inline void block_dot_avx2(const QuantActs&, int64_t, const QCol*, int64_t, vi32
 // in flight, as gemm_amx.h's tiles. A VNNI GEMV (one row, 8 vectors) prefetches both panels'
 // whole block kQuantPrefetch blocks ahead (prefetch_block): 4 read a little faster than 2, 8
 // no faster. Every tile of the generic path (its int8 GEMV on AVX2 read 10-20% faster), and
-// the VNNI and AVX2 tiles of more rows where their weights are cold (quant_rows), prefetch their own
-// lines kTilePrefetch blocks ahead (prefetch_tile; a tile of NV vectors 2 kTilePrefetch / NV:
-// the same bytes ahead, as a whole panel's tile reads twice a half panel's a block). Without
+// the VNNI and AVX2 tiles of more rows where their weights are cold (quant_rows), prefetch
+// their own lines kTilePrefetch blocks ahead (prefetch_tile; a tile of NV vectors
+// 2 kTilePrefetch / NV: the same bytes ahead, as a whole panel's tile reads twice a half
+// panel's a block). Without
 // it a 16-row step's tiles read int4 weights from DRAM at 5 GB/s a thread, bound by the
 // latency of their loads (16 rows of 2048 x 16384 on two threads: 178 -> 443 GMAC/s,
 // BENCHMARKS.md §43). Where they point never changes the arithmetic, and a prefetch past the
@@ -769,16 +775,10 @@ inline void half_dot_avx2(const int32_t* xq, const uint8_t* p, int64_t ld,
   if constexpr (kSix<F> || kNarrowBytes<F>) {  // pairs of byte rows a vpmaddwd
     unrolled<kHalfSteps<F> / (kSix<F> ? 1 : 2)>([&](auto tt) {
       __m256i u0[NV], u1[NV];  // two stored rows of bytes, u0's inputs at xq[xi]
-      if constexpr (kSix<F>) {  // nibble row t widened to q + 32 (six_dot_avx2)
+      if constexpr (kSix<F>) {  // nibble row t widened to q + 32
         constexpr int64_t t = t0 + tt;
-        const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
-        for (int64_t j = 0; j < NV; ++j) {
-          const __m256i v = at(t, j), h = at(kSteps<F> + t / 2, j);
-          u0[j] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(
-              (t & 1) ? h : _mm256_slli_epi16(h, 4), top));
-          u1[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-              _mm256_and_si256((t & 1) ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2), top));
-        }
+        for (int64_t j = 0; j < NV; ++j)
+          widen_six_avx2(at(t, j), at(kSteps<F> + t / 2, j), t, u0[j], u1[j]);
       } else {  // two stored rows of bytes, q + kNarrowBias
         constexpr int64_t t = t0 + 2 * tt;
         const __m256i off = _mm256_set1_epi8(static_cast<char>(128 - kNarrowBias<F>));
