@@ -94,3 +94,40 @@ def test_native_swiglu_rows_is_silu_gate_times_up() -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(torch.ops.linserve.swiglu_rows(gate_up), F.silu(gate) * up,
                                rtol=1e-6, atol=1e-6)
+
+
+# float32 bit patterns (see the test below)
+EXP_ROUNDING_EDGES = [
+    0x3f851592, 0xbf851592, 0xc01b43d5, 0xc073fce1, 0xc0bc893a, 0xc0d2b77c,
+    0xc0e8e5c0, 0xc0ff1402, 0xc10aa123, 0xc120cf66, 0xc136fda9, 0xc14214ca,
+    0xc14d2bec, 0xc158430d, 0xc1635a2f, 0xc16e7150, 0xc1798872, 0xc18d66eb,
+    0xc192f27c, 0xc1a3952e, 0xc1a920bf, 0xc1b437e1, 0xc1b9c371, 0xc1ca6624,
+    0xc1cff1b4, 0xc1e09467, 0xc1e61ff7, 0xc1f6c2aa, 0xc1fc4e3a, 0xc2118f98,
+    0xc2145560, 0xc227bddb, 0xc22a83a3, 0xc232d4fd, 0xc2359ac4, 0xc23b2655,
+    0xc23dec1e, 0xc240b1e6, 0xc24377af, 0xc2490340, 0xc2515498, 0xc2541a61,
+    0xc256e029, 0xc259a5f2, 0xc25f3183, 0xc26782db, 0xc26a48a4, 0xc26d0e6c,
+    0xc26fd435, 0xc2755fc6, 0xc27db11e, 0xc283013c, 0xc28b5295, 0xc28cb579,
+    0xc290de26, 0xc29506d2, 0xc2992f7f, 0xc29a9263, 0xc2a180d8, 0xc2a2e3bc,
+    0xc2a70c69, 0xc2ab3515,
+]
+
+
+@pytest.mark.skipif(not kernels.load(), reason="native kernels unavailable")
+def test_vector_activations_equal_their_scalar_tail_bit_for_bit() -> None:
+    """SiLU and GELU run on the CPU's vectors (8 or 16 lanes) with the row's tail past them
+    one value at a time (fastmath.h's ``exp_nonpositive_lanes``): the same value gives the
+    same bits in a vector lane (column 0) and in the scalar tail (column 16 of 17), so a
+    token's activation does not depend on where it sits in a row. ``EXP_ROUNDING_EDGES``:
+    the 62 of all 2^32 inputs where SiLU's exponential differs if v log2(e) is fused into its
+    rounding (as ``exp_nonpositive_fused`` does), which random inputs would not find."""
+    torch.manual_seed(0)
+    values = torch.cat([torch.randn(20_000) * 6, torch.randn(2_000) * 1e-3,
+                        torch.tensor([0.0, -0.0, 87.5, -87.5, 200.0, -200.0, 1e-40, -1e-40]),
+                        torch.tensor(EXP_ROUNDING_EDGES).to(torch.int32).view(torch.float32)])
+    rows = torch.zeros(values.numel(), 17)
+    rows[:, 0] = rows[:, 16] = values
+    gate_up = torch.cat([rows, torch.ones_like(rows)], dim=1)
+    silu = torch.ops.linserve.swiglu_rows(gate_up.contiguous())
+    assert torch.equal(silu[:, 0].view(torch.int32), silu[:, 16].view(torch.int32))
+    gelu = torch.ops.linserve.gelu_tanh_(rows.clone().contiguous())
+    assert torch.equal(gelu[:, 0].view(torch.int32), gelu[:, 16].view(torch.int32))

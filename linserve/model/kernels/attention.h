@@ -120,7 +120,7 @@ inline void group_scores(const float* q, const float* keys, int64_t n, int64_t d
 }
 
 // scores [n] -> exp(scores - max) in place; returns their sum. In 16 lanes: the max, the
-// exponentials (exp16_nonpositive, the tail's lanes padded), and the sum as sum_squares
+// exponentials (exp_nonpositive_fused, the tail's lanes padded), and the sum as sum_squares
 // (fastmath.h) sums: the lanes, sum16's tree, then the tail in order. A prefill's rows
 // (attend_causal) take n up to the prompt's length, where a scalar chain of n dependent adds
 // would bind; and an element's bits do not depend on where the scores sit.
@@ -128,27 +128,30 @@ inline float softmax_weights(float* scores, int64_t n) {
   const int64_t vec = n / 16 * 16;
   float top = -INFINITY;
   if (vec) {
-    v16 m = load16(scores);
-    for (int64_t j = 16; j < vec; j += 16) {
-      const v16 s = load16(scores + j);
+    vpart m = load_part(scores);
+    for (int64_t j = kPartLanes; j < vec; j += kPartLanes) {
+      const vpart s = load_part(scores + j);
       m = s > m ? s : m;
     }
-    for (int64_t i = 0; i < 16; ++i) top = std::max(top, m[i]);  // a max: any order
+    for (int64_t i = 0; i < kPartLanes; ++i) top = std::max(top, m[i]);  // a max: any order
   }
   for (int64_t j = vec; j < n; ++j) top = std::max(top, scores[j]);
-  const v16 shift = v16{} + top;
-  v16 acc = {};
-  for (int64_t j = 0; j < vec; j += 16) {
-    const v16 e = exp16_nonpositive(load16(scores + j) - shift);
-    store16(scores + j, e);
-    acc += e;
-  }
-  float sum = sum16(acc);
+  const vpart shift = vpart{} + top;
+  Lanes16 acc = {};
+  for (int64_t j = 0; j < vec; j += 16)
+    for (int64_t k = 0; k < kParts; ++k) {
+      const vpart e = exp_nonpositive_fused(load_part(scores + j + k * kPartLanes) - shift);
+      store_part(scores + j + k * kPartLanes, e);
+      acc.part[k] += e;
+    }
+  float sum = sum_lanes(acc);
   if (vec < n) {
     float tail[16];
     std::fill(tail, tail + 16, top);
     std::copy(scores + vec, scores + n, tail);
-    store16(tail, exp16_nonpositive(load16(tail) - shift));
+    for (int64_t k = 0; k < kParts; ++k)
+      store_part(tail + k * kPartLanes,
+                 exp_nonpositive_fused(load_part(tail + k * kPartLanes) - shift));
     for (int64_t j = vec; j < n; ++j) sum += scores[j] = tail[j - vec];
   }
   return sum;

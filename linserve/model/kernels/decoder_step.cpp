@@ -316,7 +316,7 @@ void mamba2_rows(const float* proj_p, float* xbc_p, float* y_p, const at::Tensor
       linserve::gdn::shift_window(win, mixed, conv, k);
       if (conv_b != nullptr)
         for (int64_t c = 0; c < conv; ++c) out[c] += conv_b[c];
-      for (int64_t c = 0; c < conv; ++c) out[c] = linserve::gdn::silu(out[c]);
+      linserve::gdn::silu_into(out, out, conv);
     }
   });
   const int64_t state = m.mh * m.mp * m.mn;
@@ -382,7 +382,7 @@ void kda_inputs(const float* mixed, float* window, const float* conv_w, int64_t 
   const int64_t heads = p.i0, dk = p.i1, width = heads * dk;
   linserve::gdn::conv_sum(window, mixed, conv_w, qkv, 3 * width, k_width);
   linserve::gdn::shift_window(window, mixed, 3 * width, k_width);
-  for (int64_t c = 0; c < 3 * width; ++c) qkv[c] = linserve::gdn::silu(qkv[c]);
+  linserve::gdn::silu_into(qkv, qkv, 3 * width);
   const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
   const float* a_log = params;
   const float* dt_bias = params + heads;
@@ -581,7 +581,7 @@ at::Tensor lightning(const at::Tensor& h, const at::Tensor* w, at::Tensor& s, co
   const int64_t width = heads * dh;
   at::Tensor qkv = linserve::project(h, w[0]);
   float* qkv_p = qkv.data_ptr<float>();
-  for (int64_t i = 0; i < qkv.numel(); ++i) qkv_p[i] = linserve::gdn::silu(qkv_p[i]);
+  linserve::gdn::silu_into(qkv_p, qkv_p, qkv.numel());
   at::Tensor y = at::empty({all, width}, h.options());
   const float* log_rate = w[4].data_ptr<float>();
   for (int64_t t = 0; t < pos.count; ++t) {

@@ -45,22 +45,40 @@ inline v16 load16(const float* p) {
 }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// exp_nonpositive on 16 lanes, written as vectors so that every element takes the same
-// instructions wherever it sits: a loop of exp_nonpositive calls may be vectorised with a
-// scalar peel and tail chosen by the pointer's alignment, whose code need not round as the
-// vector body does. v log2(e) is rounded to nearest even by adding and subtracting 1.5 x 2^23
-// (exact below 2^22 in magnitude); otherwise exp_nonpositive's steps.
-inline v16 exp16_nonpositive(v16 v) {
-  typedef int32_t vi16 __attribute__((vector_size(64)));
-  const v16 lowest = v16{} - 87.f, magic = v16{} + 12582912.f;
+// exp_nonpositive on the lanes of V (v16, or any vector of floats: vpart below), written as
+// vectors so that every element takes the same instructions wherever it sits (a loop of
+// exp_nonpositive calls stays scalar: GCC vectorises no nearbyint). v log2(e) is rounded to
+// nearest even by adding and subtracting 1.5 x 2^23 (exact below 2^22 in magnitude);
+// otherwise exp_nonpositive's steps.
+// EXACT: the product rounded before that add, as nearbyint takes its argument (the empty
+// asm keeps the compiler from fusing the two): exp_nonpositive's bits on every lane (checked
+// with SiLU on all 2^32 inputs). Else the product and the add are one fused multiply-add,
+// which rounds differently on 62 of those inputs: for kernels whose every form takes it (the
+// softmax, Mamba-1's scan).
+template <bool EXACT, typename V>
+inline V exp_nonpositive_vec(V v) {
+  typedef int32_t vi __attribute__((vector_size(sizeof(V))));
+  const V lowest = V{} - 87.f, magic = V{} + 12582912.f;
   v = v < lowest ? lowest : v;
-  const v16 n = (v * 1.44269504088896341f + magic) - magic;
-  const v16 p = exp_reduced(v, n);
-  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  v16 scale;
+  V m = v * 1.44269504088896341f;
+  if constexpr (EXACT) {
+#if defined(__AVX__)
+    asm("" : "+x"(m));
+#else
+    asm("" : "+m"(m));
+#endif
+  }
+  const V n = (m + magic) - magic;
+  const V p = exp_reduced(v, n);
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+template <typename V>
+inline V exp_nonpositive_lanes(V v) { return exp_nonpositive_vec<true>(v); }
+template <typename V>
+inline V exp_nonpositive_fused(V v) { return exp_nonpositive_vec<false>(v); }
 
 // The 16 lanes' sum, as a fixed tree (halves added, then halves of the halves ...).
 inline float sum16(v16 v) {
@@ -72,17 +90,56 @@ inline float sum16(v16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// 16 lanes as the CPU's own vectors: one v16 (a zmm) on AVX-512, two v8 (ymm, lanes 0-7 and
+// 8-15) on AVX2. A loop that carries a v16 across its iterations on AVX2 had GCC move it
+// through the stack a 16-byte half at a time (Mamba2's scan 4.4x slower, perf annotate);
+// written on Lanes16 the same lanes take the same operations in the same order either way,
+// so the bits do not change.
+typedef float v8 __attribute__((vector_size(32)));
+#if defined(__AVX512F__)
+typedef v16 vpart;
+constexpr int64_t kParts = 1;
+#else
+typedef v8 vpart;
+constexpr int64_t kParts = 2;
+#endif
+constexpr int64_t kPartLanes = 16 / kParts;
+
+struct Lanes16 {
+  vpart part[kParts];
+};
+
+inline vpart load_part(const float* p) {
+  vpart v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store_part(float* p, vpart v) { std::memcpy(p, &v, sizeof(v)); }
+
+// sum16's tree over the 16 lanes of ``v``.
+inline float sum_lanes(const Lanes16& v) {
+#if defined(__AVX512F__)
+  return sum16(v.part[0]);
+#else
+  typedef float v4 __attribute__((vector_size(16)));
+  const v8 a = v.part[0] + v.part[1];
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+#endif
+}
+
 // x [n]'s sum of squares: 16 lanes, then sum16's tree, then the tail past n / 16 vectors in
 // order, so the same bits on AVX-512 and AVX2. (A scalar chain of n dependent adds ran at
 // one add per 4 cycles: Mamba2's gated norm of 4,096 per row and layer.)
 inline float sum_squares(const float* x, int64_t n) {
   const int64_t vec = n / 16 * 16;
-  v16 acc = {};
-  for (int64_t i = 0; i < vec; i += 16) {
-    const v16 v = load16(x + i);
-    acc += v * v;
-  }
-  float out = sum16(acc);
+  Lanes16 acc = {};
+  for (int64_t i = 0; i < vec; i += 16)
+    for (int64_t k = 0; k < kParts; ++k) {
+      const vpart v = load_part(x + i + k * kPartLanes);
+      acc.part[k] += v * v;
+    }
+  float out = sum_lanes(acc);
   for (int64_t i = vec; i < n; ++i) out += x[i] * x[i];
   return out;
 }

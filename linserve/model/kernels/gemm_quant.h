@@ -311,34 +311,36 @@ inline float quantize_block(const float* x, int64_t n, int8_t* q, int32_t* sum,
                             int32_t* sum_lo) {
   float buf[kBlock] = {};
   std::memcpy(buf, x, n * sizeof(float));
-  v16 top = {};
-  for (int64_t i = 0; i < kBlock; i += 16) {
-    const v16 v = load16(buf + i);
-    const v16 a = v < 0 ? -v : v;
+  // the CPU's own vectors (fastmath.h's vpart): a v16 went through the stack on AVX2; a max
+  // and integer sums, so the lanes' count changes no bit
+  vpart top = {};
+  for (int64_t i = 0; i < kBlock; i += kPartLanes) {
+    const vpart v = load_part(buf + i);
+    const vpart a = v < 0 ? -v : v;
     top = a > top ? a : top;  // (a NaN is passed over, as std::max(amax, NaN) does)
   }
   float amax = 0.f;
-  for (int64_t i = 0; i < 16; ++i) amax = std::max(amax, top[i]);
+  for (int64_t i = 0; i < kPartLanes; ++i) amax = std::max(amax, top[i]);
   const float s = amax / 127.f;
   int32_t total = 0, first = 0;
   if (s > 0.f) {
-    typedef int32_t v16i __attribute__((vector_size(64)));
-    typedef int8_t v16c __attribute__((vector_size(16)));
-    const v16 magic = v16{} + 12582912.f, hi = v16{} + 127.f, zero = {};  // 1.5 2^23
-    v16i acc = {};
-    for (int64_t i = 0; i < kBlock; i += 16) {
-      v16 v = load16(buf + i) / s;
+    typedef int32_t vpi __attribute__((vector_size(sizeof(vpart))));
+    typedef int8_t vpc __attribute__((vector_size(kPartLanes)));
+    const vpart magic = vpart{} + 12582912.f, hi = vpart{} + 127.f, zero = {};  // 1.5 2^23
+    vpi acc = {};
+    for (int64_t i = 0; i < kBlock; i += kPartLanes) {
+      vpart v = load_part(buf + i) / s;
       v = (v + magic) - magic;  // to nearest, ties to even, as nearbyint (|v| <= 127.5)
       v = v == v ? v : zero;    // NaN: 0
       v = v > hi ? hi : (v < -hi ? -hi : v);
-      const v16i qi = __builtin_convertvector(v, v16i);
-      const v16c qc = __builtin_convertvector(qi, v16c);
+      const vpi qi = __builtin_convertvector(v, vpi);
+      const vpc qc = __builtin_convertvector(qi, vpc);
       std::memcpy(q + i, &qc, sizeof(qc));
-      if (i == 0)
-        for (int64_t l = 0; l < 16; ++l) first += qi[l];
+      if (i < 16)
+        for (int64_t l = 0; l < kPartLanes; ++l) first += qi[l];
       acc += qi;
     }
-    for (int64_t i = 0; i < 16; ++i) total += acc[i];
+    for (int64_t i = 0; i < kPartLanes; ++i) total += acc[i];
   }
   *sum = total;
   *sum_lo = first;

@@ -33,50 +33,55 @@ struct RowTokens {
 };
 
 // Up to 16 floats from p (live of them), zeros past them.
-inline v16 load_lanes(const float* p, int64_t live) {
-  if (live == kLanes) return load16(p);
+inline Lanes16 load_lanes(const float* p, int64_t live) {
   float buf[kLanes] = {};
   std::memcpy(buf, p, static_cast<size_t>(live) * sizeof(float));
-  return load16(buf);
+  Lanes16 v;
+  for (int64_t k = 0; k < kParts; ++k) v.part[k] = load_part(buf + k * kPartLanes);
+  return v;
 }
 
-inline void store_lanes(float* p, v16 v, int64_t live) {
-  if (live == kLanes) return store16(p, v);
+inline void store_lanes(float* p, const Lanes16& v, int64_t live) {
   float buf[kLanes];
-  store16(buf, v);
+  for (int64_t k = 0; k < kParts; ++k) store_part(buf + k * kPartLanes, v.part[k]);
   std::memcpy(p, buf, static_cast<size_t>(live) * sizeof(float));
 }
 
 // Channels [d0, d0 + live) of one row over `tokens` tokens: s [D, N] is the row's state and
 // a [D, N] = -exp(A_log), both row-major; the channels' state is transposed into lanes for
-// the scan and written back once.
+// the scan and written back once. The lanes are Lanes16 (fastmath.h): as one v16 on AVX2
+// each state moved through the stack in 16-byte halves.
 inline void scan_channels(float* s, const float* a, const RowTokens& in, int64_t tokens,
                           int64_t d0, int64_t live, int64_t n_len) {
-  std::vector<v16> st(static_cast<size_t>(n_len)), av(static_cast<size_t>(n_len));
+  std::vector<Lanes16> st(static_cast<size_t>(n_len)), av(static_cast<size_t>(n_len));
   for (int64_t k = 0; k < n_len; ++k) {
     float sb[kLanes] = {}, ab[kLanes] = {};
     for (int64_t j = 0; j < live; ++j) {
       sb[j] = s[(d0 + j) * n_len + k];
       ab[j] = a[(d0 + j) * n_len + k];
     }
-    st[k] = load16(sb);
-    av[k] = load16(ab);
+    st[k] = load_lanes(sb, kLanes);
+    av[k] = load_lanes(ab, kLanes);
   }
   for (int64_t t = 0; t < tokens; ++t) {
-    const v16 dt = load_lanes(in.dt + t * in.dt_ld + d0, live);
-    const v16 dx = dt * load_lanes(in.x + t * in.x_ld + d0, live);
+    const Lanes16 dt = load_lanes(in.dt + t * in.dt_ld + d0, live);
+    const Lanes16 xs = load_lanes(in.x + t * in.x_ld + d0, live);
     const float* b = in.b + t * in.bc_ld;
     const float* c = in.c + t * in.bc_ld;
-    v16 acc = {};
-    for (int64_t k = 0; k < n_len; ++k) {
-      st[k] = exp16_nonpositive(dt * av[k]) * st[k] + dx * b[k];
-      acc = acc + st[k] * c[k];
+    Lanes16 acc = {};
+    for (int64_t q = 0; q < kParts; ++q) {
+      const vpart dx = dt.part[q] * xs.part[q];
+      for (int64_t k = 0; k < n_len; ++k) {
+        vpart& sk = st[k].part[q];
+        sk = exp_nonpositive_fused(dt.part[q] * av[k].part[q]) * sk + dx * b[k];
+        acc.part[q] = acc.part[q] + sk * c[k];
+      }
     }
     store_lanes(in.y + t * in.y_ld + d0, acc, live);
   }
   for (int64_t k = 0; k < n_len; ++k) {
     float sb[kLanes];
-    store16(sb, st[k]);
+    store_lanes(sb, st[k], kLanes);
     for (int64_t j = 0; j < live; ++j) s[(d0 + j) * n_len + k] = sb[j];
   }
 }

@@ -29,7 +29,7 @@ struct Gate {
 inline void gated_norm(float* y, const float* z, const float* w, const Gate& g) {
   const int64_t width = g.inner / g.groups;
   if (!g.normed || !g.before)
-    for (int64_t i = 0; i < g.inner; ++i) y[i] *= gdn::silu(z[i]);
+    gdn::mul_silu(y, z, g.inner);
   if (!g.normed) return;
   for (int64_t k = 0; k < g.groups; ++k) {
     float* yg = y + k * width;
@@ -38,7 +38,7 @@ inline void gated_norm(float* y, const float* z, const float* w, const Gate& g) 
     for (int64_t i = 0; i < width; ++i) yg[i] *= r;
   }
   if (g.before)
-    for (int64_t i = 0; i < g.inner; ++i) y[i] *= gdn::silu(z[i]);
+    gdn::mul_silu(y, z, g.inner);
   for (int64_t i = 0; i < g.inner; ++i) y[i] *= w[i];
 }
 
@@ -53,20 +53,23 @@ constexpr int64_t kStatePrefetch = 2048;
 
 // One state row s [N] of a head: s = decay s + xdt b, returns s . c. The dot product is
 // summed in 16 lanes and then by sum16's fixed tree (the tail past N / 16 vectors last), so
-// its bits are the same on AVX-512 and AVX2; a scalar chain of N dependent adds took a third
-// of a quantized step's time.
+// its bits are the same on AVX-512 and AVX2 (Lanes16); a scalar chain of N dependent adds
+// took a third of a quantized step's time.
 template <bool PREFETCH>
 inline float ssm_row(float* s, const float* b, const float* c, float decay, float xdt,
                      int64_t n_len) {
   const int64_t vec = n_len / 16 * 16;
-  v16 acc = {};
+  Lanes16 acc = {};
   for (int64_t n = 0; n < vec; n += 16) {
     if constexpr (PREFETCH) __builtin_prefetch(s + n + kStatePrefetch, 1, 3);  // never faults
-    const v16 v = load16(s + n) * decay + xdt * load16(b + n);
-    store16(s + n, v);
-    acc += v * load16(c + n);
+    for (int64_t k = 0; k < kParts; ++k) {
+      const int64_t at = n + k * kPartLanes;
+      const vpart v = load_part(s + at) * decay + xdt * load_part(b + at);
+      store_part(s + at, v);
+      acc.part[k] += v * load_part(c + at);
+    }
   }
-  float out = sum16(acc);
+  float out = sum_lanes(acc);
   for (int64_t n = vec; n < n_len; ++n) {
     s[n] = s[n] * decay + xdt * b[n];
     out += s[n] * c[n];

@@ -121,9 +121,10 @@ inline at::Tensor swiglu(const at::Tensor& gate_up) {
   const float* u = gate_up.data_ptr<float>();
   float* a = act.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t i = 0; i < f; ++i)
-        a[r * f + i] = gdn::silu(u[r * 2 * f + i]) * u[r * 2 * f + f + i];
+    for (int64_t r = r0; r < r1; ++r) {
+      gdn::silu_into(a + r * f, u + r * 2 * f, f);
+      for (int64_t i = 0; i < f; ++i) a[r * f + i] *= u[r * 2 * f + f + i];
+    }
   });
   return act;
 }

@@ -60,8 +60,7 @@ at::Tensor causal_conv(const at::Tensor& x, const at::Tensor& w,
       }
       if (bp != nullptr)
         for (int64_t ch = 0; ch < c; ++ch) dst[ch] += bp[ch];
-      if (silu)
-        for (int64_t ch = 0; ch < c; ++ch) dst[ch] = linserve::gdn::silu(dst[ch]);
+      if (silu) linserve::gdn::silu_into(dst, dst, c);
     }
   });
   return out;
