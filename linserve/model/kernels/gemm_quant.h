@@ -746,7 +746,10 @@ inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantW
 // tile_q, element by element (the same integers, the same float steps in the same order),
 // so the bits are the same. One Zen 3 core, rows 6 / 16 / 512 of a 2,048 x 4,096 weight,
 // GMAC/s (BENCHMARKS.md §71): Q6_K 37 / 37 / 44 -> 49 / 51 / 60, Q8_0 44 / 44 / 45 -> 47 /
-// 48 / 50; one row (a GEMV) too: Q6_K 19 -> 21. The nibbles keep tile_q (kPassRows).
+// 48 / 50; one row (a GEMV) too: Q6_K 19 -> 21. The nibbles (Q4_K, Q4_1, Q4_0 and int4)
+// too since §73, their stored rows' products in inline asm (nib_pairs_avx2): rows 1 / 4 /
+// 16 / 512, Q4_0 40 / 56 / 64 / 66 -> 49 / 83 / 88 / 89, Q4_K 32 / 49 / 58 / 61 -> 38 / 67 /
+// 74 / 75, every output bit as before.
 // base[OFF] in every lane, by one vpbroadcastd from base + 4 OFF (broadcast_at's reason).
 template <int64_t OFF>
 inline __m256i broadcast_ymm_at(const int32_t* base) {
@@ -758,10 +761,34 @@ inline __m256i broadcast_ymm_at(const int32_t* base) {
 // The rows and vectors of a tile whose dots a pass of a half block keeps live (each row's
 // inputs broadcast once for the pass's vectors), by format: measured (one Zen 3 core, 6,
 // 16 and 512 rows of 2,048 x 4,096), the narrow bytes' pairs fastest a vector at a time
-// (6 x 1), the six bits and the signed bytes 3 x 2. (The nibbles keep tile_q: these tiles
-// measured no faster on them.)
-template <int F> constexpr int64_t kPassRows = kNarrowBytes<F> ? 6 : 3;
+// (6 x 1), the six bits and the signed bytes 3 x 2, the nibbles 4 x 2 (nib_pairs_avx2).
+template <int F> constexpr int64_t kPassRows = kNarrowBytes<F> ? 6 : kNib<F> ? 4 : 3;
 template <int F> constexpr int64_t kPassVecs = kNarrowBytes<F> ? 1 : 2;
+
+// A stored row of nibbles against one row's inputs, two vectors: sum[j] += vpmaddubsw(lo[j],
+// xq[OFF]) + vpmaddubsw(hi[j], xq[OFF + 1]) in int16 (each lane's inputs broadcast from the
+// record). Inline asm, so that each sum keeps its own register from stored row to stored row
+// and its adds stay in this order: with intrinsics GCC spilled the sums of a pass or
+// reassociated their adds in every variant tried (BENCHMARKS.md §66, §71), and the nibbles
+// stayed on tile_q. A block's 4 stored rows sum to at most 8 x 2 x 15 x 127 < 2^15.
+template <int64_t OFF>
+inline void nib_pairs_avx2(const int32_t* xq, const __m256i (&lo)[2], const __m256i (&hi)[2],
+                           __m256i (&sum)[2]) {
+  __m256i a0, a1, t;
+  asm("vpbroadcastd %c[o](%[x]), %[a0]\n\t"
+      "vpbroadcastd %c[o]+4(%[x]), %[a1]\n\t"
+      "vpmaddubsw %[a0], %[l0], %[t]\n\t"
+      "vpaddw %[t], %[s0], %[s0]\n\t"
+      "vpmaddubsw %[a1], %[h0], %[t]\n\t"
+      "vpaddw %[t], %[s0], %[s0]\n\t"
+      "vpmaddubsw %[a0], %[l1], %[t]\n\t"
+      "vpaddw %[t], %[s1], %[s1]\n\t"
+      "vpmaddubsw %[a1], %[h1], %[t]\n\t"
+      "vpaddw %[t], %[s1], %[s1]"
+      : [s0] "+x"(sum[0]), [s1] "+x"(sum[1]), [a0] "=&x"(a0), [a1] "=&x"(a1), [t] "=&x"(t)
+      : [l0] "x"(lo[0]), [h0] "x"(hi[0]), [l1] "x"(lo[1]), [h1] "x"(hi[1]), [x] "r"(xq),
+        [o] "i"(OFF * 4), "m"(*xq));
+}
 
 // Half G of a block (the block, or kQ6's half): NV vectors of 8 columns' integer dots of
 // rows R0 .. R0 + P - 1 (inputs xq [ROWS][8] of 4), added to dot; the weights' stored rows
@@ -774,7 +801,24 @@ inline void half_dot_avx2(const int32_t* xq, const uint8_t* p, int64_t ld,
   const auto at = [&](int64_t t, int64_t j) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + t * ld + 32 * j));
   };
-  if constexpr (kSix<F> || kNarrowBytes<F>) {  // pairs of byte rows a vpmaddwd
+  if constexpr (kNib<F>) {  // a block's 4 stored rows of nibbles, in int16, then vpmaddwd
+    static_assert(NV == 2, "nib_pairs_avx2 takes two vectors");
+    const __m256i low = _mm256_set1_epi8(15);
+    __m256i sum[P][NV];
+    for (auto& row : sum) for (auto& v : row) v = _mm256_setzero_si256();
+    unrolled<kSteps<F>>([&](auto t) {
+      __m256i lo[NV], hi[NV];
+      for (int64_t j = 0; j < NV; ++j) {
+        const __m256i v = at(t, j);
+        lo[j] = _mm256_and_si256(v, low);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      unrolled<P>([&](auto r) { nib_pairs_avx2<8 * (R0 + r) + 2 * t>(xq, lo, hi, sum[r]); });
+    });
+    for (int64_t r = 0; r < P; ++r)
+      for (int64_t j = 0; j < NV; ++j)
+        dot[r][j] = _mm256_add_epi32(dot[r][j], _mm256_madd_epi16(sum[r][j], ones));
+  } else if constexpr (kSix<F> || kNarrowBytes<F>) {  // pairs of byte rows a vpmaddwd
     unrolled<kHalfSteps<F> / (kSix<F> ? 1 : 2)>([&](auto tt) {
       __m256i u0[NV], u1[NV];  // two stored rows of bytes, u0's inputs at xq[xi]
       if constexpr (kSix<F>) {  // nibble row t widened to q + 32
@@ -877,13 +921,11 @@ inline void span_rows_quant(const QuantActs& a, const Span& s, const QuantWeight
                             bool cold = true) {
   int64_t c = s.c0;
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if constexpr (!kNib<F>) {  // whole panels from the records (one group's rows)
-    for (; c + kVecs * kLanes <= s.c1; c += kVecs * kLanes) {
-      QCol col[kVecs];
-      for (int64_t j = 0; j < kVecs; ++j) col[j] = column(w, c + j * kLanes);
-      tile_avx2_rows<F, ROWS, kVecs>(a.records(s.r0), a.blocks, col, s.y + c, s.n,
-                                     s.accumulate, cold);
-    }
+  for (; c + kVecs * kLanes <= s.c1; c += kVecs * kLanes) {  // whole panels from the records
+    QCol col[kVecs];
+    for (int64_t j = 0; j < kVecs; ++j) col[j] = column(w, c + j * kLanes);
+    tile_avx2_rows<F, ROWS, kVecs>(a.records(s.r0), a.blocks, col, s.y + c, s.n,
+                                   s.accumulate, cold);
   }
 #endif
   (void)cold;
