@@ -790,6 +790,53 @@ inline void nib_pairs_avx2(const int32_t* xq, const __m256i (&lo)[2], const __m2
         [o] "i"(OFF * 4), "m"(*xq));
 }
 
+// Two stored rows of unsigned bytes (u0 against xq[OFF], u1 against xq[OFF + 1]: the
+// six-bit rows widened, or the narrow bytes) and one row's inputs, two vectors: dot[j] +=
+// vpmaddwd(vpmaddubsw(u0[j], .) + vpmaddubsw(u1[j], .), 1), as nib_pairs_avx2 and for its
+// reason (two pairs: at most 2 x 2 x 63 x 127 < 2^15).
+template <int64_t OFF>
+inline void byte_pairs_avx2(const int32_t* xq, const __m256i (&u0)[2], const __m256i (&u1)[2],
+                            __m256i ones, __m256i (&dot)[2]) {
+  __m256i a0, a1, t0, t1;
+  asm("vpbroadcastd %c[o](%[x]), %[a0]\n\t"
+      "vpbroadcastd %c[o]+4(%[x]), %[a1]\n\t"
+      "vpmaddubsw %[a0], %[u00], %[t0]\n\t"
+      "vpmaddubsw %[a1], %[u10], %[t1]\n\t"
+      "vpaddw %[t1], %[t0], %[t0]\n\t"
+      "vpmaddwd %[one], %[t0], %[t0]\n\t"
+      "vpaddd %[t0], %[d0], %[d0]\n\t"
+      "vpmaddubsw %[a0], %[u01], %[t0]\n\t"
+      "vpmaddubsw %[a1], %[u11], %[t1]\n\t"
+      "vpaddw %[t1], %[t0], %[t0]\n\t"
+      "vpmaddwd %[one], %[t0], %[t0]\n\t"
+      "vpaddd %[t0], %[d1], %[d1]"
+      : [d0] "+x"(dot[0]), [d1] "+x"(dot[1]), [a0] "=&x"(a0), [a1] "=&x"(a1),
+        [t0] "=&x"(t0), [t1] "=&x"(t1)
+      : [u00] "x"(u0[0]), [u10] "x"(u1[0]), [u01] "x"(u0[1]), [u11] "x"(u1[1]),
+        [one] "x"(ones), [x] "r"(xq), [o] "i"(OFF * 4), "m"(*xq));
+}
+
+// One stored row of signed bytes q (two vectors) and one row's inputs xq[OFF]: x's sign
+// moved onto q (block_dot_avx2's trick), dot[j] += vpmaddwd(vpmaddubsw(|x|, ±q[j]), 1).
+template <int64_t OFF>
+inline void signed_row_avx2(const int32_t* xq, const __m256i (&q)[2], __m256i ones,
+                            __m256i (&dot)[2]) {
+  __m256i xb, ax, t;
+  asm("vpbroadcastd %c[o](%[x]), %[xb]\n\t"
+      "vpsignb %[xb], %[xb], %[ax]\n\t"
+      "vpsignb %[xb], %[q0], %[t]\n\t"
+      "vpmaddubsw %[t], %[ax], %[t]\n\t"
+      "vpmaddwd %[one], %[t], %[t]\n\t"
+      "vpaddd %[t], %[d0], %[d0]\n\t"
+      "vpsignb %[xb], %[q1], %[t]\n\t"
+      "vpmaddubsw %[t], %[ax], %[t]\n\t"
+      "vpmaddwd %[one], %[t], %[t]\n\t"
+      "vpaddd %[t], %[d1], %[d1]"
+      : [d0] "+x"(dot[0]), [d1] "+x"(dot[1]), [xb] "=&x"(xb), [ax] "=&x"(ax), [t] "=&x"(t)
+      : [q0] "x"(q[0]), [q1] "x"(q[1]), [one] "x"(ones), [x] "r"(xq), [o] "i"(OFF * 4),
+        "m"(*xq));
+}
+
 // Half G of a block (the block, or kQ6's half): NV vectors of 8 columns' integer dots of
 // rows R0 .. R0 + P - 1 (inputs xq [ROWS][8] of 4), added to dot; the weights' stored rows
 // at p + t ld, vector j 32 bytes on.
@@ -834,6 +881,10 @@ inline void half_dot_avx2(const int32_t* xq, const uint8_t* p, int64_t ld,
         }
       }
       constexpr int64_t xi = kSix<F> ? 2 * (t0 + tt) : t0 + 2 * tt;
+      if constexpr (NV == 2) {
+        unrolled<P>([&](auto r) { byte_pairs_avx2<8 * (R0 + r) + xi>(xq, u0, u1, ones, dot[r]); });
+        return;
+      }
       unrolled<P>([&](auto r) {
         const __m256i a0 = broadcast_ymm_at<8 * (R0 + r) + xi>(xq);
         const __m256i a1 = broadcast_ymm_at<8 * (R0 + r) + xi + 1>(xq);
@@ -848,6 +899,10 @@ inline void half_dot_avx2(const int32_t* xq, const uint8_t* p, int64_t ld,
       constexpr int64_t t = t0 + tt;
       __m256i q[NV];
       for (int64_t j = 0; j < NV; ++j) q[j] = _mm256_xor_si256(flip, at(t, j));
+      if constexpr (NV == 2) {
+        unrolled<P>([&](auto r) { signed_row_avx2<8 * (R0 + r) + t>(xq, q, ones, dot[r]); });
+        return;
+      }
       unrolled<P>([&](auto r) {
         const __m256i xb = broadcast_ymm_at<8 * (R0 + r) + t>(xq);
         const __m256i ax = _mm256_sign_epi8(xb, xb);
