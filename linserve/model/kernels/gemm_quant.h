@@ -881,11 +881,11 @@ inline void half_dot_avx2(const int32_t* xq, const uint8_t* p, int64_t ld,
         }
       }
       constexpr int64_t xi = kSix<F> ? 2 * (t0 + tt) : t0 + 2 * tt;
-      if constexpr (NV == 2) {
+      if constexpr (NV == 2) {  // the six bits' passes (kPassVecs)
         unrolled<P>([&](auto r) { byte_pairs_avx2<8 * (R0 + r) + xi>(xq, u0, u1, ones, dot[r]); });
         return;
       }
-      unrolled<P>([&](auto r) {
+      unrolled<P>([&](auto r) {  // the narrow bytes' passes of one vector
         const __m256i a0 = broadcast_ymm_at<8 * (R0 + r) + xi>(xq);
         const __m256i a1 = broadcast_ymm_at<8 * (R0 + r) + xi + 1>(xq);
         for (int64_t j = 0; j < NV; ++j)
@@ -894,22 +894,13 @@ inline void half_dot_avx2(const int32_t* xq, const uint8_t* p, int64_t ld,
       });
     });
   } else {  // bytes taken signed, x's sign moved onto q (block_dot_avx2)
+    static_assert(NV == 2, "signed_row_avx2 takes two vectors");
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
     unrolled<kHalfSteps<F>>([&](auto tt) {
       constexpr int64_t t = t0 + tt;
       __m256i q[NV];
       for (int64_t j = 0; j < NV; ++j) q[j] = _mm256_xor_si256(flip, at(t, j));
-      if constexpr (NV == 2) {
-        unrolled<P>([&](auto r) { signed_row_avx2<8 * (R0 + r) + t>(xq, q, ones, dot[r]); });
-        return;
-      }
-      unrolled<P>([&](auto r) {
-        const __m256i xb = broadcast_ymm_at<8 * (R0 + r) + t>(xq);
-        const __m256i ax = _mm256_sign_epi8(xb, xb);
-        for (int64_t j = 0; j < NV; ++j)
-          dot[r][j] = _mm256_add_epi32(dot[r][j], _mm256_madd_epi16(
-              _mm256_maddubs_epi16(ax, _mm256_sign_epi8(q[j], xb)), ones));
-      });
+      unrolled<P>([&](auto r) { signed_row_avx2<8 * (R0 + r) + t>(xq, q, ones, dot[r]); });
     });
   }
 }
