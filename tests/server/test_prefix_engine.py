@@ -13,6 +13,7 @@ from linserve.model.sampling import SamplingParams
 from linserve.model.tokenizer import Tokenizer
 from linserve.server.engine.engine import Engine, EngineLimits
 from linserve.server.engine.types import GenerationRequest, Output
+from linserve.server.prefix_cache.engine_side import MIN_BRANCH
 from tests.model.helpers import served, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,6 +110,19 @@ def test_a_short_shared_system_prompt_hits(tok: Tokenizer) -> None:
     outs = both(on, off, asks)
     assert outs[0].cached_tokens == 0
     assert all(o.cached_tokens >= len(system) for o in outs[2:])
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prompt_sent_again_whole_runs_only_its_last_token(kind: str, seed: int | None,
+                                                            tok: Tokenizer) -> None:
+    on, off = engines(kind, tok)
+    p = tok.encode("Now is the winter of our discontent made glorious summer. " * 2)
+    assert MIN_BRANCH < len(p) < 64  # no interval entry: only the prompt's own entries
+    outs = both(on, off, [p, p, p, p], seed)
+    # The first copy leaves a state at its end, which cannot start a copy (whose first
+    # sample needs the last token's logits); the second keeps one a token short of it.
+    assert [o.cached_tokens for o in outs] == [0, 0, len(p) - 1, len(p) - 1]
 
 
 def test_concurrent_requests_share_one_prefix(tok: Tokenizer) -> None:

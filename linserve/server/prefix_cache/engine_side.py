@@ -8,7 +8,10 @@ and when, and the metrics. Runs on the engine thread only (no locks).
   tokens inside a long prefill (``prefill`` returns a fresh state per chunk), at the
   *branch point* where a prompt leaves the path of an earlier one (its prefill stops there
   once): a system prompt shared by many requests is kept after the second one, whatever
-  its length; and at a request's ``keep_at``: where a chat template's generation prompt
+  its length; a prompt sent again whole (a retry, samples of one prompt) is kept one token
+  short of its end, where every later copy resumes and runs that token alone (a state at
+  the end cannot serve it: the first sample needs the last token's logits); and at a
+  request's ``keep_at``: where a chat template's generation prompt
   begins, which is where the next turn's rendering of the conversation leaves this prompt
   (``<|im_start|>assistant\n<think>\n\n</think>\n\n`` becomes the reply's own header), so
   the conversation prefilled after the reply resumes there and runs only the reply.
@@ -62,8 +65,9 @@ class EnginePrefixCache:
             self._insert(ids[:depth], remote, publish=False)
         if depth:
             metrics.PREFIX_HITS.inc(depth)
-        if depth + MIN_BRANCH <= hit.shared <= limit:
-            seq.branch = hit.shared  # an earlier prompt went this way: keep a state here
+        branch = min(hit.shared, limit)  # a prompt seen whole: its last token's start
+        if depth + MIN_BRANCH <= branch:
+            seq.branch = branch  # an earlier prompt went this way: keep a state here
         self._update_metrics()
 
     def after_prefill(self, seq: Sequence, n: int) -> None:
