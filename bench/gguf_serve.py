@@ -7,7 +7,10 @@ published shape) and each GGUF type: llama.cpp's converter writes the bf16 file 
 them). Both servers are then up at once on that one file (``linserve serve FILE`` as a user
 starts it, ``llama-server -m FILE -t 2 --parallel 16``) and measured alternately with one
 client (:mod:`bench.memory`'s): time to healthy, one stream alone, a prompt of about 2,048
-tokens (``--prefill``), 16 concurrent streams, resident memory after them. With
+tokens (``--prefill``), 16 concurrent streams, resident memory after them: the processes'
+RSS summed (``after_streams_rss``), and their PSS (``after_streams_pss``), which counts a page
+the two processes of ours share (torch's, mapped or inherited from the fork) once, as the
+kernel and a container's memory limit do. With
 ``--start-rounds N`` each server is also started alone N times, alternately, and the time
 to healthy is the median of those.
 
@@ -26,7 +29,7 @@ import httpx
 
 from bench import llamacpp_compare as lc
 from bench import memory
-from bench.common import machine, read_json, save_figure, write_json
+from bench.common import machine, read_json, save_figure, server_metrics, write_json
 from bench.quant import rss_bytes
 
 RESULTS = Path(__file__).with_name("results")
@@ -76,9 +79,10 @@ def one_file(file: Path, args: argparse.Namespace) -> dict[str, Any]:
     out["ratios"] = {
         "batch1_tok_s": ours["batch1"]["output_tokens_per_s"]
         / theirs["batch1"]["output_tokens_per_s"],
-        "streams_tok_s": ours["streams"]["output_tokens_per_s"]
-        / theirs["streams"]["output_tokens_per_s"],
+        "streams_tok_s": streams_ratio(ours, theirs),
         "after_streams_rss": ours["after_streams_bytes"] / theirs["after_streams_bytes"],
+        "after_streams_pss": ours["after_streams_pss_bytes"]
+        / theirs["after_streams_pss_bytes"],
         "load_s": ours["load_s"] / theirs["load_s"]}
     if args.prefill:
         out["ratios"]["prefill_tok_s"] = (ours["prefill"]["prompt_tokens_per_s"]
@@ -109,6 +113,20 @@ def start_rounds(file: Path, args: argparse.Namespace) -> dict[str, Any]:
             "ratio": medians["ours"] / medians["llama_server"]}
 
 
+def engine_split(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Where our engine's time went between two ``/metrics`` readings: its decode steps
+    (count, seconds) and its prefill iterations (count, seconds). A 16-stream run's prompts
+    are prefilled between steps (``--step-token-budget`` tokens an iteration), so its
+    tokens/s mixes the two (BENCHMARKS.md §74)."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    return {"steps": delta("linserve_step_seconds_count"),
+            "step_s": delta("linserve_step_seconds_sum"),
+            "prefills": delta("linserve_prefill_seconds_count"),
+            "prefill_s": delta("linserve_prefill_seconds_sum")}
+
+
 def _measure(servers: dict[str, tuple[int, str]], out: dict[str, Any],
              args: argparse.Namespace) -> None:
     for who, (_, url) in servers.items():  # alternately: batch 1, prefill, then the streams
@@ -116,11 +134,31 @@ def _measure(servers: dict[str, tuple[int, str]], out: dict[str, Any],
     if args.prefill:
         for who, (_, url) in servers.items():
             out[who]["prefill"] = memory._prefill(url, args.prefill, args.prefill_requests)
-    for who, (pid, url) in servers.items():
-        out[who]["streams"] = memory._load(url, args.streams, args.streams, args.tokens)
-        time.sleep(2.0)
+    for round_ in range(args.stream_rounds):
+        for who, (_, url) in servers.items():
+            before = server_metrics(url) if who == "ours" else {}
+            # Prompts of their own a round (the seed picks them): a prompt the server saw
+            # before is served from its prompt cache (llama-server's slots keep theirs: its
+            # second round of the same 16 prompts ran 2x its first).
+            run = memory._load(url, args.streams, args.streams, args.tokens, seed=101 + round_)
+            if who == "ours":
+                run["engine"] = engine_split(before, server_metrics(url))
+            out[who].setdefault("streams", run)  # the first round's whole report
+            out[who].setdefault("streams_rounds", []).append(run["output_tokens_per_s"])
+    time.sleep(2.0)
+    for who, (pid, _) in servers.items():
         out[who]["after_streams_bytes"] = rss_bytes(pid)
+        out[who]["after_streams_pss_bytes"] = memory.pss_bytes(pid)
     out["ours"]["health"] = httpx.get(servers["ours"][1] + "/health", timeout=30).json()
+
+
+def streams_ratio(ours: dict[str, Any], theirs: dict[str, Any]) -> float:
+    """Ours ÷ theirs 16-stream tokens/s: the medians of the rounds (``--stream-rounds``),
+    each server's rounds alternating with the other's."""
+    import statistics
+
+    return (statistics.median(ours["streams_rounds"])
+            / statistics.median(theirs["streams_rounds"]))
 
 
 def plot(result: dict[str, Any], out: str = OUT) -> None:
@@ -152,6 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--prefill-requests", type=int, default=2)
+    p.add_argument("--stream-rounds", type=int, default=1,
+                   help="run the 16 streams this many times on each server, alternately, "
+                   "and take each server's median (the VM's speed drifts by a fifth within "
+                   "minutes: one round each gave 1.82x and 2.29x on one file, §73 and §74)")
     p.add_argument("--ours-args", nargs="*", default=[])
     p.add_argument("--start-rounds", type=int, default=0,
                    help="also start each server alone this many times, alternately, and "
