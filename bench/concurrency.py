@@ -42,9 +42,15 @@ def raw_step_tokens_per_s(weights: Path, batch: int, context: int, threads: int,
     dtype the server loads for ``--dtype`` (auto: bf16 where the CPU has it)."""
     torch.set_num_threads(threads)
     model = load_model(weights, getattr(torch, pick_dtype(dtype)[0]))
-    _, one = model.prefill(torch.randint(0, 8000, (1, context)))
+    return batch / step_ms(model, batch, context) * 1000
+
+
+def step_ms(model: Any, batch: int, context: int) -> float:
+    """Milliseconds of ``model``'s bare batched step (any served model): ``batch`` rows
+    after a ``context``-token prompt, at the same position every time."""
     from linserve.model.state import State
 
+    _, one = model.prefill(torch.randint(0, 8000, (1, context)))
     state = State.cat([one.copy() for _ in range(batch)])
     state.reserve(context + 64)
     tokens = torch.randint(0, 8000, (batch,))
@@ -53,7 +59,7 @@ def raw_step_tokens_per_s(weights: Path, batch: int, context: int, threads: int,
         model.step(tokens, state)
         state.lengths -= 1  # the same position every time
 
-    return batch / time_ms(step, min_seconds=1.0) * 1000
+    return time_ms(step, min_seconds=1.0)
 
 
 def sweep(weights: Path, levels: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:

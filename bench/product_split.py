@@ -7,7 +7,8 @@ the engine prefills several waiting prompts in one iteration) with every call of
 invariant GEMM timed: by (inputs K, outputs N, the weight's stored format, rows), the calls,
 seconds, share of the prefill and GMAC/s. What is left is the rest of the prefill (the
 recurrent scans, attention, norms, activations). Also the fused decode step of ``--rows``
-rows, whose products run inside the native step and are not split. BENCHMARKS.md §74 has a
+rows after 128 tokens (:func:`bench.concurrency.step_ms`), whose products run inside the
+native step and are not split. BENCHMARKS.md §74 has a
 run: a 16-stream benchmark's prompts spend four fifths of their prefill in these products.
 """
 
@@ -15,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from bench.concurrency import step_ms
 from linserve.model import kernels, loader, quantize
 from linserve.model.interface import ServedModel
-from linserve.model.state import State
 
 
 def timed_products(stats: dict[tuple[int, int, str, int], list[float]]) -> object:
@@ -69,22 +69,6 @@ def prefill_split(model: ServedModel, prompts: int, tokens: int) -> None:
               f"{seconds / total:6.1%} {macs / seconds / 1e9:6.1f}")
 
 
-def step_ms(model: ServedModel, rows: int, context: int = 128) -> float:
-    """The median of 12 fused decode steps of ``rows`` rows after ``context`` tokens."""
-    _, one = model.prefill(torch.randint(0, 8000, (1, context)))
-    state = State.cat([one.copy() for _ in range(rows)])
-    state.reserve(context + 32)
-    tokens = torch.randint(0, 8000, (rows,))
-    for _ in range(3):
-        model.step(tokens, state)
-    times = []
-    for _ in range(12):
-        t0 = time.perf_counter()
-        model.step(tokens, state)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", type=Path, help="a GGUF file or a checkpoint folder")
@@ -98,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"the native kernels did not load: {kernels.load_error()}")
     model = loader.load(args.checkpoint, "auto", batch_invariant=True)
     prefill_split(model, args.prompts, args.tokens)
-    print(f"decode step of {args.rows} rows: {step_ms(model, args.rows):.1f} ms")
+    print(f"decode step of {args.rows} rows: {step_ms(model, args.rows, 128):.1f} ms")
 
 
 if __name__ == "__main__":
