@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e ".[dev]"
-ruff check .
-mypy
+python -m ruff check .
+python -m mypy
 python -m pytest "$@"

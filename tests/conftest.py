@@ -52,6 +52,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
             report.sections.append((f"server log (port {srv.port}, last 6000 chars)", tail))
 
 
+def _auto_dtypes() -> list[str]:
+    """What ``--dtype auto`` can resolve to on this CPU: fp32 everywhere (an AVX2-only CPU's
+    path), and bf16 too where the CPU has native bf16 products."""
+    from linserve.model import loader
+
+    return ["float32", "bfloat16"] if loader.pick_dtype("auto")[0] == "bfloat16" else ["float32"]
+
+
+@pytest.fixture(params=_auto_dtypes())
+def auto_dtype(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The dtype ``loader.load(..., dtype="auto")`` picks in this test, each way this CPU can
+    take: on a CPU with native bf16 the fp32 path is forced once (its flags read as an AVX2
+    CPU's), so a test of ``auto`` checks both paths on every machine that has both."""
+    from linserve.model import loader
+
+    if request.param == "float32":
+        monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset())
+    assert loader.pick_dtype("auto")[0] == request.param
+    return str(request.param)
+
+
 def _tiny_checkpoint(path: Path, kind: str) -> Path:
     from linserve.model.architectures.linserve import LanguageModel
     from linserve.model.config import ModelConfig

@@ -7,6 +7,7 @@ streaming, sessions, structured outputs, and the Anthropic Messages API."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _serve(model: Path, *args: str) -> ServerProcess:
     return ServerProcess(ROOT / "weights" / "linear", ready_timeout=120,
-                         command=["linserve", "serve", str(model)],
+                         command=[sys.executable, "-m", "linserve", "serve", str(model)],
                          args=["--served-model-name", "tiny", *args])
 
 

@@ -127,10 +127,12 @@ def shipped(name: str) -> ServedModel:
 
 @pytest.mark.parametrize("name", ["linear", "softmax", "window", "favor"])
 @pytest.mark.parametrize("method", ["ngram", "self", "other"])
-def test_own_models_greedy_and_states_unchanged(name: str, method: str) -> None:
-    """The shipped models (linear and FAVOR+ states, a KV cache, a sliding window's ring):
-    drafts from the prompt, from a draft that always agrees (the model itself) and from
-    another model (``linear-ungated``)."""
+def test_own_models_greedy_and_states_unchanged(name: str, method: str,
+                                                auto_dtype: str) -> None:
+    """The shipped models (linear and FAVOR+ states, a KV cache, a sliding window's ring),
+    as served by default (each way this CPU resolves ``--dtype auto``): drafts from the
+    prompt, from a draft that always agrees (the model itself) and from another model
+    (``linear-ungated``)."""
     model = shipped(name)
     other = shipped("linear-ungated")
     config = spec("ngram") if method == "ngram" else spec("draft_model", model="x")
