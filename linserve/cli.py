@@ -36,16 +36,17 @@ def main(argv: list[str] | None = None) -> None:
     if command == "serve":
         import time
 
-        from linserve.server.engine.prelaunch import cancel, prelaunch
+        from linserve.server.engine.prelaunch import prelaunch
 
         boot = time.monotonic()
-        prelaunch(serve_args(rest))  # the engine process imports while this one does
+        early = prelaunch(serve_args(rest))  # the engine process imports while this one does
         try:
             from linserve.server.serve import main as serve
 
-            serve(serve_args(rest), boot)
+            serve(serve_args(rest), boot, early)
         finally:
-            cancel()  # never started (a bad checkpoint, an interrupt): it leaves quietly
+            if early is not None:  # not taken (a bad checkpoint, an interrupt): it leaves
+                early.cancel()
     elif command == "build-kernels":
         from linserve.model.kernels import main as kernels_main
 

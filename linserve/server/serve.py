@@ -6,6 +6,7 @@ import logging
 import time
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
@@ -18,6 +19,9 @@ from linserve.server.engine.loading import resolve_checkpoint
 from linserve.server.settings import parse_cli
 from linserve.server.speculative.draft import check_speculative
 from linserve.server.system.malloc import pin_mmap_threshold
+
+if TYPE_CHECKING:
+    from linserve.server.engine.child import Prelaunched
 
 log = logging.getLogger("linserve")
 
@@ -48,11 +52,13 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def main(argv: list[str] | None = None, boot: float | None = None) -> None:
+def main(argv: list[str] | None = None, boot: float | None = None,
+         prelaunched: Prelaunched | None = None) -> None:
     """Parse the settings from ``argv`` (default: ``sys.argv[1:]``), check the checkpoint
     (a bad one is one line and exit status 1), make the native kernels ready (compiled on a
     machine's first start, and said so) and serve until SIGTERM / SIGINT. ``boot``: the
-    command's start (``time.monotonic()``; default now), which the ready line counts from."""
+    command's start (``time.monotonic()``; default now), which the ready line counts from.
+    ``prelaunched``: the engine process ``linserve serve`` forked first thing, if any."""
     boot = time.monotonic() if boot is None else boot
     try:
         settings = parse_cli(argv)
@@ -79,6 +85,7 @@ def main(argv: list[str] | None = None, boot: float | None = None) -> None:
     kernels.load()  # here, logged, before either process needs them: a first start compiles
     app = create_app(settings)
     app.state.boot_time = boot
+    app.state.prelaunched = prelaunched
     config = uvicorn.Config(wrap(app, settings, state_limit),
                             host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,

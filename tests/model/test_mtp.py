@@ -59,7 +59,7 @@ def test_the_native_mtp_call_equals_the_eager_layer(family: str, dtype: str,
     path = (make_checkpoint(tmp_path, "i4-tied", tokenizer="project") if family == "qwen3_5"
             else make(tmp_path, family, "e8k2-tied"))
     from linserve.model.architectures.hf import HFServedModel
-    from linserve.model.architectures.qwen3_5_mtp import MtpHead
+    from linserve.model.architectures.qwen3_5 import MtpHead
     model = loader.load(add_mtp(path), dtype)
     assert isinstance(model, HFServedModel)
     head = model.draft_head()

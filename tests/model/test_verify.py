@@ -68,7 +68,7 @@ def _copy(trail: Trail) -> Trail:
 @pytest.mark.parametrize("shape", ["i4-tied", "i2-untied"])
 def test_qwen35_native_verify_is_steps(shape: str, dtype: str, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from linserve.model.architectures import qwen3_5
+    from linserve.model.architectures.qwen3_5 import model as qwen3_5
 
     def no_fallback(*_: object) -> None:
         raise AssertionError("qwen35_verify did not run")

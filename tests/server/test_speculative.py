@@ -289,7 +289,7 @@ def test_sampled_tokens_keep_the_model_distribution(top_p: float,
             for tok in row.feed[1:]:
                 row.seq.add_token(tok, None)
             slot = torch.tensor([row.slot])
-            self.engine.sample_rows([row.seq], logits[r][-1:], slot)
+            self.sampler.sample_slots([row.seq], logits[r][-1:], slot)
             row.fed = len(row.feed)
 
     monkeypatch.setattr(speculation.Speculator, "_accept", keep_every_draft)

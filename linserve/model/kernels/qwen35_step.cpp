@@ -1,4 +1,4 @@
-// The whole decode step of a Qwen3.5 hybrid (model/architectures/qwen3_5.py) in one native
+// The whole decode step of a Qwen3.5 hybrid (model/architectures/qwen3_5/model.py) in one native
 // call: one token per row through every layer, then the final norm and the LM head. The
 // eager step costs ~250 Python-dispatched operators per token; at batch 1 of the 0.8B shapes
 // that was a fifth of the step on top of the weight reads.
@@ -216,7 +216,7 @@ at::Tensor qwen35_step(const at::Tensor& tokens, at::TensorList weights, at::Ten
   return forward(tokens, weights, experts, state, {}, lengths, ints, dims, eps, 1, at::Tensor());
 }
 
-// Qwen3.5's MTP layer (model/architectures/qwen3_5_mtp.py) over n positions of one request:
+// Qwen3.5's MTP layer (model/architectures/qwen3_5/mtp.py) over n positions of one request:
 // g = norm(layer(fc([norm_e(embed(tokens)), norm_h(hidden)]))), the layer a full-attention
 // decoder layer with a KV cache of its own. weights: embed, head (to tell a tied table),
 // norm_e, norm_h (as 1 + w), fc [2d, d] (packed), norm, then the layer's kLayerWeights;

@@ -163,7 +163,8 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     if process:
         # only the engine process reads the weights, and it starts first: this one describes
         # the model (tokenizer, template, states and their codec) while that one loads
-        client = ProcessEngineClient(settings)
+        client = ProcessEngineClient(settings,
+                                     prelaunched=getattr(app.state, "prelaunched", None))
         loading = asyncio.create_task(client.start_async())
         try:
             model = await asyncio.to_thread(describe_model, settings)

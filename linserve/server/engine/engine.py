@@ -15,7 +15,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,15 +22,15 @@ import torch
 
 from linserve.model.heap import trim
 from linserve.model.interface import ServedModel, State
-from linserve.model.sampling import BatchParams, sample, top_logprobs
 from linserve.server import metrics
 from linserve.server.engine.memory import engine_parts
 from linserve.server.engine.pool import SlotPool
 from linserve.server.engine.replay import Replay, ReplayQueue
-from linserve.server.engine.sequence import Sequence, logprob_entries
+from linserve.server.engine.row_sampler import RowSampler
+from linserve.server.engine.sequence import Sequence
 from linserve.server.engine.speculation import Speculator
 from linserve.server.engine.types import GenerationRequest, Output, TokenLogprob
-from linserve.server.grammar.engine_side import EngineGrammars, MaskResult, matcher_error
+from linserve.server.grammar.engine_side import EngineGrammars
 from linserve.server.prefix_cache.engine_side import EnginePrefixCache, Publish
 from linserve.server.sessions.transcript import (
     chat_next_turn_text,
@@ -89,14 +88,13 @@ class Engine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._outbox: list[tuple[Sink, Output]] = []
-        # rows' request ids -> their BatchParams and whether any uses penalties
-        self._bp_cache: dict[tuple[str, ...], tuple[BatchParams, bool]] = {}
+        self.sampler = RowSampler(self.pool, self.grammars)
         self.steps = 0
         self._memory_reported = 0.0
         self._busy = False
         self.spec: Speculator | None = None
         if speculative is not None:
-            self.spec = Speculator(self, speculative, draft)
+            self.spec = Speculator(model, self.pool, self.sampler, speculative, draft)
             self.spec.calibrate()
 
     # ---- thread-safe API -------------------------------------------------------------
@@ -381,7 +379,7 @@ class Engine:
         counts = torch.zeros(1, self.model.info.vocab_size)
         seen = torch.zeros(1, self.model.info.vocab_size, dtype=torch.bool)
         seen[0, torch.tensor(seq.req.input_ids)] = True
-        token = self._sample([seq], logits, counts, seen)
+        token = self.sampler.sample([seq], logits, counts, seen)
         if seq.finish_reason is not None or seq.cancelled:
             self._finish_unpooled(seq, token)
             return
@@ -414,7 +412,7 @@ class Engine:
         self._end_full_rows()
         if not self.running:
             return
-        if self.spec is None or not self.spec.step():
+        if self.spec is None or not self.spec.step(self.running):
             self._plain_step()
         n = self.pool.n
         self.steps += 1
@@ -439,7 +437,8 @@ class Engine:
             self.spec.note_plain_step(len(self.running), time.perf_counter() - t0)
         n = self.pool.n
         try:
-            self._sample(self.running, logits, self.pool.counts[:n], self.pool.seen[:n], masks)
+            self.sampler.sample(self.running, logits, self.pool.counts[:n], self.pool.seen[:n],
+                                masks, pooled=True)
         except Exception:
             log.exception("batched sampling failed; sampling its rows one by one")
             self._sample_rows_alone(logits)
@@ -457,80 +456,16 @@ class Engine:
 
     def _sample_rows_alone(self, logits: torch.Tensor) -> None:
         """Isolate a sampling failure: each row alone; a row that still fails ends alone."""
-        self._bp_cache.clear()
+        self.sampler.forget()
         for i, seq in enumerate(self.running):
             if seq.finish_reason is not None:
                 continue
             try:
-                self._sample([seq], logits[i : i + 1], self.pool.counts[i : i + 1],
-                             self.pool.seen[i : i + 1])
+                self.sampler.sample([seq], logits[i : i + 1], self.pool.counts[i : i + 1],
+                                    self.pool.seen[i : i + 1])
             except Exception as exc:
                 log.exception("sampling failed for %s", seq.req.request_id)
                 seq.fail(f"sampling failed: {exc}")
-
-    def _batch_params(self, seqs: list[Sequence]) -> tuple[BatchParams, bool]:
-        """Column tensors of the rows' parameters, and whether any row uses penalties.
-        Built once per set of rows (the running batch, or a speculative verify's rows still
-        sampling at a position), not every step."""
-        key = tuple(s.req.request_id for s in seqs)
-        hit = self._bp_cache.get(key)
-        if hit is not None:
-            return hit
-        params = [s.params for s in seqs]
-        use_pen = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                      for p in params)
-        if len(self._bp_cache) >= 16:  # batches come and go: keep the few in use
-            self._bp_cache.clear()
-        self._bp_cache[key] = (BatchParams.from_params(params), use_pen)
-        return self._bp_cache[key]
-
-    def sample_rows(self, seqs: list[Sequence], logits: torch.Tensor, slots: torch.Tensor
-                    ) -> None:
-        """:meth:`_sample` for running rows in pool ``slots`` (a speculative verify's
-        position), counting their tokens for the penalties there (the counts are gathered
-        only when a row uses penalties: a [rows, vocabulary] copy a position)."""
-        _, use_pen = self._batch_params(seqs)
-        pool = self.pool
-        counts, seen = (pool.counts[slots], pool.seen[slots]) if use_pen else (
-            pool.counts[:0], pool.seen[:0])
-        self._sample(seqs, logits, counts, seen, slots=slots)
-
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, counts: torch.Tensor,
-                seen: torch.Tensor, masks: Future[MaskResult] | None = None,
-                slots: torch.Tensor | None = None) -> int:
-        """Sample one token per row, record it on each sequence; returns row 0's token.
-        ``masks``: the rows' grammar masks, if already started; ``slots``: the rows' pool
-        slots where they are not the running batch. A row whose bookkeeping raises is
-        failed alone."""
-        params = [s.params for s in seqs]
-        bp, use_pen = self._batch_params(seqs)
-        mask, dead = (masks.result() if masks is not None
-                      else self.grammars.masks([s.matcher for s in seqs]))
-        for i in dead:
-            seqs[i].fail(f"the grammar allows no next token: {matcher_error(seqs[i].matcher)}")
-        tokens = sample(logits, bp, [s.generator for s in seqs],
-                        counts if use_pen else None, seen if use_pen else None, mask=mask)
-        n_lp = max((p.logprobs or 0) for p in params)
-        entries: list[TokenLogprob | None] = [None] * len(seqs)
-        if any(p.logprobs is not None for p in params):
-            chosen, values, ids = top_logprobs(logits, tokens, n_lp)
-            packed = logprob_entries(chosen, values, ids, tokens, n_lp)
-            entries = [e if p.logprobs is not None else None
-                       for e, p in zip(packed, params, strict=True)]
-        if use_pen and seqs is self.running:  # only penalised rows read the counts
-            self.pool.record(tokens)
-        elif use_pen and slots is not None:
-            self.pool.record(tokens, slots)
-        for seq, tok, entry in zip(seqs, tokens.tolist(), entries, strict=True):
-            if seq.finish_reason == "error":
-                continue
-            try:
-                seq.add_token(tok, entry)
-            except Exception as exc:
-                log.exception("request %s failed on a sampled token", seq.req.request_id)
-                seq.fail(f"internal error: {exc}")
-        metrics.GENERATION_TOKENS.inc(len(seqs))
-        return int(tokens[0])
 
     # ---- finishing -------------------------------------------------------------------
     def _retire(self, seq: Sequence, sent: int | None = None) -> None:
@@ -712,6 +647,6 @@ class Engine:
             self._finish(seq, None, [])
         self.running.clear()
         self.replays.fail_all(RuntimeError(message))
-        self._bp_cache.clear()
-        self.pool = SlotPool(self.model, self.limits.max_running)
+        self.sampler.forget()
+        self.pool.clear()
         self._flush()

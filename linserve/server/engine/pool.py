@@ -31,8 +31,12 @@ class SlotPool:
         self.model = model
         self.max_rows = max_rows
         self.floor = min(MIN_ROWS, max_rows)
-        self.state: State = model.new_state(self.floor)
-        vocab = model.info.vocab_size
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop every row: the pool as new, ``floor`` rows allocated afresh."""
+        self.state: State = self.model.new_state(self.floor)
+        vocab = self.model.info.vocab_size
         self.counts = torch.zeros(self.floor, vocab)
         self.seen = torch.zeros(self.floor, vocab, dtype=torch.bool)
         self.n = 0

@@ -1,14 +1,7 @@
-"""The engine in its own process, so that decoding and the HTTP event loop never compete for
-one GIL (measured: with the engine as a thread, the server used 0.9 of 2 cores at 64
-streaming clients and a batch-64 step took twice as long as alone).
-
-Parent and child talk through two ``multiprocessing`` queues:
-- parent → child: ``("submit", (request, state bytes))``, ``("cancel", (id, sent))``,
-  ``("finish_all", None)``, ``("stop", None)``;
-- child → parent: once per engine iteration, ``(outputs, metric events)`` where each output
-  is ``(request id, Output, state bytes)``.
-Session states cross as safetensors bytes (the export format), never as pickled tensors.
-The child's Prometheus updates are recorded and replayed into the parent's registry.
+"""The HTTP process's side of an engine in its own process, so that decoding and the HTTP
+event loop never compete for one GIL (measured: with the engine as a thread, the server used
+0.9 of 2 cores at 64 streaming clients and a batch-64 step took twice as long as alone).
+The process's own side, and the protocol between the two, are :mod:`.child`'s.
 """
 
 from __future__ import annotations
@@ -18,63 +11,21 @@ import dataclasses
 import json
 import logging
 import multiprocessing as mp
-import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, cast
 
-from linserve.model.heap import trim
-from linserve.model.interface import ModelInfo, ServedModel, State
+from linserve.model.interface import ModelInfo, ServedModel
 from linserve.server import metrics
-from linserve.server.engine import prelaunch
+from linserve.server.engine.child import MetricEvent, Prelaunched, channels, child_main
 from linserve.server.engine.client import EngineHealth, EngineUnavailable, RequestHandle
-from linserve.server.engine.engine import Engine, EngineLimits, Overloaded
-from linserve.server.engine.loading import (
-    LoadedEngine,
-    load_engine,
-    setup_engine_process,
-    state_budget,
-)
-from linserve.server.engine.progress import ProgressWatch
+from linserve.server.engine.engine import Overloaded
 from linserve.server.engine.types import GenerationRequest, Output
 from linserve.server.settings import Settings
 
 log = logging.getLogger("linserve.engine")
-MetricEvent = tuple[str, tuple[tuple[str, str], ...], str, float]
-
-
-class _Recorder:
-    """Stands in for a prometheus metric in the child: records calls for the parent."""
-
-    def __init__(self, name: str, sink: list[MetricEvent], lock: threading.Lock,
-                 labels: tuple[tuple[str, str], ...] = ()) -> None:
-        self.name, self.sink, self.lock, self._labels = name, sink, lock, labels
-
-    def labels(self, **kw: str) -> _Recorder:
-        return _Recorder(self.name, self.sink, self.lock, tuple(sorted(kw.items())))
-
-    def _add(self, op: str, value: float) -> None:
-        with self.lock:
-            self.sink.append((self.name, self._labels, op, float(value)))
-
-    def observe(self, value: float) -> None:
-        self._add("observe", value)
-
-    def inc(self, value: float = 1.0) -> None:
-        self._add("inc", value)
-
-    def set(self, value: float) -> None:
-        self._add("set", value)
-
-
-ENGINE_METRICS = ("RUNNING", "WAITING", "BATCH_SIZE", "STEP_TIME", "PREFILL_TIME",
-                  "QUEUE_TIME", "PROMPT_TOKENS", "PROMPT_COMPUTED", "PROMPT_REUSED",
-                  "GENERATION_TOKENS", "REQUESTS", "PREFIX_QUERIES",
-                  "PREFIX_HITS", "PREFIX_HIT_RATE", "PREFIX_BYTES", "PREFIX_ENTRIES",
-                  "PREFIX_EVICTIONS", "PREFIX_REMOTE_HITS", "MEMORY", "SPEC_DRAFT_TOKENS",
-                  "SPEC_ACCEPTED_TOKENS", "SPEC_ACCEPTED_BY_POSITION")
 
 
 def apply_metric_events(events: list[MetricEvent]) -> None:
@@ -85,112 +36,6 @@ def apply_metric_events(events: list[MetricEvent]) -> None:
             metric = metric.labels(**dict(labels))
         getattr(metric, op)(value)
 
-
-def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbeat: Any,
-               early: LoadedEngine | None = None) -> None:
-    """Entry point of the engine process. ``heartbeat`` (a shared double) gets the monotonic
-    time at every engine iteration, and during a long one as the engine thread computes
-    (:class:`ProgressWatch`), while the command pump is alive: the parent's supervisor reads
-    it to tell a stuck engine from a busy one. ``early``: what a prelaunched process loaded
-    on the command line's settings (:func:`load_early`), served if ``settings`` agree."""
-
-    setup_engine_process(settings)
-    events: list[MetricEvent] = []
-    lock = threading.Lock()
-    for name in ENGINE_METRICS:
-        setattr(metrics, name, _Recorder(name, events, lock))
-    if early is None or not early.serves(settings):
-        early = None  # freed before the load that replaces it
-        early = load_engine(settings)
-    model, draft = early.model, early.draft
-
-    def take_events() -> list[MetricEvent]:
-        with lock:
-            out = events[:]
-            events.clear()
-        return out
-
-    def deliver(batch: list[tuple[Any, Output]]) -> None:
-        wire = []
-        for rid, out in batch:
-            blob = None
-            if out.final_state is not None:
-                blob = model.state_to_bytes(out.final_state)
-                out = dataclasses.replace(out, final_state=None)
-            wire.append((rid, out, blob))
-        outbox.put((wire, take_events(), []))
-
-    def publish(tokens: list[int], state: State) -> None:  # a prefix entry for Redis
-        outbox.put(([], [], [(tokens, model.state_to_bytes(state))]))
-
-    limits = EngineLimits(settings.max_running, 10**9, settings.prefill_chunk,
-                          settings.step_token_budget, settings.prefix_cache_bytes,
-                          settings.prefix_cache_interval,  # the parent enforces the queue
-                          state_budget(settings, model.info))
-    pump_thread: threading.Thread | None = None
-
-    def beat() -> None:
-        if pump_thread is not None and pump_thread.is_alive():
-            heartbeat.value = time.monotonic()
-
-    shared = settings.session_store != "memory"
-    engine = Engine(model, limits, deliver, beat, publish if shared else None,
-                    speculative=settings.speculative, draft=draft)
-    pump_thread = threading.Thread(target=_pump, name="pump", daemon=True,
-                                   args=(inbox, outbox, model, engine))
-
-    parent = os.getppid()
-
-    def flush_metrics() -> None:  # gauges must move while idle too
-        while True:
-            time.sleep(0.1)
-            if os.getppid() != parent:  # the server died, even by SIGKILL: do not outlive it
-                log.error("the server process is gone; the engine process exits")
-                os._exit(1)
-            pending = take_events()
-            if pending:
-                outbox.put(([], pending, []))
-
-    outbox.put(model.info)  # the first message: the parent describes the model without weights
-    pump_thread.start()
-    threading.Thread(target=flush_metrics, daemon=True).start()
-    ready.set()
-    # A vocabulary read later (decoding needs only its byte table) is read now, once the
-    # server is ready: reading it holds the GIL for half a second a 250k-token one.
-    model.tokenizer().prefetch(then=trim)
-    # Long steps beat from inside the work: the engine thread's CPU clock (progress.py).
-    ProgressWatch.start(threading.current_thread(), beat, settings.engine_stall_seconds)
-    engine.run()
-
-
-def _pump(inbox: Any, outbox: Any, model: ServedModel, engine: Engine) -> None:
-    """The child's command thread. A command that fails is answered for its own request (an
-    error output) and the pump goes on; if the pump itself ever dies, the heartbeat stops
-    and the parent restarts the process."""
-    while True:
-        cmd, arg = inbox.get()
-        try:
-            if cmd == "submit":
-                req, blob = arg
-                if blob is not None:
-                    req.start_state = model.state_from_bytes(blob)[0]
-                if req.prefix_blob is not None:
-                    req.prefix_state = model.state_from_bytes(req.prefix_blob)[0]
-                    req.prefix_blob = None
-                engine.submit(req, req.request_id)
-            elif cmd == "cancel":
-                engine.cancel(*arg)
-            elif cmd == "finish_all":
-                engine.finish_all()
-            elif cmd == "stop":
-                engine.stop()
-                return
-        except Exception as exc:
-            log.exception("engine command %r failed", cmd)
-            if cmd == "submit":
-                out = Output(finish_reason="error", error=f"the engine rejected the request: "
-                             f"{exc}")
-                outbox.put(([(arg[0].request_id, out, None)], [], []))
 
 
 class ProcessEngineClient:
@@ -206,10 +51,13 @@ class ProcessEngineClient:
     up: liveness then fails, so the orchestrator replaces the whole server.
     """
 
-    def __init__(self, settings: Settings, model: ServedModel | None = None) -> None:
+    def __init__(self, settings: Settings, model: ServedModel | None = None,
+                 prelaunched: Prelaunched | None = None) -> None:
         """``model``: the weightless description (:func:`describe_model`); it may be set
         after :meth:`start_async` began (the engine loads while this process describes), but
-        before the first request."""
+        before the first request. ``prelaunched``: an engine process ``linserve serve``
+        forked first thing (:mod:`.prelaunch`), taken as the first engine instead of
+        spawning one."""
         self.loop = asyncio.get_running_loop()
         self.settings = settings
         self.model = cast(ServedModel, model)
@@ -222,6 +70,7 @@ class ProcessEngineClient:
         self._watchdog: asyncio.Task[None] | None = None
         self.proc: Any = None
         self.on_publish: Callable[[list[int], bytes], None] | None = None  # prefix entries
+        self._prelaunched = prelaunched
 
     async def start_async(self) -> None:
         await self._spawn()
@@ -232,15 +81,16 @@ class ProcessEngineClient:
         """Start a fresh engine process (new queues: a killed process may leave the old ones
         locked) and its reader thread; returns once the model is loaded and warm."""
         self.generation += 1
-        early = prelaunch.take() if self.generation == 1 else None
-        if early is not None and not early.process.is_alive():
+        early, self._prelaunched = self._prelaunched, None
+        if early is not None and (early.taken or not early.process.is_alive()):
             early = None  # it died waiting (killed from outside): spawn one as usual
         if early is not None:  # spawned by `linserve serve` first thing, imported by now
+            early.taken = True
             self.inbox, outbox, ready = early.inbox, early.outbox, early.ready
             self.heartbeat, self.proc = early.heartbeat, early.process
             early.go.put(self.settings)
         else:
-            self.inbox, outbox, ready, self.heartbeat = prelaunch.channels(self.ctx)
+            self.inbox, outbox, ready, self.heartbeat = channels(self.ctx)
             self.proc = self.ctx.Process(target=child_main, name="linserve-engine",
                                          daemon=True, args=(self.settings, self.inbox, outbox,
                                                             ready, self.heartbeat))

@@ -34,7 +34,8 @@ from linserve.server.speculative.proposers import (
 )
 
 if TYPE_CHECKING:
-    from linserve.server.engine.engine import Engine
+    from linserve.server.engine.pool import SlotPool
+    from linserve.server.engine.row_sampler import RowSampler
     from linserve.server.engine.sequence import Sequence
 
 log = logging.getLogger("linserve.engine")
@@ -65,12 +66,14 @@ def build_proposer(config: SpeculativeConfig, model: ServedModel, draft: ServedM
 
 
 class Speculator:
-    """The engine's speculative decoding (``--speculative-config``)."""
+    """The engine's speculative decoding (``--speculative-config``): verifies drafts for the
+    live rows of ``pool`` (the running sequences, in slot order) on ``model``, sampling
+    each position through ``sampler`` as a plain step does."""
 
-    def __init__(self, engine: Engine, config: SpeculativeConfig,
-                 draft: ServedModel | None = None) -> None:
-        self.engine, self.config = engine, config
-        self.proposer = build_proposer(config, engine.model, draft)
+    def __init__(self, model: ServedModel, pool: SlotPool, sampler: RowSampler,
+                 config: SpeculativeConfig, draft: ServedModel | None = None) -> None:
+        self.model, self.pool, self.sampler, self.config = model, pool, sampler, config
+        self.proposer = build_proposer(config, model, draft)
         self.costs = CostModel()
         self.budget = DraftBudget(config.num_speculative_tokens, self.costs,
                                   plain_is_verify=self.proposer.needs_hidden)
@@ -81,7 +84,7 @@ class Speculator:
     def calibrate(self, rounds: int = 3) -> None:
         """Seed the cost model: a plain step and verifies of 1..k+1 tokens, timed alone, in
         ``rounds`` interleaved rounds after one untimed (the cost model reads medians)."""
-        model = self.engine.model
+        model = self.model
         _, state = model.prefill(torch.zeros(1, 16, dtype=torch.long))
         for r in range(rounds + 1):
             t0 = time.perf_counter()
@@ -110,7 +113,7 @@ class Speculator:
     def _limit(self, seq: Sequence) -> int:
         """Drafts worth verifying: none past max_tokens or the model's context."""
         room = seq.params.max_tokens - len(seq.generated)
-        ctx = self.engine.model.info.context_limit
+        ctx = self.model.info.context_limit
         if ctx is not None:
             room = min(room, ctx - seq.total_tokens)
         return room - 1
@@ -130,11 +133,10 @@ class Speculator:
             self.costs.note_draft(drafted, time.perf_counter() - t0)
         return out
 
-    def step(self) -> bool:
-        """Run one speculative iteration over the running rows; False (nothing done) when
-        the batch is too large or no row has a draft, so that the engine steps plainly."""
-        engine = self.engine
-        seqs = engine.running
+    def step(self, seqs: list[Sequence]) -> bool:
+        """Run one speculative iteration over the running rows ``seqs`` (``seqs[i]`` in pool
+        slot i); False (nothing done) when the batch is too large or no row has a draft, so
+        that the engine steps plainly."""
         if len(seqs) > self.config.max_batch:
             return False
         drafts = self._drafts(seqs)
@@ -144,14 +146,14 @@ class Speculator:
         rows = [Row(seq, i, [seq.last_token or 0, *d]) for i, (seq, d) in
                 enumerate(zip(seqs, drafts, strict=True))]
         tokens = torch.tensor([r.feed + [0] * (width - len(r.feed)) for r in rows])
-        engine.pool.reserve_step(width)
-        view = engine.pool.view()
+        self.pool.reserve_step(width)
+        view = self.pool.view()
         t0 = time.perf_counter()
-        logits, trail = engine.model.verify(tokens, view)
+        logits, trail = self.model.verify(tokens, view)
         self.costs.note_verify(tokens.numel(), time.perf_counter() - t0)
         self.verifies += 1
         self._accept(rows, list(logits))
-        engine.model.keep(view, trail, torch.tensor([r.fed for r in rows]))
+        self.model.keep(view, trail, torch.tensor([r.fed for r in rows]))
         for b, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
             hidden = None if trail.hidden is None else trail.hidden[b, : row.fed]
             self._record(row, len(draft), hidden)
@@ -160,12 +162,12 @@ class Speculator:
     def _accept(self, rows: list[Row], logits: list[torch.Tensor]) -> None:
         """Sample position by position as plain decoding would; a row goes on while its
         sample equals its next draft and it has not finished."""
-        engine, active = self.engine, list(range(len(rows)))
+        active = list(range(len(rows)))
         pos = 0
         while active:
             seqs = [rows[r].seq for r in active]
             idx = torch.tensor([rows[r].slot for r in active])
-            engine.sample_rows(seqs, torch.stack([logits[r][pos] for r in active]), idx)
+            self.sampler.sample_slots(seqs, torch.stack([logits[r][pos] for r in active]), idx)
             still = []
             for r in active:
                 row = rows[r]

@@ -1,9 +1,6 @@
-"""Qwen3.5's dense text models: Gated DeltaNet layers interleaved with gated full attention.
+"""Qwen3.5's layers, shared by the text model (:mod:`.model`) and its MTP layers (:mod:`.mtp`).
 
-Layer types come from the checkpoint's ``layer_types`` (three ``linear_attention`` to one
-``full_attention`` in the published models). Module and parameter names follow Hugging Face's
-``Qwen3_5ForCausalLM``, so its ``model.safetensors`` loads as it is (see
-:mod:`linserve.model.architectures.hf`). Shapes: B rows, T tokens, d = hidden_size.
+Shapes: B rows, T tokens, d = hidden_size.
 
 - Gated DeltaNet: the shared layer of :mod:`linserve.model.layers.gated_delta`. State per layer: a
   :class:`RecurrentEntry` S ``[B, Hv, Dk, Dv]`` and a :class:`ConvEntry` of the last K−1
@@ -12,39 +9,29 @@ Layer types come from the checkpoint's ``layer_types`` (three ``linear_attention
   on q and k per head; rotary positions on the first ``partial_rotary_factor`` of each head;
   grouped-query attention; output × sigmoid(gate). State: a :class:`KVEntry`.
 - SwiGLU MLP, and Qwen's RMSNorm with weights stored as w − 1 (it scales by 1 + w).
+
+:func:`layer_weights` describes a layer as the whole-model native step takes it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from linserve.model import invariant, kernels
-from linserve.model.architectures import hf
+from linserve.model import invariant
 from linserve.model.architectures.family import DecoderConfig
-from linserve.model.architectures.qwen3_5_mtp import MtpHead, QwenMTP
-from linserve.model.interface import CheckpointError
 from linserve.model.invariant import Linear
 from linserve.model.layers import native_step
-from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.gated_delta import DeltaShape, GatedDeltaNet
 from linserve.model.layers.mlp import SwiGLU
-from linserve.model.layers.moe import RouterSpec, SparseMoE, split_stacked
+from linserve.model.layers.moe import RouterSpec, SparseMoE
 from linserve.model.layers.norms import RMSNorm
 from linserve.model.layers.rope import inv_freq as rope_freqs
 from linserve.model.layers.rope import rope as shared_rope
-from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
-from linserve.model.verify import Trail, verify_by_steps
-
-log = logging.getLogger("linserve")
+from linserve.model.state import KVEntry
 
 
 @dataclass(frozen=True)
@@ -254,12 +241,12 @@ class GatedAttention(nn.Module):
         return self._out(torch.cat(outs), gate, x.unsqueeze(1)).squeeze(1)
 
 
-def _norm(n: nn.Module) -> torch.Tensor:
+def norm_weight(n: nn.Module) -> torch.Tensor:
     """A Qwen RMSNorm's weight as the native step takes it: 1 + w, fp32."""
     return cast(RMSNorm, n).scale().detach().contiguous()
 
 
-def _native_mlp(layer: DecoderLayer) -> bool:
+def native_mlp(layer: DecoderLayer) -> bool:
     """Whether the native step takes the layer's MLP: dense, or experts whose router
     renormalises without an eps and does not rescale (Qwen's); reads no weight."""
     if isinstance(layer.mlp, SparseMoE):
@@ -268,10 +255,10 @@ def _native_mlp(layer: DecoderLayer) -> bool:
     return True
 
 
-def _mlp_weights(layer: DecoderLayer) -> native_step.Part | None:
+def mlp_weights(layer: DecoderLayer) -> native_step.Part | None:
     """The MLP's part of the native step's lists: a dense MLP's (gate_up, down), or the
     experts' part (:func:`native_step.describe_experts`); None: one it does not take."""
-    if not _native_mlp(layer):
+    if not native_mlp(layer):
         return None
     if isinstance(layer.mlp, SparseMoE):
         found = native_step.describe_experts(layer.mlp)
@@ -280,14 +267,14 @@ def _mlp_weights(layer: DecoderLayer) -> native_step.Part | None:
     return native_step.Part(0, [dense.gate_up(), invariant.packed(dense.down_proj)])
 
 
-def _layer_weights(layer: DecoderLayer, cfg: Qwen35Config, experts: list[torch.Tensor]
+def layer_weights(layer: DecoderLayer, cfg: Qwen35Config, experts: list[torch.Tensor]
                    ) -> tuple[list[torch.Tensor], list[int]] | None:
     """One layer's part of the native step's weight list and ints (``qwen35_step.cpp``'s
     order); its experts are appended to ``experts``. None: a layer the step does not take."""
     def f32(t: torch.Tensor) -> torch.Tensor:
         return t.detach().float().contiguous()
 
-    mlp = _mlp_weights(layer)
+    mlp = mlp_weights(layer)
     if mlp is None:
         return None
     empty = torch.empty(0)
@@ -295,21 +282,22 @@ def _layer_weights(layer: DecoderLayer, cfg: Qwen35Config, experts: list[torch.T
     if mlp.experts:
         ints[2:] = [len(experts), *mlp.ints[1:]]
         experts += mlp.experts
-    tail = [_norm(layer.post_attention_layernorm), *mlp.weights]
+    tail = [norm_weight(layer.post_attention_layernorm), *mlp.weights]
     tail += [empty] * (6 - len(tail))
     if layer.kind == "linear_attention":
         a = layer.linear_attn
-        return [_norm(layer.input_layernorm), a.in_weight(), a.conv_weight(), f32(a.A_log),
+        return [norm_weight(layer.input_layernorm), a.in_weight(), a.conv_weight(), f32(a.A_log),
                 f32(a.dt_bias), f32(a.norm.weight), invariant.packed(a.out_proj), *tail], ints
     at = layer.self_attn
-    return [_norm(layer.input_layernorm), at.qkv_weight(), _norm(at.q_norm), _norm(at.k_norm),
+    return [norm_weight(layer.input_layernorm), at.qkv_weight(), norm_weight(at.q_norm),
+            norm_weight(at.k_norm),
             invariant.packed(at.o_proj), inv_freq(cfg), empty, *tail], ints
 
 
-_EMPTY = torch.empty(0)
+EMPTY = torch.empty(0)
 
 
-def _step_tensors(entries: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def step_tensors(entries: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's state as the native step takes it: (S, conv window) or (keys, values)."""
     if "kv" in entries:
         return entries["kv"].k, entries["kv"].v
@@ -352,272 +340,3 @@ class DecoderLayer(nn.Module):
         token counts (None: all of x's T, or one token with ``one_token``)."""
         x = x + self._mix(self.input_layernorm(x), entries, lengths, one_token, new)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-@dataclass
-class FusedArgs:
-    """The native step's arguments that do not change from step to step."""
-
-    weights: list[torch.Tensor]
-    experts: list[torch.Tensor]
-    ints: list[int]
-
-
-class Qwen35ForCausalLM(DecoderLM):
-    """The whole text model on the shared decoder body (:class:`DecoderLM`: embeddings,
-    prefill whole, chunked and ragged, the head), with its own layers and state, and a step
-    that is one native call for the whole model where the kernels are built
-    (:meth:`step_eager`, layer by layer, elsewhere). Logits fp32."""
-
-    def __init__(self, cfg: Qwen35Config) -> None:
-        super().__init__(cfg, cfg.vocab_size, cfg.hidden_size,
-                         [DecoderLayer(cfg, kind, i) for i, kind in enumerate(cfg.layer_types)],
-                         qwen_norm(cfg.hidden_size, cfg.rms_norm_eps), cfg.tie_word_embeddings)
-        self._fused: tuple[Any, FusedArgs | None] | None = None
-        self.mtp = QwenMTP(cfg) if cfg.mtp_layers else None
-
-    def draft_head(self) -> MtpHead | None:
-        """The checkpoint's MTP layers as a draft head (None: it has none)."""
-        return MtpHead(self) if self.mtp is not None else None
-
-    @property
-    def fused(self) -> bool:
-        """Whether the whole-model native step serves this shape (with or without experts)."""
-        return all(_native_mlp(cast(DecoderLayer, layer)) for layer in self.model.layers)
-
-    def pack_layer(self, i: int) -> None:
-        """Build layer ``i``'s packed weights as the native step reads them."""
-        if not self.fused:
-            super().pack_layer(i)
-            return
-        _layer_weights(cast(DecoderLayer, self.model.layers[i]), self.cfg, [])
-
-    def new_state(self, batch: int = 1, max_context: int | None = None) -> State:
-        cfg = self.cfg
-        layers: list[dict[str, Any]] = []
-        for kind in cfg.layer_types:
-            if kind == "linear_attention":
-                layers.append({
-                    "recurrent": RecurrentEntry.empty(batch, cfg.linear_num_value_heads,
-                                                      cfg.linear_key_head_dim,
-                                                      cfg.linear_value_head_dim, with_z=False),
-                    "conv": ConvEntry.empty(batch, cfg.linear_conv_kernel_dim, cfg.delta.conv_dim)})
-            else:
-                layers.append({"kv": KVEntry.empty(batch, cfg.num_key_value_heads, cfg.head_dim,
-                                                   max_context or cfg.max_position_embeddings)})
-        return State(layers, torch.zeros(batch, dtype=torch.long))
-
-    @torch.inference_mode()
-    def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
-        """tokens ``[B]`` -> logits ``[B, V]``; advances every row of ``state`` in place.
-        One native call for the whole model (``linserve/model/kernels/qwen35_step.cpp``) where the
-        kernels are built, else :meth:`step_eager`."""
-        state.reserve(int(state.lengths.max()) + 1)
-        tensors = [t for entries in state.layers for t in _step_tensors(entries)]
-        args = self.fused_args() if kernels.available() else None
-        if args is not None and all(t.is_contiguous() for t in tensors):
-            logits = torch.ops.linserve.qwen35_step(
-                tokens.contiguous(), args.weights, args.experts, tensors, state.lengths,
-                args.ints, self.dims(), self.cfg.rms_norm_eps)
-            state.lengths += 1
-            return logits
-        return self.step_eager(tokens, state)
-
-    @torch.inference_mode()
-    def verify(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, Trail]:
-        """tokens ``[B, T]`` -> logits ``[B, T, V]``, the state advanced by all T and the
-        trail to land on any of them (:mod:`linserve.model.verify`): one native call
-        (``qwen35_verify``) where the step is native, else step by step."""
-        b, t = tokens.shape
-        state.reserve(int(state.lengths.max()) + t)
-        tensors = [x for entries in state.layers for x in _step_tensors(entries)]
-        args = self.fused_args() if kernels.available() else None
-        if args is None or not all(x.is_contiguous() for x in tensors):
-            return verify_by_steps(self.step, tokens, state)
-        kinds = args.ints[::5]
-        snaps = [torch.empty(t - 1, *x.shape) if kinds[i // 2] == 0 and t > 1 else _EMPTY
-                 for i, x in enumerate(tensors)]
-        hidden = torch.empty(t * b, self.cfg.hidden_size)
-        logits = torch.ops.linserve.qwen35_verify(
-            tokens.t().contiguous().flatten(), args.weights, args.experts, tensors, snaps,
-            hidden, state.lengths, args.ints, self.dims(), self.cfg.rms_norm_eps, t)
-        state.lengths += t
-        kept = [x for x in snaps if x.numel()]
-        trail = Trail([[x[i] for x in kept] for i in range(t - 1)],
-                      hidden.view(t, b, -1).transpose(0, 1))
-        return logits.view(t, b, -1).transpose(0, 1), trail
-
-    def dims(self) -> list[int]:
-        cfg = self.cfg
-        return [cfg.hidden_size, cfg.num_attention_heads,
-                cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim,
-                cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim]
-
-    def fused_weights(self) -> list[torch.Tensor]:
-        """The native step's weight list (its order: ``qwen35_step.cpp``'s header)."""
-        args = self.fused_args()
-        return [] if args is None else args.weights
-
-    def fused_args(self) -> FusedArgs | None:
-        """The native step's weights, experts and ints (None: a layer it does not take).
-        GEMM weights are the very tensors the eager forms use (:func:`invariant.gemm_weight`),
-        so nothing is stored twice; rebuilt when the mode flips or the weights are replaced."""
-        key = self.weights_key()
-        if self._fused is None or self._fused[0] != key:
-            self._fused = (key, self._pack_fused())
-        return self._fused[1]
-
-    def _pack_fused(self) -> FusedArgs | None:
-        emb = self.model.embed_tokens
-        head = invariant.gemm_weight(emb, emb.weight) if self.lm_head is None \
-            else invariant.packed(self.lm_head)
-        out = FusedArgs([invariant.embedding_table(emb), head, _norm(self.model.norm)], [], [])
-        for layer in self.model.layers:
-            found = _layer_weights(cast(DecoderLayer, layer), self.cfg, out.experts)
-            if found is None:
-                return None
-            out.weights += found[0]
-            out.ints += found[1]
-        return out
-
-    def drop_weights(self) -> None:
-        """Free every weight (states can still be built; the model cannot run)."""
-        self._fused = None
-        invariant.strip(self)
-
-
-def state_bytes_per_token(cfg: Qwen35Config) -> int:
-    """KV bytes one more token of context adds to a session (fp32 keys and values)."""
-    kv_layers = sum(t == "full_attention" for t in cfg.layer_types)
-    return 2 * kv_layers * cfg.num_key_value_heads * cfg.head_dim * 4
-
-
-# ---- loading a Hugging Face checkpoint ------------------------------------------------------
-
-MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-
-
-def _rename(name: str) -> str | None:
-    """A checkpoint tensor's name in :class:`Qwen35ForCausalLM` (None: not the text model)."""
-    if name.startswith("model.language_model."):  # Qwen3_5ForConditionalGeneration
-        return "model." + name.removeprefix("model.language_model.")
-    if name.startswith("model.visual."):
-        return None
-    return name
-
-
-def _stacked(cfg: Qwen35Config) -> hf.Split:
-    del cfg
-    return split_stacked
-
-
-@dataclass(frozen=True)
-class Variant:
-    """A checkpoint format this module serves: Qwen3.5 and Qwen3.5-MoE here, Qwen3-Next in
-    :mod:`linserve.model.architectures.qwen3_next`. ``split_for``: how its config's tensors that
-    fill several parameters are split (the stacked experts; Qwen3-Next's interleaved GDN
-    projections)."""
-
-    name: str
-    model_types: tuple[str, ...]
-    split_for: Callable[[Qwen35Config], hf.Split] = _stacked
-    moe_name: str = ""  # the name of its checkpoints with experts, where it differs
-
-    def recognise(self, path: Path) -> bool:
-        """A checkpoint of this variant: its config's model_type."""
-        try:
-            return hf.config_json(path).get("model_type") in self.model_types
-        except CheckpointError:
-            return False
-
-    def config(self, path: Path) -> Qwen35Config:
-        """The config; MTP layers only where the checkpoint has their tensors (a checkpoint
-        saved by transformers keeps ``mtp_num_hidden_layers`` but drops ``mtp.*``)."""
-        cfg: Qwen35Config = hf.parse_config(path, Qwen35Config.from_hf)
-        if cfg.mtp_layers and not hf.is_gguf(path) and \
-                not any(n.startswith("mtp.") for n in hf.tensor_files(path)):
-            cfg = dataclasses.replace(cfg, mtp_layers=0)
-        return cfg
-
-    def max_state_bytes(self, path: Path) -> int:
-        """The largest one-session state: the constant GDN part plus a full-context KV
-        cache."""
-        cfg = self.config(path)
-        gdn = sum(t == "linear_attention" for t in cfg.layer_types) * 4 * (
-            cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-            + (cfg.linear_conv_kernel_dim - 1) * cfg.delta.conv_dim)
-        return gdn + state_bytes_per_token(cfg) * cfg.max_position_embeddings + 8
-
-    def params(self, path: Path) -> int:
-        """Parameters of the text model ``path``'s config builds."""
-        with torch.device("meta"):
-            return Qwen35ForCausalLM(self.config(path)).n_params()
-
-    @hf.checked_once
-    def check(self, path: Path, dtype: torch.dtype) -> None:
-        """Everything that can be checked before reading weights: the config, every
-        tensor's presence and shape (from the safetensors headers), and the tokenizer.
-        Raises :class:`CheckpointError`."""
-        del dtype  # the weights' memory is checked by model.loader.check, for every family
-        cfg = self.config(path)
-        with torch.device("meta"):
-            module = Qwen35ForCausalLM(cfg)
-        hf.plan(module, path, _rename, self.split_for(cfg))
-        hf.load_tokenizer(path, hf.config_json(path), cfg.vocab_size)
-
-    def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
-             ) -> hf.HFServedModel:
-        """Build the text model from ``path``'s config and load its weights (the text part
-        only of a vision-language checkpoint), tokenizer and chat template (``weights``:
-        see :func:`linserve.model.loader.load`)."""
-        del fused  # the whole-model native step serves every dense shape
-        self.check(path, dtype)
-        cfg = self.config(path)
-        tok = hf.load_tokenizer(path, hf.config_json(path), cfg.vocab_size)
-        with torch.device("meta"):
-            module = hf.cast(Qwen35ForCausalLM(cfg), dtype).eval()  # never all of it in fp32
-        if weights:
-            self._load_weights(hf.materialise(module), path, dtype)
-        return hf.HFServedModel(module, tok, hf.chat_template(path), partial(hf.fingerprint, path),
-                                self.describe(cfg), cfg.max_position_embeddings,
-                                state_bytes_per_token(cfg),
-                                decode_step=None if module.fused else "eager (layer by layer)")
-
-    def describe(self, cfg: Qwen35Config) -> str:
-        attn = sum(t == "full_attention" for t in cfg.layer_types)
-        name = self.moe_name if cfg.experts is not None and self.moe_name else self.name
-        arch = f"{name} (Gated DeltaNet + gated attention, {attn} of "
-        arch += f"{len(cfg.layer_types)} layers full attention"
-        if cfg.experts is not None:
-            r = cfg.experts.router
-            arch += f"; {r.experts} experts, top {r.top_k} + a shared expert"
-        if cfg.mtp_layers:
-            arch += f"; {cfg.mtp_layers} MTP layer{'s' if cfg.mtp_layers > 1 else ''}"
-        return arch + ")"
-
-    def _load_weights(self, module: Qwen35ForCausalLM, path: Path, dtype: torch.dtype
-                      ) -> None:
-        """Fill, pack and release the module's weights from ``path``, layer by layer."""
-        with invariant.packing_once(module):  # each original freed as soon as it is packed
-            unused = hf.load_weights(module, path, _rename, dtype, module,
-                                     self.split_for(module.cfg))
-            head = module.draft_head()
-            if head is not None:  # its weights packed here, as the layers' are
-                head.logits(head.extend(head.new_state(), torch.zeros(2, module.cfg.hidden_size),
-                                        [0, 0]))
-            if module.fused:
-                module.fused_weights()
-            else:
-                module.pack_weights()
-        vision = sum(n.startswith("model.visual.") for n in unused)
-        if vision:
-            log.info("%s: a vision-language checkpoint; loaded its text model only (%d "
-                     "vision tensors skipped)", path, vision)
-        other = [n for n in unused if not n.startswith(("model.visual.", "lm_head."))]
-        if other:
-            log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other),
-                        other[0])
-
-
-QWEN3_5 = Variant("qwen3_5", MODEL_TYPES, moe_name="qwen3_5_moe")
