@@ -32,7 +32,7 @@ from bench.common import (
     write_json,
 )
 from bench.serverproc import ServerProcess
-from linserve.model.architectures.linserve import load_model
+from linserve.model.architectures.own_model import load_model
 from linserve.server.engine.loading import pick_dtype
 
 

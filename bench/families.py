@@ -395,7 +395,7 @@ def active_bytes(path: Path, kind: str) -> dict[str, float]:
     from linserve.model.architectures.hf import HFServedModel
     from linserve.model.layers.moe import SparseMoE
 
-    described = loader.family(path).load(path, torch.bfloat16, True, False)  # no weights
+    described = loader.family_loader(path).load(path, torch.bfloat16, True, False)  # no weights
     assert isinstance(described, HFServedModel)
     module = described.module
     moes = [m for m in module.modules() if isinstance(m, SparseMoE)]  # none in dense models

@@ -20,7 +20,7 @@ import torch
 
 from bench.common import machine, time_ms, write_json
 from bench.serverproc import ServerProcess
-from linserve.model.architectures.linserve import load_model
+from linserve.model.architectures.own_model import load_model
 
 
 def raw(weights: Path, prompt: list[int], threads: int) -> dict[str, float]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from bench.common import machine, print_table, time_ms, write_json
-from linserve.model.architectures.linserve import LanguageModel, load_model
+from linserve.model.architectures.own_model import LanguageModel, load_model
 from linserve.model.state import State
 
 

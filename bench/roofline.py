@@ -24,7 +24,7 @@ import torch
 
 from bench.common import machine, print_table, save_figure, style_axes, time_ms, write_json
 from bench.step import build, state_at, step_fns
-from linserve.model.config import ModelConfig
+from linserve.model.own_config import ModelConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from bench.common import machine, print_table, save_figure, style_axes, time_interleaved, write_json
-from linserve.model.architectures.linserve import LanguageModel
-from linserve.model.config import ModelConfig
+from linserve.model.architectures.own_model import LanguageModel
 from linserve.model.layers.own_step import FusedStep
+from linserve.model.own_config import ModelConfig
 from linserve.model.state import KVEntry, State
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

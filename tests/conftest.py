@@ -74,8 +74,8 @@ def auto_dtype(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 
 
 def _tiny_checkpoint(path: Path, kind: str) -> Path:
-    from linserve.model.architectures.linserve import LanguageModel
-    from linserve.model.config import ModelConfig
+    from linserve.model.architectures.own_model import LanguageModel
+    from linserve.model.own_config import ModelConfig
     from tests.model.helpers import VARIANTS
 
     torch.manual_seed(0)

@@ -1,16 +1,14 @@
 """A checkpoint's fingerprint: what exported states and shared prefixes are marked with, so
 that a state is never restored into a model other than the one that made it.
 
-It used to be blake2b over every byte of the weight files: a second of CPU for each 500 MB
-at every start, spent in the HTTP process while the engine loaded on the other core (the
-0.8B shapes' Q4_K_M file: 1.4-1.8 s of its 5 s; a 5 GB file would take ten). It is now
-blake2b over each file's size, its first MiB (a safetensors header and tensor table, a
+It is blake2b over each file's size, its first MiB (a safetensors header and tensor table, a
 GGUF file's header and the start of its metadata) and :data:`WINDOWS` windows of
 :data:`WINDOW` bytes spread evenly over the rest: 17 MB read whatever the file's size.
 Checkpoints that differ in their config, their tensors' names, types or shapes, or in their
 weights as fine-tuning or another quantization changes them (every tensor) differ in it. A
 file edited in a few bytes between two windows would not, and a state made before the edit
-would then be restored into it; nothing else depends on the fingerprint.
+would then be restored into it; nothing else depends on the fingerprint. (Hashing every
+byte would cost a second of CPU for each 500 MB at every start.)
 """
 
 from __future__ import annotations

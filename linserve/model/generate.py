@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from linserve.model.architectures.linserve import LanguageModel, load_model
+from linserve.model.architectures.own_model import LanguageModel, load_model
 from linserve.model.sampling import BatchParams, SamplingParams, make_generator, sample
 from linserve.model.tokenizer import Tokenizer
 

@@ -3,14 +3,14 @@
 Packing a checkpoint frees each layer's weights as read (and the fp32 copies made while
 quantizing) right after packing it. glibc keeps such frees in its heap for reuse, so without
 a trim the resident size climbs by the freed bytes of every layer until the load ends (int4
-on the Qwen3.5-0.8B shapes: about 43 MB a layer, BENCHMARKS.md §26). A burst of requests
+on the Qwen3.5-0.8B shapes: about 43 MB a layer). A burst of requests
 leaves its scratch behind the same way. Elsewhere than glibc (musl, macOS) these are no-ops.
 
 While serving, the opposite: a step's scratch should come back from the heap warm. glibc
 maps each block above its mmap threshold (at most 32 MB) afresh and unmaps it on free, so
 every page of it faults and is zeroed again at its next use: a 512-token prefill of
 LFM2-1.2B took ~250,000 page faults (1 GB), and a 512 x 16384 int4 product 20% longer
-than from the heap (BENCHMARKS.md §47). :func:`keep_scratch` turns that off for the engine
+than from the heap. :func:`keep_scratch` turns that off for the engine
 once the weights are in; the engine trims when a burst of requests ends.
 """
 

@@ -1,48 +1,20 @@
-"""Loading a checkpoint folder as a :class:`linserve.model.interface.ServedModel`.
+"""Loading a checkpoint folder or GGUF file as a :class:`linserve.model.interface.ServedModel`.
 
-Each architecture family registers how to recognise its checkpoints and load them; the
-server calls :func:`load` and :func:`max_state_bytes` and never imports a family itself.
-Known: the project's own checkpoints (:mod:`linserve.model.architectures.linserve`), Qwen3.5 and
-Qwen3.5-MoE (:mod:`linserve.model.architectures.qwen3_5`), Qwen3-Next, and the Hugging Face families
-of :data:`HF_FAMILIES` (LFM2, LFM2-MoE, Granite-4.0-H, Nemotron-H, Falcon-H1, Mamba and
-Falcon-Mamba, Mamba2, Bamba, Jamba, Zamba2, RecurrentGemma, LFM3,
-OLMo-Hybrid, MiniMax, Kimi-Linear, the Ling hybrids).
+The families and what recognises their checkpoints are :mod:`linserve.model.architectures.
+registry`'s; the server calls :func:`load`, :func:`check` and :func:`max_state_bytes` and
+never imports a family itself.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from linserve.model import invariant, kernels
-from linserve.model.architectures import (
-    bailing_hybrid,
-    bamba,
-    falcon_h1,
-    granite_hybrid,
-    hf,
-    jamba,
-    kimi_linear,
-    lfm2,
-    lfm2_moe,
-    lfm3,
-    mamba,
-    mamba2,
-    minimax,
-    nemotron_h,
-    olmo_hybrid,
-    qwen3_5,
-    qwen3_next,
-    recurrent_gemma,
-    zamba2,
-)
-from linserve.model.architectures.family import HFFamily
-from linserve.model.architectures.linserve import OwnModel, is_own_checkpoint
-from linserve.model.architectures.linserve import max_state_bytes as own_max_state_bytes
+from linserve.model.architectures import hf, registry
+from linserve.model.architectures.registry import CheckpointLoader, Family
 from linserve.model.gguf.files import is_gguf
 from linserve.model.interface import CheckpointError, ServedModel
 from linserve.model.kernels import cpu_flags
@@ -51,34 +23,6 @@ log = logging.getLogger("linserve")
 # CPU flags (as /proc/cpuinfo names them) of native bf16 dot products: AVX512-BF16's
 # vdpbf16ps and AMX's tile products. Without them oneDNN emulates bf16 through fp32.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@dataclass(frozen=True)
-class Family:
-    """How to recognise, size and load one architecture family's checkpoints."""
-
-    name: str
-    recognise: Callable[[Path], bool]
-    load: Callable[[Path, torch.dtype, bool, bool], ServedModel]
-    max_state_bytes: Callable[[Path], int]
-    check: Callable[[Path, torch.dtype], None]
-    params: Callable[[Path], int]
-
-
-FAMILIES = [
-    Family("linserve", is_own_checkpoint, OwnModel.load, own_max_state_bytes,
-           lambda path, dtype: None, lambda path: hf.checkpoint_params(path)),
-    *(Family(v.name, v.recognise, v.load, v.max_state_bytes, v.check, v.params)
-      for v in (qwen3_5.QWEN3_5, qwen3_next.VARIANT)),
-]
-HF_FAMILIES: list[HFFamily] = [lfm2.FAMILY, lfm2_moe.FAMILY, granite_hybrid.FAMILY,
-                               nemotron_h.FAMILY, falcon_h1.FAMILY, mamba.FAMILY,
-                               mamba2.FAMILY, bamba.FAMILY, jamba.FAMILY,
-                               zamba2.FAMILY, recurrent_gemma.FAMILY, lfm3.FAMILY,
-                               olmo_hybrid.FAMILY, minimax.FAMILY, kimi_linear.FAMILY,
-                               bailing_hybrid.FAMILY]
-FAMILIES += [Family(f.name, f.recognise, f.load, f.max_state_bytes, f.check, f.params)
-             for f in HF_FAMILIES]
 # Bytes a parameter takes as served under each quantization (int8: one fp32 scale per output
 # column, counted as nothing; int4: 4 bits and an fp16 scale per 32); None: the dtype's size.
 QUANTIZED_BYTES = {"int8": 1.0, "int4": 0.5625}
@@ -88,19 +32,18 @@ def family(path: Path) -> Family:
     """The family whose checkpoints look like ``path``."""
     if not is_gguf(path) and not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
-    for fam in FAMILIES:
-        if fam.recognise(path):
-            return fam
     config = hf.config_json(path)
-    raise CheckpointError(f"{path}: unknown architecture (model_type "
-                          f"{config.get('model_type')!r}; this server loads its own "
-                          f"checkpoints and {', '.join(known_model_types())})")
+    found = registry.recognise(config)
+    if found is None:
+        raise CheckpointError(f"{path}: unknown architecture (model_type "
+                              f"{config.get('model_type')!r}; this server loads its own "
+                              f"checkpoints and {', '.join(registry.known_model_types())})")
+    return found
 
 
-def known_model_types() -> list[str]:
-    """Every Hugging Face ``model_type`` some family serves."""
-    return [*qwen3_5.MODEL_TYPES, *qwen3_next.VARIANT.model_types,
-            *(t for f in HF_FAMILIES for t in f.model_types)]
+def family_loader(path: Path) -> CheckpointLoader:
+    """What checks and loads the checkpoint at ``path`` (its family's ``FAMILY``)."""
+    return family(path).loader()
 
 
 def resolve(path_or_id: str | Path) -> Path:
@@ -142,7 +85,7 @@ def load(path: Path, dtype: str = "auto", fused: bool = True,
         log.info("%s: %s", path.name, hf.gguf(path).load_plan(pick_dtype(dtype)[0],
                                                               invariant.native_blocks()))
     try:
-        return fam.load(path, getattr(torch, pick_dtype(dtype)[0]), fused, weights)
+        return fam.loader().load(path, getattr(torch, pick_dtype(dtype)[0]), fused, weights)
     except OSError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
 
@@ -155,7 +98,7 @@ def check(path: Path, dtype: str = "auto", quantization: str = "none", budget: i
     (``--max-memory``; 0: none), then the family's own checks (config, tensors, tokenizer).
     """
     check_memory(path, dtype, quantization, budget)
-    family(path).check(path, getattr(torch, pick_dtype(dtype)[0]))
+    family_loader(path).check(path, getattr(torch, pick_dtype(dtype)[0]))
 
 
 def check_memory(path: Path, dtype: str = "auto", quantization: str = "none",
@@ -163,9 +106,8 @@ def check_memory(path: Path, dtype: str = "auto", quantization: str = "none",
     """:func:`check`'s first part alone: that the weights, as served, fit the memory
     available and the ``budget`` (0: none). What an early load checks before it loads
     (the load checks the rest itself, quietly)."""
-    fam = family(path)
     dt = getattr(torch, pick_dtype(dtype)[0])
-    need = weight_bytes(fam.params(path), dt, quantization)
+    need = weight_bytes(family_loader(path).params(path), dt, quantization)
     served = quantization if quantization != "none" else str(dt).removeprefix("torch.")
     if is_gguf(path):
         ck = hf.gguf(path)
@@ -194,7 +136,7 @@ def weight_bytes(params: int, dtype: torch.dtype, quantization: str = "none") ->
 def max_state_bytes(path: Path) -> int:
     """The largest one-session state the checkpoint at ``path`` can have, without loading
     its weights (the bound on an imported blob)."""
-    return family(path).max_state_bytes(path)
+    return family_loader(path).max_state_bytes(path)
 
 
 def available_memory() -> int:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from linserve.model.architectures.linserve import LanguageModel, OwnModel
-from linserve.model.config import ModelConfig
+from linserve.model.architectures.own_model import LanguageModel, OwnModel
 from linserve.model.kernels import cpu_flags
+from linserve.model.own_config import ModelConfig
 from linserve.model.tokenizer import Tokenizer
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "weights" / "tokenizer.json"

@@ -48,7 +48,7 @@ def test_softmax_streams_score_every_position_its_context_holds() -> None:
 def test_a_softmax_model_scored_as_a_window_sees_only_the_band(tmp_path) -> None:
     """``load_model(window=W)``: the same weights under a band mask, with no context limit;
     within the first W positions it is the full model, past them it differs."""
-    from linserve.model.architectures.linserve import load_model
+    from linserve.model.architectures.own_model import load_model
 
     model = tiny_model("softmax", max_context=64)
     model.save(tmp_path)

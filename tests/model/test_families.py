@@ -199,3 +199,14 @@ def test_native_step_equals_the_eager_step(checkpoint: Path) -> None:
             v = y.tensors()[name]
             if u.numel():  # (MLA's values are zero-wide: its latent is keys and values)
                 assert (u - v).abs().max().item() <= 1e-4 * max(1.0, v.abs().max().item())
+
+
+def test_every_registered_family_is_tested_here() -> None:
+    """Each family of the registry (its own checkpoints and Qwen's aside, tested in
+    ``test_shipped_weights`` and ``test_qwen3_5``) has shapes in ``family_fixtures``."""
+    from linserve.model.architectures import registry
+    from tests.model.family_fixtures import SHAPES
+
+    untested = [f.name for f in registry.FAMILIES
+                if f.model_types and not set(f.model_types) & set(SHAPES)]
+    assert untested == []

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from linserve.model.architectures.linserve import load_model
+from linserve.model.architectures.own_model import load_model
 from linserve.model.layers.ops.features import draw_orthogonal_features, favor_raw_features
 from tests.model.helpers import tiny_model
 from tests.reliability.helpers import FULL

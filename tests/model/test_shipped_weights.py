@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from linserve.model.architectures.linserve import load_model
-from linserve.model.config import ModelConfig
+from linserve.model.architectures.own_model import load_model
+from linserve.model.own_config import ModelConfig
 from linserve.model.sampling import SamplingParams
 from linserve.model.tokenizer import Tokenizer
 from linserve.model.training.evaluate import slice_perplexity

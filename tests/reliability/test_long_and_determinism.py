@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.serverproc import ServerProcess
-from linserve.model.architectures.linserve import load_model
+from linserve.model.architectures.own_model import load_model
 from linserve.model.state_blob import state_from_bytes
 from tests.model.helpers import forced_avx2_runs_new_paths
 from tests.reliability.helpers import FULL, stream

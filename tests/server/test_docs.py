@@ -12,7 +12,7 @@ from linserve.server import settings_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md")),
-         ROOT / "deploy" / "README.md"]
+         *sorted((ROOT / "docs" / "bench-log").glob("*.md")), ROOT / "deploy" / "README.md"]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -44,3 +44,13 @@ def test_relative_links_resolve(page: Path) -> None:
         if missing or (anchor and dest.suffix == ".md" and anchor not in _anchors(dest)):
             bad.append(target)
     assert not bad, f"{page.name}: links that do not resolve: {bad}"
+
+
+def test_benchmarks_holds_todays_results_and_the_log_its_history() -> None:
+    """BENCHMARKS.md stays short (today's results and an index); every § it indexes is a
+    heading of one ``docs/bench-log/`` page."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(text.splitlines()) <= 400
+    log = "\n".join(p.read_text() for p in (ROOT / "docs" / "bench-log").glob("*.md"))
+    for n in re.findall(r"^\| §(\d+) \|", text, flags=re.M):
+        assert f"\n## §{n}. " in log, n

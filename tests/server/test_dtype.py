@@ -14,7 +14,7 @@ import torch
 
 from bench.serverproc import ServerProcess
 from linserve.model import kernels
-from linserve.model.architectures.linserve import load_model
+from linserve.model.architectures.own_model import load_model
 from linserve.model.kernels import cpu_flags
 from linserve.model.training.data import DATA_DIR, prepare
 from linserve.model.training.evaluate import training_context, windowed_nll

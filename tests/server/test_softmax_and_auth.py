@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from bench.serverproc import ServerProcess
-from linserve.model.config import ModelConfig
+from linserve.model.own_config import ModelConfig
 
 pytestmark = pytest.mark.integration
 

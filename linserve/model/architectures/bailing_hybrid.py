@@ -109,6 +109,6 @@ def describe(cfg: BailingHybridConfig) -> str:
             f"{cfg.router.experts} experts, top {cfg.router.top_k})")
 
 
-FAMILY = HFFamily("bailing_hybrid", ("bailing_hybrid",), BailingHybridConfig.from_hf,
+FAMILY = HFFamily(BailingHybridConfig.from_hf,
                   kimi_linear.build,
                   lambda n: n, describe, rename_for=renames)

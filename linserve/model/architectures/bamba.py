@@ -89,4 +89,4 @@ def describe(cfg: BambaConfig) -> str:
             f"SwiGLU in each)")
 
 
-FAMILY = HFFamily("bamba", ("bamba",), BambaConfig.from_hf, build, renamer(RENAMES), describe)
+FAMILY = HFFamily(BambaConfig.from_hf, build, renamer(RENAMES), describe)

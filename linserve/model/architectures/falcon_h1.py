@@ -127,4 +127,4 @@ def describe(cfg: FalconH1Config) -> str:
     return f"falcon_h1 (Mamba2 and GQA attention in parallel, {cfg.num_hidden_layers} layers)"
 
 
-FAMILY = HFFamily("falcon_h1", ("falcon_h1",), FalconH1Config.from_hf, build, rename, describe)
+FAMILY = HFFamily(FalconH1Config.from_hf, build, rename, describe)

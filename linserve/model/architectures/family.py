@@ -20,7 +20,6 @@ import torch
 
 from linserve.model import invariant, kernels
 from linserve.model.architectures import hf
-from linserve.model.interface import CheckpointError
 from linserve.model.layers.decoder import DecoderLM
 from linserve.model.state import KVEntry
 
@@ -54,15 +53,14 @@ class DecoderConfig:
 
 @dataclass(frozen=True)
 class HFFamily:
-    """``config``: the parsed config from ``config.json``'s dict (raises KeyError,
-    TypeError or ValueError naming what is wrong). ``build``: the module for a config.
-    ``rename``: a checkpoint tensor's name in that module (None: not ours), or
-    ``rename_for``: that mapping for a config (where it depends on one, as Granite's shared
-    MLP does on whether there are experts). ``describe``: one line for ``/v1/models`` and
-    the startup log."""
+    """How a Hugging Face family's checkpoints load: its module's ``FAMILY`` (the registry,
+    :mod:`.registry`, names the family and its ``model_type`` values). ``config``: the
+    parsed config from ``config.json``'s dict (raises KeyError, TypeError or ValueError
+    naming what is wrong). ``build``: the module for a config. ``rename``: a checkpoint
+    tensor's name in that module (None: not ours), or ``rename_for``: that mapping for a
+    config (where it depends on one, as Granite's shared MLP does on whether there are
+    experts). ``describe``: one line for ``/v1/models`` and the startup log."""
 
-    name: str
-    model_types: tuple[str, ...]
     config: Callable[[dict[str, Any]], Any]
     build: Callable[[Any], DecoderLM]
     rename: Callable[[str], str | None]
@@ -71,13 +69,6 @@ class HFFamily:
 
     def renames(self, cfg: Any) -> Callable[[str], str | None]:
         return self.rename if self.rename_for is None else self.rename_for(cfg)
-
-    def recognise(self, path: Path) -> bool:
-        try:
-            config = hf.config_json(path)
-        except CheckpointError:
-            return False
-        return config.get("model_type") in self.model_types
 
     def read_config(self, path: Path) -> Any:
         return hf.parse_config(path, self.config)

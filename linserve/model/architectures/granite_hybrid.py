@@ -136,5 +136,5 @@ def describe(cfg: GraniteHybridConfig) -> str:
             f"{len(cfg.layer_types)} layers attention)")
 
 
-FAMILY = HFFamily("granite_hybrid", ("granitemoehybrid",), GraniteHybridConfig.from_hf, build,
+FAMILY = HFFamily(GraniteHybridConfig.from_hf, build,
                   rename, describe, rename_for)

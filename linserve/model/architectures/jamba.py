@@ -90,4 +90,4 @@ def describe(cfg: JambaConfig) -> str:
     return f"jamba (Mamba-1 {len(cfg.layer_types) - attn}, attention {attn} layers{moe})"
 
 
-FAMILY = HFFamily("jamba", ("jamba",), JambaConfig.from_hf, build, renamer(RENAMES), describe)
+FAMILY = HFFamily(JambaConfig.from_hf, build, renamer(RENAMES), describe)

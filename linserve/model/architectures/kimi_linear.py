@@ -129,5 +129,5 @@ def describe(cfg: KimiLinearConfig) -> str:
             f"{cfg.router.experts} experts, top {cfg.router.top_k})")
 
 
-FAMILY = HFFamily("kimi_linear", ("kimi_linear",), KimiLinearConfig.from_hf, build,
+FAMILY = HFFamily(KimiLinearConfig.from_hf, build,
                   renamer(RENAMES), describe)

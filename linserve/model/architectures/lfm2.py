@@ -137,4 +137,4 @@ def describe(cfg: Lfm2Config) -> str:
             "layers attention)")
 
 
-FAMILY = HFFamily("lfm2", ("lfm2",), Lfm2Config.from_hf, build, rename, describe)
+FAMILY = HFFamily(Lfm2Config.from_hf, build, rename, describe)

@@ -64,5 +64,5 @@ def describe(cfg: Lfm2MoeConfig) -> str:
             f"{r.experts} experts, top {r.top_k}, {cfg.dense_layers} dense layers)")
 
 
-FAMILY = HFFamily("lfm2_moe", ("lfm2_moe",), Lfm2MoeConfig.from_hf, build, lfm2.rename,
+FAMILY = HFFamily(Lfm2MoeConfig.from_hf, build, lfm2.rename,
                   describe)

@@ -96,4 +96,4 @@ def describe(cfg: Lfm3Config) -> str:
             f"attention {counts['full_attention']} layers)")
 
 
-FAMILY = HFFamily("lfm3", ("lfm3",), Lfm3Config.from_hf, build, renamer(RENAMES), describe)
+FAMILY = HFFamily(Lfm3Config.from_hf, build, renamer(RENAMES), describe)

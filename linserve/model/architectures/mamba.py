@@ -66,5 +66,5 @@ def describe(cfg: MambaConfig) -> str:
             f"layers, inner {m.inner}, d_state {m.d_state}, dt rank {m.dt_rank})")
 
 
-FAMILY = HFFamily("mamba", ("mamba", "falcon_mamba"), MambaConfig.from_hf, build,
+FAMILY = HFFamily(MambaConfig.from_hf, build,
                   renamer(RENAMES), describe)

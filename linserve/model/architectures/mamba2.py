@@ -62,5 +62,5 @@ def describe(cfg: Mamba2Config) -> str:
             f"d_state {m.d_state}, {m.groups} groups)")
 
 
-FAMILY = HFFamily("mamba2", ("mamba2",), Mamba2Config.from_hf, build, renamer(RENAMES),
+FAMILY = HFFamily(Mamba2Config.from_hf, build, renamer(RENAMES),
                   describe)

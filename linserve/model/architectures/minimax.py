@@ -134,5 +134,5 @@ def describe(cfg: MiniMaxConfig) -> str:
             f"{full} layers; {cfg.router.experts} experts, top {cfg.router.top_k})")
 
 
-FAMILY = HFFamily("minimax", ("minimax",), MiniMaxConfig.from_hf, build, renamer(RENAMES),
+FAMILY = HFFamily(MiniMaxConfig.from_hf, build, renamer(RENAMES),
                   describe)

@@ -146,5 +146,5 @@ def describe(cfg: NemotronHConfig) -> str:
             f"{counts['full_attention']}, MLP {counts['mlp']} blocks{moe})")
 
 
-FAMILY = HFFamily("nemotron_h", ("nemotron_h",), NemotronHConfig.from_hf, build, rename,
+FAMILY = HFFamily(NemotronHConfig.from_hf, build, rename,
                   describe)

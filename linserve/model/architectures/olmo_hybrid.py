@@ -124,5 +124,5 @@ def describe(cfg: OlmoHybridConfig) -> str:
             "layers)")
 
 
-FAMILY = HFFamily("olmo_hybrid", ("olmo_hybrid",), OlmoHybridConfig.from_hf, build,
+FAMILY = HFFamily(OlmoHybridConfig.from_hf, build,
                   lambda n: n, describe, rename_for=renames)

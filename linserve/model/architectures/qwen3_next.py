@@ -55,4 +55,4 @@ def split_for(cfg: Qwen35Config) -> hf.Split:
     return split
 
 
-VARIANT = Variant("qwen3_next", ("qwen3_next",), split_for)
+FAMILY = Variant("qwen3_next", split_for)

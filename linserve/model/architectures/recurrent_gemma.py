@@ -100,5 +100,5 @@ def describe(cfg: RecurrentGemmaConfig) -> str:
             f"layers, window {cfg.attention.window})")
 
 
-FAMILY = HFFamily("recurrent_gemma", ("recurrent_gemma",), RecurrentGemmaConfig.from_hf, build,
+FAMILY = HFFamily(RecurrentGemmaConfig.from_hf, build,
                   renamer(RENAMES), describe)

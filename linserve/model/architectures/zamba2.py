@@ -138,5 +138,5 @@ def describe(cfg: Zamba2Config) -> str:
             f"{cfg.mem_blocks} shared attention blocks)")
 
 
-FAMILY = HFFamily("zamba2", ("zamba2",), Zamba2Config.from_hf, build, lambda n: n, describe,
+FAMILY = HFFamily(Zamba2Config.from_hf, build, lambda n: n, describe,
                   rename_for=renames)

@@ -40,7 +40,7 @@ constexpr int64_t kKeyBlock = 64;
 constexpr int64_t kAhead = 2;
 // Keys a score pass takes at once, and 16-column vectors a value pass keeps per head: with
 // kGroupHeads heads, two keys' 8 sums (or 4 x kCols values) fill AVX-512's 32 registers,
-// and AVX2's 16 (each v16 two) spilled on every product: 6 GFLOP/s on a Zen 3 (§65). Either
+// and AVX2's 16 (each v16 two) spilled on every product: 6 GFLOP/s on a Zen 3. Either
 // way an element's own arithmetic is the same (J and NV only share loads).
 // On AVX2 (without AVX-512) both passes are written on ymm registers below.
 #if defined(__AVX512F__)

@@ -160,7 +160,7 @@ inline void readout(const float* __restrict__ s, const float* k, float* __restri
 // the cache a row at a time while this one is computed (or null).
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // AVX2: the same pass on ymm registers by hand. As 16-lane vectors GCC moved each through
-// the stack a 16-byte half at a time (a quarter of a 512-token prefill in this loop, §65).
+// the stack a 16-byte half at a time (a quarter of a 512-token prefill in this loop).
 // r = k_i d + decay s and the sums are fused multiply-adds in a fixed form.
 template <int64_t NV, bool NEXT>
 inline void delta_cols(float* s, const float* q, const float* k, const float* delta,

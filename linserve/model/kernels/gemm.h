@@ -96,7 +96,7 @@ struct Weights {
 // Steps ahead that a tile of several rows prefetches its weights on AVX2 (one line a step:
 // a panel's row of fp32 is 64 bytes there). A tile reads one panel, a single stream, and
 // with 2-6 rows of FMAs a line it kept too few reads in flight: 4 rows of fp32 weights read
-// from memory took 1.42-1.46 times one row, 1.25-1.38 with this (BENCHMARKS.md §68); the
+// from memory took 1.42-1.46 times one row, 1.25-1.38 with this; the
 // one-row GEMV reads two panels at once instead (gemv_two_panels). Not measured on AVX-512,
 // whose tiles read four lines a step, so not done there.
 #if defined(__AVX512F__)

@@ -5,7 +5,7 @@
 // llama-quantize's Q4_K_M writes Qwen3.5's attn_qkv in Q6_K and attn_gate, ssm_alpha and
 // ssm_beta in Q4_K in the first, the last and every third layer. No stored format holds both
 // exactly (q6 has no t, q4k no per-half scale), so such a projection was served dequantized
-// (BENCHMARKS.md §64). A mixed weight keeps each part in its blocks instead: its columns are
+//. A mixed weight keeps each part in its blocks instead: its columns are
 // the parts' columns in order, each part multiplied by its own product (quant_mm), which is
 // exactly what that part's product alone gives, so it is batch-invariant as they are.
 //

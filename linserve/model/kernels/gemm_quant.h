@@ -79,8 +79,8 @@ constexpr int64_t kRowsQuant = 6;  // rows of a many-row tile (a span's group)
 // A product of at most this many rows (a decode step's) is one group on VNNI builds, its
 // tiles tile_vnni_wide: each weight is read from memory once for all its rows, at an even
 // pace. As groups of kRowsQuant, the first group of a column chunk read it from DRAM at
-// twice the rate two threads can have (~35 against ~30 GB/s on the Zen 4 of BENCHMARKS.md
-// §47) while the other groups read none: a 16-row LFM2-1.2B int4 step 78-113 -> 74-81 ms.
+// twice the rate two threads can have (~35 against ~30 GB/s on a Zen 4)
+// while the other groups read none: a 16-row LFM2-1.2B int4 step 78-113 -> 74-81 ms.
 constexpr int64_t kWideRows = 16;
 
 // Bytes of one block's record of `rows` rows (pack_group).
@@ -241,7 +241,7 @@ inline float k_min(const QCol& col, int64_t b) {
 
 // kLanes one-byte multipliers from m as floats (exact). On AVX2 two instructions and a
 // convert: the element loop compiled to a load, a convert and an insert a lane, per block and
-// column vector of every tile (§65).
+// column vector of every tile.
 template <int F>
 inline vfloat multipliers_v(const uint8_t* m) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -584,8 +584,8 @@ inline void block_dot_avx2(const QuantActs&, int64_t, const QCol*, int64_t, vi32
 // 2 kTilePrefetch / NV: the same bytes ahead, as a whole panel's tile reads twice a half
 // panel's a block). Without
 // it a 16-row step's tiles read int4 weights from DRAM at 5 GB/s a thread, bound by the
-// latency of their loads (16 rows of 2048 x 16384 on two threads: 178 -> 443 GMAC/s,
-// BENCHMARKS.md §43). Where they point never changes the arithmetic, and a prefetch past the
+// latency of their loads (16 rows of 2048 x 16384 on two threads: 178 -> 443 GMAC/s).
+// Where they point never changes the arithmetic, and a prefetch past the
 // weight's end never faults.
 constexpr int64_t kQuantPrefetch = 4;
 constexpr int64_t kTilePrefetch = 16;
@@ -745,9 +745,9 @@ inline void scalar_quant_columns(const QuantActs& a, const Span& s, const QuantW
 // (they share a panel), and a pass keeps only its own rows' dots live. The arithmetic of
 // tile_q, element by element (the same integers, the same float steps in the same order),
 // so the bits are the same. One Zen 3 core, rows 6 / 16 / 512 of a 2,048 x 4,096 weight,
-// GMAC/s (BENCHMARKS.md §71): Q6_K 37 / 37 / 44 -> 49 / 51 / 60, Q8_0 44 / 44 / 45 -> 47 /
+// GMAC/s: Q6_K 37 / 37 / 44 -> 49 / 51 / 60, Q8_0 44 / 44 / 45 -> 47 /
 // 48 / 50; one row (a GEMV) too: Q6_K 19 -> 21. The nibbles (Q4_K, Q4_1, Q4_0 and int4)
-// too since §73, their stored rows' products in inline asm (nib_pairs_avx2): rows 1 / 4 /
+// too, their stored rows' products in inline asm (nib_pairs_avx2): rows 1 / 4 /
 // 16 / 512, Q4_0 40 / 56 / 64 / 66 -> 49 / 83 / 88 / 89, Q4_K 32 / 49 / 58 / 61 -> 38 / 67 /
 // 74 / 75, every output bit as before.
 // base[OFF] in every lane, by one vpbroadcastd from base + 4 OFF (broadcast_at's reason).
@@ -769,7 +769,7 @@ template <int F> constexpr int64_t kPassVecs = kNarrowBytes<F> ? 1 : 2;
 // xq[OFF]) + vpmaddubsw(hi[j], xq[OFF + 1]) in int16 (each lane's inputs broadcast from the
 // record). Inline asm, so that each sum keeps its own register from stored row to stored row
 // and its adds stay in this order: with intrinsics GCC spilled the sums of a pass or
-// reassociated their adds in every variant tried (BENCHMARKS.md §66, §71), and the nibbles
+// reassociated their adds in every variant tried, and the nibbles
 // stayed on tile_q. A block's 4 stored rows sum to at most 8 x 2 x 15 x 127 < 2^15.
 template <int64_t OFF>
 inline void nib_pairs_avx2(const int32_t* xq, const __m256i (&lo)[2], const __m256i (&hi)[2],
@@ -1315,7 +1315,7 @@ inline void quant_rows(const QuantActs& a, const float* x, const QuantWeights& w
   // Threads take a column chunk's row groups in turn (for_spans), so each thread's first
   // group of a chunk reads its weights from memory and later ones find them in L2: only
   // the first `threads` groups prefetch. From L2, or L3, the prefetch cost a many-row tile
-  // more than it saved (bench/vnni_tile.cpp: ~75 against ~70 cycles a block, §44).
+  // more than it saved (bench/vnni_tile.cpp: ~75 against ~70 cycles a block).
   const int64_t cold_rows = a.group * at::get_num_threads();
   for_spans(x, y, rows, k_len, w.n, accumulate, a.group, [&](int64_t r, const Span& s) {
     span_quant_rows<F>(a, s, w, r, s.r0 < cold_rows);
@@ -1329,8 +1329,8 @@ inline void quant_rows(const QuantActs& a, const float* x, const QuantWeights& w
 // kept for that chunk's next groups) and runs q6's tiles on the bytes, the same integers, so
 // the same bits. (For 16 rows, three groups, widening each chunk measured slower than
 // widening in the tiles, and widening each 16-column panel into a buffer before its tile
-// slower still: BENCHMARKS.md §70.) VNNI builds store Q6_K as q6 (kQ6Stored): their many-row
-// tiles measured slower on six bits (BENCHMARKS.md §61); a q6s weight there always takes
+// slower still.) VNNI builds store Q6_K as q6 (kQ6Stored): their many-row
+// tiles measured slower on six bits; a q6s weight there always takes
 // the chunk path.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int kQ6Stored = kQ6;

@@ -335,7 +335,7 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) {
 // arithmetic on their own q, k and v). q [B, T, H, D]
 // contiguous, k, v [B, Hkv, >= start + T, D] with rows of D contiguous (a cache's slice) ->
 // o [B, T, H, D], fp32. In place of scores as a matrix and five elementwise passes over it,
-// which took a fifth of a 2,048-token LFM2-1.2B prefill (BENCHMARKS.md §48). Threads take
+// which took a fifth of a 2,048-token LFM2-1.2B prefill. Threads take
 // (row, group) tasks from a counter: later rows have more keys.
 at::Tensor attend_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          int64_t start) {

@@ -8,7 +8,7 @@ family is one module that assembles these, as vLLM's ``model_executor/models/`` 
 - :mod:`.attention`: grouped-query attention over a KV cache, optional q/k norms.
 - :mod:`.short_conv`: LFM2's double-gated short convolution.
 - :mod:`.own`: the project's own checkpoints' blocks (linear, softmax, window, FAVOR+
-  attention; :mod:`linserve.model.architectures.linserve`).
+  attention; :mod:`linserve.model.architectures.own_model`).
 - :mod:`.decoder`: the causal LM around a stack of layers: embeddings, prefill (whole,
   chunked, ragged), step, head.
 

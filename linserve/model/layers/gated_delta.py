@@ -169,7 +169,7 @@ class GatedDeltaNet(nn.Module):
         """The delta rule over the prompt in its recurrent form, natively
         (``gdn_scan``): each head's state stays in cache over all T tokens, where the chunked
         form's small matrix products, triangular solves and transposes cost 3× more on a
-        CPU (``BENCHMARKS.md`` §22); the convolution, SiLU and q/k norms in the same native
+        CPU; the convolution, SiLU and q/k norms in the same native
         call. ``full [B, K-1+T, C]`` the conv windows and new projections; ``gates`` z, b, a
         (in x's dtype); replaces ``rec.s``."""
         sh = self.shape

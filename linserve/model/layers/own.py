@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from linserve.model import kernels
-from linserve.model.config import ModelConfig
 from linserve.model.invariant import Linear
 from linserve.model.layers.ops.features import draw_orthogonal_features, elu_feature, favor_features
 from linserve.model.layers.ops.gated import (
@@ -32,6 +31,7 @@ from linserve.model.layers.ops.softmax import (
     softmax_step,
     window_parallel,
 )
+from linserve.model.own_config import ModelConfig
 from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
 
 

@@ -3,7 +3,7 @@
 :class:`FusedStep` packs a model's weights once into the flat list the kernel takes and calls
 it: ``linserve/model/kernels/linear_step.cpp`` for elu+1 linear attention (gated or not), and
 ``linserve/model/kernels/softmax_step.cpp`` for the softmax baselines (full or sliding-window KV
-cache). It computes what the eager :meth:`linserve.model.architectures.linserve.LanguageModel.step`
+cache). It computes what the eager :meth:`linserve.model.architectures.own_model.LanguageModel.step`
 computes, with activations in fp32 between the GEMMs; the eager step stays the reference (and the
 fallback for ``favor`` and machines without a C++ compiler). Tests hold the two within 1e-5
 in fp32.
@@ -16,15 +16,15 @@ from typing import Protocol, cast
 import torch
 
 from linserve.model import invariant, kernels
-from linserve.model.config import EAGER_ONLY_FIELDS, ModelConfig
 from linserve.model.layers.own import Block
+from linserve.model.own_config import EAGER_ONLY_FIELDS, ModelConfig
 from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
 
 
 class Fusable(Protocol):
     """What the fused step packs: a model's config, embedding, final norm and blocks
-    (:class:`linserve.model.architectures.linserve.LanguageModel` is one; naming it here would close
-    an import circle, since the model builds its fused step)."""
+    (:class:`linserve.model.architectures.own_model.LanguageModel` is one; naming it here
+    would close an import circle, since the model builds its fused step)."""
 
     cfg: ModelConfig
     embed: torch.nn.Embedding

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from linserve.model.architectures.linserve import load_model
+from linserve.model.architectures.own_model import load_model
 from linserve.model.generate import generate
 from linserve.model.sampling import SamplingParams
 from linserve.model.tokenizer import Tokenizer

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from linserve.model import invariant
-from linserve.model.architectures.linserve import LanguageModel, load_model
+from linserve.model.architectures.own_model import LanguageModel, load_model
 from linserve.model.tokenizer import Tokenizer
 from linserve.model.training.data import DATA_DIR, load_tokens
 
@@ -145,7 +145,7 @@ def evaluate(weights: Path, data_dir: Path = DATA_DIR, train_ctx: int = 256,
              stream_len: int = 16384, n_streams: int = 8,
              dtype: torch.dtype = torch.float32, window: int | None = None) -> dict[str, Any]:
     """Every figure of the module docstring for one model; ``window`` scores a softmax model
-    as a sliding-window one (see :func:`linserve.model.architectures.linserve.load_model`)."""
+    as a sliding-window one (see :func:`linserve.model.architectures.own_model.load_model`)."""
     model = load_model(weights, dtype, window=window)
     tok = Tokenizer.from_file(weights / model.cfg.tokenizer)
     result: dict[str, Any] = {"weights": str(weights), "attention": model.cfg.kind,

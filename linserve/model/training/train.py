@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from linserve.model.architectures.linserve import LanguageModel
-from linserve.model.config import ModelConfig
+from linserve.model.architectures.own_model import LanguageModel
+from linserve.model.own_config import ModelConfig
 from linserve.model.training.data import DATA_DIR, load_tokens
 
 

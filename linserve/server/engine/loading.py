@@ -38,9 +38,9 @@ TRIM_ABOVE = 256 << 20
 
 # Weights from which the engine takes every CPU by default (``--threads 0``): the step's
 # arithmetic then dwarfs what the HTTP process does per token. The 0.8B shapes' Q4_K_M file
-# decoded at 73 ms a token on one of two cores and 43 ms on both, over HTTP (§65); a model of
+# decoded at 73 ms a token on one of two cores and 43 ms on both, over HTTP; a model of
 # a few MB, whose thousands of tokens a second keep the HTTP process busy, ran faster with a
-# core left to it (§15).
+# core left to it.
 ALL_CPUS_ABOVE = 64 << 20
 
 

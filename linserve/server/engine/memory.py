@@ -22,7 +22,6 @@ from collections.abc import Iterable
 import torch
 
 from linserve.model.interface import ModelInfo, State
-from linserve.model.state import KVEntry
 
 ENGINE_PARTS = ("weights", "embeddings", "slot_states", "kv_cache", "request_states",
                 "prefix_cache")
@@ -56,8 +55,7 @@ def engine_parts(info: ModelInfo, pool_state: State, pool_extra: list[torch.Tens
     """The engine's parts in bytes (see the module docstring). ``pool_extra``: the pool's
     per-row bookkeeping tensors."""
     counter = StorageCounter()
-    kv = [t for e in pool_state.entries() if isinstance(e, KVEntry)
-          for t in e.tensors().values()]
+    kv = [t for e in pool_state.kv_entries for t in e.tensors().values()]
     kv_bytes = counter.count(kv)
     pool = counter.states([pool_state]) + counter.count(pool_extra)
     requests = counter.states(request_states)

@@ -8,7 +8,7 @@ a_i = P(draft i kept | the drafts before it kept) (decaying counts, starting fro
 request's rates), and picks the draft length k that maximises the expected tokens per
 second, E = 1 + a_1 + a_1 a_2 + ... + a_1 ⋯ a_k per verify, or 0 (a plain step) where no k
 beats plain decoding. Per position, because a draft's chance falls with its distance: an MTP
-layer fed its own output kept its first draft 92% of the time and its third 31% (§63), so
+layer fed its own output kept its first draft 92% of the time and its third 31%, so
 one rate for all positions over-drafts. Every ``PROBE_EVERY`` verifies a request drafts one
 more than its best length (one draft at k = 0), so that a text that turns repetitive, or a
 position refused by chance at first, is noticed.
@@ -33,7 +33,7 @@ class CostModel:
     total tokens, and a draft token. Each size keeps its last :data:`WINDOW` timings and is
     read as their median, so that one slow call (a page fault, a neighbour's burst, the first
     call of a shape) does not stick to a size seldom run again: with one exponential average
-    a size timed once at 8x its cost was never chosen again, so never timed again (§65).
+    a size timed once at 8x its cost was never chosen again, so never timed again.
     A verify size never timed is read off the line through the nearest timed sizes."""
 
     def __init__(self) -> None:
@@ -105,7 +105,7 @@ class PositionRates:
         Without a prior, position i's is position i − 1's rate (1/2 for the first): a
         position seldom tried is expected to keep drafts as the one before it does, so that
         it gets tried (from a prior of 1/2, a length that never reached the second position
-        never learnt that it paid: 32 second drafts in 99 verifies, §64)."""
+        never learnt that it paid: 32 second drafts in 99 verifies)."""
         out: list[float] = []
         for i, (k, t) in enumerate(zip(self.kept, self.tried, strict=True)):
             p = prior[i] if prior is not None else (out[-1] if out else 0.5)
@@ -151,7 +151,7 @@ class DraftBudget:
         the position past the best is tried now and then. Without it a position whose
         first one or two drafts were refused stayed below its worth for good: an MTP
         layer's second draft, kept 77% of the time, was tried 21 times in 116 verifies
-        (§65)."""
+       ."""
         k_max = min(self.k_max, limit)
         if k_max <= 0:
             return 0

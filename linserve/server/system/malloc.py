@@ -8,7 +8,7 @@ freed temporaries leave holes that the next blobs only partly reuse: 10,000 impo
 held 274 KB of data each but grew RSS by 315 KB each. Pinning the threshold (which also
 stops its adjustment) sends every allocation above it to its own mapping, returned to the
 system the moment it is freed: RSS then grows by 284 KB a session. Measured with
-``python -m bench.sessions`` (BENCHMARKS.md §5).
+``python -m bench.sessions``.
 """
 
 from __future__ import annotations

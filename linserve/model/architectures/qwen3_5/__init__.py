@@ -9,8 +9,7 @@ from linserve.model.architectures.qwen3_5.layers import (
     QwenExperts,
 )
 from linserve.model.architectures.qwen3_5.model import (
-    MODEL_TYPES,
-    QWEN3_5,
+    FAMILY,
     MtpHead,
     Qwen35ForCausalLM,
     Variant,
@@ -18,6 +17,6 @@ from linserve.model.architectures.qwen3_5.model import (
 )
 from linserve.model.architectures.qwen3_5.mtp import QwenMTP
 
-__all__ = ["MODEL_TYPES", "QWEN3_5", "DecoderLayer", "GatedAttention", "MtpHead",
+__all__ = ["FAMILY", "DecoderLayer", "GatedAttention", "MtpHead",
            "Qwen35Config", "Qwen35ForCausalLM", "QwenExperts", "QwenMTP", "Variant",
            "state_bytes_per_token"]

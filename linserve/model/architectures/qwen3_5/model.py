@@ -33,7 +33,6 @@ from linserve.model.architectures.qwen3_5.layers import (
     step_tensors,
 )
 from linserve.model.architectures.qwen3_5.mtp import NativeArgs, QwenMTP, native_args
-from linserve.model.interface import CheckpointError
 from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.moe import split_stacked
 from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
@@ -184,9 +183,6 @@ def state_bytes_per_token(cfg: Qwen35Config) -> int:
 
 # ---- loading a Hugging Face checkpoint ------------------------------------------------------
 
-MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-
-
 def _rename(name: str) -> str | None:
     """A checkpoint tensor's name in :class:`Qwen35ForCausalLM` (None: not the text model)."""
     if name.startswith("model.language_model."):  # Qwen3_5ForConditionalGeneration
@@ -209,16 +205,8 @@ class Variant:
     projections)."""
 
     name: str
-    model_types: tuple[str, ...]
     split_for: Callable[[Qwen35Config], hf.Split] = _stacked
     moe_name: str = ""  # the name of its checkpoints with experts, where it differs
-
-    def recognise(self, path: Path) -> bool:
-        """A checkpoint of this variant: its config's model_type."""
-        try:
-            return hf.config_json(path).get("model_type") in self.model_types
-        except CheckpointError:
-            return False
 
     def config(self, path: Path) -> Qwen35Config:
         """The config; MTP layers only where the checkpoint has their tensors (a checkpoint
@@ -309,7 +297,7 @@ class Variant:
                         other[0])
 
 
-QWEN3_5 = Variant("qwen3_5", MODEL_TYPES, moe_name="qwen3_5_moe")
+FAMILY = Variant("qwen3_5", moe_name="qwen3_5_moe")
 
 
 class MtpHead:

@@ -24,11 +24,11 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from linserve.model import invariant, kernels
-from linserve.model.config import ModelConfig
 from linserve.model.interface import ModelInfo
 from linserve.model.layers import own_step
 from linserve.model.layers.own import Block
 from linserve.model.layers.own_step import FusedStep
+from linserve.model.own_config import ModelConfig
 from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
 from linserve.model.state_blob import state_from_bytes, state_to_bytes
 from linserve.model.tokenizer import Tokenizer
@@ -329,3 +329,29 @@ class OwnModel:
 
     def state_from_bytes(self, data: bytes) -> tuple[State, dict[str, Any]]:
         return state_from_bytes(data, self.model.new_state(1), self.fingerprint())
+
+
+class OwnFamily:
+    """The project's own checkpoints as a family (``registry.OWN``): loaded whole, weights
+    included whatever ``weights`` says (a few MB), and checked by loading."""
+
+    def check(self, path: Path, dtype: torch.dtype) -> None:
+        """Nothing to check before the load: the load itself says what is wrong."""
+        del path, dtype
+
+    def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
+             ) -> OwnModel:
+        del weights
+        return OwnModel.load(path, dtype, fused)
+
+    def max_state_bytes(self, path: Path) -> int:
+        return max_state_bytes(path)
+
+    def params(self, path: Path) -> int:
+        """Parameters stored in the checkpoint (from its safetensors header)."""
+        from linserve.model.architectures.hf import checkpoint_params
+
+        return checkpoint_params(path)
+
+
+FAMILY = OwnFamily()
