@@ -17,6 +17,7 @@ from typing import Any
 from linserve.model.architectures import kimi_linear
 from linserve.model.architectures.family import DecoderConfig, HFFamily, require_activation
 from linserve.model.architectures.kimi_linear import FULL, LINEAR, KimiLinearConfig
+from linserve.model.layers.hf_keys import rope_theta
 from linserve.model.layers.kimi_delta import KdaShape
 from linserve.model.layers.mla import MlaShape
 from linserve.model.layers.moe import RouterSpec
@@ -50,7 +51,7 @@ class BailingHybridConfig(KimiLinearConfig):
         mla = MlaShape(d, int(c["num_attention_heads"]), 0, int(c.get("kv_lora_rank", 512)),
                        int(c.get("qk_nope_head_dim", 128)), int(c.get("qk_rope_head_dim", 64)),
                        int(c.get("v_head_dim") or 128), bool(c.get("attention_bias", False)),
-                       rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 6e6))),
+                       rope_theta=rope_theta(c, 6e6),
                        head_gate=True)
         experts = int(c.get("num_experts") or c.get("n_routed_experts") or 256)
         router = RouterSpec(experts, int(c.get("num_experts_per_token",

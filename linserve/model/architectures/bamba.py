@@ -11,7 +11,6 @@ from typing import Any
 from linserve.model.architectures.family import (
     DecoderConfig,
     HFFamily,
-    json_float,
     renamer,
     require_activation,
 )
@@ -36,28 +35,10 @@ class BambaConfig(DecoderConfig):
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> BambaConfig:
         require_activation(c)
-        d, n = int(c["hidden_size"]), int(c["num_hidden_layers"])
-        heads = int(c["num_attention_heads"])
-        head_dim = int(c.get("head_dim") or d // heads)
-        rope = c.get("rope_parameters") or {}
+        n = int(c["num_hidden_layers"])
         eps = float(c.get("rms_norm_eps", 1e-5))
-        m_heads, inner = int(c["mamba_n_heads"]), int(c.get("mamba_expand", 2)) * d
-        m_head_dim = c.get("mamba_d_head", "auto")
-        m_head_dim = inner // m_heads if m_head_dim in (None, "auto") else int(m_head_dim)
-        if m_heads * m_head_dim != inner:
-            raise ValueError("mamba_n_heads × mamba_d_head is not mamba_expand × hidden_size")
-        limit = c.get("time_step_limit") or (0.0, float("inf"))
-        attn = AttentionShape(
-            d, heads, int(c.get("num_key_value_heads") or heads), head_dim,
-            rotary_dim=int(head_dim * float(rope.get("partial_rotary_factor", 1.0))),
-            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10_000.0))),
-            bias=bool(c.get("attention_bias", False)),
-            out_bias=bool(c.get("attention_bias", False)))
-        mamba = Mamba2Shape(d, m_heads, m_head_dim, int(c["mamba_d_state"]),
-                            int(c.get("mamba_n_groups", 1)), int(c.get("mamba_d_conv", 4)), eps,
-                            bool(c.get("mamba_conv_bias", True)),
-                            bool(c.get("mamba_proj_bias", False)),
-                            (json_float(limit[0]), json_float(limit[1])))
+        attn = AttentionShape.from_hf(c)
+        mamba = Mamba2Shape.from_hf(c, eps)
         return cls(**DecoderConfig.shared(c, 262_144, False),
                    intermediate_size=int(c["intermediate_size"]),
                    attention_layers=frozenset(int(i) for i in c.get("attn_layer_indices") or []),

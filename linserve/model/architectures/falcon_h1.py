@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from linserve.model.architectures.family import DecoderConfig, HFFamily, json_float, renamer
+from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.mamba2 import Mamba2, Mamba2Shape
@@ -38,15 +38,7 @@ class FalconH1Config(DecoderConfig):
         d = int(c["hidden_size"])
         heads = int(c["num_attention_heads"])
         head_dim = int(c.get("head_dim") or d // heads)
-        rope = c.get("rope_parameters") or {}
         eps = float(c.get("rms_norm_eps", 1e-5))
-        inner = c.get("mamba_d_ssm") or int(c.get("mamba_expand", 2)) * d
-        m_heads = int(c["mamba_n_heads"])
-        m_dim = c.get("mamba_d_head", "auto")
-        m_dim = int(inner) // m_heads if m_dim in (None, "auto") else int(m_dim)
-        if m_heads * m_dim != int(inner):
-            raise ValueError("mamba_n_heads × mamba_d_head is not the Mamba2 width")
-        limit = c.get("time_step_limit") or (0.0, float("inf"))
         ssm = [float(m) for m in c.get("ssm_multipliers") or [1.0] * 5]
         mult: dict[str, Any] = {k: float(c.get(k, 1.0)) for k in (
             "embedding_multiplier", "lm_head_multiplier", "attention_in_multiplier",
@@ -56,19 +48,11 @@ class FalconH1Config(DecoderConfig):
             **DecoderConfig.shared(c, 8192, False),
             num_hidden_layers=int(c["num_hidden_layers"]),
             intermediate_size=int(c["intermediate_size"]),
-            attention=AttentionShape(
-                d, heads, int(c.get("num_key_value_heads") or heads), head_dim,
-                rotary_dim=head_dim,
-                rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 1e11))),
-                key_multiplier=float(c.get("key_multiplier", 1.0)),
-                bias=bool(c.get("attention_bias", False)),
-                out_bias=bool(c.get("attention_bias", False))),
-            mamba=Mamba2Shape(
-                d, m_heads, m_dim, int(c["mamba_d_state"]), int(c.get("mamba_n_groups", 1)),
-                int(c.get("mamba_d_conv", 4)), eps, bool(c.get("mamba_conv_bias", True)),
-                bool(c.get("mamba_proj_bias", False)),
-                (json_float(limit[0]), json_float(limit[1])),
-                norm_before_gate=bool(c.get("mamba_norm_before_gate", True)),
+            attention=AttentionShape.from_hf(
+                c, theta=1e11, rotary_dim=head_dim,
+                key_multiplier=float(c.get("key_multiplier", 1.0))),
+            mamba=Mamba2Shape.from_hf(
+                c, eps, norm_before_gate=bool(c.get("mamba_norm_before_gate", True)),
                 gated_norm=bool(c.get("mamba_rms_norm", False)),
                 in_multiplier=float(c.get("ssm_in_multiplier", 1.0)),
                 proj_multipliers=(ssm[0], ssm[1], ssm[2], ssm[3], ssm[4])),

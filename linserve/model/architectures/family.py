@@ -21,8 +21,11 @@ import torch
 from linserve.model import invariant, kernels
 from linserve.model.architectures import hf
 from linserve.model.layers.decoder import DecoderLM
+from linserve.model.layers.hf_keys import json_float
 from linserve.model.state import KVEntry
 
+__all__ = ["DecoderConfig", "HFFamily", "json_float", "layer_types", "renamer",
+           "require_activation", "state_sizes"]
 log = logging.getLogger("linserve")
 
 
@@ -140,14 +143,6 @@ def layer_types(c: dict[str, Any], kinds: tuple[str, ...]) -> tuple[str, ...]:
     if len(types) != n or set(types) - set(kinds):
         raise ValueError(f"layer_types {list(types)!r} is not {n} of {' / '.join(kinds)}")
     return types
-
-
-def json_float(value: Any) -> float:
-    """A float from config.json, where transformers writes infinity as
-    ``{"__float__": "Infinity"}``."""
-    if isinstance(value, dict) and "__float__" in value:
-        return float(value["__float__"])
-    return float(value)
 
 
 def renamer(rules: list[tuple[str, str]]) -> Callable[[str], str]:

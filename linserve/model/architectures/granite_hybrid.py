@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from linserve.model.architectures.family import DecoderConfig, HFFamily, json_float, renamer
+from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.block import Block
 from linserve.model.layers.decoder import DecoderLM
@@ -50,31 +50,15 @@ class GraniteHybridConfig(DecoderConfig):
             raise ValueError(f"layer_types {types!r} is not {n} of mamba / attention")
         heads = int(c["num_attention_heads"])
         head_dim = int(c.get("head_dim") or d // heads)
-        rope = c.get("rope_parameters") or {}
         eps = float(c.get("rms_norm_eps", 1e-6))
-        m_heads = int(c["mamba_n_heads"])
-        inner = int(c.get("mamba_expand", 2)) * d
-        m_head_dim = c.get("mamba_d_head", "auto")
-        m_head_dim = inner // m_heads if m_head_dim in (None, "auto") else int(m_head_dim)
-        if m_heads * m_head_dim != inner:
-            raise ValueError("mamba_n_heads × mamba_d_head is not mamba_expand × hidden_size")
-        limit = c.get("time_step_limit") or (0.0, float("inf"))
         return cls(
             **DecoderConfig.shared(c, 131_072, False),
             shared_intermediate_size=int(c["shared_intermediate_size"]),
             layer_types=tuple("mamba" if t in MAMBA else "attention" for t in types),
-            attention=AttentionShape(
-                d, heads, int(c.get("num_key_value_heads") or heads), head_dim,
-                rotary_dim=head_dim if c.get("position_embedding_type") == "rope" else 0,
-                rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10_000.0))),
-                scale=float(c.get("attention_multiplier", head_dim ** -0.5)),
-                bias=bool(c.get("attention_bias", False)),
-                out_bias=bool(c.get("attention_bias", False))),
-            mamba=Mamba2Shape(d, m_heads, m_head_dim, int(c["mamba_d_state"]),
-                              int(c.get("mamba_n_groups", 1)), int(c.get("mamba_d_conv", 4)),
-                              eps, bool(c.get("mamba_conv_bias", True)),
-                              bool(c.get("mamba_proj_bias", False)),
-                              (json_float(limit[0]), json_float(limit[1]))),
+            attention=AttentionShape.from_hf(
+                c, rotary_dim=head_dim if c.get("position_embedding_type") == "rope" else 0,
+                scale=float(c.get("attention_multiplier", head_dim ** -0.5))),
+            mamba=Mamba2Shape.from_hf(c, eps),
             rms_norm_eps=eps,
             embedding_multiplier=float(c.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(c.get("residual_multiplier", 1.0)),

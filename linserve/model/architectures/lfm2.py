@@ -20,6 +20,7 @@ from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.block import Block
 from linserve.model.layers.decoder import DecoderLM
+from linserve.model.layers.hf_keys import rope_theta
 from linserve.model.layers.mlp import SwiGLU
 from linserve.model.layers.norms import RMSNorm
 from linserve.model.layers.short_conv import ShortConv
@@ -46,7 +47,6 @@ class Lfm2Config(DecoderConfig):
             types = ["full_attention" if i in full else "conv" for i in range(n)]
         if len(types) != n or set(types) - {"conv", "full_attention"}:
             raise ValueError(f"layer_types {types!r} is not {n} of conv / full_attention")
-        rope = c.get("rope_parameters") or {}
         heads = int(c["num_attention_heads"])
         if int(c["hidden_size"]) % heads:
             raise ValueError("hidden_size is not a multiple of num_attention_heads")
@@ -55,7 +55,7 @@ class Lfm2Config(DecoderConfig):
             layer_types=tuple(types), num_attention_heads=heads,
             num_key_value_heads=int(c["num_key_value_heads"]),
             norm_eps=float(c.get("norm_eps", 1e-5)),
-            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 1_000_000.0))),
+            rope_theta=rope_theta(c, 1_000_000.0),
             conv_width=int(c.get("conv_L_cache", 3)), conv_bias=bool(c.get("conv_bias", False)),
         ).tied(bool(c.get("tie_embedding", c.get("tie_word_embeddings", True))))
 

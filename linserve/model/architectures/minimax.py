@@ -54,9 +54,8 @@ class MiniMaxConfig(DecoderConfig):
             raise ValueError(f"rope_type {rope['rope_type']!r} is not served")
         if c.get("sliding_window"):
             raise ValueError("sliding_window is not served for MiniMax")
-        attn = AttentionShape(d, heads, int(c.get("num_key_value_heads") or heads), head_dim,
-                              rotary_dim=head_dim,
-                              rope_theta=float(rope.get("rope_theta", 1_000_000.0)))
+        attn = AttentionShape.from_hf(c, theta=1_000_000.0, rotary_dim=head_dim, bias=False,
+                                      out_bias=False)
         factors = {kind: (float(c.get(f"{name}_alpha_factor", 1)),
                           float(c.get(f"{name}_beta_factor", 1)))
                    for kind, name in ((LINEAR, "linear_attn"), (FULL, "full_attn"),

@@ -79,16 +79,11 @@ class NemotronHConfig(DecoderConfig):
         if c.get("mlp_hidden_act", "relu2") != "relu2":
             raise NotImplementedError(f"nemotron_h with mlp_hidden_act "
                                       f"{c['mlp_hidden_act']!r} is not served (relu2 is)")
-        heads = int(c["num_attention_heads"])
-        head_dim = int(c.get("head_dim") or d // heads)
         eps = float(c.get("layer_norm_epsilon", 1e-5))
         m_heads, m_dim = int(c["mamba_num_heads"]), int(c["mamba_head_dim"])
         return cls(
             **DecoderConfig.shared(c, 4096, False), layer_types=tuple(types),
-            attention=AttentionShape(d, heads, int(c.get("num_key_value_heads") or heads),
-                                     head_dim, rotary_dim=0,
-                                     bias=bool(c.get("attention_bias", False)),
-                                     out_bias=bool(c.get("attention_bias", False))),
+            attention=AttentionShape.from_hf(c, rotary_dim=0),
             mamba=Mamba2Shape(
                 d, m_heads, m_dim, int(c["ssm_state_size"]),
                 int(c.get("n_groups", c.get("mamba_n_groups", 8))),

@@ -18,6 +18,7 @@ from linserve.model.architectures.mamba import MAX_POSITIONS
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.block import Block
 from linserve.model.layers.decoder import DecoderLM
+from linserve.model.layers.hf_keys import rope_theta
 from linserve.model.layers.mlp import ACTIVATIONS, SwiGLU
 from linserve.model.layers.norms import RMSNorm
 from linserve.model.layers.rg_lru import RecurrentBlock, RecurrentShape
@@ -58,7 +59,7 @@ class RecurrentGemmaConfig(DecoderConfig):
         attn = AttentionShape(
             d, heads, int(c.get("num_key_value_heads") or heads), head_dim,
             rotary_dim=int(head_dim * float(rope.get("partial_rotary_factor", 0.5))),
-            rope_theta=float(rope.get("rope_theta", 10_000.0)),
+            rope_theta=rope_theta(c, 10_000.0),
             bias=bool(c.get("attention_bias", False)), out_bias=True,
             window=int(c.get("attention_window_size", 2048)))
         cap = c.get("logits_soft_cap")

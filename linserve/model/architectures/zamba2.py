@@ -13,6 +13,7 @@ from typing import Any
 from linserve.model.architectures.family import DecoderConfig, HFFamily, require_activation
 from linserve.model.layers.attention import AttentionShape
 from linserve.model.layers.decoder import DecoderLM
+from linserve.model.layers.hf_keys import rope_theta
 from linserve.model.layers.mamba2 import Mamba2Shape
 from linserve.model.layers.mlp import ACTIVATIONS
 from linserve.model.layers.norms import RMSNorm
@@ -67,7 +68,7 @@ class Zamba2Config(DecoderConfig):
             raise ValueError("n_mamba_heads divides neither the inner width nor into groups")
         attn = AttentionShape(2 * d, heads, kv_heads, head_dim,
                               rotary_dim=head_dim if c.get("use_mem_rope") else 0,
-                              rope_theta=float(rope.get("rope_theta", 10_000.0)),
+                              rope_theta=rope_theta(c, 10_000.0),
                               scale=(head_dim / 2) ** -0.5, out_dim=d)
         mamba = Mamba2Shape(d, m_heads, inner // m_heads, int(c.get("mamba_d_state", 64)),
                             groups, int(c.get("mamba_d_conv", 4)), 1e-5, conv_bias=True,

@@ -17,6 +17,7 @@ from torch import nn
 
 from linserve.model import invariant
 from linserve.model.invariant import Linear
+from linserve.model.layers.hf_keys import rope_parameters, rope_theta
 from linserve.model.layers.norms import RMSNorm
 from linserve.model.layers.ops.softmax import local_mask
 from linserve.model.layers.rope import inv_freq, proportional_freqs, rope
@@ -51,6 +52,24 @@ class AttentionShape:
     head_gate: bool = False
     proportional: bool = False
     qk_norm_whole: bool = False  # the q/k RMSNorm over all heads at once (OLMo's), not per head
+
+    @classmethod
+    def from_hf(cls, c: dict[str, Any], *, theta: float = 10_000.0, partial: float = 1.0,
+                hidden: int | None = None, **fields: Any) -> AttentionShape:
+        """The shape most families' config.json gives: ``num_attention_heads``,
+        ``num_key_value_heads`` (default: as many), ``head_dim`` (default: hidden / heads),
+        rotary positions on ``partial_rotary_factor`` of each head (``partial`` where the
+        config has none) with base :func:`rope_theta` (``theta`` where it has none), and
+        ``attention_bias`` on the projections in and out. ``hidden``: the layer's input
+        width (default ``hidden_size``); ``fields``: the family's own, over these."""
+        d = int(c["hidden_size"]) if hidden is None else hidden
+        heads = int(c["num_attention_heads"])
+        head_dim = int(fields.pop("head_dim", None) or c.get("head_dim") or d // heads)
+        bias = bool(c.get("attention_bias", False))
+        factor = float(rope_parameters(c).get("partial_rotary_factor", partial))
+        shape = {"rotary_dim": int(head_dim * factor), "rope_theta": rope_theta(c, theta),
+                 "bias": bias, "out_bias": bias, **fields}
+        return cls(d, heads, int(c.get("num_key_value_heads") or heads), head_dim, **shape)
 
 
 class Attention(nn.Module):

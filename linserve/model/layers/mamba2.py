@@ -23,6 +23,7 @@ from torch import nn
 
 from linserve.model import invariant, kernels
 from linserve.model.invariant import Linear
+from linserve.model.layers.hf_keys import json_float
 from linserve.model.layers.norms import GatedRMSNorm
 from linserve.model.layers.short_conv import advance_window, causal_conv
 from linserve.model.state import ConvEntry, RecurrentEntry
@@ -50,6 +51,28 @@ class Mamba2Shape:
     in_multiplier: float = 1.0  # Falcon-H1's ssm_in_multiplier, on the layer's input
     # Falcon-H1's ssm_multipliers: z, x, B, C and dt of the input projection scaled
     proj_multipliers: tuple[float, float, float, float, float] | None = None
+
+    @classmethod
+    def from_hf(cls, c: dict[str, Any], eps: float, **fields: Any) -> Mamba2Shape:
+        """The shape of the ``mamba_*`` keys Bamba, Granite-4.0-H and Falcon-H1 share:
+        ``mamba_n_heads``, ``mamba_d_head`` (or "auto": the width over the heads), the width
+        ``mamba_d_ssm`` or ``mamba_expand`` × ``hidden_size``, ``mamba_d_state``,
+        ``mamba_n_groups``, ``mamba_d_conv``, the conv and projection biases and
+        ``time_step_limit``; ``fields``: the family's own, over these. ValueError when the
+        heads do not fill the width."""
+        d = int(c["hidden_size"])
+        inner = int(c.get("mamba_d_ssm") or int(c.get("mamba_expand", 2)) * d)
+        heads = int(c["mamba_n_heads"])
+        head_dim = c.get("mamba_d_head", "auto")
+        head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
+        if heads * head_dim != inner:
+            raise ValueError("mamba_n_heads × mamba_d_head is not the Mamba2 width "
+                             "(mamba_d_ssm, or mamba_expand × hidden_size)")
+        limit = c.get("time_step_limit") or (0.0, float("inf"))
+        return cls(d, heads, head_dim, int(c["mamba_d_state"]), int(c.get("mamba_n_groups", 1)),
+                   int(c.get("mamba_d_conv", 4)), eps, bool(c.get("mamba_conv_bias", True)),
+                   bool(c.get("mamba_proj_bias", False)),
+                   (json_float(limit[0]), json_float(limit[1])), **fields)
 
     @property
     def inner(self) -> int:
