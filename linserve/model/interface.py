@@ -18,7 +18,7 @@ import torch
 from linserve.model.state import State, StateError
 from linserve.model.state_blob import STATE_FORMAT_VERSION
 from linserve.model.state_codec import PackedState, pack_state, unpack_state
-from linserve.model.tokenizer import Tokenizer
+from linserve.model.tokenizer import TextTokenizer
 from linserve.model.verify import Trail
 
 # The state is the server's to hold, copy, compress and ship, never to look inside.
@@ -84,7 +84,7 @@ class ServedModel(Protocol):
         """A hash of the config and weights; blobs and shared caches carry it."""
         ...
 
-    def tokenizer(self) -> Tokenizer:
+    def tokenizer(self) -> TextTokenizer:
         ...
 
     def chat_template(self) -> str | None:

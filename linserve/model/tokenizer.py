@@ -1,14 +1,20 @@
-"""Byte-level BPE tokenizer (a thin wrapper over ``tokenizers``) with incremental detokenizing.
+"""Tokenizers: the interface the server uses (:class:`TextTokenizer`), and the one every
+vocabulary served today implements (:class:`Tokenizer`, over ``tokenizers``: a checkpoint's
+``tokenizer.json``, and a GGUF file's gpt2 and llama vocabularies as
+:mod:`linserve.model.gguf.vocab` writes them out).
 
-Every token of a byte-level BPE stands for a fixed byte string, so the incremental detokenizer
-concatenates token bytes and feeds them to an incremental UTF-8 decoder: text is emitted only
-once its bytes are complete, so a stream never carries U+FFFD or half a character.
+Every token stands for a fixed byte string (``token_bytes``), so decoding concatenates token
+bytes and the incremental detokenizer feeds them to an incremental UTF-8 decoder: text is
+emitted only once its bytes are complete, so a stream never carries U+FFFD or half a
+character. A vocabulary of another kind (a greedy longest match over bytes, say) implements
+:class:`TextTokenizer` with its own ``encode`` and its byte table.
 """
 
 from __future__ import annotations
 
 import codecs
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -80,8 +86,52 @@ def byte_table(tok: HFTokenizer) -> list[bytes]:
     return table
 
 
-class Tokenizer:
-    """Encode/decode text; ``token_bytes[i]`` is the exact byte string of token i.
+class TextTokenizer(ABC):
+    """What the server needs of a vocabulary. ``token_bytes[i]``: the exact byte string of
+    token i (empty for ids past the vocabulary, up to the model's ``vocab_size``);
+    ``eos_ids``: the ids that end a generation (``eos_id`` the first, or None)."""
+
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    eos_id: int | None
+    token_bytes: list[bytes]
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Text to ids, special tokens' names included as their ids."""
+
+    @abstractmethod
+    def token_text(self, token_id: int) -> str:
+        """A token's own text (a special token's name, such as ``<|im_end|>``)."""
+
+    @abstractmethod
+    def special_tokens(self) -> list[str]:
+        """The names of the special tokens, which are never merged with text around them."""
+
+    @abstractmethod
+    def token_id(self, text: str) -> int | None:
+        """The id of a token given as its text (a special token's name), or None."""
+
+    @abstractmethod
+    def to_json(self) -> str:
+        """The vocabulary as ``tokenizers`` JSON (what the grammar engine loads)."""
+
+    def prefetch(self, then: Callable[[], object] | None = None) -> None:
+        """Read whatever the tokenizer reads lazily, in the background, then call ``then``
+        (a tokenizer with nothing to read calls nothing)."""
+        del then
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Decode ids to text; special tokens are dropped, broken UTF-8 becomes U+FFFD."""
+        return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", errors="replace")
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.token_bytes)
+
+
+class Tokenizer(TextTokenizer):
+    """A ``tokenizers`` tokenizer (byte-level or SentencePiece BPE) behind
+    :class:`TextTokenizer`.
 
     ``tok`` may be given as a function that reads it (with ``token_bytes`` kept from before):
     decoding, the end ids and the byte table need only the table, and reading a 250k-token
@@ -152,35 +202,23 @@ class Tokenizer:
         return cls(HFTokenizer.from_file(str(path)), eos_ids, size)
 
     def token_text(self, token_id: int) -> str:
-        """A token's own text (a special token's name, such as ``<|im_end|>``)."""
         return str(self._tok.id_to_token(token_id) or "")
 
     def special_tokens(self) -> list[str]:
-        """The names of the special added tokens (``<|im_end|>``, ...), which the
-        pre-tokenizer never merges with the text around them."""
         added = self._tok.get_added_tokens_decoder()
         return [t.content for t in added.values() if t.special]
 
     def token_id(self, text: str) -> int | None:
-        """The id of a token given as its text (a special token's name), or None."""
         return self._tok.token_to_id(text)
 
     def save(self, path: str | Path) -> None:
         self._tok.save(str(path))
 
     def to_json(self) -> str:
-        """The whole tokenizer as ``tokenizers`` JSON (what grammar engines load)."""
         return str(self._tok.to_str())
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text).ids)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Decode ids to text; special tokens are dropped, broken UTF-8 becomes U+FFFD."""
-        return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", errors="replace")
-
-    def detokenizer(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.token_bytes)
 
 
 class IncrementalDetokenizer:

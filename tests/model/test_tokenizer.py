@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from linserve.model.tokenizer import Tokenizer, train_tokenizer
+from linserve.model.tokenizer import TextTokenizer, Tokenizer, train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TEXTS = ["Héllo wörld — naïve café", "日本語のテキストです。漢字", "emoji 🎭🗡️👑 and 👨‍👩‍👧 family",
          "plain ASCII, as Shakespeare wrote: To be, or not to be."]
@@ -94,3 +96,39 @@ def test_a_tokenizer_read_later_decodes_before_and_encodes_after(tok: Tokenizer)
             bad.encode("x")
     with pytest.raises(ValueError, match="byte table"):
         Tokenizer(read)  # type: ignore[arg-type]
+
+
+class _Bytes(TextTokenizer):
+    """A vocabulary of the 256 bytes and an end token: the interface's own methods only."""
+
+    def __init__(self) -> None:
+        self.token_bytes = [bytes([b]) for b in range(256)] + [b""]
+        self.vocab_size, self.eos_ids, self.eos_id = 257, (256,), 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def token_text(self, token_id: int) -> str:
+        return "<end>" if token_id == 256 else self.token_bytes[token_id].decode("latin-1")
+
+    def special_tokens(self) -> list[str]:
+        return ["<end>"]
+
+    def token_id(self, text: str) -> int | None:
+        return 256 if text == "<end>" else None
+
+    def to_json(self) -> str:
+        raise NotImplementedError
+
+
+def test_a_vocabulary_of_another_kind_decodes_and_streams_through_the_interface() -> None:
+    """A tokenizer that implements :class:`TextTokenizer` gets decoding and the streaming
+    detokenizer from its byte table: a character split across tokens comes out whole."""
+    tok = _Bytes()
+    ids = tok.encode("día ✓")
+    assert tok.decode([*ids, 256]) == "día ✓"
+    detok = tok.detokenizer()
+    pieces = [detok.add(i) for i in ids]
+    assert "".join(pieces) + detok.flush() == "día ✓"
+    assert "" in pieces and all("\ufffd" not in p for p in pieces)
+    assert isinstance(Tokenizer.from_file(ROOT / "weights" / "tokenizer.json"), TextTokenizer)

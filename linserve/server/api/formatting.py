@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from linserve.model.tokenizer import Tokenizer
+from linserve.model.tokenizer import TextTokenizer
 from linserve.server.engine.types import Output, TokenLogprob
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
@@ -36,7 +36,7 @@ def usage_of(outs: list[Output], prompt_tokens: int, cached: int) -> dict[str, A
 class CompletionLogprobs:
     """Accumulates the legacy completions ``logprobs`` object across chunks."""
 
-    tok: Tokenizer
+    tok: TextTokenizer
     as_ids: bool = False
     offset: int = 0
     data: dict[str, list[Any]] = field(default_factory=lambda: {
@@ -61,7 +61,7 @@ class CompletionLogprobs:
         return part
 
 
-def chat_logprobs(tok: Tokenizer, entries: list[TokenLogprob]) -> dict[str, Any]:
+def chat_logprobs(tok: TextTokenizer, entries: list[TokenLogprob]) -> dict[str, Any]:
     """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     def item(tid: int, lp: float | None) -> dict[str, Any]:
         raw = tok.token_bytes[tid]

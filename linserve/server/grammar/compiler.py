@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 from llguidance import LLMatcher, LLTokenizer
 
-from linserve.model.tokenizer import Tokenizer
+from linserve.model.tokenizer import TextTokenizer
 from linserve.server.grammar.spec import GrammarError, GrammarSpec
 
 WHAT = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex",
@@ -24,7 +24,7 @@ WHAT = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "re
 class GrammarCompiler:
     """An LRU cache of compiled grammars (templates) for one tokenizer. Thread-safe."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, capacity: int = 256) -> None:
+    def __init__(self, tokenizer: TextTokenizer, vocab_size: int, capacity: int = 256) -> None:
         self.tokenizer = LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size,
                                      eos_token=tokenizer.eos_id)
         self.vocab_size = vocab_size

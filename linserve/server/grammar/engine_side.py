@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from llguidance import LLMatcher
 
 from linserve.model.sampling import TokenMask
-from linserve.model.tokenizer import Tokenizer
+from linserve.model.tokenizer import TextTokenizer
 from linserve.server.grammar.compiler import GrammarCompiler
 from linserve.server.grammar.masks import MaskBuilder
 from linserve.server.grammar.spec import GrammarSpec
@@ -37,7 +37,7 @@ def matcher_error(matcher: LLMatcher | None) -> str:
 
 
 class EngineGrammars:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: TextTokenizer, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._compiler: GrammarCompiler | None = None

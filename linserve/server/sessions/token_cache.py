@@ -14,7 +14,7 @@ import threading
 from array import array
 from collections import OrderedDict
 
-from linserve.model.tokenizer import Tokenizer
+from linserve.model.tokenizer import TextTokenizer
 
 OVERLAP = 8
 KEY_CHARS = 64  # candidates are found by the prompt's first characters
@@ -22,7 +22,7 @@ MIN_CHARS = 2048  # shorter prompts are cheap to encode whole
 
 
 class PromptTokens:
-    def __init__(self, tok: Tokenizer, capacity: int = 128) -> None:
+    def __init__(self, tok: TextTokenizer, capacity: int = 128) -> None:
         self.tok = tok
         self.capacity = capacity
         self.recent: OrderedDict[str, list[tuple[str, array[int]]]] = OrderedDict()

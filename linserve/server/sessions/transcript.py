@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from linserve.model.tokenizer import Tokenizer
+from linserve.model.tokenizer import TextTokenizer
 from linserve.server.api.chat_template import USER_CUE
 
 
@@ -30,7 +30,7 @@ def chat_next_turn_text(reply: str) -> str:
     return chat_turn_text(reply) + USER_CUE
 
 
-def session_tokens(tok: Tokenizer, generated: Sequence[int], text: str) -> list[int]:
+def session_tokens(tok: TextTokenizer, generated: Sequence[int], text: str) -> list[int]:
     """Tokens that spell ``text``: a prefix of ``generated`` reused, the rest re-encoded."""
     target = text.encode("utf-8")
     kept, used = 0, 0

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from linserve.model.tokenizer import Tokenizer
+from linserve.model.tokenizer import TextTokenizer
 from linserve.server.api.chat_reply import ChatShape
 from linserve.server.api.chat_run import chat_request
 from linserve.server.api.protocol import ChatMessage, ChatRequest
@@ -134,7 +134,7 @@ class ResponseBuilder:
     rid: str
     body: ResponsesRequest
     model: str
-    tok: Tokenizer
+    tok: TextTokenizer
     shape: ChatShape = field(default_factory=ChatShape)  # set once the chat request starts
     prior_tokens: int = 0  # tokens of the stored conversation this one continues
     reused_tokens: int = 0  # of which the stored state covers (served without a prefill)
