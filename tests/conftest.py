@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench.serverproc import ROOT, ServerProcess
+from linserve.model.tokenizer import Tokenizer
 
 WEIGHTS = ROOT / "weights"
 
@@ -93,6 +94,12 @@ def _weights(kind: str, factory: pytest.TempPathFactory) -> Path:
     if (real / "model.safetensors").exists():
         return real
     return _tiny_checkpoint(factory.mktemp(f"tiny-{kind}"), kind)
+
+
+@pytest.fixture(scope="session")
+def tok() -> Tokenizer:
+    """The shipped models' tokenizer (the tiny test checkpoints are made with it too)."""
+    return Tokenizer.from_file(WEIGHTS / "tokenizer.json")
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
+
 LOCAL = {"linserve", "tests", "bench", "scripts"}
 # Comparison-only libraries the benchmarks import inside functions, never at module level
 # (llama.cpp's converter from its source tree, other grammar engines): not dependencies.

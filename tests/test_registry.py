@@ -5,13 +5,11 @@ exactly the architectures the registry names, and the README's table and
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
 from linserve.model.architectures import registry
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
 
 
 def _cells(line: str) -> list[str]:

@@ -12,7 +12,8 @@ from types import TracebackType
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import ROOT
+
 AFFINITY_MAP = ROOT / "deploy" / "nginx" / "affinity-map.conf"
 
 CONF = """

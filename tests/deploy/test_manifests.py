@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import ROOT
+
 K8S = ROOT / "deploy" / "k8s"
 KUBERNETES = "1.33.0"
 CRDS = {"monitoring.coreos.com/v1"}  # custom resources: checked by hand below

@@ -15,8 +15,8 @@ import torch
 
 from tests.model.qwen_fixtures import SHAPES as QWEN_SHAPES
 from tests.model.qwen_fixtures import text_config as qwen_text_config
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "weights" / "tokenizer.json"
 VOCAB = 8192
 

@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 
 from bench import llamacpp_assets
 from bench.llamacpp_compare import converter_view
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "bench" / "gguf_pre_shim.py"
 
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from bench.llamacpp_assets import QWEN_VOCAB, write_qwen_tokenizer_files
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "weights" / "tokenizer.json"
 
 # interval: a full-attention layer every `interval` layers; heads: (q heads, kv heads);

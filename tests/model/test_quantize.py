@@ -27,8 +27,8 @@ from linserve.model.kernels import cpu_flags
 from linserve.model.state import State
 from tests.model.helpers import forced_avx2_runs_new_paths
 from tests.model.qwen_fixtures import make_checkpoint
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 ISA_RUN = "LINSERVE_TEST_ISA"
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason="native kernels unavailable")

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from linserve.model.tokenizer import TextTokenizer, Tokenizer, train_tokenizer
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import ROOT
 
 TEXTS = ["Héllo wörld — naïve café", "日本語のテキストです。漢字", "emoji 🎭🗡️👑 and 👨‍👩‍👧 family",
          "plain ASCII, as Shakespeare wrote: To be, or not to be."]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from linserve.server import settings_doc
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md")),
          *sorted((ROOT / "docs" / "bench-log").glob("*.md")), ROOT / "deploy" / "README.md"]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

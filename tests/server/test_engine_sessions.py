@@ -3,8 +3,6 @@ a request hands back is exactly the state of "input + the tokens the session hol
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,8 +12,6 @@ from linserve.model.tokenizer import Tokenizer
 from linserve.server.engine.engine import Engine, EngineLimits
 from linserve.server.engine.types import GenerationRequest, Output
 from tests.model.helpers import served, tiny_model
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(engine: Engine, req: GenerationRequest, cancel_after: int | None = None) -> Output:
@@ -53,10 +49,6 @@ def close(a: State, b: State) -> bool:
             return False
     return True
 
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_file(ROOT / "weights" / "tokenizer.json")
 
 
 @pytest.mark.parametrize("kind", ["linear", "favor", "gated", "softmax", "window"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,16 +20,11 @@ from linserve.server.grammar.masks import MaskBuilder
 from linserve.server.grammar.spec import GrammarError, GrammarSpec, from_request
 from tests.model.helpers import served, tiny_model
 
-ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = {"type": "object", "properties": {
     "word": {"type": "string", "maxLength": 12}, "n": {"type": "integer", "minimum": 0,
                                                        "maximum": 99},
     "ok": {"type": "boolean"}}, "required": ["word", "n", "ok"], "additionalProperties": False}
 
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_file(ROOT / "weights" / "tokenizer.json")
 
 
 @pytest.fixture(scope="module")

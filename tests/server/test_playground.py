@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from bench.serverproc import ServerProcess
+from tests.paths import ROOT
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[2]
 AXE = ROOT / "tests" / "assets" / "axe.min.js"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

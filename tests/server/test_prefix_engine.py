@@ -5,8 +5,6 @@ span, a shared system prompt, concurrent requests, evictions)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from linserve.model.sampling import SamplingParams
@@ -16,13 +14,8 @@ from linserve.server.engine.types import GenerationRequest, Output
 from linserve.server.prefix_cache.engine_side import MIN_BRANCH
 from tests.model.helpers import served, tiny_model
 
-ROOT = Path(__file__).resolve().parents[2]
 KINDS = ["linear", "favor", "gated", "softmax", "window"]
 
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_file(ROOT / "weights" / "tokenizer.json")
 
 
 def engines(kind: str, tok: Tokenizer, budget: int = 1 << 30, **limits: int

@@ -19,8 +19,8 @@ from linserve.server.speculative import draft as draft_mod
 from linserve.server.speculative.config import SpeculativeConfig, parse
 from tests.model.family_fixtures import make
 from tests.model.helpers import served, tiny_model
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 97
 
 

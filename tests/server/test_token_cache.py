@@ -4,12 +4,10 @@ and for adversarial cuts (mid-word, mid-character, whitespace runs)."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 from linserve.model.tokenizer import Tokenizer
 from linserve.server.sessions.token_cache import PromptTokens
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import ROOT
 
 
 def test_incremental_encoding_equals_full_encoding() -> None:

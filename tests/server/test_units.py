@@ -15,13 +15,6 @@ from linserve.server.api.formatting import StripStream
 from linserve.server.sessions.transcript import chat_turn_text, common_prefix, session_tokens
 from linserve.server.system.cpus import available_cpus, cgroup_cpu_limit
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_file(ROOT / "weights" / "tokenizer.json")
-
 
 def test_session_tokens_keep_the_generated_prefix_and_retokenise_the_rest(tok: Tokenizer
                                                                            ) -> None:
