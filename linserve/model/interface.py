@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from linserve.model.inputs import Encoder, InsertTable
 from linserve.model.state import State, StateError
 from linserve.model.state_blob import STATE_FORMAT_VERSION
 from linserve.model.state_codec import PackedState, pack_state, unpack_state
@@ -56,6 +57,7 @@ class ModelInfo:
     embedding_bytes: int = 0
     quantization: str = "none"  # "int8" / "int4" GEMM weights (model.quantize), or none
     notes: tuple[str, ...] = ()
+    input_kinds: tuple[str, ...] = ()  # what it takes besides text ("image"): its encoders
 
 
 class DraftHead(Protocol):
@@ -95,9 +97,16 @@ class ServedModel(Protocol):
         ...
 
     def prefill(self, tokens: torch.Tensor, state: State | None = None,
-                all_logits: bool = False) -> tuple[torch.Tensor, State]:
+                all_logits: bool = False, inserts: InsertTable | None = None
+                ) -> tuple[torch.Tensor, State]:
         """Tokens ``[B, T]`` after ``state`` (None: empty; not modified) -> last logits
-        ``[B, V]`` (``[B, T, V]`` with ``all_logits``) and a new state."""
+        ``[B, V]`` (``[B, T, V]`` with ``all_logits``) and a new state. ``inserts``: the
+        embeddings of the items (:mod:`linserve.model.inputs`) whose virtual ids ``tokens``
+        holds; only a model with an encoder of their kind is given any."""
+        ...
+
+    def encoders(self) -> dict[str, Encoder]:
+        """Its encoders by the kind of item they take (``info.input_kinds``)."""
         ...
 
     def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]

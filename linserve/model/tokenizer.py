@@ -122,8 +122,10 @@ class TextTokenizer(ABC):
         del then
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Decode ids to text; special tokens are dropped, broken UTF-8 becomes U+FFFD."""
-        return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", errors="replace")
+        """Decode ids to text; special tokens and items' virtual ids (negative:
+        :mod:`linserve.model.inputs`) are dropped, broken UTF-8 becomes U+FFFD."""
+        return b"".join(self.token_bytes[i] for i in ids if i >= 0).decode("utf-8",
+                                                                            errors="replace")
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.token_bytes)

@@ -11,6 +11,7 @@ Every problem is a :class:`CheckpointError` with a one-line message.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -31,6 +32,7 @@ from linserve.model.fingerprint import files_fingerprint
 from linserve.model.gguf.checkpoint import GGUFCheckpoint
 from linserve.model.gguf.checkpoint import checkpoint as gguf_checkpoint
 from linserve.model.gguf.files import GGUFFileError, is_gguf
+from linserve.model.inputs import Encoder, InsertTable
 from linserve.model.interface import CheckpointError, DraftHead, ModelInfo
 from linserve.model.layers import moe
 from linserve.model.state import State
@@ -526,6 +528,7 @@ class HFServedModel:
         self._fp: str | None = None
         self.chunk = chunk
         self.context_limit = context_limit
+        self._encoders: dict[str, Encoder] = {}
         empty = module.new_state(1, context_limit)
         first = next(module.parameters())
         dtype, described = first.dtype, first.is_meta  # described: no weights were read
@@ -560,10 +563,19 @@ class HFServedModel:
         return self.module.new_state(batch, self.context_limit)
 
     def prefill(self, tokens: torch.Tensor, state: State | None = None,
-                all_logits: bool = False) -> tuple[torch.Tensor, State]:
+                all_logits: bool = False, inserts: InsertTable | None = None
+                ) -> tuple[torch.Tensor, State]:
         if state is None:
             state = self.new_state(tokens.shape[0])
-        return self.module.prefill(tokens, state, all_logits)
+        return self.module.prefill(tokens, state, all_logits, inserts)
+
+    def encoders(self) -> dict[str, Encoder]:
+        return dict(self._encoders)
+
+    def add_encoder(self, kind: str, encoder: Encoder) -> None:
+        """Take items of ``kind`` from now on (``info.input_kinds`` says so)."""
+        self._encoders[kind] = encoder
+        self.info = dataclasses.replace(self.info, input_kinds=tuple(self._encoders))
 
     def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
                        ) -> tuple[torch.Tensor, list[State]]:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from linserve.model import invariant, kernels
+from linserve.model.inputs import Encoder, InsertTable
 from linserve.model.interface import ModelInfo
 from linserve.model.layers import own_step
 from linserve.model.layers.own import Block
@@ -301,8 +302,14 @@ class OwnModel:
         return self.model.new_state(batch)
 
     def prefill(self, tokens: torch.Tensor, state: State | None = None,
-                all_logits: bool = False) -> tuple[torch.Tensor, State]:
+                all_logits: bool = False, inserts: InsertTable | None = None
+                ) -> tuple[torch.Tensor, State]:
+        if inserts:
+            raise ValueError("the project's own models take text only")
         return self.model.prefill(tokens, state, all_logits)
+
+    def encoders(self) -> dict[str, Encoder]:
+        return {}
 
     def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
                        ) -> tuple[torch.Tensor, list[State]]:

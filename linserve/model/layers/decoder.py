@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from linserve.model import invariant, kernels
+from linserve.model.inputs import InsertTable
 from linserve.model.invariant import Linear
 from linserve.model.layers import native_step
 from linserve.model.layers.block import build_weights
@@ -94,17 +95,28 @@ class DecoderLM(nn.Module):
             x = layer(x, entries, lengths, one_token=one_token, new=new)
         return x
 
+    def embed_prompt(self, tokens: torch.Tensor, inserts: InsertTable | None) -> torch.Tensor:
+        """:meth:`embed` of ``tokens`` ``[B, T]``, where virtual ids (negative) take their
+        items' rows from ``inserts`` (:mod:`linserve.model.inputs`) -> ``[B, T, d]``."""
+        if inserts is None:
+            inserts = InsertTable()  # raises on a virtual id, if there is one
+        if not bool((tokens < 0).any()):
+            return self.embed(tokens)
+        return inserts.place(tokens, self.embed(tokens.clamp(min=0)))
+
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, state: State | None = None,
-                all_logits: bool = False) -> tuple[torch.Tensor, State]:
+                all_logits: bool = False, inserts: InsertTable | None = None
+                ) -> tuple[torch.Tensor, State]:
         """tokens ``[B, T]`` after ``state`` (None: empty; every row at one length; not
-        modified) -> last logits ``[B, V]`` (``[B, T, V]`` with ``all_logits``), new state."""
+        modified) -> last logits ``[B, V]`` (``[B, T, V]`` with ``all_logits``), new state.
+        ``inserts``: the embeddings of the items whose virtual ids ``tokens`` holds."""
         b, t = tokens.shape
         state = self.new_state(b) if state is None else state.copy()
         if bool((state.lengths != state.lengths[0]).any()):
             raise ValueError("prefill needs rows of equal length")
         state.reserve(int(state.lengths[0]) + t)
-        x = self._run(self.embed(tokens), state)
+        x = self._run(self.embed_prompt(tokens, inserts), state)
         state.lengths += t
         return self.head(x if all_logits else x[:, -1]), state
 

@@ -51,12 +51,29 @@ def chat_request(fields: dict[str, Any], param: str) -> ChatRequest:
                        "invalid_value") from None
 
 
+def check_inputs(svc: GenerationService, body: ChatRequest) -> None:
+    """A 400 for any content part the served model cannot take: never dropped in silence.
+    An image part needs a model with an image encoder (``info.input_kinds``)."""
+    served, name = set(svc.model.info.input_kinds), svc.settings.served_name
+    for i, message in enumerate(body.messages):
+        for kind in message.input_kinds():
+            if kind == "image" and kind not in served:
+                raise APIError(400, f"messages[{i}]: the model {name!r} takes no image "
+                               f"input (it reads text only); send the message without its "
+                               f"image parts", f"messages[{i}].content", "unsupported_input")
+            if kind not in served:
+                raise APIError(400, f"messages[{i}]: content parts of type {kind!r} are not "
+                               f"supported (text and image parts are)",
+                               f"messages[{i}].content", "unsupported_input")
+
+
 async def start_chat(svc: GenerationService, body: ChatRequest, owner: str,
                      meta: Callable[[str, Output], dict[str, Any]] | None = None,
                      call_ids: str = "") -> ChatRun:
     """Render, tokenize, validate and submit ``body`` (``n`` choices). ``meta``: what a
     session keeps beside the reply's state (see :class:`Prepared`); ``call_ids``: the
     prefix of the reply's tool-call ids (default: random ids)."""
+    check_inputs(svc, body)
     text, stops, shape, turn = await _chat_prompt(svc, body, owner)
     shape.call_ids = call_ids
     prompt_ids = svc.tokenize_prompt(text, "messages")
@@ -132,6 +149,7 @@ def _constrained(body: ChatRequest) -> bool:
 
 async def render_prompt(svc: GenerationService, body: ChatRequest, owner: str) -> str:
     """The prompt text a chat request renders to (for counting its tokens)."""
+    check_inputs(svc, body)
     return (await _chat_prompt(svc, body, owner))[0]
 
 

@@ -267,6 +267,12 @@ class ToolCallIn(OpenAIBase):
     function: FunctionCall
 
 
+# Content-part types that carry an image, in each API's own shape once converted to chat's
+# (chat's ``image_url``; the Responses API's ``input_image``; Anthropic's ``image``).
+IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+
+
 class ChatMessage(OpenAIBase):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -281,6 +287,18 @@ class ChatMessage(OpenAIBase):
         if isinstance(self.content, str):
             return self.content
         return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+
+    def input_kinds(self) -> list[str]:
+        """What its content holds besides text, part by part ("image", or a part type this
+        server does not know), in order."""
+        if not isinstance(self.content, list):
+            return []
+        kinds = []
+        for part in self.content:
+            kind = str(part.get("type", "")) if isinstance(part, dict) else ""
+            if kind not in TEXT_PARTS:
+                kinds.append("image" if kind in IMAGE_PARTS else kind or "untyped")
+        return kinds
 
     def for_template(self) -> dict[str, Any]:
         """As chat templates expect it (vLLM's convention): content-part arrays kept, tool

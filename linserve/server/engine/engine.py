@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from linserve.model.heap import trim
+from linserve.model.inputs import EncodedCache, InsertTable, is_virtual, text_ids
 from linserve.model.interface import ServedModel, State
 from linserve.server import metrics
 from linserve.server.engine.memory import engine_parts
@@ -89,6 +90,7 @@ class Engine:
         self._stop = threading.Event()
         self._outbox: list[tuple[Sink, Output]] = []
         self.sampler = RowSampler(self.pool, self.grammars)
+        self.encoded = EncodedCache()  # items' embeddings by digest
         self.steps = 0
         self._memory_reported = 0.0
         self._busy = False
@@ -244,9 +246,35 @@ class Engine:
                                      f"more than the engine's budget of {budget:,}")
                 continue
             self.waiting.popleft()
+            if seq.req.inserts and not self._encode(seq):
+                continue
             seq.reserved, self.reserved = need, self.reserved + need
             metrics.QUEUE_TIME.observe(time.monotonic() - seq.arrival)
             self.prefilling.append(seq)
+
+    def _encode(self, seq: Sequence) -> bool:
+        """Encode ``seq``'s items (each one's embeddings kept by digest: an item sent again
+        is not encoded again); False, the request failed alone, where the model takes no
+        items of a kind or the encoder refused one."""
+        table, encoders = InsertTable(), self.model.encoders()
+        try:
+            if seq.prefill_only and is_virtual(seq.req.input_ids[-1]):
+                raise ValueError("a prompt that only builds a state cannot end with an item")
+            for item in seq.req.inserts:
+                if item.kind not in encoders:
+                    raise ValueError(f"this model takes no {item.kind} input")
+                key = f"{item.kind}:{item.digest}"
+                embeds = self.encoded.get(key)
+                if embeds is None:
+                    embeds = encoders[item.kind].encode(item)
+                    self.encoded.put(key, embeds)
+                table.add(item, embeds)
+        except Exception as exc:
+            self._fail_unstarted(seq.req, f"the request's {seq.req.inserts[0].kind} input "
+                                 f"could not be used: {exc}")
+            return False
+        seq.inserts = table
+        return True
 
     # ---- prefill ---------------------------------------------------------------------
     def _prefill_some(self) -> None:
@@ -286,7 +314,8 @@ class Engine:
                 return 0
             ids = torch.tensor([todo[:n]])
             logits, seq.state = self.model.prefill(
-                ids, seq.state, all_logits=seq.prompt_logprobs is not None)
+                ids, seq.state, all_logits=seq.prompt_logprobs is not None,
+                inserts=seq.inserts)
             if seq.prompt_logprobs is not None:
                 self._add_prompt_logprobs(seq, logits[0], todo[:n])
                 logits = logits[:, -1]
@@ -311,7 +340,7 @@ class Engine:
         group: list[tuple[Sequence, int]] = []
         for seq in self.prefilling:
             todo = len(seq.to_prefill)
-            if seq.prompt_logprobs is not None or todo == 0 or seq.solo:
+            if seq.prompt_logprobs is not None or todo == 0 or seq.solo or seq.inserts:
                 break
             n = self.model.prefill_split(todo, self.limits.prefill_chunk, todo)
             longest = max([n] + [m for _, m in group])
@@ -368,8 +397,9 @@ class Engine:
         logp = torch.log_softmax(logits.float(), -1)
         for j, tid in enumerate(ids):
             row = seq.last_prompt_logp if j == 0 else logp[j - 1]
-            if row is not None:
-                seq.prompt_logprobs.append(TokenLogprob(tid, float(row[tid])))
+            if row is not None:  # an item's positions (virtual ids) have no log-prob
+                seq.prompt_logprobs.append(TokenLogprob(
+                    tid, None if is_virtual(tid) else float(row[tid])))
         seq.last_prompt_logp = logp[-1]
 
     def _start_decoding(self, seq: Sequence, logits: torch.Tensor) -> None:
@@ -378,13 +408,13 @@ class Engine:
             raise RuntimeError("injected fault: first_token")
         counts = torch.zeros(1, self.model.info.vocab_size)
         seen = torch.zeros(1, self.model.info.vocab_size, dtype=torch.bool)
-        seen[0, torch.tensor(seq.req.input_ids)] = True
+        seen[0, torch.tensor(text_ids(seq.req.input_ids), dtype=torch.long)] = True
         token = self.sampler.sample([seq], logits, counts, seen)
         if seq.finish_reason is not None or seq.cancelled:
             self._finish_unpooled(seq, token)
             return
         assert seq.state is not None
-        self.pool.add(seq.state, seq.req.input_ids, [token])
+        self.pool.add(seq.state, text_ids(seq.req.input_ids), [token])
         # The prompt's state is kept (pool.add copied it) so that a session can be rebuilt
         # from it at the cost of the generated tokens alone.
         keep = seq.req.want_state or (seq.req.chat and self.prefix is not None

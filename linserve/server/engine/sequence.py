@@ -7,6 +7,7 @@ import time
 import torch
 from llguidance import LLMatcher
 
+from linserve.model.inputs import InsertTable
 from linserve.model.interface import State
 from linserve.model.sampling import request_generator
 from linserve.model.tokenizer import IncrementalDetokenizer
@@ -52,6 +53,7 @@ class Sequence:
         self.reserved = 0  # state bytes the engine set aside for this sequence
         self.snapshot: State | None = None  # state right after the prompt (session replays)
         self.solo = False  # prefill alone (a ragged batch holding it failed once)
+        self.inserts: InsertTable | None = None  # its items' embeddings, once encoded
         self.last_prompt_logp: torch.Tensor | None = None  # scores the next prompt chunk's 1st
         self.matcher: LLMatcher | None = None  # structured outputs: the output's matcher
         self.spec_drafted = 0  # speculative decoding: draft tokens verified, and kept

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from linserve.model.inputs import is_virtual
 from linserve.model.interface import CheckpointError, ServedModel
 from linserve.server import metrics
 from linserve.server.speculative.acceptance import CostModel, DraftBudget
@@ -127,7 +128,10 @@ class Speculator:
             k = (self.budget.length(key, limit) if self.config.adaptive
                  else max(0, min(self.config.num_speculative_tokens, limit)))
             history = seq.req.input_ids + seq.generated
-            out.append(self.proposer.propose(key, history, k) if k else [])
+            drafts = self.proposer.propose(key, history, k) if k else []
+            # an item's virtual ids are prompt positions, never a token to draft
+            cut = next((i for i, t in enumerate(drafts) if is_virtual(t)), len(drafts))
+            out.append(drafts[:cut])
             drafted += len(out[-1])
         if self.proposer.costly:
             self.costs.note_draft(drafted, time.perf_counter() - t0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from linserve.model.inputs import Insert
 from linserve.model.interface import State
 from linserve.model.sampling import SamplingParams
 from linserve.server.grammar.spec import GrammarSpec
@@ -41,6 +42,9 @@ class GenerationRequest:
     prefix_depth: int = 0
     prefix_blob: bytes | None = None
     prefix_state: State | None = None
+    # Items that are not text (linserve.model.inputs): input_ids holds their virtual ids at
+    # their positions, and each one's payload crosses to the engine, which encodes it.
+    inserts: tuple[Insert, ...] = ()
 
 
 @dataclass(slots=True)  # one per streamed token and row: slots make it cheaper to build

@@ -9,6 +9,7 @@ from typing import Any
 
 from linserve.server.api.chat_run import chat_request
 from linserve.server.api.messages.protocol import (
+    ImageBlock,
     MessagesRequest,
     TextBlock,
     ThinkingBlock,
@@ -36,10 +37,12 @@ def to_messages(body: MessagesRequest) -> list[ChatMessage]:
         blocks = message.blocks()
         text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
         if message.role == "user":
-            out += [{"role": "tool", "content": b.text(), "tool_call_id": b.tool_use_id}
+            out += [{"role": "tool", "content": _with_images(b.text(), b.images()),
+                     "tool_call_id": b.tool_use_id}
                     for b in blocks if isinstance(b, ToolResultBlock)]
-            if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
-                out.append({"role": "user", "content": text})
+            images = [b for b in blocks if isinstance(b, ImageBlock)]
+            if text or images or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                out.append({"role": "user", "content": _user_content(blocks)})
             continue
         reply: dict[str, Any] = {"role": "assistant", "content": text}
         thought = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
@@ -52,6 +55,21 @@ def to_messages(body: MessagesRequest) -> list[ChatMessage]:
             reply["tool_calls"] = calls
         out.append(reply)
     return [ChatMessage.model_validate(m) for m in out]
+
+
+def _user_content(blocks: list[Any]) -> str | list[dict[str, Any]]:
+    """A user message's text, or its text and image blocks in order as chat parts."""
+    if not any(isinstance(b, ImageBlock) for b in blocks):
+        return "".join(b.text for b in blocks if isinstance(b, TextBlock))
+    return [b.as_chat() if isinstance(b, ImageBlock) else {"type": "text", "text": b.text}
+            for b in blocks if isinstance(b, TextBlock | ImageBlock)]
+
+
+def _with_images(text: str, images: list[ImageBlock]) -> str | list[dict[str, Any]]:
+    """A tool result's content: its text, and its images as chat parts after it."""
+    if not images:
+        return text
+    return [{"type": "text", "text": text}, *(b.as_chat() for b in images)]
 
 
 def to_chat(body: MessagesRequest) -> ChatRequest:

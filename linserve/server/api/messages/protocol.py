@@ -20,6 +20,23 @@ class TextBlock(OpenAIBase):
     text: Text
 
 
+class ImageBlock(OpenAIBase):
+    """An image: ``source`` is ``{"type": "base64", "media_type", "data"}`` or
+    ``{"type": "url", "url"}``."""
+
+    type: Literal["image"]
+    source: dict[str, Any]
+
+    def as_chat(self) -> dict[str, Any]:
+        """The chat API's ``image_url`` part (a base64 source as a ``data:`` URL)."""
+        src = self.source
+        if src.get("type") == "base64":
+            url = f"data:{src.get('media_type', '')};base64,{src.get('data', '')}"
+        else:
+            url = str(src.get("url", ""))
+        return {"type": "image_url", "image_url": {"url": url}}
+
+
 class ToolUseBlock(OpenAIBase):
     """A call the assistant made (sent back in the conversation)."""
 
@@ -34,13 +51,17 @@ class ToolResultBlock(OpenAIBase):
 
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1, max_length=256)
-    content: Text | list[TextBlock] = ""
+    content: Text | list[TextBlock | ImageBlock] = ""
     is_error: StrictBool = False
 
     def text(self) -> str:
         body = self.content if isinstance(self.content, str) else "".join(
-            b.text for b in self.content)
+            b.text for b in self.content if isinstance(b, TextBlock))
         return f"Error: {body}" if self.is_error else body
+
+    def images(self) -> list[ImageBlock]:
+        return [] if isinstance(self.content, str) else [
+            b for b in self.content if isinstance(b, ImageBlock)]
 
 
 class ThinkingBlock(OpenAIBase):
@@ -61,7 +82,8 @@ def _block_type(value: Any) -> str:
 
 
 Block = Annotated[
-    Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
+    Annotated[TextBlock, Tag("text")] | Annotated[ImageBlock, Tag("image")]
+    | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
     | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")],
     Discriminator(_block_type)]

@@ -35,7 +35,7 @@ def to_messages(items: list[Item]) -> list[ChatMessage]:
         if isinstance(item, ReasoningItem):
             reasoning = item.text()
         elif isinstance(item, MessageItem):
-            out.append({"role": item.role, "content": item.text()})
+            out.append({"role": item.role, "content": item.chat_content()})
             if item.role == "assistant":
                 out[-1]["reasoning_content"], reasoning = reasoning, None
         elif isinstance(item, FunctionCallItem):

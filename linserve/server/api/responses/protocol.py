@@ -30,19 +30,52 @@ class TextPart(OpenAIBase):
     text: Text
 
 
+class ImagePart(OpenAIBase):
+    """An image in a message (``input_image``): a URL (``data:`` or http) or an uploaded
+    file's id, and the detail to read it at."""
+
+    type: Literal["input_image"]
+    image_url: Annotated[str, Field(max_length=64_000_000)] | None = None
+    file_id: str | None = Field(None, max_length=256)
+    detail: Literal["auto", "low", "high"] | None = None
+
+    def as_chat(self) -> dict[str, Any]:
+        """The chat API's ``image_url`` part."""
+        url: dict[str, Any] = {"url": self.image_url or f"file:{self.file_id or ''}"}
+        if self.detail is not None:
+            url["detail"] = self.detail
+        return {"type": "image_url", "image_url": url}
+
+
+def _part_type(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", "")
+    return "image" if kind == "input_image" else "text"
+
+
+Part = Annotated[Annotated[TextPart, Tag("text")] | Annotated[ImagePart, Tag("image")],
+                 Discriminator(_part_type)]
+
+
 class MessageItem(OpenAIBase):
     """A message: the short form ``{"role", "content"}`` or the ``type: message`` item."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Text | list[TextPart]
+    content: Text | list[Part]
     id: ItemId = None
     status: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content as chat takes it: text, or parts where there is an image."""
+        if isinstance(self.content, str) or all(isinstance(p, TextPart) for p in self.content):
+            return self.text()
+        return [p.as_chat() if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                for p in self.content]
 
 
 class FunctionCallItem(OpenAIBase):
