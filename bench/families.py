@@ -392,11 +392,11 @@ def active_bytes(path: Path, kind: str) -> dict[str, float]:
     of the whole model and of what one batch-1 token reads: every weight outside the
     experts plus ``top_k`` experts a MoE layer. From the config alone (a meta module)."""
     from linserve.model import loader
-    from linserve.model.architectures.hf import HFServedModel
     from linserve.model.layers.moe import SparseMoE
+    from linserve.model.served import ServedModule
 
     described = loader.family_loader(path).load(path, torch.bfloat16, True, False)  # no weights
-    assert isinstance(described, HFServedModel)
+    assert isinstance(described, ServedModule)
     module = described.module
     moes = [m for m in module.modules() if isinstance(m, SparseMoE)]  # none in dense models
     experts = sum(p.numel() for m in moes for p in m.experts.parameters())

@@ -41,7 +41,7 @@ from bench import llamacpp_compare as lc
 from bench.common import RESULTS, machine, print_table, save_figure, time_ms, write_json
 from bench.roofline import read_bandwidth_gbs
 from linserve.model import loader
-from linserve.model.architectures.hf import HFServedModel
+from linserve.model.served import ServedModule
 from linserve.model.state import KVEntry, State
 
 PUBLISHED_0_8B = dict(vocab_size=248_320, hidden_size=1024, intermediate_size=3584,
@@ -78,7 +78,7 @@ def make(path: Path, shape: dict[str, Any] | None = None) -> None:
     write_qwen_tokenizer_files(path)  # a real Qwen-family tokenizer and Qwen3.5's template
 
 
-def state_at(model: HFServedModel, batch: int, context: int) -> State:
+def state_at(model: ServedModule, batch: int, context: int) -> State:
     """``batch`` rows as after ``context`` tokens: the GDN part prefilled (64 real tokens,
     its cost does not depend on the length), the KV part filled with noise to ``context``."""
     _, row = model.prefill(torch.randint(0, 8000, (1, 64)))
@@ -92,7 +92,7 @@ def state_at(model: HFServedModel, batch: int, context: int) -> State:
     return state
 
 
-def decode_row(model: HFServedModel, batch: int, context: int) -> dict[str, Any]:
+def decode_row(model: ServedModule, batch: int, context: int) -> dict[str, Any]:
     state = state_at(model, batch, context)
     tokens = torch.randint(0, 8000, (batch,))
 
@@ -105,7 +105,7 @@ def decode_row(model: HFServedModel, batch: int, context: int) -> dict[str, Any]
             "step_ms": round(ms, 2), "tokens_per_s": round(batch / ms * 1000, 1)}
 
 
-def step_bytes(model: HFServedModel, context: int) -> int:
+def step_bytes(model: ServedModule, context: int) -> int:
     """Bytes a batch-1 step must move, as ``bench.roofline`` counts them: the native step's
     weights once as stored, except the embedding table (one row is gathered); the recurrent
     state and conv window, read and written back; the KV cache's ``context`` positions, read
@@ -120,14 +120,14 @@ def step_bytes(model: HFServedModel, context: int) -> int:
     return moved
 
 
-def weight_bytes(model: HFServedModel) -> int:
+def weight_bytes(model: ServedModule) -> int:
     return sum(p.numel() * p.element_size() for p in model.module.parameters())
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """This project's figures (in process, no HTTP) at each thread count."""
     model = loader.load(args.checkpoint, args.dtype)
-    assert isinstance(model, HFServedModel)
+    assert isinstance(model, ServedModule)
     read = step_bytes(model, 1024)
     bw = read_bandwidth_gbs()
     rows, prefill = [], []
@@ -173,7 +173,7 @@ def compare_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
             "ours_server": {k: ours.get(k) for k in keep}}
 
 
-def kv_per_token(model: HFServedModel) -> int:
+def kv_per_token(model: ServedModule) -> int:
     """Bytes one more token adds to a session (its KV entries)."""
     state = model.new_state(1)
     return sum(e.nbytes // e.capacity for e in state.entries() if isinstance(e, KVEntry))

@@ -33,7 +33,7 @@ from bench.families import MODELS, active_bytes, make
 from bench.quant import TYPES
 from bench.roofline import read_bandwidth_gbs, stream_read
 from linserve.model import loader
-from linserve.model.architectures.hf import HFServedModel
+from linserve.model.served import ServedModule
 
 DEFAULT = ["kimi-linear-48b-a3b-4l", "ling-6l-e64", "minimax-text-01-4l-e4",
            "olmo-hybrid-7b-8l", "lfm3"]
@@ -62,7 +62,7 @@ def measure(path: Path, kind: str, context: int, rounds_of: int) -> dict[str, An
     """One model under one weight type: native and eager step times at batch 1 and the
     stream read, alternating; the median round's roofline and the median speedup."""
     served = loader.load(path, "bfloat16", quantization=TYPES[kind])
-    assert isinstance(served, HFServedModel)
+    assert isinstance(served, ServedModule)
     module = served.module
     gen = torch.Generator().manual_seed(0)
     vocab = served.info.vocab_size

@@ -39,7 +39,7 @@ from bench.common import (
 from bench.hf import decode_row, step_bytes
 from bench.roofline import read_bandwidth_gbs
 from linserve.model import loader
-from linserve.model.architectures.hf import HFServedModel
+from linserve.model.served import ServedModule
 
 TYPES = {"bf16": "none", "int8": "int8", "int4": "int4"}  # ours -> --quantization
 GGUF = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}   # the llama.cpp type beside it
@@ -49,7 +49,7 @@ def ours(checkpoint: Path, kind: str, threads: list[int], context: int, bw: floa
          ) -> dict[str, Any]:
     """In-process figures of one weight type."""
     model = loader.load(checkpoint, "bfloat16", quantization=TYPES[kind])
-    assert isinstance(model, HFServedModel)
+    assert isinstance(model, ServedModule)
     rows = []
     for t in threads:
         torch.set_num_threads(t)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from linserve.model import invariant, kernels
+from linserve.model import invariant, kernels, memory
 from linserve.model.architectures import hf, registry
 from linserve.model.architectures.registry import CheckpointLoader, Family
 from linserve.model.gguf.files import is_gguf
@@ -141,7 +141,7 @@ def max_state_bytes(path: Path) -> int:
 
 def available_memory() -> int:
     """Bytes this process may still use: the cgroup limit, else MemAvailable."""
-    return hf.available_memory()
+    return memory.available_memory()
 
 
 def batch_invariant_active() -> bool:

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import torch
 
-from linserve.model.architectures.own_model import LanguageModel, OwnModel
+from linserve.model.architectures.own_model import LanguageModel, serve
 from linserve.model.kernels import cpu_flags
 from linserve.model.own_config import ModelConfig
+from linserve.model.served import ServedModule
 from linserve.model.tokenizer import Tokenizer
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "weights" / "tokenizer.json"
@@ -41,9 +42,9 @@ def tiny_model(kind: str = "linear", seed: int = 0, **overrides: object) -> Lang
     return model
 
 
-def served(model: LanguageModel, tok: Tokenizer | None = None) -> OwnModel:
+def served(model: LanguageModel, tok: Tokenizer | None = None) -> ServedModule:
     """``model`` behind the server's model interface (with the shipped tokenizer)."""
-    return OwnModel(model, tok if tok is not None else Tokenizer.from_file(TOKENIZER))
+    return serve(model, tok if tok is not None else Tokenizer.from_file(TOKENIZER))
 
 
 AVX512 = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"})

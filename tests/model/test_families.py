@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from linserve.model import loader
-from linserve.model.architectures.hf import HFServedModel
 from linserve.model.layers.moe import SparseMoE
+from linserve.model.served import ServedModule
 from linserve.model.state import State
 from tests.model.family_fixtures import CASES, VOCAB, make, reference
 
@@ -26,9 +26,9 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return make(tmp_path_factory.mktemp(f"{family}-{name}"), family, name)
 
 
-def _served(path: Path, dtype: str = "float32") -> HFServedModel:
+def _served(path: Path, dtype: str = "float32") -> ServedModule:
     model = loader.load(path, dtype)
-    assert isinstance(model, HFServedModel)
+    assert isinstance(model, ServedModule)
     return model
 
 
@@ -65,7 +65,7 @@ def test_prefill_then_steps_equals_step_by_step_and_transformers(checkpoint: Pat
             assert _same(one, ours.step(tokens[:, t], state), ours, steps=True)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor, model: HFServedModel, steps: bool = False
+def _same(a: torch.Tensor, b: torch.Tensor, model: ServedModule, steps: bool = False
           ) -> bool:
     """Bit for bit where every mixer's arithmetic per token is independent of the call it
     falls in; else (a chunked SSD against its recurrence) within fp32 rounding. ``steps``:

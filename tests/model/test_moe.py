@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from linserve.model import invariant, kernels, loader
-from linserve.model.architectures.hf import HFServedModel
 from linserve.model.layers.mlp import SwiGLU
 from linserve.model.layers.moe import ExpertsSpec, RouterSpec, SparseMoE
+from linserve.model.served import ServedModule
 from linserve.model.state import State
 from tests.model.family_fixtures import VOCAB, make
 
@@ -29,16 +29,16 @@ def qwen_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make(tmp_path_factory.mktemp("qwen-moe"), "qwen3_5_moe", "e8k2-tied")
 
 
-def _served(path: Path, dtype: str = "float32", quantization: str = "none") -> HFServedModel:
+def _served(path: Path, dtype: str = "float32", quantization: str = "none") -> ServedModule:
     model = loader.load(path, dtype, quantization=quantization)
-    assert isinstance(model, HFServedModel)
+    assert isinstance(model, ServedModule)
     return model
 
 
 class _Calls:
     """Counts each expert's forward calls and the rows it ran on, per MoE layer."""
 
-    def __init__(self, model: HFServedModel) -> None:
+    def __init__(self, model: ServedModule) -> None:
         self.rows: Counter[tuple[int, int]] = Counter()
         self.calls: Counter[tuple[int, int]] = Counter()
         self.chosen: dict[int, torch.Tensor] = {}
@@ -76,7 +76,7 @@ class _Calls:
 
 @pytest.fixture
 def counted(qwen_moe: Path, monkeypatch: pytest.MonkeyPatch
-            ) -> Iterator[tuple[HFServedModel, _Calls]]:
+            ) -> Iterator[tuple[ServedModule, _Calls]]:
     """The model with its PyTorch MoE form counted (the native form runs in C++)."""
     monkeypatch.setattr(SparseMoE, "native", False)
     model = _served(qwen_moe)
@@ -84,7 +84,7 @@ def counted(qwen_moe: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_step_runs_only_the_chosen_experts_once_each(
-        counted: tuple[HFServedModel, _Calls]) -> None:
+        counted: tuple[ServedModule, _Calls]) -> None:
     """The eager step (the native one's reference, and the step without the kernels).
     Batch 1: top-k experts run per MoE layer, no other. Batch 4: every chosen expert runs
     once, on all the rows that chose it (grouped by expert)."""
@@ -111,7 +111,7 @@ def test_a_step_runs_only_the_chosen_experts_once_each(
 
 
 def test_rows_choosing_different_experts_are_bit_equal_alone(
-        counted: tuple[HFServedModel, _Calls]) -> None:
+        counted: tuple[ServedModule, _Calls]) -> None:
     """Both steps, eager (whose routes show the rows chose differently) and native."""
     model, calls = counted
     gen = torch.Generator().manual_seed(2)

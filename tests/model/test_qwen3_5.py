@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from linserve.model import loader
-from linserve.model.architectures.hf import HFServedModel
 from linserve.model.layers.ops.delta import delta_rule_chunked, delta_rule_naive, l2norm
+from linserve.model.served import ServedModule
 from linserve.model.state import State
 from tests.model.qwen_fixtures import KERNEL_SHAPES, SHAPES, make_checkpoint, reference
 
@@ -27,9 +27,9 @@ def native_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.T
                            tokenizer="project")
 
 
-def _served(path: Path) -> HFServedModel:
+def _served(path: Path) -> ServedModule:
     model = loader.load(path, "float32")
-    assert isinstance(model, HFServedModel)
+    assert isinstance(model, ServedModule)
     return model
 
 

@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from linserve.model import invariant, loader
-from linserve.model.architectures.hf import HFServedModel
 from linserve.model.layers.rg_lru import RGLRU
 from linserve.model.layers.shared_block import MambaLayer
+from linserve.model.served import ServedModule
 from tests.model.family_fixtures import make, reference
 
 pytest.importorskip("transformers")
 
 
-def _served(path: Path) -> HFServedModel:
+def _served(path: Path) -> ServedModule:
     model = loader.load(path, "float32")
-    assert isinstance(model, HFServedModel)
+    assert isinstance(model, ServedModule)
     return model
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from linserve.model import invariant, kernels, loader, quantize
-from linserve.model.architectures.hf import HFServedModel
+from linserve.model.served import ServedModule
 from tests.model.qwen_fixtures import make_checkpoint
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason="native kernels unavailable")
@@ -57,7 +57,7 @@ def test_an_out_of_range_token_is_refused() -> None:
 def test_a_served_tied_model_holds_its_table_once(tmp_path: Path, quantization: str) -> None:
     path = make_checkpoint(tmp_path / "ck", "i4-tied")
     model = loader.load(path, "float32", quantization=quantization)
-    assert isinstance(model, HFServedModel)
+    assert isinstance(model, ServedModule)
     emb = model.module.model.embed_tokens
     assert emb.weight.untyped_storage().nbytes() <= 4  # freed: a one-element stub
     head = invariant.frozen(emb)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from linserve.model import loader
-from linserve.model.architectures.hf import HFServedModel
 from linserve.model.inputs import Insert, InsertTable, digest_of, mark, virtual_ids
 from linserve.model.sampling import SamplingParams
+from linserve.model.served import ServedModule
 from linserve.server.engine.engine import Engine, EngineLimits
 from linserve.server.engine.types import GenerationRequest, Output
 from tests.model.family_fixtures import VOCAB, make
@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 class TokenEncoder:
     """Items whose payload is int32 token ids; their embeddings are those tokens' rows."""
 
-    def __init__(self, model: HFServedModel) -> None:
+    def __init__(self, model: ServedModule) -> None:
         self.model, self.calls = model, 0
 
     def encode(self, item: Insert) -> torch.Tensor:
@@ -43,10 +43,10 @@ def item(start: int, ids: list[int], kind: str = "test") -> Insert:
 @pytest.fixture(scope="module", params=[("lfm2", "a2-tied"), ("qwen3_5", "i4-tied")],
                 ids=lambda p: p[0])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-          ) -> HFServedModel:
+          ) -> ServedModule:
     family, shape = request.param
     served = loader.load(make(tmp_path_factory.mktemp(family), family, shape), "float32")
-    assert isinstance(served, HFServedModel)
+    assert isinstance(served, ServedModule)
     served.add_encoder("test", TokenEncoder(served))
     return served
 
@@ -55,7 +55,7 @@ def _ids(seed: int, n: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _table(model: HFServedModel, items: list[Insert]) -> InsertTable:
+def _table(model: ServedModule, items: list[Insert]) -> InsertTable:
     table = InsertTable()
     for it in items:
         table.add(it, model.encoders()["test"].encode(it))
@@ -72,7 +72,7 @@ def test_virtual_ids_are_negative_distinct_and_checked() -> None:
         mark([1, 2, 3, 4, 5], [item(0, [7, 8]), item(1, [7, 8])])
 
 
-def test_an_item_of_token_embeddings_answers_as_its_text(model: HFServedModel) -> None:
+def test_an_item_of_token_embeddings_answers_as_its_text(model: ServedModule) -> None:
     text = _ids(1, 30)
     it = item(9, text[9:17])
     logits, _ = model.prefill(torch.tensor([mark(text, [it])]), all_logits=True,
@@ -81,7 +81,7 @@ def test_an_item_of_token_embeddings_answers_as_its_text(model: HFServedModel) -
     torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
 
 
-def test_a_prompt_split_inside_an_item_answers_as_whole(model: HFServedModel) -> None:
+def test_a_prompt_split_inside_an_item_answers_as_whole(model: ServedModule) -> None:
     text = _ids(2, 40)
     items = [item(5, _ids(3, 12)), item(25, _ids(4, 6))]
     ids, table = mark(text, items), _table(model, items)
@@ -116,7 +116,7 @@ def _req(text: list[int], items: list[Insert]) -> GenerationRequest:
                              inserts=tuple(items))
 
 
-def test_the_engine_encodes_once_and_caches_by_content(model: HFServedModel) -> None:
+def test_the_engine_encodes_once_and_caches_by_content(model: ServedModule) -> None:
     """The same item again: encoded once, its prompt served from the prefix cache past the
     item, the same tokens. Another item on the same positions: never served from the
     first's entries, and its tokens are those of an engine without a cache."""

@@ -22,6 +22,7 @@ from linserve.model import invariant, kernels
 from linserve.model.architectures import hf
 from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.hf_keys import json_float
+from linserve.model.served import ServedModule, describe
 from linserve.model.state import KVEntry
 
 __all__ = ["DecoderConfig", "HFFamily", "json_float", "layer_types", "renamer",
@@ -100,7 +101,7 @@ class HFFamily:
         hf.load_tokenizer(path, hf.config_json(path), cfg.vocab_size)
 
     def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
-             ) -> hf.HFServedModel:
+             ) -> ServedModule:
         """Build the module from ``path``'s config, load its weights, tokenizer and chat
         template, pack every GEMM weight and free the originals (``weights=False``: the
         module stays on the meta device, see :func:`linserve.model.loader.load`)."""
@@ -122,10 +123,10 @@ class HFFamily:
                 log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other),
                             other[0])
         per_token = state_sizes(module, cfg.max_position_embeddings)[1]
-        return hf.HFServedModel(module, tok, hf.chat_template(path), partial(hf.fingerprint, path),
-                                self.describe(cfg), cfg.max_position_embeddings, per_token,
-                                decode_step=None if native is not None
-                                else "eager (layer by layer)")
+        info = describe(module, self.describe(cfg), cfg.max_position_embeddings, per_token,
+                        decode_step=None if native is not None else "eager (layer by layer)")
+        return ServedModule(module, tok, hf.chat_template(path),
+                            partial(hf.fingerprint, path), info)
 
 
 def require_activation(c: dict[str, Any], served: str = "silu", key: str = "hidden_act"

@@ -11,7 +11,6 @@ Every problem is a :class:`CheckpointError` with a one-line message.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -27,18 +26,14 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from linserve.model import heap, invariant, kernels
+from linserve.model import heap, invariant
 from linserve.model.fingerprint import files_fingerprint
 from linserve.model.gguf.checkpoint import GGUFCheckpoint
 from linserve.model.gguf.checkpoint import checkpoint as gguf_checkpoint
 from linserve.model.gguf.files import GGUFFileError, is_gguf
-from linserve.model.inputs import Encoder, InsertTable
-from linserve.model.interface import CheckpointError, DraftHead, ModelInfo
+from linserve.model.interface import CheckpointError
 from linserve.model.layers import moe
-from linserve.model.state import State
-from linserve.model.state_blob import state_from_bytes, state_to_bytes
 from linserve.model.tokenizer import Tokenizer
-from linserve.model.verify import Trail, keep
 
 log = logging.getLogger("linserve")
 ALLOW = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
@@ -494,111 +489,3 @@ def chat_template(path: Path) -> str | None:
         return file.read_text()
     template = read_json(path / "tokenizer_config.json", required=False).get("chat_template")
     return template if isinstance(template, str) else None
-
-
-def available_memory() -> int:
-    """Bytes this process may still use: the cgroup limit, else MemAvailable."""
-    for limit_file in ("/sys/fs/cgroup/memory.max",
-                       "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(limit_file).read_text().strip()
-            if text.isdigit() and int(text) < 1 << 60:
-                return int(text)
-        except OSError:
-            pass
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 1 << 62
-
-
-class HFServedModel:
-    """A Hugging Face text model behind the server's interface. ``module`` provides
-    ``prefill``, ``step``, ``new_state`` and ``n_params`` (as :class:`Qwen35ForCausalLM`)."""
-
-    def __init__(self, module: Any, tok: Tokenizer, template: str | None,
-                 fp: str | Callable[[], str], architecture: str, context_limit: int,
-                 per_token: int, chunk: int = 64, decode_step: str | None = None) -> None:
-        """``fp``: the weights' fingerprint, or what computes it on first use (only states
-        and shared prefixes need it)."""
-        self.module, self._tok, self._template = module, tok, template
-        # states of quantized weights are not interchangeable with the unquantized ones'
-        quant = invariant.quantization()
-        self._fp_of, self._fp_suffix = fp, "" if quant == "none" else f"-{quant}"
-        self._fp: str | None = None
-        self.chunk = chunk
-        self.context_limit = context_limit
-        self._encoders: dict[str, Encoder] = {}
-        empty = module.new_state(1, context_limit)
-        first = next(module.parameters())
-        dtype, described = first.dtype, first.is_meta  # described: no weights were read
-        self.info = ModelInfo(
-            architecture=architecture, vocab_size=module.cfg.vocab_size,
-            context_limit=context_limit, params=module.n_params(),
-            dtype=str(dtype).removeprefix("torch."),
-            decode_step=decode_step or ("fused (whole model, one native call)"
-                                        if kernels.available() else "eager"),
-            ragged_prefill=True, state_bytes=empty.nbytes, state_grows=empty.grows,
-            state_layout=empty.layout(), state_bytes_per_token=per_token,
-            weight_bytes=0 if described else invariant.resident_bytes(module),
-            embedding_bytes=0 if described else invariant.embedding_bytes(module),
-            quantization=invariant.quantization())
-
-    def fingerprint(self) -> str:
-        if self._fp is None:
-            fp = self._fp_of if isinstance(self._fp_of, str) else self._fp_of()
-            self._fp = fp + self._fp_suffix
-        return self._fp
-
-    def drop_weights(self) -> None:
-        self.module.drop_weights()
-
-    def tokenizer(self) -> Tokenizer:
-        return self._tok
-
-    def chat_template(self) -> str | None:
-        return self._template
-
-    def new_state(self, batch: int = 1) -> State:
-        return self.module.new_state(batch, self.context_limit)
-
-    def prefill(self, tokens: torch.Tensor, state: State | None = None,
-                all_logits: bool = False, inserts: InsertTable | None = None
-                ) -> tuple[torch.Tensor, State]:
-        if state is None:
-            state = self.new_state(tokens.shape[0])
-        return self.module.prefill(tokens, state, all_logits, inserts)
-
-    def encoders(self) -> dict[str, Encoder]:
-        return dict(self._encoders)
-
-    def add_encoder(self, kind: str, encoder: Encoder) -> None:
-        """Take items of ``kind`` from now on (``info.input_kinds`` says so)."""
-        self._encoders[kind] = encoder
-        self.info = dataclasses.replace(self.info, input_kinds=tuple(self._encoders))
-
-    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
-                       ) -> tuple[torch.Tensor, list[State]]:
-        return self.module.prefill_ragged(prompts, states)
-
-    def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
-        return self.module.step(tokens, state)
-
-    def verify(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, Trail]:
-        return self.module.verify(tokens, state)
-
-    def keep(self, state: State, trail: Trail, fed: torch.Tensor) -> None:
-        keep(state, trail, fed)
-
-    def draft_head(self) -> DraftHead | None:
-        head: DraftHead | None = getattr(self.module, "draft_head", lambda: None)()
-        return head
-
-    def prefill_split(self, todo: int, cap: int, budget: int) -> int:
-        return invariant.prefill_split(todo, cap, budget, self.chunk)
-
-    def state_to_bytes(self, state: State, extra: dict[str, Any] | None = None) -> bytes:
-        return state_to_bytes(state, self.fingerprint(), extra)
-
-    def state_from_bytes(self, data: bytes) -> tuple[State, dict[str, Any]]:
-        return state_from_bytes(data, self.new_state(1), self.fingerprint())

@@ -5,8 +5,9 @@ sliding-window models, one family.
 - :class:`LanguageModel`: one set of weights, three forms (forward for training, prefill,
   step), over the blocks of :mod:`linserve.model.layers.own` and the fused native step of
   :mod:`linserve.model.layers.own_step`.
-- :class:`OwnModel`: a loaded model and its tokenizer behind
-  :class:`linserve.model.interface.ServedModel`.
+- :func:`serve`: a loaded model and its tokenizer behind
+  :class:`linserve.model.interface.ServedModel` (the one adapter,
+  :class:`linserve.model.served.ServedModule`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -24,16 +25,16 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from linserve.model import invariant, kernels
-from linserve.model.inputs import Encoder, InsertTable
+from linserve.model.inputs import InsertTable
 from linserve.model.interface import ModelInfo
 from linserve.model.layers import own_step
 from linserve.model.layers.own import Block
 from linserve.model.layers.own_step import FusedStep
 from linserve.model.own_config import ModelConfig
+from linserve.model.served import ServedModule
 from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
-from linserve.model.state_blob import state_from_bytes, state_to_bytes
 from linserve.model.tokenizer import Tokenizer
-from linserve.model.verify import Trail, keep, verify_by_steps
+from linserve.model.verify import Trail, verify_by_steps
 
 
 def empty_state(cfg: ModelConfig, batch: int = 1) -> State:
@@ -85,8 +86,19 @@ class LanguageModel(nn.Module):
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def new_state(self, batch: int = 1) -> State:
+    def new_state(self, batch: int = 1, max_context: int | None = None) -> State:
+        """An empty state of ``batch`` rows (its KV caches grow as they fill, whatever
+        ``max_context`` says)."""
+        del max_context
         return empty_state(self.cfg, batch)
+
+    def verify(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, Trail]:
+        """Speculative decoding's verify, step by step (:mod:`linserve.model.verify`)."""
+        state.reserve(int(state.lengths.max()) + tokens.shape[1])
+        return verify_by_steps(self.step, tokens, state)
+
+    def drop_weights(self) -> None:
+        """Kept: the project's models are a few MB."""
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         return invariant.linear(self.norm(x), self.embed.weight, self.embed).float()
@@ -100,13 +112,16 @@ class LanguageModel(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, state: State | None = None,
-                all_logits: bool = False) -> tuple[torch.Tensor, State]:
+                all_logits: bool = False, inserts: InsertTable | None = None
+                ) -> tuple[torch.Tensor, State]:
         """Run tokens ``[B, T]`` in the parallel form after ``state`` (None: empty).
 
         Returns logits ``[B, V]`` for the last position (``[B, T, V]`` with ``all_logits``) and
         a new state; the input state is not modified. For softmax, all rows must share one
-        cache length.
+        cache length. These models take text only (no ``inserts``).
         """
+        if inserts:
+            raise ValueError("the project's own models take text only")
         b, t = tokens.shape
         state = self.new_state(b) if state is None else state.copy()
         if not self.cfg.is_recurrent:
@@ -253,89 +268,33 @@ def max_state_bytes(path: Path) -> int:
     return state.nbytes + per_slot * slots
 
 
-class OwnModel:
+def serve(model: LanguageModel, tok: Tokenizer) -> ServedModule:
     """A loaded :class:`LanguageModel` and its tokenizer, as a served model."""
+    cfg = model.cfg
+    empty = model.new_state(1)
+    info = ModelInfo(
+        architecture=cfg.kind, vocab_size=cfg.vocab_size,
+        context_limit=cfg.context_limit, params=model.n_params(),
+        dtype=str(model.dtype).removeprefix("torch."),
+        decode_step="fused" if model.uses_fused_step else "eager",
+        ragged_prefill=cfg.is_recurrent, state_bytes=empty.nbytes,
+        state_grows=empty.grows, state_layout=empty.layout(),
+        state_bytes_per_token=0 if not empty.grows else
+        2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 4,
+        weight_bytes=invariant.resident_bytes(model, model.fused_weights),
+        embedding_bytes=invariant.embedding_bytes(model),
+        quantization=invariant.quantization())
+    return ServedModule(model, tok, None, model.fingerprint, info, chunk=cfg.chunk_size)
 
-    def __init__(self, model: LanguageModel, tok: Tokenizer) -> None:
-        self.model = model
-        self._tok = tok
-        cfg = model.cfg
-        empty = model.new_state(1)
-        self.info = ModelInfo(
-            architecture=cfg.kind, vocab_size=cfg.vocab_size,
-            context_limit=cfg.context_limit, params=model.n_params(),
-            dtype=str(model.dtype).removeprefix("torch."),
-            decode_step="fused" if model.uses_fused_step else "eager",
-            ragged_prefill=cfg.is_recurrent, state_bytes=empty.nbytes,
-            state_grows=empty.grows, state_layout=empty.layout(),
-            state_bytes_per_token=0 if not empty.grows else
-            2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 4,
-            weight_bytes=invariant.resident_bytes(model, model.fused_weights),
-            embedding_bytes=invariant.embedding_bytes(model),
-            quantization=invariant.quantization())
 
-    @classmethod
-    def load(cls, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
-             ) -> OwnModel:
-        """The checkpoint, weights included whatever ``weights`` says (a few MB)."""
-        model = load_model(path, dtype, fused=fused)
-        tok = Tokenizer.from_file(path / model.cfg.tokenizer)
-        if tok.vocab_size != model.cfg.vocab_size:
-            raise ValueError(f"tokenizer has {tok.vocab_size} tokens, model "
-                             f"{model.cfg.vocab_size}")
-        return cls(model, tok)
-
-    def drop_weights(self) -> None:
-        """Kept: the project's models are a few MB."""
-
-    def fingerprint(self) -> str:
-        quant = self.info.quantization  # quantized weights' states are not interchangeable
-        return self.model.fingerprint() + ("" if quant == "none" else f"-{quant}")
-
-    def tokenizer(self) -> Tokenizer:
-        return self._tok
-
-    def chat_template(self) -> str | None:
-        return None
-
-    def new_state(self, batch: int = 1) -> State:
-        return self.model.new_state(batch)
-
-    def prefill(self, tokens: torch.Tensor, state: State | None = None,
-                all_logits: bool = False, inserts: InsertTable | None = None
-                ) -> tuple[torch.Tensor, State]:
-        if inserts:
-            raise ValueError("the project's own models take text only")
-        return self.model.prefill(tokens, state, all_logits)
-
-    def encoders(self) -> dict[str, Encoder]:
-        return {}
-
-    def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
-                       ) -> tuple[torch.Tensor, list[State]]:
-        return self.model.prefill_ragged(prompts, states)
-
-    def step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
-        return self.model.step(tokens, state)
-
-    def verify(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, Trail]:
-        state.reserve(int(state.lengths.max()) + tokens.shape[1])
-        return verify_by_steps(self.model.step, tokens, state)
-
-    def keep(self, state: State, trail: Trail, fed: torch.Tensor) -> None:
-        keep(state, trail, fed)
-
-    def draft_head(self) -> None:
-        return None
-
-    def prefill_split(self, todo: int, cap: int, budget: int) -> int:
-        return invariant.prefill_split(todo, cap, budget, self.model.cfg.chunk_size)
-
-    def state_to_bytes(self, state: State, extra: dict[str, Any] | None = None) -> bytes:
-        return state_to_bytes(state, self.fingerprint(), extra)
-
-    def state_from_bytes(self, data: bytes) -> tuple[State, dict[str, Any]]:
-        return state_from_bytes(data, self.model.new_state(1), self.fingerprint())
+def load_served(path: Path, dtype: torch.dtype, fused: bool) -> ServedModule:
+    """The checkpoint at ``path`` with its tokenizer, served."""
+    model = load_model(path, dtype, fused=fused)
+    tok = Tokenizer.from_file(path / model.cfg.tokenizer)
+    if tok.vocab_size != model.cfg.vocab_size:
+        raise ValueError(f"tokenizer has {tok.vocab_size} tokens, model "
+                         f"{model.cfg.vocab_size}")
+    return serve(model, tok)
 
 
 class OwnFamily:
@@ -347,9 +306,9 @@ class OwnFamily:
         del path, dtype
 
     def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
-             ) -> OwnModel:
+             ) -> ServedModule:
         del weights
-        return OwnModel.load(path, dtype, fused)
+        return load_served(path, dtype, fused)
 
     def max_state_bytes(self, path: Path) -> int:
         return max_state_bytes(path)

@@ -35,6 +35,7 @@ from linserve.model.architectures.qwen3_5.layers import (
 from linserve.model.architectures.qwen3_5.mtp import NativeArgs, QwenMTP, native_args
 from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.moe import split_stacked
+from linserve.model.served import ServedModule, describe
 from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
 from linserve.model.verify import Trail, verify_by_steps
 
@@ -244,7 +245,7 @@ class Variant:
         hf.load_tokenizer(path, hf.config_json(path), cfg.vocab_size)
 
     def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
-             ) -> hf.HFServedModel:
+             ) -> ServedModule:
         """Build the text model from ``path``'s config and load its weights (the text part
         only of a vision-language checkpoint), tokenizer and chat template (``weights``:
         see :func:`linserve.model.loader.load`)."""
@@ -256,10 +257,11 @@ class Variant:
             module = hf.cast(Qwen35ForCausalLM(cfg), dtype).eval()  # never all of it in fp32
         if weights:
             self._load_weights(hf.materialise(module), path, dtype)
-        return hf.HFServedModel(module, tok, hf.chat_template(path), partial(hf.fingerprint, path),
-                                self.describe(cfg), cfg.max_position_embeddings,
-                                state_bytes_per_token(cfg),
-                                decode_step=None if module.fused else "eager (layer by layer)")
+        info = describe(module, self.describe(cfg), cfg.max_position_embeddings,
+                        state_bytes_per_token(cfg),
+                        decode_step=None if module.fused else "eager (layer by layer)")
+        return ServedModule(module, tok, hf.chat_template(path),
+                            partial(hf.fingerprint, path), info)
 
     def describe(self, cfg: Qwen35Config) -> str:
         attn = sum(t == "full_attention" for t in cfg.layer_types)
