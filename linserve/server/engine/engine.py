@@ -183,8 +183,8 @@ class Engine:
             elif cmd == "finish_all":
                 self._finish_everything()
             elif cmd == "cancel":
-                request_id, sent = arg
-                self._cancel(request_id, sent)
+                request_id, sent_tokens = arg
+                self._cancel(request_id, sent_tokens)
             try:
                 cmd, arg = self.inbox.get_nowait()
             except queue.Empty:
@@ -498,7 +498,7 @@ class Engine:
                 seq.fail(f"sampling failed: {exc}")
 
     # ---- finishing -------------------------------------------------------------------
-    def _retire(self, seq: Sequence, sent: int | None = None) -> None:
+    def _retire(self, seq: Sequence, sent_tokens: int | None = None) -> None:
         """Remove a finished running sequence from the batch and finish it.
 
         A session request keeps the state that ends exactly where the client's text ends
@@ -508,13 +508,13 @@ class Engine:
         truncated to the common prefix (KV cache): at most the tokens the client was sent.
         """
         slot = self.running.index(seq)
-        if (self.prefix is not None and self.prefix.eligible(seq) and sent is None
+        if (self.prefix is not None and self.prefix.eligible(seq) and sent_tokens is None
                 and seq.finish_reason != "error"):
             self._cache_generation(seq, slot)
         state: State | None = None
         target: list[int] | None = None
-        if seq.req.want_state and seq.finish_reason != "error" and sent != 0:
-            target = self._session_target(seq, sent)
+        if seq.req.want_state and seq.finish_reason != "error" and sent_tokens != 0:
+            target = self._session_target(seq, sent_tokens)
             if target == seq.generated or self.pool.state.truncatable:
                 state = self.pool.take(slot)
         moved = self.pool.remove(slot)
@@ -559,18 +559,18 @@ class Engine:
 
         self.replays.add(Replay(base, target[keep:], done, failed, seq.req.request_id))
 
-    def _session_target(self, seq: Sequence, sent: int | None) -> list[int]:
+    def _session_target(self, seq: Sequence, sent_tokens: int | None) -> list[int]:
         """The generated tokens the session should hold (see
         :mod:`linserve.server.sessions.transcript`)."""
-        tokens = seq.generated if sent is None else seq.generated[:sent]
-        text = seq.text if sent is None else self.tok.decode(tokens)
+        tokens = seq.generated if sent_tokens is None else seq.generated[:sent_tokens]
+        text = seq.text if sent_tokens is None else self.tok.decode(tokens)
         if seq.req.chat:
             target = session_tokens(self.tok, tokens, chat_turn_text(text))
-        elif seq.cut or sent is not None:
+        elif seq.cut or sent_tokens is not None:
             target = session_tokens(self.tok, tokens, text)
         else:
             target = list(tokens)
-        seq.held = len(target)
+        seq.kept_tokens = len(target)
         return target
 
     def _rebuild(self, seq: Sequence, row: State | None, target: list[int]) -> None:
@@ -631,7 +631,7 @@ class Engine:
         if seq.req.want_state and state is not None:
             out.final_state = state
             out.final_pending = pending
-            held = len(seq.generated) if seq.held is None else seq.held
+            held = len(seq.generated) if seq.kept_tokens is None else seq.kept_tokens
             out.final_tokens = seq.req.start_tokens + seq.prompt_len + held
         metrics.REQUESTS.labels(status=seq.finish_reason).inc()
         if sink is not None:
@@ -642,7 +642,7 @@ class Engine:
             batch, self._outbox = self._outbox, []
             self.deliver(batch)
 
-    def _cancel(self, request_id: str, sent: int | None) -> None:
+    def _cancel(self, request_id: str, sent_tokens: int | None) -> None:
         for queue_ in (self.waiting, self.prefilling):
             for seq in queue_:
                 if seq.req.request_id == request_id:
@@ -654,10 +654,10 @@ class Engine:
             if seq.req.request_id == request_id:
                 seq.cancelled = True
                 seq.finish_reason = "cancelled"
-                self._retire(seq, sent)
+                self._retire(seq, sent_tokens)
                 return
         log.info("cancel of %s (%s tokens sent): not queued, prefilling or running", request_id,
-                 sent)
+                 sent_tokens)
 
     def _finish_everything(self) -> None:
         for seq in [*self.waiting, *self.prefilling]:

@@ -37,9 +37,10 @@ class Sequence:
         self.generated: list[int] = []
         self.last_token: int | None = None
         self.text = ""
-        self.sent = 0  # characters of ``text`` already emitted
+        self.chars_sent = 0  # characters of ``text`` already emitted
         self.emitted_tokens = 0  # tokens of ``generated`` already emitted
-        self.hold = max((len(s) for s in req.stop), default=1) - 1
+        # characters held back: the longest stop string less one could still be completing
+        self.stop_lookahead = max((len(s) for s in req.stop), default=1) - 1
         self.finish_reason: str | None = None
         self.pending_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob] | None = [] if req.prompt_logprobs else None
@@ -49,7 +50,7 @@ class Sequence:
         self.cut = False  # a stop string truncated the text: the session is rebuilt from it
         self.stop_string: str | None = None  # the stop string that ended the output
         self.error: str | None = None  # why the request failed (finish_reason "error")
-        self.held: int | None = None  # generated tokens the session keeps (None: all)
+        self.kept_tokens: int | None = None  # generated tokens the session keeps (None: all)
         self.reserved = 0  # state bytes the engine set aside for this sequence
         self.snapshot: State | None = None  # state right after the prompt (session replays)
         self.solo = False  # prefill alone (a ragged batch holding it failed once)
@@ -126,7 +127,7 @@ class Sequence:
             self.finish_reason = "length"
 
     def _check_stop_strings(self) -> bool:
-        start = max(0, self.sent - self.hold)
+        start = max(0, self.chars_sent - self.stop_lookahead)
         hits = [(i, s) for s in self.req.stop if (i := self.text.find(s, start)) >= 0]
         if hits:
             at, self.stop_string = min(hits)
@@ -141,15 +142,16 @@ class Sequence:
         turn into a stop string) and the new tokens."""
         if self.finish_reason in ("length", "cancelled"):
             self.text += self.detok.flush()
-        safe = len(self.text) if self.finish_reason else max(self.sent, len(self.text) - self.hold)
-        out = Output(text=self.text[self.sent : safe], logprobs=self.pending_logprobs,
+        safe = len(self.text) if self.finish_reason else max(
+            self.chars_sent, len(self.text) - self.stop_lookahead)
+        out = Output(text=self.text[self.chars_sent : safe], logprobs=self.pending_logprobs,
                      finish_reason=self.finish_reason, prompt_tokens=self.prompt_len,
                      completion_tokens=len(self.generated), error=self.error,
                      cached_tokens=self.cached,
                      stop_string=self.stop_string if self.finish_reason else None)
         out.token_ids = self.generated[self.emitted_tokens :]
         self.emitted_tokens = len(self.generated)
-        self.sent = safe
+        self.chars_sent = safe
         self.pending_logprobs = []
         if self.prompt_logprobs is not None:
             out.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
