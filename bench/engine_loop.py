@@ -26,7 +26,7 @@ import torch
 
 from bench.common import machine, print_table, write_json
 from bench.concurrency import raw_step_tokens_per_s
-from linserve.model import invariant, loader
+from linserve.model import loader, modes
 from linserve.model.sampling import SamplingParams
 from linserve.server.engine.client import dispatch
 from linserve.server.engine.engine import Engine, EngineLimits
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = {name: f.default for name, f in Settings.model_fields.items()}  # the defaults
     pin_mmap_threshold(args.malloc_threshold)  # 0: glibc's defaults, as the engine process
     dtype = pick_dtype(args.dtype)[0]
-    model = loader.load(args.weights, dtype, batch_invariant=invariant.enabled())
+    model = loader.load(args.weights, dtype, batch_invariant=modes.enabled())
     warm_up(model)
     limits = EngineLimits(args.clients, 10**9, settings["prefill_chunk"],
                           settings["step_token_budget"],

@@ -20,7 +20,7 @@ import torch
 
 from bench.common import machine, print_table, write_json
 from bench.roofline import stream_read
-from linserve.model import invariant, kernels, quantize
+from linserve.model import kernels, packing, quantize
 
 
 def gb_per_s(fn: Callable[[], object], nbytes: int) -> float:
@@ -42,7 +42,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     raw = [torch.randn(2048, 16384) * 0.02 for _ in range(8)]
-    ws = [invariant.pack(w.bfloat16()) if args.kind == "bf16" else quantize.pack(w, args.kind)
+    ws = [packing.pack(w.bfloat16()) if args.kind == "bf16" else quantize.pack(w, args.kind)
           for w in raw]
     del raw
     nbytes = sum(w.numel() * w.element_size() for w in ws)

@@ -15,12 +15,12 @@ from typing import Any
 
 from bench import engine_loop
 from bench.common import RESULTS, machine, print_table, write_json
-from linserve.model import invariant
+from linserve.model import modes
 
 
 def measure(args: argparse.Namespace, dtype: str, clients: int, on: bool) -> float:
     """Tokens/s of the engine loop for one arm."""
-    invariant.set_enabled(on)
+    modes.set_enabled(on)
     loop_args = engine_loop.main_parser().parse_args([
         "--weights", str(args.weights), "--clients", str(clients), "--dtype", dtype,
         "--requests", str(max(clients * 2, args.min_requests)),
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"dtype": dtype, "clients": clients, "off_tok_s": best[False],
                          "on_tok_s": best[True],
                          "on_over_off": round(best[True] / best[False], 3)})
-    invariant.set_enabled(True)
+    modes.set_enabled(True)
     print_table(rows, list(rows[0]))
     write_json("invariance", {"machine": machine(), "args": vars(args) | {
         "weights": str(args.weights)}, "rows": rows})

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench.serverproc import ROOT, ServerProcess
+from linserve.model import modes
 from linserve.model.tokenizer import Tokenizer
 
 WEIGHTS = ROOT / "weights"
@@ -130,10 +131,9 @@ def _process_modes() -> Iterator[None]:
     """Restore the process-wide inference modes after every test: ``loader.load`` sets the
     quantization for the whole process (as the engine does once at start), and a test that
     loaded an int8 model would otherwise leave every later in-process model quantized."""
-    from linserve.model import invariant
 
-    before = invariant.enabled(), invariant.quantization()
+    before = modes.enabled(), modes.quantization()
     yield
-    if invariant.enabled() != before[0]:
-        invariant.set_enabled(before[0])
-    invariant.set_quantization(before[1])
+    if modes.enabled() != before[0]:
+        modes.set_enabled(before[0])
+    modes.set_quantization(before[1])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from linserve.model import invariant, kernels, memory
+from linserve.model import kernels, memory, modes, packing
 from linserve.model.architectures import hf, registry
 from linserve.model.architectures.registry import CheckpointLoader, Family
 from linserve.model.gguf.files import is_gguf
@@ -77,13 +77,13 @@ def load(path: Path, dtype: str = "auto", fused: bool = True,
     if quantization != "none" and not kernels.available():
         raise CheckpointError(f"--quantization {quantization} needs the native kernels, "
                               f"which did not load ({kernels.load_error()})")
-    invariant.set_enabled(batch_invariant)
-    invariant.set_quantization(quantization)
+    modes.set_enabled(batch_invariant)
+    modes.set_quantization(quantization)
     # a GGUF file's Q4_0 matrices stay in their blocks unless --dtype asks for floats
-    invariant.set_native_blocks(is_gguf(path) and dtype == "auto" and quantization == "none")
+    packing.set_native_blocks(is_gguf(path) and dtype == "auto" and quantization == "none")
     if is_gguf(path) and weights:
         log.info("%s: %s", path.name, hf.gguf(path).load_plan(pick_dtype(dtype)[0],
-                                                              invariant.native_blocks()))
+                                                              packing.native_blocks()))
     try:
         return fam.loader().load(path, getattr(torch, pick_dtype(dtype)[0]), fused, weights)
     except OSError as exc:
@@ -146,4 +146,4 @@ def available_memory() -> int:
 
 def batch_invariant_active() -> bool:
     """Whether batch-invariant kernels are running in this process."""
-    return invariant.active()
+    return modes.active()

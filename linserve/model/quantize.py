@@ -18,7 +18,7 @@ GEMMs, recurrent states and KV caches stay fp32.
   fewer than :data:`MIN_INPUTS` inputs is not quantized.
 
 The functions here work on GEMM weights stored ``[in, out]`` (``K × N``), the layout
-:func:`linserve.model.invariant.pack` receives.
+:func:`linserve.model.packing.pack` receives.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def stored_format(fmt: int) -> int:
 
 
 def mode_of(packed: torch.Tensor, k: int | None = None) -> str:
-    """The quantization of a weight as :func:`pack` or :func:`linserve.model.invariant.pack` left
+    """The quantization of a weight as :func:`pack` or :func:`linserve.model.packing.pack` left
     it: ``int8``, ``int4``, ``none``, or (a GGUF file's blocks, told apart by the stored
     rows of its ``k`` inputs) ``q8``, ``q4k``, ``q8k``, ``q6``, ``q6s``, ``q4l`` or ``q8l``, or
     ``mixed`` (parts of several of those side by side: ``gemm_mixed.h``)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from linserve.model import invariant, kernels
+from linserve.model import invariant, kernels, modes, packing
 from linserve.model.inputs import Encoder, InsertTable
 from linserve.model.interface import DraftHead, ModelInfo
 from linserve.model.state import State
@@ -43,9 +43,9 @@ def describe(module: Any, architecture: str, context_limit: int | None, per_toke
                                     if kernels.available() else "eager"),
         ragged_prefill=ragged_prefill, state_bytes=empty.nbytes, state_grows=empty.grows,
         state_layout=empty.layout(), state_bytes_per_token=per_token,
-        weight_bytes=0 if described else invariant.resident_bytes(module),
-        embedding_bytes=0 if described else invariant.embedding_bytes(module),
-        quantization=invariant.quantization())
+        weight_bytes=0 if described else packing.resident_bytes(module),
+        embedding_bytes=0 if described else packing.embedding_bytes(module),
+        quantization=modes.quantization())
 
 
 class ServedModule:
@@ -57,7 +57,7 @@ class ServedModule:
                  fp: str | Callable[[], str], info: ModelInfo, chunk: int = 64) -> None:
         self.module, self._tok, self._template = module, tok, template
         # states of quantized weights are not interchangeable with the unquantized ones'
-        quant = invariant.quantization()
+        quant = modes.quantization()
         self._fp_of, self._fp_suffix = fp, "" if quant == "none" else f"-{quant}"
         self._fp: str | None = None
         self.chunk, self.info = chunk, info

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from linserve.model import invariant, kernels
+from linserve.model import invariant, kernels, modes, packing
 from linserve.model.kernels import cpu_flags
 from tests.model.helpers import AVX512, forced_avx2_runs_new_paths, tiny_model
 
@@ -49,7 +49,7 @@ def test_invariant_mm_rows_do_not_depend_on_the_batch(dtype: torch.dtype, packed
     columns."""
     torch.manual_seed(0)
     w = torch.randn(k, n).to(dtype)
-    wk = invariant.pack(w) if packed else w  # 4,500 columns: two panels and a narrow one
+    wk = packing.pack(w) if packed else w  # 4,500 columns: two panels and a narrow one
     x = torch.randn(64, k)
     full = torch.ops.linserve.invariant_mm(x, wk)
     for b in range(1, 65):
@@ -74,7 +74,7 @@ def test_one_column_has_the_bits_of_a_wider_product(dtype: torch.dtype, packed: 
     torch.manual_seed(1)
     w = torch.randn(k, 2).to(dtype)
     x = torch.randn(45, k)
-    one, two = ((invariant.pack(v) if packed else v) for v in (w[:, :1].contiguous(), w))
+    one, two = ((packing.pack(v) if packed else v) for v in (w[:, :1].contiguous(), w))
     for rows in (1, 5, 16, 17, 45):
         assert torch.equal(torch.ops.linserve.invariant_mm(x[:rows], one),
                            torch.ops.linserve.invariant_mm(x[:rows], two)[:, :1])
@@ -90,7 +90,7 @@ def test_amx_tiles_agree_with_the_bf16_dot_products(k: int, n: int) -> None:
     narrow last panel)."""
     torch.manual_seed(0)
     w = torch.randn(k, n).bfloat16()
-    wp = invariant.pack(w)
+    wp = packing.pack(w)
     x = torch.randn(16, k)
     ref = x.bfloat16().double() @ w.double()
     try:
@@ -107,11 +107,11 @@ def test_amx_tiles_agree_with_the_bf16_dot_products(k: int, n: int) -> None:
 
 def _quantized(mode: str, w: torch.Tensor) -> torch.Tensor:
     """w [K, N] packed as the engine packs it with ``--quantization mode``."""
-    invariant.set_quantization(mode)
+    modes.set_quantization(mode)
     try:
-        return invariant.pack(w)
+        return packing.pack(w)
     finally:
-        invariant.set_quantization("none")
+        modes.set_quantization("none")
 
 
 @pytest.mark.skipif(not (kernels.load() and torch.ops.linserve.amx_active()),
@@ -211,7 +211,7 @@ def test_causal_attention_rows_do_not_depend_on_the_call(heads: int, groups: int
 
 
 def _causal_attention_case(heads: int, groups: int, dim: int) -> None:
-    assert invariant.active()
+    assert modes.active()
     torch.manual_seed(0)
     t, before = 40, 9
     q = torch.randn(2, heads, t, dim)
@@ -240,11 +240,11 @@ def test_prefill_split_falls_on_chunk_multiples() -> None:
     assert invariant.prefill_split(1000, 512, 40, 64) == 0
     assert invariant.prefill_split(30, 512, 40, 64) == 30
     assert invariant.prefill_split(100, 16, 512, 64) == 16
-    invariant.set_enabled(False)
+    modes.set_enabled(False)
     try:
         assert invariant.prefill_split(1000, 512, 300, 64) == 300
     finally:
-        invariant.set_enabled(True)
+        modes.set_enabled(True)
 
 
 def _instruction_sets() -> list[tuple[str, str]]:

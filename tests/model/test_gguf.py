@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from bench import llamacpp_assets
-from linserve.model import invariant, loader, quantize
+from linserve.model import loader, packing, quantize
 from linserve.model.gguf import vocab
 from linserve.model.gguf.checkpoint import NATIVE, SERVED, dequantize
 from linserve.model.gguf.files import Tensor, open_model
@@ -351,7 +351,7 @@ def test_blocks_multiply_natively_as_they_are(qtype: GGMLQuantizationType) -> No
     dequantized matrix's (activations quantized as the kernel does) within fp32 rounding,
     and batch-invariant; packing it never quantizes again, and a tied head in it gives each
     token's row back exactly as gguf-py dequantizes it."""
-    from linserve.model import invariant, kernels
+    from linserve.model import kernels
     from linserve.model.gguf.checkpoint import block_values
 
     if not kernels.load():
@@ -362,12 +362,12 @@ def test_blocks_multiply_natively_as_they_are(qtype: GGMLQuantizationType) -> No
     layer = torch.nn.Linear(k, n, bias=False)
     with torch.no_grad():
         layer.weight.copy_(torch.from_numpy(quants.dequantize(raw, qtype).reshape(n, k)))
-    invariant.set_native_blocks(True)
+    packing.set_native_blocks(True)
     try:
-        invariant.give_blocks(layer.weight, invariant.Blocks((n, k), NATIVE[qtype], q, scales))
-        packed = invariant.gemm_weight(layer, layer.weight)
+        packing.give_blocks(layer.weight, packing.Blocks((n, k), NATIVE[qtype], q, scales))
+        packed = packing.gemm_weight(layer, layer.weight)
     finally:
-        invariant.set_native_blocks(False)
+        packing.set_native_blocks(False)
     stored = quantize.stored_format(NATIVE[qtype])  # (Q6_K: q6s in six bits, or q6)
     assert quantize.mode_of(packed, k) == {1: "int4", 2: "q8", 3: "q4k", 4: "q8k", 5: "q6",
                                            6: "q4l", 7: "q8l", 8: "q6s"}[stored]
@@ -421,7 +421,7 @@ def test_parts_in_different_formats_run_as_one_mixed_weight() -> None:
     beside its Q4_K attn_gate and ssm_alpha): a mixed weight of each part's own blocks, never
     a dequantized copy; each run of one format's columns are exactly that run's own product
     (the two Q4_K parts are one run), and the whole is batch-invariant."""
-    from linserve.model import invariant, kernels
+    from linserve.model import kernels
     from linserve.model.gguf.checkpoint import block_values
 
     if not kernels.load():
@@ -430,20 +430,20 @@ def test_parts_in_different_formats_run_as_one_mixed_weight() -> None:
     shapes = [(GGMLQuantizationType.Q6_K, 70), (GGMLQuantizationType.Q4_K, 40),
               (GGMLQuantizationType.Q4_K, 16), (GGMLQuantizationType.Q5_K, 9)]
     owner, weights, alone = torch.nn.Module(), [], []
-    invariant.set_native_blocks(True)
+    packing.set_native_blocks(True)
     try:
         for i, (qtype, n) in enumerate(shapes):
             raw = gguf_fixtures.random_blocks(qtype, n, k, seed=10 + i)
             q, scales = block_values(Tensor("w", (n, k), qtype, raw, raw.nbytes))
             w = torch.from_numpy(quants.dequantize(raw, qtype).reshape(n, k)).clone()
-            invariant.give_blocks(w, invariant.Blocks((n, k), NATIVE[qtype], q, scales))
+            packing.give_blocks(w, packing.Blocks((n, k), NATIVE[qtype], q, scales))
             weights.append(w)
             alone.append((q, scales))
-        packed = invariant.gemm_weight(owner, *weights)
+        packed = packing.gemm_weight(owner, *weights)
     finally:
-        invariant.set_native_blocks(False)
+        packing.set_native_blocks(False)
     assert quantize.mode_of(packed, k) == "mixed" and packed.shape[1] == 135
-    assert invariant.pending_blocks() == 0
+    assert packing.pending_blocks() == 0
     assert packed.numel() * 2 < sum(w.numel() for w in weights)  # blocks, not bf16 values
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(4))
     full = torch.ops.linserve.invariant_mm(x, packed)
@@ -481,7 +481,7 @@ def test_a_block_file_runs_on_its_blocks_and_dtype_dequantizes(
     want = _logits(flat, ids)
     torch.testing.assert_close(_logits(q4, ids), want, rtol=0, atol=0)  # float32: dequantized
     native = loader.load(q4, dtype="auto")
-    assert invariant.pending_blocks() == 0  # the untied table's blocks were never kept
+    assert packing.pending_blocks() == 0  # the untied table's blocks were never kept
     # int4 / q8 matrices (the embedding table stays in floats for its lookups)
     ratio = {"Q4_0": 0.7, "Q8_0": 0.8, "Q4_1": 0.75, "Q5_0": 0.85}[qtype.name]
     assert native.info.weight_bytes < ratio * loader.load(flat, dtype="auto").info.weight_bytes
@@ -519,7 +519,7 @@ def test_a_projection_of_mixed_formats_runs_on_its_blocks(
                                                          "ssm_alpha.weight")) else None)
     flat = gguf_fixtures.dequantized_copy(mixed, tmp_path / "flat.gguf")
     native = loader.load(mixed, dtype="auto")
-    assert invariant.pending_blocks() == 0
+    assert packing.pending_blocks() == 0
     delta = [m for m in native.module.modules() if hasattr(m, "in_weight")]
     assert delta and all(quantize.mode_of(m.in_weight()) == "mixed" for m in delta)
     ids = torch.randint(0, 8192, (1, 29), generator=torch.Generator().manual_seed(8))
@@ -543,7 +543,7 @@ def test_a_merged_matrix_runs_on_its_parts_blocks(tmp_path: Path, auto_dtype: st
         if len(shape) == 2 and shape[-1] % 32 == 0 and "shexp" in name else None)
     flat = gguf_fixtures.dequantized_copy(q8, tmp_path / "flat.gguf")
     native = loader.load(q8, dtype="auto")
-    assert invariant.pending_blocks() == 0
+    assert packing.pending_blocks() == 0
     from linserve.model.gguf.checkpoint import checkpoint
 
     blocks = checkpoint(q8).native_blocks("model.layers.0.shared_mlp.input_linear.weight")

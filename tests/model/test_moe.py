@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from linserve.model import invariant, kernels, loader
+from linserve.model import kernels, loader, packing
 from linserve.model.layers.mlp import SwiGLU
 from linserve.model.layers.moe import ExpertsSpec, RouterSpec, SparseMoE
 from linserve.model.served import ServedModule
@@ -285,9 +285,9 @@ def test_the_router_stays_fp32_and_unquantized(qwen_moe: Path) -> None:
     assert next(moe.experts[0].parameters()).dtype == torch.bfloat16
     int8 = _served(qwen_moe, quantization="int8")
     moe = next(m for m in int8.module.modules() if isinstance(m, SparseMoE))
-    router = invariant.frozen(moe.gate)
+    router = packing.frozen(moe.gate)
     assert router is not None and router.dtype == torch.float32
-    expert = invariant.frozen(moe.experts[3])  # packed though no warm-up token chose it
+    expert = packing.frozen(moe.experts[3])  # packed though no warm-up token chose it
     assert expert is not None and expert.dtype != torch.float32
     assert moe.experts[3].gate_proj.weight.untyped_storage().nbytes() <= 4  # released
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from linserve.model import invariant, kernels, loader, quantize
+from linserve.model import kernels, loader, modes, quantize
 from linserve.model.kernels import cpu_flags
 from linserve.model.state import State
 from tests.model.helpers import forced_avx2_runs_new_paths
@@ -96,7 +96,7 @@ def test_own_model_fused_step_equals_eager_step_quantized(kind: str, mode: str) 
     eager step agree on quantized weights, and both differ from the unquantized step."""
     from tests.model.helpers import tiny_model
 
-    invariant.set_quantization(mode)
+    modes.set_quantization(mode)
     try:
         model = tiny_model(kind, vocab_size=300, d_model=64, n_heads=2, d_ff=160)
         assert model.set_fused_step(True)
@@ -109,7 +109,7 @@ def test_own_model_fused_step_equals_eager_step_quantized(kind: str, mode: str) 
                 a, b = model.step(tokens, state), model.step_eager(tokens, eager)
                 assert (a - b).abs().max().item() <= 1e-4
     finally:
-        invariant.set_quantization("none")
+        modes.set_quantization("none")
     with torch.inference_mode():
         c = model.step_eager(tokens, eager.copy())
     assert not torch.allclose(b, c)
@@ -211,10 +211,10 @@ def test_trained_model_slice_perplexity_within_the_targets() -> None:
     ppl = {}
     try:
         for mode in ("none", "int8", "int4"):
-            invariant.set_quantization(mode)
+            modes.set_quantization(mode)
             ppl[mode] = slice_perplexity(ROOT / "weights" / "linear")
     finally:
-        invariant.set_quantization("none")
+        modes.set_quantization("none")
     assert ppl["int8"] <= 1.01 * ppl["none"]
     assert ppl["int4"] <= 1.05 * ppl["none"]
 

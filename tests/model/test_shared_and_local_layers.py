@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from linserve.model import invariant, loader
+from linserve.model import loader, modes
 from linserve.model.layers.rg_lru import RGLRU
 from linserve.model.layers.shared_block import MambaLayer
 from linserve.model.served import ServedModule
@@ -65,14 +65,14 @@ def test_rg_lru_gates_are_the_same_product_with_the_mode_on() -> None:
         for p in lru.parameters():
             p.normal_()
     u = torch.randn(3, 5, 48)
-    was = invariant.enabled()
+    was = modes.enabled()
     try:
-        invariant.set_enabled(False)
+        modes.set_enabled(False)
         plain = lru._gates(u)
-        invariant.set_enabled(True)
+        modes.set_enabled(True)
         fixed = lru._gates(u)
     finally:
-        invariant.set_enabled(was)
+        modes.set_enabled(was)
     for a, b in zip(plain, fixed, strict=True):
         assert (a - b).abs().max().item() <= 1e-5
 

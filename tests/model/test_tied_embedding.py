@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from linserve.model import invariant, kernels, loader, quantize
+from linserve.model import kernels, loader, modes, packing, quantize
 from linserve.model.served import ServedModule
 from tests.model.qwen_fixtures import make_checkpoint
 
@@ -17,14 +17,14 @@ pytestmark = pytest.mark.skipif(not kernels.load(), reason="native kernels unava
 
 def _head(table: torch.Tensor, mode: str, packed: bool) -> torch.Tensor:
     """The GEMM head ``[d, V]`` of ``table [V, d]`` as a served model stores it."""
-    before = invariant.enabled(), invariant.quantization()
-    invariant.set_enabled(packed)
-    invariant.set_quantization(mode)
+    before = modes.enabled(), modes.quantization()
+    modes.set_enabled(packed)
+    modes.set_quantization(mode)
     try:
-        return invariant.pack(table.t())
+        return packing.pack(table.t())
     finally:
-        invariant.set_enabled(before[0])
-        invariant.set_quantization(before[1])
+        modes.set_enabled(before[0])
+        modes.set_quantization(before[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -60,7 +60,7 @@ def test_a_served_tied_model_holds_its_table_once(tmp_path: Path, quantization: 
     assert isinstance(model, ServedModule)
     emb = model.module.model.embed_tokens
     assert emb.weight.untyped_storage().nbytes() <= 4  # freed: a one-element stub
-    head = invariant.frozen(emb)
+    head = packing.frozen(emb)
     assert head is not None
     vocab, d = emb.weight.shape
     big = [t for t in [*model.module.parameters(), head] if t.untyped_storage().nbytes()

@@ -18,7 +18,7 @@ from typing import Any, Self
 
 import torch
 
-from linserve.model import invariant, kernels
+from linserve.model import kernels, packing
 from linserve.model.architectures import hf
 from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.hf_keys import json_float
@@ -114,7 +114,7 @@ class HFFamily:
         native = None
         if weights:
             module = hf.materialise(module)
-            with invariant.packing_once(module):  # packed layer by layer as it is read
+            with packing.packing_once(module):  # packed layer by layer as it is read
                 unused = hf.load_weights(module, path, self.renames(cfg), dtype, module)
                 module.pack_weights()  # anything the layers alone did not build
                 native = module.native_plan() if fused and kernels.available() else None

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from linserve.model import heap, invariant
+from linserve.model import heap, packing
 from linserve.model.fingerprint import files_fingerprint
 from linserve.model.gguf.checkpoint import GGUFCheckpoint
 from linserve.model.gguf.checkpoint import checkpoint as gguf_checkpoint
@@ -318,7 +318,7 @@ def load_weights(module: nn.Module, path: Path, rename: Callable[[str], str | No
     """Fill ``module``'s parameters from the checkpoint (see :func:`plan`), then cast them to
     ``dtype``. Returns the checkpoint names left unused.
 
-    With a ``packer`` (a served model, inside :func:`invariant.packing_once`), everything
+    With a ``packer`` (a served model, inside :func:`packing.packing_once`), everything
     outside ``linserve.model.layers`` is read first and the head packed, then each layer is read and
     packed in turn, each original freed as it is packed: loading never holds the checkpoint
     whole beside its packed copy. The heap is trimmed each time the resident set has grown
@@ -342,7 +342,7 @@ def load_weights(module: nn.Module, path: Path, rename: Callable[[str], str | No
         if packer is not None:
             packer.pack_head() if index < 0 else packer.pack_layer(index)
             trim()
-    invariant.fill_values()  # a weight given as blocks that nothing packed: its values
+    packing.fill_values()  # a weight given as blocks that nothing packed: its values
     cast(module, dtype)
     return unused
 
@@ -406,11 +406,11 @@ def read_into(file: Path, pairs: list[tuple[torch.Tensor, str, Index]]) -> None:
         ck = gguf(file)
         for name, dests in by_name.items():
             whole = dests[0][0]
-            blocks = (ck.native_blocks(name) if invariant.native_blocks() and len(dests) == 1
+            blocks = (ck.native_blocks(name) if packing.native_blocks() and len(dests) == 1
                       and dests[0][1] is None and len(whole.shape) == 2 else None)
             if blocks is not None and blocks.shape == tuple(whole.shape):
                 # packed from its blocks: no dequantized copy is written
-                invariant.give_blocks(whole, blocks, values=functools.partial(ck.read, name))
+                packing.give_blocks(whole, blocks, values=functools.partial(ck.read, name))
                 continue
             t = ck.read(name)
             if dests[0][1] is None and t.shape != whole.shape and t.numel() == whole.numel():

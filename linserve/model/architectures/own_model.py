@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from linserve.model import invariant, kernels
+from linserve.model import invariant, kernels, modes, packing
 from linserve.model.inputs import InsertTable
 from linserve.model.interface import ModelInfo
 from linserve.model.layers import own_step
@@ -281,9 +281,9 @@ def serve(model: LanguageModel, tok: Tokenizer) -> ServedModule:
         state_grows=empty.grows, state_layout=empty.layout(),
         state_bytes_per_token=0 if not empty.grows else
         2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 4,
-        weight_bytes=invariant.resident_bytes(model, model.fused_weights),
-        embedding_bytes=invariant.embedding_bytes(model),
-        quantization=invariant.quantization())
+        weight_bytes=packing.resident_bytes(model, model.fused_weights),
+        embedding_bytes=packing.embedding_bytes(model),
+        quantization=modes.quantization())
     return ServedModule(model, tok, None, model.fingerprint, info, chunk=cfg.chunk_size)
 
 

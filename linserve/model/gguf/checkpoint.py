@@ -31,7 +31,7 @@ from linserve.model import kernels
 from linserve.model.fingerprint import files_fingerprint
 from linserve.model.gguf import archs, vocab, vocab_cache
 from linserve.model.gguf.files import GGUFFileError, GGUFModel, Tensor, open_model, release_pages
-from linserve.model.invariant import Blocks
+from linserve.model.packing import Blocks
 from linserve.model.quantize import PACKED_BYTES, stored_format
 from linserve.model.tokenizer import Tokenizer
 

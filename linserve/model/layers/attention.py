@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linserve.model import invariant
+from linserve.model import invariant, modes, packing
 from linserve.model.invariant import Linear
 from linserve.model.layers.hf_keys import rope_parameters, rope_theta
 from linserve.model.layers.norms import RMSNorm
@@ -103,7 +103,7 @@ class Attention(nn.Module):
 
     def qkv_weight(self) -> torch.Tensor:
         """q, k and v as one GEMM weight ``[d, (H + 2·Hkv)·D]``."""
-        return invariant.gemm_weight(self, self.q_proj.weight, self.k_proj.weight,
+        return packing.gemm_weight(self, self.q_proj.weight, self.k_proj.weight,
                                      self.v_proj.weight)
 
     def _qkv(self, x: torch.Tensor, pos: torch.Tensor, delta: torch.Tensor | None = None
@@ -171,7 +171,7 @@ class Attention(nn.Module):
         past = torch.arange(max(0, start - w + 1), start)
         keys = torch.cat([kv.k[rows][:, :, past % w], k], dim=2)
         values = torch.cat([kv.v[rows][:, :, past % w], v], dim=2)
-        if invariant.active():
+        if modes.active():
             o = self._ring_invariant(q, keys, values, start - len(past))
         else:
             mask = local_mask(pos, torch.cat([past, pos]), w)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from linserve.model import invariant, kernels
+from linserve.model import invariant, kernels, modes, packing
 from linserve.model.inputs import InsertTable
 from linserve.model.invariant import Linear
 from linserve.model.layers import native_step
@@ -178,7 +178,7 @@ class DecoderLM(nn.Module):
         """What a native step's arguments depend on: the batch-invariant mode, the
         quantization, and the weights (a cast or a load replaces the embedding table)."""
         emb = self.model.embed_tokens.weight
-        return (invariant.enabled(), invariant.quantization(), emb.data_ptr(), emb.dtype)
+        return (modes.enabled(), modes.quantization(), emb.data_ptr(), emb.dtype)
 
     def native_plan(self) -> native_step.Plan | None:
         """The native step's arguments (None: a layer it does not implement); rebuilt when
@@ -196,7 +196,7 @@ class DecoderLM(nn.Module):
 
     def pack_weights(self) -> None:
         """Build every packed GEMM weight (one two-token prefill and one step), so that
-        :func:`invariant.release` can free the originals."""
+        :func:`packing.release` can free the originals."""
         _, state = self.prefill(torch.zeros(1, 2, dtype=torch.long))
         self.step(torch.zeros(1, dtype=torch.long), state)
         build_weights(self)
@@ -225,4 +225,4 @@ class DecoderLM(nn.Module):
     def drop_weights(self) -> None:
         """Free every weight (states can still be built; the model cannot run)."""
         self._plan = None
-        invariant.strip(self)
+        packing.strip(self)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linserve.model import invariant, kernels
+from linserve.model import invariant, kernels, packing
 from linserve.model.invariant import Linear
 from linserve.model.layers.norms import GatedRMSNorm
 from linserve.model.layers.ops.delta import delta_rule_chunked, delta_rule_step, l2norm
@@ -94,10 +94,10 @@ class GatedDeltaNet(nn.Module):
 
     def in_weight(self) -> torch.Tensor:
         """The four input projections (qkv, z, b, a) as one GEMM weight
-        ``[d, C + Hv·Dv + 2·Hv]`` (:func:`invariant.gemm_weight`)."""
+        ``[d, C + Hv·Dv + 2·Hv]`` (:func:`packing.gemm_weight`)."""
         qkv = ([self.in_proj_q.weight, self.in_proj_k.weight, self.in_proj_v.weight]
                if self.shape.separate_qkv else [self.in_proj_qkv.weight])
-        return invariant.gemm_weight(self, *qkv, self.in_proj_z.weight, self.in_proj_b.weight,
+        return packing.gemm_weight(self, *qkv, self.in_proj_z.weight, self.in_proj_b.weight,
                                      self.in_proj_a.weight)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linserve.model import invariant, kernels
+from linserve.model import invariant, kernels, packing
 from linserve.model.invariant import Linear
 
 # the gate's activations a gated MLP takes, by the names configs give them
@@ -44,8 +44,8 @@ class SwiGLU(nn.Module):
         return [self.gate_up_proj] if self.fused else [self.gate_proj, self.up_proj]
 
     def gate_up(self) -> torch.Tensor:
-        """gate and up as one GEMM weight ``[d, 2f]`` (:func:`invariant.gemm_weight`)."""
-        return invariant.gemm_weight(self, *(p.weight for p in self._parts()))
+        """gate and up as one GEMM weight ``[d, 2f]`` (:func:`packing.gemm_weight`)."""
+        return packing.gemm_weight(self, *(p.weight for p in self._parts()))
 
     def native_weights(self) -> list[torch.Tensor] | None:
         """(gate_up ``[d, 2f]``, down ``[f, d]``) GEMM weights as the native kernels take
@@ -53,7 +53,7 @@ class SwiGLU(nn.Module):
         if (self.multipliers != (1.0, 1.0) or self.act != "silu"
                 or any(p.bias is not None for p in self._parts())):
             return None
-        return [self.gate_up(), invariant.packed(self.down_proj)]
+        return [self.gate_up(), packing.packed(self.down_proj)]
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """``delta [..., 2f]`` is added to gate and up before the activation (Zamba2's
@@ -99,7 +99,7 @@ class ReluSquaredMLP(nn.Module):
         None with biases, which they lack."""
         if self.up_proj.bias is not None or self.down_proj.bias is not None:
             return None
-        return [invariant.packed(self.up_proj), invariant.packed(self.down_proj)]
+        return [packing.packed(self.up_proj), packing.packed(self.down_proj)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(invariant.rowwise(torch.relu, self.up_proj(x)).square())

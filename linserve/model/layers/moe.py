@@ -32,7 +32,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from linserve.model import invariant, kernels
+from linserve.model import invariant, kernels, packing
 from linserve.model.invariant import Linear
 from linserve.model.layers.mlp import ReluSquaredMLP, SwiGLU
 
@@ -96,7 +96,7 @@ class Router(Linear):
     router's logits change which experts a token reads). ``expert_bias`` ``[experts]``:
     LFM2-MoE's bias for choosing, when the family has one."""
 
-    fp32_weights = True  # read by hf.cast (kept fp32) and invariant.gemm_weight (unquantized)
+    fp32_weights = True  # read by hf.cast (kept fp32) and packing.gemm_weight (unquantized)
 
     def __init__(self, dim: int, experts: int, expert_bias: bool = False) -> None:
         super().__init__(dim, experts, bias=False)
@@ -236,10 +236,10 @@ class SparseMoE(nn.Module):
         bias = self.gate.get_buffer("expert_bias").detach().float().contiguous() \
             if spec.expert_bias else EMPTY
         gate = EMPTY if self.shared_expert_gate is None \
-            else invariant.packed(self.shared_expert_gate)
-        latent = [invariant.packed(self.fc1_latent_proj),
-                  invariant.packed(self.fc2_latent_proj)] if form.latent else [EMPTY, EMPTY]
-        return NativeMoE([invariant.packed(self.gate), bias, *shared, gate, *latent],
+            else packing.packed(self.shared_expert_gate)
+        latent = [packing.packed(self.fc1_latent_proj),
+                  packing.packed(self.fc2_latent_proj)] if form.latent else [EMPTY, EMPTY]
+        return NativeMoE([packing.packed(self.gate), bias, *shared, gate, *latent],
                          [w for e in experts if e is not None for w in e], spec.top_k,
                          self.native_flags(), spec.norm_eps, spec.scaling)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from linserve.model import invariant
+from linserve.model import packing
 from linserve.model.layers.attention import Attention
 from linserve.model.layers.block import LayerPart
 from linserve.model.layers.gated_delta import DeltaMixer
@@ -80,8 +80,8 @@ def _attention(m: Attention) -> tuple[Part, tuple[int, ...]] | None:
         else [EMPTY, EMPTY]
     eps = float(m.q_norm.eps) if s.qk_norm else 0.0
     freqs = EMPTY if m.freqs is None else m.freqs.contiguous()
-    gate = invariant.packed(m.g_proj) if s.head_gate else EMPTY
-    part = Part(ATTENTION, [m.qkv_weight(), *norms, invariant.packed(m.o_proj), freqs, gate],
+    gate = packing.packed(m.g_proj) if s.head_gate else EMPTY
+    part = Part(ATTENTION, [m.qkv_weight(), *norms, packing.packed(m.o_proj), freqs, gate],
                 ints=(int(s.qk_norm and s.qk_norm_whole), s.window),
                 floats=(m.q_scale, s.key_multiplier, eps))
     return part, (s.heads, s.kv_heads, s.head_dim, 0)  # rot: each part's inv_freq's
@@ -90,8 +90,8 @@ def _attention(m: Attention) -> tuple[Part, tuple[int, ...]] | None:
 def _short_conv(m: ShortConv) -> tuple[Part, tuple[int, ...]] | None:
     if m.conv.bias is not None or m.in_proj.bias is not None:
         return None
-    return Part(SHORT_CONV, [invariant.packed(m.in_proj), m.conv_weight(),
-                             invariant.packed(m.out_proj)]), ()
+    return Part(SHORT_CONV, [packing.packed(m.in_proj), m.conv_weight(),
+                             packing.packed(m.out_proj)]), ()
 
 
 def _mamba2(m: Mamba2) -> tuple[Part, tuple[int, ...]] | None:
@@ -101,8 +101,8 @@ def _mamba2(m: Mamba2) -> tuple[Part, tuple[int, ...]] | None:
     bias = EMPTY if m.conv1d.bias is None else _f32(m.conv1d.bias)
     norm = _f32(m.norm.weight) if s.gated_norm else EMPTY
     eps = float(m.norm.eps) if s.gated_norm else 0.0
-    part = Part(MAMBA2, [invariant.packed(m.in_proj), m.conv_weight(), bias, _f32(m.A_log),
-                         _f32(m.dt_bias), _f32(m.D), norm, invariant.packed(m.out_proj)],
+    part = Part(MAMBA2, [packing.packed(m.in_proj), m.conv_weight(), bias, _f32(m.A_log),
+                         _f32(m.dt_bias), _f32(m.D), norm, packing.packed(m.out_proj)],
                 ints=(int(s.norm_before_gate), int(s.gated_norm)),
                 floats=(float(s.dt_limit[0]), float(s.dt_limit[1]), eps))
     return part, (s.heads, s.head_dim, s.d_state, s.groups)
@@ -114,13 +114,13 @@ def _kda(m: KimiDeltaAttention) -> tuple[Part, tuple[int, ...]] | None:
     parameters (A_log per head, dt_bias, the output norm) in one fp32 tensor, o."""
     s = m.shape
     kernel = torch.cat([c.weight for c in (m.q_conv1d, m.k_conv1d, m.v_conv1d)])
-    gates = ([invariant.packed(m.f_a_proj), invariant.packed(m.f_b_proj),
-              invariant.packed(m.g_a_proj), invariant.packed(m.g_b_proj)] if s.low_rank_gates
-             else [EMPTY, invariant.packed(m.f_proj), EMPTY, invariant.packed(m.g_proj)])
+    gates = ([packing.packed(m.f_a_proj), packing.packed(m.f_b_proj),
+              packing.packed(m.g_a_proj), packing.packed(m.g_b_proj)] if s.low_rank_gates
+             else [EMPTY, packing.packed(m.f_proj), EMPTY, packing.packed(m.g_proj)])
     params = torch.cat([_f32(m.A_log).flatten(), _f32(m.dt_bias), m.o_norm.scale().float()])
-    weights = [invariant.packed(m.q_proj), invariant.packed(m.k_proj),
-               invariant.packed(m.v_proj), _f32(kernel.squeeze(1).t()), *gates,
-               invariant.packed(m.b_proj), params.contiguous(), invariant.packed(m.o_proj)]
+    weights = [packing.packed(m.q_proj), packing.packed(m.k_proj),
+               packing.packed(m.v_proj), _f32(kernel.squeeze(1).t()), *gates,
+               packing.packed(m.b_proj), params.contiguous(), packing.packed(m.o_proj)]
     safe = s.safe_lower is not None
     return Part(KDA, weights, ints=(s.heads, s.head_dim, int(safe)),
                 floats=(float(m.o_norm.eps), float(s.safe_lower or 0.0), 0.0)), ()
@@ -133,15 +133,15 @@ def _mla(m: LatentAttention) -> tuple[Part, tuple[int, ...]] | None:
     s = m.mla
     if s.bias:
         return None
-    q = ([invariant.packed(m.q_a_proj), m.q_a_layernorm.scale().contiguous(),
-          invariant.packed(m.q_b_proj)] if s.q_lora_rank
-         else [EMPTY, EMPTY, invariant.packed(m.q_proj)])
+    q = ([packing.packed(m.q_a_proj), m.q_a_layernorm.scale().contiguous(),
+          packing.packed(m.q_b_proj)] if s.q_lora_rank
+         else [EMPTY, EMPTY, packing.packed(m.q_proj)])
     kb, vb = m.absorbed()
     freqs = EMPTY if m.rope_freqs is None else m.rope_freqs.float().contiguous()
-    gate = invariant.packed(m.g_proj) if s.head_gate else EMPTY
-    return Part(MLA, [*q, invariant.packed(m.kv_a_proj_with_mqa),
+    gate = packing.packed(m.g_proj) if s.head_gate else EMPTY
+    return Part(MLA, [*q, packing.packed(m.kv_a_proj_with_mqa),
                       m.kv_a_layernorm.scale().contiguous(), kb, vb,
-                      invariant.packed(m.o_proj), gate, freqs], ints=(s.rope_dim,)), ()
+                      packing.packed(m.o_proj), gate, freqs], ints=(s.rope_dim,)), ()
 
 
 def _lightning(m: LightningAttention) -> tuple[Part, tuple[int, ...]] | None:
@@ -149,8 +149,8 @@ def _lightning(m: LightningAttention) -> tuple[Part, tuple[int, ...]] | None:
     log-rate."""
     if type(m.norm) is not RMSNorm:
         return None
-    return Part(LIGHTNING, [invariant.packed(m.qkv_proj), invariant.packed(m.output_gate),
-                            m.norm.scale().contiguous(), invariant.packed(m.out_proj),
+    return Part(LIGHTNING, [packing.packed(m.qkv_proj), packing.packed(m.output_gate),
+                            m.norm.scale().contiguous(), packing.packed(m.out_proj),
                             _f32(m.log_rate)],
                 ints=(m.heads, m.head_dim), floats=(float(m.norm.eps), 0.0, 0.0)), ()
 
@@ -161,7 +161,7 @@ def _gated_delta(m: DeltaMixer) -> tuple[Part, tuple[int, ...]] | None:
     d = m.delta
     sh = d.shape
     return Part(GATED_DELTA, [d.in_weight(), d.conv_weight(), _f32(d.A_log), _f32(d.dt_bias),
-                              _f32(d.norm.weight), invariant.packed(d.out_proj)],
+                              _f32(d.norm.weight), packing.packed(d.out_proj)],
                 ints=(sh.key_heads, sh.head_k_dim),
                 floats=(float(sh.eps), float(sh.beta_scale), 0.0)), ()
 
@@ -244,9 +244,9 @@ def plan(model: Any) -> Plan | None:
     if type(model.model.norm) is not RMSNorm or model.logits_soft_cap is not None:
         return None
     emb = model.model.embed_tokens
-    head = invariant.gemm_weight(emb, emb.weight) if model.lm_head is None \
-        else invariant.packed(model.lm_head)
-    out = Plan([invariant.embedding_table(emb), head, model.model.norm.scale().contiguous()],
+    head = packing.gemm_weight(emb, emb.weight) if model.lm_head is None \
+        else packing.packed(model.lm_head)
+    out = Plan([packing.embedding_table(emb), head, model.model.norm.scale().contiguous()],
                [], [], [], [])
     for layer in model.model.layers:
         native_parts = getattr(layer, "native_parts", None)

@@ -15,7 +15,7 @@ from typing import Protocol, cast
 
 import torch
 
-from linserve.model import invariant, kernels
+from linserve.model import kernels, packing
 from linserve.model.layers.own import Block
 from linserve.model.own_config import EAGER_ONLY_FIELDS, ModelConfig
 from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
@@ -67,15 +67,15 @@ class FusedStep:
         are fp32; GEMM weights keep the model dtype and are stored transposed, ``[in, out]``
         and contiguous (the GEMM runs faster on that layout). A gated model's gate_down
         [d, r] is appended to the qkv weight as r extra output columns. GEMM weights then take
-        the layout the batch-invariant GEMM streams, in that mode (:func:`invariant.pack`)."""
+        the layout the batch-invariant GEMM streams, in that mode (:func:`packing.pack`)."""
         def f32(t: torch.Tensor) -> torch.Tensor:
             return t.detach().float().contiguous()
 
         def gemm(linear: torch.nn.Linear) -> torch.Tensor:
-            return invariant.pack(linear.weight.detach().t())
+            return packing.pack(linear.weight.detach().t())
 
         emb = model.embed.weight.detach()
-        packed = [emb, invariant.pack(emb.t()), f32(model.norm.weight)]
+        packed = [emb, packing.pack(emb.t()), f32(model.norm.weight)]
         if not model.cfg.is_recurrent:  # softmax: norm1, qkv, out, norm2, up, down
             for block in model.layers:
                 packed += [f32(block.norm1.weight), gemm(block.attn.qkv), gemm(block.attn.out),
@@ -91,7 +91,7 @@ class FusedStep:
                 qkv = torch.cat([qkv, down.weight.detach().t()], dim=1)
                 gate = [f32(up.weight.t()), f32(up.bias)]
             packed += [
-                f32(block.norm1.weight), invariant.pack(qkv),
+                f32(block.norm1.weight), packing.pack(qkv),
                 f32(conv.T) if conv is not None else torch.empty(0),
                 gemm(attn.out), f32(block.norm2.weight), gemm(block.mlp.up),
                 gemm(block.mlp.down), *gate]

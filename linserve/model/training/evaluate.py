@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from linserve.model import invariant
+from linserve.model import modes
 from linserve.model.architectures.own_model import LanguageModel, load_model
 from linserve.model.tokenizer import Tokenizer
 from linserve.model.training.data import DATA_DIR, load_tokens
@@ -170,25 +170,25 @@ def evaluate(weights: Path, data_dir: Path = DATA_DIR, train_ctx: int = 256,
     return result
 
 
-def quantization_table(weights: Path, modes: list[str], data_dir: Path = DATA_DIR,
+def quantization_table(weights: Path, kinds: list[str], data_dir: Path = DATA_DIR,
                        train_ctx: int = 256, dtype: torch.dtype = torch.float32
                        ) -> dict[str, Any]:
     """Validation and test perplexity of the model at ``weights`` with its GEMM weights kept
-    (``none``) and quantized to each of ``modes`` (:mod:`linserve.model.quantize`), each from the
+    (``none``) and quantized to each of ``kinds`` (:mod:`linserve.model.quantize`), each from the
     same loaded weights; ``delta`` is the change against ``none`` in percent."""
     model = load_model(weights, dtype)
     splits = {s: np.asarray(load_tokens(s, data_dir)) for s in ("valid", "test")}
     rows: dict[str, Any] = {}
     try:
-        for mode in ["none", *[m for m in modes if m != "none"]]:
-            invariant.set_quantization(mode)
+        for mode in ["none", *[m for m in kinds if m != "none"]]:
+            modes.set_quantization(mode)
             row = {}
             for split, tokens in splits.items():
                 nll, count = windowed_nll(model, tokens, train_ctx)
                 row[split] = round(math.exp(nll / count), 3)
             rows[mode] = row
     finally:
-        invariant.set_quantization("none")
+        modes.set_quantization("none")
     for row in rows.values():
         row["delta_valid_pct"] = round(100 * (row["valid"] / rows["none"]["valid"] - 1), 2)
         row["delta_test_pct"] = round(100 * (row["test"] / rows["none"]["test"] - 1), 2)

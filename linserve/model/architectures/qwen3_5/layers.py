@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from linserve.model import invariant
+from linserve.model import invariant, packing
 from linserve.model.architectures.family import DecoderConfig
 from linserve.model.invariant import Linear
 from linserve.model.layers import native_step
@@ -178,7 +178,7 @@ class GatedAttention(nn.Module):
 
     def qkv_weight(self) -> torch.Tensor:
         """q (with its gate), k and v as one GEMM weight ``[d, 2·H·D + 2·Hkv·D]``."""
-        return invariant.gemm_weight(self, self.q_proj.weight, self.k_proj.weight,
+        return packing.gemm_weight(self, self.q_proj.weight, self.k_proj.weight,
                                      self.v_proj.weight)
 
     def _qkv(self, x: torch.Tensor, pos: torch.Tensor
@@ -264,7 +264,7 @@ def mlp_weights(layer: DecoderLayer) -> native_step.Part | None:
         found = native_step.describe_experts(layer.mlp)
         return None if found is None else found[0]
     dense = cast(SwiGLU, layer.mlp)
-    return native_step.Part(0, [dense.gate_up(), invariant.packed(dense.down_proj)])
+    return native_step.Part(0, [dense.gate_up(), packing.packed(dense.down_proj)])
 
 
 def layer_weights(layer: DecoderLayer, cfg: Qwen35Config, experts: list[torch.Tensor]
@@ -287,11 +287,11 @@ def layer_weights(layer: DecoderLayer, cfg: Qwen35Config, experts: list[torch.Te
     if layer.kind == "linear_attention":
         a = layer.linear_attn
         return [norm_weight(layer.input_layernorm), a.in_weight(), a.conv_weight(), f32(a.A_log),
-                f32(a.dt_bias), f32(a.norm.weight), invariant.packed(a.out_proj), *tail], ints
+                f32(a.dt_bias), f32(a.norm.weight), packing.packed(a.out_proj), *tail], ints
     at = layer.self_attn
     return [norm_weight(layer.input_layernorm), at.qkv_weight(), norm_weight(at.q_norm),
             norm_weight(at.k_norm),
-            invariant.packed(at.o_proj), inv_freq(cfg), empty, *tail], ints
+            packing.packed(at.o_proj), inv_freq(cfg), empty, *tail], ints
 
 
 EMPTY = torch.empty(0)

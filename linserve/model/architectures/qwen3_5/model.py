@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from linserve.model import invariant, kernels
+from linserve.model import kernels, packing
 from linserve.model.architectures import hf
 from linserve.model.architectures.qwen3_5.layers import (
     EMPTY,
@@ -149,7 +149,7 @@ class Qwen35ForCausalLM(DecoderLM):
 
     def fused_args(self) -> FusedArgs | None:
         """The native step's weights, experts and ints (None: a layer it does not take).
-        GEMM weights are the very tensors the eager forms use (:func:`invariant.gemm_weight`),
+        GEMM weights are the very tensors the eager forms use (:func:`packing.gemm_weight`),
         so nothing is stored twice; rebuilt when the mode flips or the weights are replaced."""
         key = self.weights_key()
         if self._fused is None or self._fused[0] != key:
@@ -158,9 +158,9 @@ class Qwen35ForCausalLM(DecoderLM):
 
     def _pack_fused(self) -> FusedArgs | None:
         emb = self.model.embed_tokens
-        head = invariant.gemm_weight(emb, emb.weight) if self.lm_head is None \
-            else invariant.packed(self.lm_head)
-        out = FusedArgs([invariant.embedding_table(emb), head, norm_weight(self.model.norm)],
+        head = packing.gemm_weight(emb, emb.weight) if self.lm_head is None \
+            else packing.packed(self.lm_head)
+        out = FusedArgs([packing.embedding_table(emb), head, norm_weight(self.model.norm)],
                         [], [])
         for layer in self.model.layers:
             found = layer_weights(cast(DecoderLayer, layer), self.cfg, out.experts)
@@ -173,7 +173,7 @@ class Qwen35ForCausalLM(DecoderLM):
     def drop_weights(self) -> None:
         """Free every weight (states can still be built; the model cannot run)."""
         self._fused = None
-        invariant.strip(self)
+        packing.strip(self)
 
 
 def state_bytes_per_token(cfg: Qwen35Config) -> int:
@@ -278,7 +278,7 @@ class Variant:
     def _load_weights(self, module: Qwen35ForCausalLM, path: Path, dtype: torch.dtype
                       ) -> None:
         """Fill, pack and release the module's weights from ``path``, layer by layer."""
-        with invariant.packing_once(module):  # each original freed as soon as it is packed
+        with packing.packing_once(module):  # each original freed as soon as it is packed
             unused = hf.load_weights(module, path, _rename, dtype, module,
                                      self.split_for(module.cfg))
             head = module.draft_head()

@@ -25,7 +25,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from linserve.model import invariant
+from linserve.model import packing
 from linserve.model.architectures.qwen3_5.layers import (
     DecoderLayer,
     Qwen35Config,
@@ -91,6 +91,6 @@ def native_args(mtp: QwenMTP, table: torch.Tensor, head: torch.Tensor) -> Native
     if described is None:
         return None
     weights = [table, head, norm_weight(mtp.pre_fc_norm_embedding),
-               norm_weight(mtp.pre_fc_norm_hidden), invariant.packed(mtp.fc),
+               norm_weight(mtp.pre_fc_norm_hidden), packing.packed(mtp.fc),
                norm_weight(mtp.norm), *described[0]]
     return NativeArgs(weights, experts, described[1])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from linserve.model import invariant
+from linserve.model import modes
 
 
 def rope_tables(max_len: int, dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +85,7 @@ def softmax_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     model min(length + 1, W)). Only the first ``max(n_valid)`` slots are read.
     Returns ``[B, H, D]``.
     """
-    if invariant.active():  # each row over its own slots alone: no shared span or batch
+    if modes.active():  # each row over its own slots alone: no shared span or batch
         return torch.cat([
             F.scaled_dot_product_attention(q[b : b + 1, :, None], k_cache[b : b + 1, :, :n],
                                            v_cache[b : b + 1, :, :n]).squeeze(2)
