@@ -18,10 +18,11 @@ from typing import Any, Self
 
 import torch
 
-from linserve.model import kernels, packing
+from linserve.model import packing
 from linserve.model.architectures import hf
 from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.hf_keys import json_float
+from linserve.model.layers.moe import split_stacked
 from linserve.model.served import ServedModule, describe
 from linserve.model.state import KVEntry
 
@@ -63,19 +64,28 @@ class HFFamily:
     naming what is wrong). ``build``: the module for a config. ``rename``: a checkpoint
     tensor's name in that module (None: not ours), or ``rename_for``: that mapping for a
     config (where it depends on one, as Granite's shared MLP does on whether there are
-    experts). ``describe``: one line for ``/v1/models`` and the startup log."""
+    experts). ``describe``: one line for ``/v1/models`` and the startup log. ``split_for``:
+    how a config's checkpoint tensors that fill several parameters split (default: stacked
+    experts). ``config_for``: the config adjusted to what the checkpoint at a path holds
+    (Qwen3.5's MTP layers, counted only where their tensors are)."""
 
     config: Callable[[dict[str, Any]], Any]
     build: Callable[[Any], DecoderLM]
     rename: Callable[[str], str | None]
     describe: Callable[[Any], str]
     rename_for: Callable[[Any], Callable[[str], str | None]] | None = None
+    split_for: Callable[[Any], hf.Split] | None = None
+    config_for: Callable[[Any, Path], Any] | None = None
 
     def renames(self, cfg: Any) -> Callable[[str], str | None]:
         return self.rename if self.rename_for is None else self.rename_for(cfg)
 
+    def splits(self, cfg: Any) -> hf.Split:
+        return split_stacked if self.split_for is None else self.split_for(cfg)
+
     def read_config(self, path: Path) -> Any:
-        return hf.parse_config(path, self.config)
+        cfg = hf.parse_config(path, self.config)
+        return cfg if self.config_for is None else self.config_for(cfg, path)
 
     def _meta(self, cfg: Any) -> DecoderLM:
         with torch.device("meta"):
@@ -97,7 +107,7 @@ class HFFamily:
         Raises :class:`CheckpointError`."""
         del dtype  # the weights' memory is checked by model.loader.check, for every family
         cfg = self.read_config(path)
-        hf.plan(self._meta(cfg), path, self.renames(cfg))
+        hf.plan(self._meta(cfg), path, self.renames(cfg), self.splits(cfg))
         hf.load_tokenizer(path, hf.config_json(path), cfg.vocab_size)
 
     def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
@@ -111,22 +121,35 @@ class HFFamily:
         # in the served dtype from the start: a bf16 model never exists in fp32 as well
         module = hf.cast(self._meta(cfg), dtype).eval()
         module.native = fused
-        native = None
+        native = False
         if weights:
             module = hf.materialise(module)
             with packing.packing_once(module):  # packed layer by layer as it is read
-                unused = hf.load_weights(module, path, self.renames(cfg), dtype, module)
-                module.pack_weights()  # anything the layers alone did not build
-                native = module.native_plan() if fused and kernels.available() else None
-            other = [n for n in unused if not n.startswith("lm_head.")]
-            if other:
-                log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other),
-                            other[0])
+                unused = hf.load_weights(module, path, self.renames(cfg), dtype, module,
+                                         self.splits(cfg))
+                native = module.prepare(fused)  # anything the layers alone did not build
+            _log_unused(path, unused)
         per_token = state_sizes(module, cfg.max_position_embeddings)[1]
         info = describe(module, self.describe(cfg), cfg.max_position_embeddings, per_token,
-                        decode_step=None if native is not None else "eager (layer by layer)")
+                        decode_step=None if native else "eager (layer by layer)")
         return ServedModule(module, tok, hf.chat_template(path),
                             partial(hf.fingerprint, path), info)
+
+
+# What a vision-language checkpoint holds beside its text model (left unread here).
+VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _log_unused(path: Path, unused: list[str]) -> None:
+    """Say what of the checkpoint was not loaded: a vision tower in one line, and anything
+    else (a tied head's copy aside) as a warning."""
+    vision = sum(n.startswith(VISION_PREFIXES) for n in unused)
+    if vision:
+        log.info("%s: a vision-language checkpoint; loaded its text model only (%d vision "
+                 "tensors skipped)", path, vision)
+    other = [n for n in unused if not n.startswith((*VISION_PREFIXES, "lm_head."))]
+    if other:
+        log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other), other[0])
 
 
 def require_activation(c: dict[str, Any], served: str = "silu", key: str = "hidden_act"

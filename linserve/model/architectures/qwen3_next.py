@@ -18,7 +18,9 @@ import re
 import torch
 
 from linserve.model.architectures import hf
-from linserve.model.architectures.qwen3_5 import Qwen35Config, Variant
+from linserve.model.architectures.family import HFFamily
+from linserve.model.architectures.qwen3_5 import Qwen35Config, Qwen35ForCausalLM
+from linserve.model.architectures.qwen3_5.model import describe_as, mtp_present, rename
 from linserve.model.layers.moe import split_stacked
 
 _GDN = re.compile(r"^(.*\.linear_attn)\.in_proj_(qkvz|ba)\.weight$")
@@ -55,4 +57,5 @@ def split_for(cfg: Qwen35Config) -> hf.Split:
     return split
 
 
-FAMILY = Variant("qwen3_next", split_for)
+FAMILY = HFFamily(Qwen35Config.from_hf, Qwen35ForCausalLM, rename, describe_as("qwen3_next"),
+                  split_for=split_for, config_for=mtp_present)

@@ -194,6 +194,12 @@ class DecoderLM(nn.Module):
         (every mixer's arithmetic per token independent of the call; a chunked SSD is not)."""
         return all(getattr(m, "split_invariant", True) for m in self.model.layers.modules())
 
+    def prepare(self, fused: bool) -> bool:
+        """After the load: build every packed weight the forms read, and say whether a step
+        is one native call (``fused``: the whole-model native step is wanted)."""
+        self.pack_weights()
+        return fused and kernels.available() and self.native_plan() is not None
+
     def pack_weights(self) -> None:
         """Build every packed GEMM weight (one two-token prefill and one step), so that
         :func:`packing.release` can free the originals."""

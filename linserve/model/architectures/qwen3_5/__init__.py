@@ -12,11 +12,8 @@ from linserve.model.architectures.qwen3_5.model import (
     FAMILY,
     MtpHead,
     Qwen35ForCausalLM,
-    Variant,
-    state_bytes_per_token,
 )
 from linserve.model.architectures.qwen3_5.mtp import QwenMTP
 
 __all__ = ["FAMILY", "DecoderLayer", "GatedAttention", "MtpHead",
-           "Qwen35Config", "Qwen35ForCausalLM", "QwenExperts", "QwenMTP", "Variant",
-           "state_bytes_per_token"]
+           "Qwen35Config", "Qwen35ForCausalLM", "QwenExperts", "QwenMTP"]

@@ -14,7 +14,6 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -22,6 +21,7 @@ import torch
 
 from linserve.model import kernels, packing
 from linserve.model.architectures import hf
+from linserve.model.architectures.family import HFFamily
 from linserve.model.architectures.qwen3_5.layers import (
     EMPTY,
     DecoderLayer,
@@ -34,8 +34,6 @@ from linserve.model.architectures.qwen3_5.layers import (
 )
 from linserve.model.architectures.qwen3_5.mtp import NativeArgs, QwenMTP, native_args
 from linserve.model.layers.decoder import DecoderLM
-from linserve.model.layers.moe import split_stacked
-from linserve.model.served import ServedModule, describe
 from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
 from linserve.model.verify import Trail, verify_by_steps
 
@@ -170,21 +168,31 @@ class Qwen35ForCausalLM(DecoderLM):
             out.ints += found[1]
         return out
 
+    def prepare(self, fused: bool) -> bool:
+        """After the load: the MTP head's weights packed as the layers' are, then the whole
+        native step's (or every layer's packed weights where the step is not native);
+        whether a step is one native call (the step is native for every shape it takes,
+        whatever ``fused`` asks)."""
+        del fused
+        head = self.draft_head()
+        if head is not None:
+            head.logits(head.extend(head.new_state(), torch.zeros(2, self.cfg.hidden_size),
+                                    [0, 0]))
+        if self.fused:
+            self.fused_weights()
+        else:
+            self.pack_weights()
+        return self.fused and kernels.available()
+
     def drop_weights(self) -> None:
         """Free every weight (states can still be built; the model cannot run)."""
         self._fused = None
         packing.strip(self)
 
 
-def state_bytes_per_token(cfg: Qwen35Config) -> int:
-    """KV bytes one more token of context adds to a session (fp32 keys and values)."""
-    kv_layers = sum(t == "full_attention" for t in cfg.layer_types)
-    return 2 * kv_layers * cfg.num_key_value_heads * cfg.head_dim * 4
-
-
 # ---- loading a Hugging Face checkpoint ------------------------------------------------------
 
-def _rename(name: str) -> str | None:
+def rename(name: str) -> str | None:
     """A checkpoint tensor's name in :class:`Qwen35ForCausalLM` (None: not the text model)."""
     if name.startswith("model.language_model."):  # Qwen3_5ForConditionalGeneration
         return "model." + name.removeprefix("model.language_model.")
@@ -193,80 +201,23 @@ def _rename(name: str) -> str | None:
     return name
 
 
-def _stacked(cfg: Qwen35Config) -> hf.Split:
-    del cfg
-    return split_stacked
+def mtp_present(cfg: Qwen35Config, path: Path) -> Qwen35Config:
+    """The config with MTP layers only where the checkpoint has their tensors (a checkpoint
+    saved by transformers keeps ``mtp_num_hidden_layers`` but drops ``mtp.*``)."""
+    if cfg.mtp_layers and not hf.is_gguf(path) and \
+            not any(n.startswith("mtp.") for n in hf.tensor_files(path)):
+        return dataclasses.replace(cfg, mtp_layers=0)
+    return cfg
 
 
-@dataclass(frozen=True)
-class Variant:
-    """A checkpoint format this module serves: Qwen3.5 and Qwen3.5-MoE here, Qwen3-Next in
-    :mod:`linserve.model.architectures.qwen3_next`. ``split_for``: how its config's tensors that
-    fill several parameters are split (the stacked experts; Qwen3-Next's interleaved GDN
-    projections)."""
+def describe_as(name: str, moe_name: str = "") -> Callable[[Qwen35Config], str]:
+    """The architecture line of a checkpoint served under ``name`` (``moe_name`` where it
+    has experts and its name differs)."""
 
-    name: str
-    split_for: Callable[[Qwen35Config], hf.Split] = _stacked
-    moe_name: str = ""  # the name of its checkpoints with experts, where it differs
-
-    def config(self, path: Path) -> Qwen35Config:
-        """The config; MTP layers only where the checkpoint has their tensors (a checkpoint
-        saved by transformers keeps ``mtp_num_hidden_layers`` but drops ``mtp.*``)."""
-        cfg: Qwen35Config = hf.parse_config(path, Qwen35Config.from_hf)
-        if cfg.mtp_layers and not hf.is_gguf(path) and \
-                not any(n.startswith("mtp.") for n in hf.tensor_files(path)):
-            cfg = dataclasses.replace(cfg, mtp_layers=0)
-        return cfg
-
-    def max_state_bytes(self, path: Path) -> int:
-        """The largest one-session state: the constant GDN part plus a full-context KV
-        cache."""
-        cfg = self.config(path)
-        gdn = sum(t == "linear_attention" for t in cfg.layer_types) * 4 * (
-            cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-            + (cfg.linear_conv_kernel_dim - 1) * cfg.delta.conv_dim)
-        return gdn + state_bytes_per_token(cfg) * cfg.max_position_embeddings + 8
-
-    def params(self, path: Path) -> int:
-        """Parameters of the text model ``path``'s config builds."""
-        with torch.device("meta"):
-            return Qwen35ForCausalLM(self.config(path)).n_params()
-
-    @hf.checked_once
-    def check(self, path: Path, dtype: torch.dtype) -> None:
-        """Everything that can be checked before reading weights: the config, every
-        tensor's presence and shape (from the safetensors headers), and the tokenizer.
-        Raises :class:`CheckpointError`."""
-        del dtype  # the weights' memory is checked by model.loader.check, for every family
-        cfg = self.config(path)
-        with torch.device("meta"):
-            module = Qwen35ForCausalLM(cfg)
-        hf.plan(module, path, _rename, self.split_for(cfg))
-        hf.load_tokenizer(path, hf.config_json(path), cfg.vocab_size)
-
-    def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
-             ) -> ServedModule:
-        """Build the text model from ``path``'s config and load its weights (the text part
-        only of a vision-language checkpoint), tokenizer and chat template (``weights``:
-        see :func:`linserve.model.loader.load`)."""
-        del fused  # the whole-model native step serves every dense shape
-        self.check(path, dtype)
-        cfg = self.config(path)
-        tok = hf.load_tokenizer(path, hf.config_json(path), cfg.vocab_size)
-        with torch.device("meta"):
-            module = hf.cast(Qwen35ForCausalLM(cfg), dtype).eval()  # never all of it in fp32
-        if weights:
-            self._load_weights(hf.materialise(module), path, dtype)
-        info = describe(module, self.describe(cfg), cfg.max_position_embeddings,
-                        state_bytes_per_token(cfg),
-                        decode_step=None if module.fused else "eager (layer by layer)")
-        return ServedModule(module, tok, hf.chat_template(path),
-                            partial(hf.fingerprint, path), info)
-
-    def describe(self, cfg: Qwen35Config) -> str:
+    def describe(cfg: Qwen35Config) -> str:
         attn = sum(t == "full_attention" for t in cfg.layer_types)
-        name = self.moe_name if cfg.experts is not None and self.moe_name else self.name
-        arch = f"{name} (Gated DeltaNet + gated attention, {attn} of "
+        arch = f"{moe_name if cfg.experts is not None and moe_name else name} "
+        arch += f"(Gated DeltaNet + gated attention, {attn} of "
         arch += f"{len(cfg.layer_types)} layers full attention"
         if cfg.experts is not None:
             r = cfg.experts.router
@@ -275,31 +226,11 @@ class Variant:
             arch += f"; {cfg.mtp_layers} MTP layer{'s' if cfg.mtp_layers > 1 else ''}"
         return arch + ")"
 
-    def _load_weights(self, module: Qwen35ForCausalLM, path: Path, dtype: torch.dtype
-                      ) -> None:
-        """Fill, pack and release the module's weights from ``path``, layer by layer."""
-        with packing.packing_once(module):  # each original freed as soon as it is packed
-            unused = hf.load_weights(module, path, _rename, dtype, module,
-                                     self.split_for(module.cfg))
-            head = module.draft_head()
-            if head is not None:  # its weights packed here, as the layers' are
-                head.logits(head.extend(head.new_state(), torch.zeros(2, module.cfg.hidden_size),
-                                        [0, 0]))
-            if module.fused:
-                module.fused_weights()
-            else:
-                module.pack_weights()
-        vision = sum(n.startswith("model.visual.") for n in unused)
-        if vision:
-            log.info("%s: a vision-language checkpoint; loaded its text model only (%d "
-                     "vision tensors skipped)", path, vision)
-        other = [n for n in unused if not n.startswith(("model.visual.", "lm_head."))]
-        if other:
-            log.warning("%s: %d checkpoint tensors unused, e.g. %s", path, len(other),
-                        other[0])
+    return describe
 
 
-FAMILY = Variant("qwen3_5", moe_name="qwen3_5_moe")
+FAMILY = HFFamily(Qwen35Config.from_hf, Qwen35ForCausalLM, rename,
+                  describe_as("qwen3_5", "qwen3_5_moe"), config_for=mtp_present)
 
 
 class MtpHead:
