@@ -30,6 +30,14 @@ class ServerProcess:
     live: ClassVar[set[ServerProcess]] = set()
     stopped: ClassVar[list[ServerProcess]] = []
 
+    @classmethod
+    def serving(cls, model: Path | str, *flags: str, **kwargs: Any) -> ServerProcess:
+        """A server of the checkpoint ``model`` (a folder, a GGUF file or a hub id) with
+        ``flags``, in fp32 unless they name a ``--dtype`` (``kwargs``: as the constructor's)."""
+        dtype = [] if "--dtype" in flags else ["--dtype", "float32"]
+        return cls(ROOT / "weights" / "linear", args=["--model", str(model), *dtype, *flags],
+                   **kwargs)
+
     def __init__(self, weights: Path | str, env: dict[str, str] | None = None,
                  args: list[str] | None = None, port: int | None = None,
                  ready_timeout: float = 90.0, command: list[str] | None = None,

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.serverproc import ROOT, ServerProcess
+from bench.serverproc import ServerProcess
 from tests.model.qwen_fixtures import make_checkpoint
 
 
@@ -17,8 +17,7 @@ def qwen_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
     """Served as ``q`` with ``--reasoning-parser qwen3`` (tool calls: qwen3_xml, from the
     template)."""
     path = make_checkpoint(tmp_path_factory.mktemp("qwen-agent"), "i4-tied")
-    with ServerProcess(ROOT / "weights" / "linear",
-                       args=["--model", str(path), "--dtype", "float32",
-                             "--reasoning-parser", "qwen3", "--served-model-name", "q"]) as srv:
+    with ServerProcess.serving(path, "--reasoning-parser", "qwen3",
+                               "--served-model-name", "q") as srv:
         yield srv
 

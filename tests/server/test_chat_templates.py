@@ -62,8 +62,7 @@ def test_the_sandbox_refuses_python_internals() -> None:
 def chat_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     path = make_checkpoint(tmp_path_factory.mktemp("qwen-chat"), "i4-tied")
     (path / "chat_template.jinja").write_text(CHATML)
-    with ServerProcess(ROOT / "weights" / "linear",
-                       args=["--model", str(path), "--dtype", "float32"]) as srv:
+    with ServerProcess.serving(path) as srv:
         yield srv
 
 

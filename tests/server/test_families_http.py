@@ -35,9 +35,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def _server(checkpoint: Path, *args: str) -> ServerProcess:
-    return ServerProcess(ROOT / "weights" / "linear",
-                         args=["--model", str(checkpoint), "--served-model-name", "tiny",
-                               "--dtype", "float32", *args])
+    return ServerProcess.serving(checkpoint, "--served-model-name", "tiny", *args)
 
 
 @pytest.fixture(scope="module")

@@ -32,9 +32,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen_server(checkpoint: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(ROOT / "weights" / "linear",
-                       args=["--model", str(checkpoint), "--served-model-name", "qwen-tiny",
-                             "--dtype", "float32"]) as srv:
+    with ServerProcess.serving(checkpoint, "--served-model-name", "qwen-tiny") as srv:
         yield srv
 
 

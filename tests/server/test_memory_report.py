@@ -24,8 +24,7 @@ LIVE = ("slot_states", "kv_cache", "request_states", "prefix_cache", "sessions")
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     path = make_checkpoint(tmp_path_factory.mktemp("qwen-memory"), "i4-tied")
-    with ServerProcess(ROOT / "weights" / "linear",
-                       args=["--model", str(path), "--dtype", "float32"]) as srv:
+    with ServerProcess.serving(path) as srv:
         yield srv
 
 

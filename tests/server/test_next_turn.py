@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.serverproc import ROOT, ServerProcess
+from bench.serverproc import ServerProcess
 from tests.model.qwen_fixtures import make_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -34,9 +34,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def serve(checkpoint: Path) -> ServerProcess:
-    return ServerProcess(ROOT / "weights" / "linear",
-                         args=["--model", str(checkpoint), "--dtype", "float32",
-                               "--reasoning-parser", "qwen3", "--served-model-name", "q"])
+    return ServerProcess.serving(checkpoint, "--reasoning-parser", "qwen3",
+                                 "--served-model-name", "q")
 
 
 @pytest.fixture(scope="module")

@@ -76,9 +76,8 @@ def test_hf_checkpoint_serves_int4(checkpoint: Path) -> None:
 
     from linserve.model import loader
 
-    with ServerProcess(ROOT / "weights" / "linear",
-                       args=["--model", str(checkpoint), "--quantization", "int4",
-                             "--dtype", "float32", "--served-model-name", "q"]) as srv:
+    with ServerProcess.serving(checkpoint, "--quantization", "int4",
+                               "--served-model-name", "q") as srv:
         health = httpx.get(srv.url + "/health").json()
         assert health["quantization"] == "int4"
         client = OpenAI(base_url=srv.url + "/v1", api_key="none")

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.serverproc import ROOT, ServerProcess
+from bench.serverproc import ServerProcess
 from linserve.server.api.chat_template import TemplateChat
 from linserve.server.api.protocol import ChatMessage
 from tests.model.qwen_fixtures import make_checkpoint
@@ -41,9 +41,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(ROOT / "weights" / "linear",
-                       args=["--model", str(checkpoint), "--dtype", "float32",
-                             "--reasoning-parser", "qwen3", "--served-model-name", "q"]) as srv:
+    with ServerProcess.serving(checkpoint, "--reasoning-parser", "qwen3",
+                               "--served-model-name", "q") as srv:
         yield srv
 
 
