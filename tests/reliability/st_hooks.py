@@ -9,7 +9,9 @@ a forced ``tool_choice`` (its tools' schemas become a grammar, and it must name 
 tools) and ``continue_final_message`` (which needs an assistant message last and no
 generation prompt) are dropped from the cases that break them; their 400s are tested in
 ``tests/server/test_tool_calls.py``. So is ``best_of`` below ``n`` (refused as OpenAI and vLLM
-refuse it; tested in ``tests/server/test_bad_input.py``)."""
+refuse it; tested in ``tests/server/test_bad_input.py``). Image parts and blocks, and chat
+content parts of no type any API defines, are taken out of the messages: the served model
+has no image encoder, and its 400 for them is tested in ``tests/server/test_image_parts.py``."""
 
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
     if isinstance(case.body, dict):
         keep_valid_best_of(case.body)
         keep_valid_thinking(case.body)
+        keep_text_only(case.body)
 
 
 def keep_valid(case: Any) -> None:
@@ -83,6 +86,39 @@ def keep_valid(case: Any) -> None:
         keep_valid_chat_rules(case.body)
         keep_valid_best_of(case.body)
         keep_valid_agent_rules(case.body)
+        keep_text_only(case.body)
+
+
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def _text_parts(content: Any) -> Any:
+    """A message's content with only its text parts (a string stays as it is); an empty
+    list becomes one short text."""
+    if not isinstance(content, list):
+        return content
+    kept = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in (*TEXT_PARTS, "tool_use",
+                                                                  "tool_result", "thinking",
+                                                                  "redacted_thinking"):
+            continue
+        if part.get("type") == "tool_result":
+            part = {**part, "content": _text_parts(part.get("content", ""))}
+        kept.append(part)
+    return kept or "x"
+
+
+def keep_text_only(body: dict[str, Any]) -> None:
+    """Every message's content without image parts or untyped ones (chat's ``messages``,
+    the Responses API's ``input`` items, the Messages API's ``messages``)."""
+    for key in ("messages", "input"):
+        items = body.get(key)
+        if not isinstance(items, list):
+            continue
+        for item in items:
+            if isinstance(item, dict) and "content" in item and "role" in item:
+                item["content"] = _text_parts(item["content"])
 
 
 def keep_valid_agent_rules(body: dict[str, Any]) -> None:
