@@ -143,6 +143,3 @@ class EncodedCache:
         while self.bytes > self.capacity:
             _, old = self._items.popitem(last=False)
             self.bytes -= old.numel() * old.element_size()
-
-    def __len__(self) -> int:
-        return len(self._items)

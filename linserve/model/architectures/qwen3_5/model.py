@@ -1,6 +1,6 @@
 """Qwen3.5's dense and MoE text models: Gated DeltaNet layers interleaved with gated full
 attention (:mod:`.layers`), one native call a step, the checkpoint's MTP layers as a draft
-head (:mod:`.mtp`), and the checkpoint formats served (:class:`Variant`).
+head (:mod:`.mtp`), and the families' loader (``FAMILY``, an ``HFFamily``).
 
 Layer types come from the checkpoint's ``layer_types`` (three ``linear_attention`` to one
 ``full_attention`` in the published models). Module and parameter names follow Hugging Face's
