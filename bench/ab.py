@@ -2,9 +2,11 @@
 
 For a change that must not cost speed (a refactor): runs ``bench.step`` (the decode step
 alone) and ``bench.engine_loop`` (the scheduler without HTTP) at batch 1 and 64 in each
-checkout, alternating A, B, A, B for ``--rounds`` rounds so that a slow spell of the machine
-does not land on one side, and reports each side's best round and the ratio. Each side builds
-its kernels into its own extension folder. Writes ``bench/results/ab.json``.
+checkout (``--suite native``: ``bench.native_step``, the whole-model native step of each
+``--checkpoints`` model, instead), alternating A, B, A, B for ``--rounds`` rounds so that a
+slow spell of the machine does not land on one side, and reports each side's best round and
+the ratio. Each side builds its kernels into its own extension folder. Writes
+``bench/results/ab.json`` (``ab_native.json``).
 """
 
 from __future__ import annotations
@@ -36,8 +38,15 @@ def _run(root: Path, args: list[str], ext: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def measures(batch: int) -> dict[str, list[str]]:
-    """The benches to compare at one batch size, and how each names its tokens/s."""
+def measures(batch: int, suite: str = "own", checkpoints: tuple[Path, ...] = ()
+             ) -> dict[str, list[str]]:
+    """The benches to compare at one batch size: the own model's step and the engine loop
+    (``own``), or the whole-model native step of each checkpoint (``native``, int8 weights,
+    ``bench.native_step``)."""
+    if suite == "native":
+        return {f"native {c.name} b{batch}": [
+            "bench.native_step", "--checkpoint", str(c.resolve()), "--kind", "int8",
+            "--batches", str(batch), "--output", "ab_native"] for c in checkpoints}
     return {
         f"step b{batch}": ["bench.step", "--kinds", "gated", "--batches", str(batch),
                            "--contexts", "1024", "--threads", "1", "--dtypes", "bf16",
@@ -59,13 +68,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--base", type=Path, required=True, help="the other checkout (A)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 64])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--suite", choices=["own", "native"], default="own")
+    p.add_argument("--checkpoints", nargs="*", type=Path, default=[],
+                   help="the models of --suite native")
     args = p.parse_args(argv)
     sides = {"A (base)": args.base.resolve(), "B (this)": HERE}
     ext = {name: Path(tempfile.gettempdir()) / f"linserve-ab-{i}" for i, name in enumerate(sides)}
     best: dict[tuple[str, str], float] = {}
     for _ in range(args.rounds):
         for batch in args.batches:
-            for label, cmd in measures(batch).items():
+            for label, cmd in measures(batch, args.suite, tuple(args.checkpoints)).items():
                 for side, root in sides.items():
                     tok_s = rate(_run(root, cmd, ext[side]))
                     best[(label, side)] = max(best.get((label, side), 0.0), tok_s)
@@ -74,8 +86,10 @@ def main(argv: list[str] | None = None) -> None:
              "B_over_A": round(best[(label, "B (this)")] / best[(label, "A (base)")], 3)}
             for label in dict.fromkeys(label for label, _ in best)]
     print_table(rows, list(rows[0]))
-    write_json("ab", {"machine": machine(), "args": {**vars(args), "base": str(args.base)},
-                      "rows": rows})
+    write_json("ab" if args.suite == "own" else f"ab_{args.suite}",
+               {"machine": machine(), "rows": rows,
+                "args": {**vars(args), "base": str(args.base),
+                         "checkpoints": [str(c) for c in args.checkpoints]}})
 
 
 if __name__ == "__main__":

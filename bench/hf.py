@@ -110,7 +110,9 @@ def step_bytes(model: ServedModule, context: int) -> int:
     weights once as stored, except the embedding table (one row is gathered); the recurrent
     state and conv window, read and written back; the KV cache's ``context`` positions, read
     (not its capacity, which grows by doubling: 2,048 slots hold 1,024 tokens)."""
-    weights = model.module.fused_weights()[1:]
+    plan = model.module.native_plan()
+    assert plan is not None, "the model's step is not native"
+    weights = plan.weights[1:]
     moved = sum(w.numel() * w.element_size() for w in weights)
     for e in state_at(model, 1, context).entries():
         if isinstance(e, KVEntry):

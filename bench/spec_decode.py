@@ -1,7 +1,7 @@
 """``python -m bench.spec_decode``: what speculative decoding costs and gives on a CPU.
 
 1. **Verify cost** T(k+1) ÷ T(1): one verify of k drafts (``ServedModel.verify`` of k + 1
-   tokens, the native ``qwen35_verify`` for Qwen3.5) over one plain decode step, batch 1, on
+   tokens, the native ``decoder_verify`` for Qwen3.5) over one plain decode step, batch 1, on
    a checkpoint
    (default: random weights of Qwen3.5-0.8B's shapes, ``python -m bench.hf``), in bf16,
    int8 and int4, timed alternately; ``cost-4b``: the same on a 4B-class shape

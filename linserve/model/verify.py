@@ -9,7 +9,7 @@ length alone). :func:`keep` then puts each row at the position its accepted toke
 Every position's arithmetic is the decode step's, so a verify that kept j tokens leaves
 exactly the state and logits of j plain steps. :func:`verify_by_steps` is the form any model
 has (one step per position: exact, but the weights are read T times); a model with a native
-verify (``qwen35_verify``) reads them once for all T positions, its GEMMs over the B·T rows
+verify (``decoder_verify``) reads them once for all T positions, its GEMMs over the B·T rows
 (batch-invariant, so each row's product is the step's) and its mixers position by position.
 """
 

@@ -48,7 +48,7 @@ def test_mtp_head_equals_the_reference(tmp_path: Path) -> None:
                                           ("qwen3_5_moe", "float32")])
 def test_the_native_mtp_call_equals_the_eager_layer(family: str, dtype: str,
                                                     tmp_path: Path) -> None:
-    """``qwen35_mtp`` (one native call) against the layer in PyTorch: g within fp32
+    """``decoder_mtp`` (one native call) against the layer in PyTorch: g within fp32
     rounding (bf16: the eager layer rounds its activations to bf16, the native call keeps
     them fp32), several extensions after one another, dense and with experts."""
     from linserve.model import kernels
@@ -63,7 +63,7 @@ def test_the_native_mtp_call_equals_the_eager_layer(family: str, dtype: str,
     model = loader.load(add_mtp(path), dtype)
     assert isinstance(model, ServedModule)
     head = model.draft_head()
-    assert isinstance(head, MtpHead) and head.native_args() is not None
+    assert isinstance(head, MtpHead) and head.native_plan() is not None
     g = torch.Generator().manual_seed(2)
     d = model.module.cfg.hidden_size
     native, eager = head.new_state(), head.new_state()

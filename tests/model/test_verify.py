@@ -1,6 +1,6 @@
 """A verify of T tokens per row equals T decode steps bit for bit: its logits at every
 position, and the state :func:`keep` lands each row on, for every state kind (Gated DeltaNet
-with the native ``qwen35_verify``, short convolutions, Mamba2, KV caches, a sliding window's
+with the native ``decoder_verify``, short convolutions, Mamba2, KV caches, a sliding window's
 ring, the own linear and softmax states), in fp32 and bf16, with rows of different lengths."""
 
 from __future__ import annotations
@@ -68,12 +68,12 @@ def _copy(trail: Trail) -> Trail:
 @pytest.mark.parametrize("shape", ["i4-tied", "i2-untied"])
 def test_qwen35_native_verify_is_steps(shape: str, dtype: str, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from linserve.model.architectures.qwen3_5 import model as qwen3_5
+    from linserve.model.layers import decoder
 
     def no_fallback(*_: object) -> None:
-        raise AssertionError("qwen35_verify did not run")
+        raise AssertionError("decoder_verify did not run")
 
-    monkeypatch.setattr(qwen3_5, "verify_by_steps", no_fallback)
+    monkeypatch.setattr(decoder, "verify_by_steps", no_fallback)
     model = loader.load(make_checkpoint(tmp_path, shape, tokenizer="project"), dtype)
     assert model.info.decode_step.startswith("fused")
     _check(model)

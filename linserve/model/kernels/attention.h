@@ -1,5 +1,5 @@
 // Decode attention over a KV cache for a group of query heads sharing one key-value head
-// (grouped-query attention), used by the Qwen3.5 step (qwen35_step.cpp).
+// (grouped-query attention), used by the whole-model step (decoder_step.cpp).
 //
 // At batch 1 a step's attention is bound by reading the cache: 1,024 positions of one
 // 256-wide key-value head are 2 MB, more than a core's L2, so a loop over the group's query

@@ -1,6 +1,6 @@
 // The Gated DeltaNet recurrent step (Qwen3.5's linear-attention layers), between a layer's
 // input projections and its output projection; used by the gdn_step op (gdn_step.cpp) and
-// by the whole-model step (qwen35_step.cpp).
+// by the whole-model step (decoder_step.cpp).
 //
 // Per row: the causal depthwise convolution over the conv window and the new projections,
 // SiLU, and the window shift; q and k L2-normalised per key head (q also scaled by Dk^-1/2);

@@ -1,7 +1,7 @@
 // The sparse MLP (moe.h) as an op of its own, for the prefill of every family with experts
 // (model/layers/moe.py's SparseMoE): a prompt's tokens are grouped by expert natively, where
-// grouping them from Python cost more than the experts' products on a CPU. The whole-model decode steps (decoder_step.cpp, qwen35_step.cpp) call the same
-// moe::forward.
+// grouping them from Python cost more than the experts' products on a CPU. The whole-model
+// decode step (decoder_step.cpp) calls the same moe::forward.
 //
 //   moe_forward(h [N, d] fp32, weights, experts, top_k, flags, norm_eps, scaling) -> [N, d]:
 //   weights are moe.h forward()'s seven slots (router [d, E] fp32, expert bias [E], shared

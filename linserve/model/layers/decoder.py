@@ -160,7 +160,7 @@ class DecoderLM(nn.Module):
         plan = self.native_plan() if self.native and kernels.available() else None
         state.reserve(int(state.lengths.max()) + tokens.shape[1])
         if plan is not None:
-            out = native_step.verify(plan, tokens, state)
+            out = native_step.verify(plan, tokens, state, self.keeps_hidden)
             if out is not None:
                 state.lengths += tokens.shape[1]
                 return out
@@ -187,6 +187,12 @@ class DecoderLM(nn.Module):
         if self._plan is None or self._plan[0] != key:
             self._plan = (key, native_step.plan(self))
         return self._plan[1]
+
+    @property
+    def keeps_hidden(self) -> bool:
+        """Whether a verify keeps the final norm's outputs in its trail (a draft head that
+        drafts from them wants them)."""
+        return False
 
     @property
     def split_invariant(self) -> bool:

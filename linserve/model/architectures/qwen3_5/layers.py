@@ -10,7 +10,8 @@ Shapes: B rows, T tokens, d = hidden_size.
   grouped-query attention; output × sigmoid(gate). State: a :class:`KVEntry`.
 - SwiGLU MLP, and Qwen's RMSNorm with weights stored as w − 1 (it scales by 1 + w).
 
-:func:`layer_weights` describes a layer as the whole-model native step takes it.
+:meth:`DecoderLayer.native_parts` describes a layer to the whole-model native step
+(:mod:`linserve.model.layers.native_step`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from torch import nn
 from linserve.model import invariant, packing
 from linserve.model.architectures.family import DecoderConfig
 from linserve.model.invariant import Linear
-from linserve.model.layers import native_step
+from linserve.model.layers.block import LayerPart
 from linserve.model.layers.gated_delta import DeltaShape, GatedDeltaNet
 from linserve.model.layers.mlp import SwiGLU
 from linserve.model.layers.moe import RouterSpec, SparseMoE
 from linserve.model.layers.norms import RMSNorm
 from linserve.model.layers.rope import inv_freq as rope_freqs
 from linserve.model.layers.rope import rope as shared_rope
+from linserve.model.layers.step_parts import AttentionPart
 from linserve.model.state import KVEntry
 
 
@@ -181,6 +183,16 @@ class GatedAttention(nn.Module):
         return packing.gemm_weight(self, self.q_proj.weight, self.k_proj.weight,
                                      self.v_proj.weight)
 
+    def native_part(self) -> AttentionPart:
+        """The layer as the native step takes it: the gate interleaved per head in qkv, q / k
+        normed per head, rotary on the first ``rotary_dim``."""
+        cfg = self.cfg
+        return AttentionPart(self.qkv_weight(), norm_weight(self.q_norm),
+                             norm_weight(self.k_norm), packing.packed(self.o_proj),
+                             inv_freq(cfg), torch.empty(0), cfg.num_attention_heads,
+                             cfg.num_key_value_heads, cfg.head_dim, False, 0, True, 1.0, 1.0,
+                             float(cfg.rms_norm_eps))
+
     def _qkv(self, x: torch.Tensor, pos: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x ``[B, T, d]`` -> q ``[B, H, T, D]``, k, v ``[B, Hkv, T, D]`` (fp32, rotated) and
@@ -246,64 +258,6 @@ def norm_weight(n: nn.Module) -> torch.Tensor:
     return cast(RMSNorm, n).scale().detach().contiguous()
 
 
-def native_mlp(layer: DecoderLayer) -> bool:
-    """Whether the native step takes the layer's MLP: dense, or experts whose router
-    renormalises without an eps and does not rescale (Qwen's); reads no weight."""
-    if isinstance(layer.mlp, SparseMoE):
-        spec = layer.mlp.spec
-        return not spec.norm_eps and spec.scaling == 1.0
-    return True
-
-
-def mlp_weights(layer: DecoderLayer) -> native_step.Part | None:
-    """The MLP's part of the native step's lists: a dense MLP's (gate_up, down), or the
-    experts' part (:func:`native_step.describe_experts`); None: one it does not take."""
-    if not native_mlp(layer):
-        return None
-    if isinstance(layer.mlp, SparseMoE):
-        found = native_step.describe_experts(layer.mlp)
-        return None if found is None else found[0]
-    dense = cast(SwiGLU, layer.mlp)
-    return native_step.Part(0, [dense.gate_up(), packing.packed(dense.down_proj)])
-
-
-def layer_weights(layer: DecoderLayer, cfg: Qwen35Config, experts: list[torch.Tensor]
-                   ) -> tuple[list[torch.Tensor], list[int]] | None:
-    """One layer's part of the native step's weight list and ints (``qwen35_step.cpp``'s
-    order); its experts are appended to ``experts``. None: a layer the step does not take."""
-    def f32(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().float().contiguous()
-
-    mlp = mlp_weights(layer)
-    if mlp is None:
-        return None
-    empty = torch.empty(0)
-    ints = [int(layer.kind != "linear_attention"), int(bool(mlp.experts)), 0, 0, 0]
-    if mlp.experts:
-        ints[2:] = [len(experts), *mlp.ints[1:]]
-        experts += mlp.experts
-    tail = [norm_weight(layer.post_attention_layernorm), *mlp.weights]
-    tail += [empty] * (6 - len(tail))
-    if layer.kind == "linear_attention":
-        a = layer.linear_attn
-        return [norm_weight(layer.input_layernorm), a.in_weight(), a.conv_weight(), f32(a.A_log),
-                f32(a.dt_bias), f32(a.norm.weight), packing.packed(a.out_proj), *tail], ints
-    at = layer.self_attn
-    return [norm_weight(layer.input_layernorm), at.qkv_weight(), norm_weight(at.q_norm),
-            norm_weight(at.k_norm),
-            packing.packed(at.o_proj), inv_freq(cfg), empty, *tail], ints
-
-
-EMPTY = torch.empty(0)
-
-
-def step_tensors(entries: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's state as the native step takes it: (S, conv window) or (keys, values)."""
-    if "kv" in entries:
-        return entries["kv"].k, entries["kv"].v
-    return entries["recurrent"].s, entries["conv"].window
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Qwen35Config, kind: str, index: int) -> None:
         super().__init__()
@@ -321,6 +275,12 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = qwen_norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = qwen_norm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def native_parts(self) -> tuple[LayerPart, LayerPart]:
+        """The mixer and the MLP as the native step composes them: pre-norm residuals."""
+        mixer = self.linear_attn if self.kind == "linear_attention" else self.self_attn
+        return (LayerPart(mixer, self.input_layernorm),
+                LayerPart(self.mlp, self.post_attention_layernorm))
 
     def _mix(self, h: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
              one_token: bool, new: torch.Tensor | None) -> torch.Tensor:

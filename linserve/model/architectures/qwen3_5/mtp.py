@@ -11,16 +11,13 @@ and head(g_p) predicts x_{p+2}, through the served model's own embedding table a
 The layer is a full-attention Qwen3.5 decoder layer with a KV cache of its own (RoPE at
 positions counted in that cache); a further draft feeds g_p back as the hidden state with the
 token just drafted (one layer reused, as vLLM does for k > 1; a checkpoint with several MTP
-layers drafts with its first). It runs in one native call (``qwen35_mtp``, the native step's
-own attention and MLP) where the kernels are built, else layer by layer in PyTorch, the
-reference. The draft head over them is the model's (``model.MtpHead``). Shapes: n
-positions, d hidden.
+layers drafts with its first). It runs in one native call (``decoder_mtp``: a plan of the
+whole-model native step with an MTP prologue) where the kernels are built, else layer by
+layer in PyTorch, the reference. The draft head over them is the model's
+(``model.MtpHead``). Shapes: n positions, d hidden.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import cast
 
 import torch
 from torch import nn
@@ -29,21 +26,13 @@ from linserve.model import packing
 from linserve.model.architectures.qwen3_5.layers import (
     DecoderLayer,
     Qwen35Config,
-    layer_weights,
     norm_weight,
     qwen_norm,
 )
 from linserve.model.invariant import Linear
+from linserve.model.layers import native_step
+from linserve.model.layers.step_parts import MtpPrologue
 from linserve.model.state import KVEntry, State
-
-
-@dataclass
-class NativeArgs:
-    """``qwen35_mtp``'s arguments that do not change from call to call."""
-
-    weights: list[torch.Tensor]
-    experts: list[torch.Tensor]
-    ints: list[int]
 
 
 class QwenMTP(nn.Module):
@@ -82,15 +71,11 @@ class QwenMTP(nn.Module):
 
 
 
-def native_args(mtp: QwenMTP, table: torch.Tensor, head: torch.Tensor) -> NativeArgs | None:
-    """``qwen35_mtp``'s weights, experts and ints for ``mtp`` beside the served model's
-    embedding ``table`` and ``head`` (the native step's first two weights); None: a layer the
-    native step does not take."""
-    experts: list[torch.Tensor] = []
-    described = layer_weights(cast(DecoderLayer, mtp.layers[0]), mtp.cfg, experts)
-    if described is None:
-        return None
-    weights = [table, head, norm_weight(mtp.pre_fc_norm_embedding),
-               norm_weight(mtp.pre_fc_norm_hidden), packing.packed(mtp.fc),
-               norm_weight(mtp.norm), *described[0]]
-    return NativeArgs(weights, experts, described[1])
+def mtp_plan(mtp: QwenMTP, table: torch.Tensor, head: torch.Tensor) -> native_step.Plan | None:
+    """``mtp``'s first layer as a native plan (``decoder_mtp``) beside the served model's
+    embedding ``table`` and ``head``; None: a layer the native step does not take."""
+    eps = float(mtp.cfg.rms_norm_eps)
+    prologue = MtpPrologue(norm_weight(mtp.pre_fc_norm_embedding),
+                           norm_weight(mtp.pre_fc_norm_hidden), packing.packed(mtp.fc), eps)
+    return native_step.build([table, head, norm_weight(mtp.norm)], [eps, 1.0, 1.0],
+                             list(mtp.layers[:1]), prologue)
