@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from linserve.model import kernels, memory, modes, packing
-from linserve.model.architectures import hf, registry
+from linserve.model.architectures import hf, registry, rwkv_pth
 from linserve.model.architectures.registry import CheckpointLoader, Family
 from linserve.model.gguf.files import is_gguf
 from linserve.model.interface import CheckpointError, ServedModel
@@ -30,7 +30,7 @@ QUANTIZED_BYTES = {"int8": 1.0, "int4": 0.5625}
 
 def family(path: Path) -> Family:
     """The family whose checkpoints look like ``path``."""
-    if not is_gguf(path) and not (path / "config.json").is_file():
+    if not (is_gguf(path) or rwkv_pth.is_pth(path) or (path / "config.json").is_file()):
         raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
     config = hf.config_json(path)
     found = registry.recognise(config)

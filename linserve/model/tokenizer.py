@@ -40,6 +40,7 @@ def _byte_decoder() -> dict[str, int]:
 
 
 _DECODER = _byte_decoder()
+BYTE_CHARS = {b: ch for ch, b in _DECODER.items()}  # a byte's ByteLevel character
 # The same table for str.translate: each byte-level character to the character of its byte,
 # so that a piece's bytes are its translation encoded as Latin-1 (a 250k-token vocabulary's
 # byte table: 1.8 s a character at a time, 0.1 s so).

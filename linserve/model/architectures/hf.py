@@ -27,13 +27,20 @@ from torch import nn
 from tqdm import tqdm
 
 from linserve.model import heap, packing
+from linserve.model.architectures import rwkv_pth
 from linserve.model.fingerprint import files_fingerprint
 from linserve.model.gguf.checkpoint import GGUFCheckpoint
 from linserve.model.gguf.checkpoint import checkpoint as gguf_checkpoint
 from linserve.model.gguf.files import GGUFFileError, is_gguf
 from linserve.model.interface import CheckpointError
 from linserve.model.layers import moe
-from linserve.model.tokenizer import Tokenizer
+from linserve.model.tokenizer import TextTokenizer, Tokenizer
+from linserve.model.world_tokenizer import (
+    WORLD_CHAT_TEMPLATE,
+    WORLD_VOCAB,
+    VocabFileError,
+    WorldTokenizer,
+)
 
 log = logging.getLogger("linserve")
 ALLOW = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
@@ -43,7 +50,7 @@ def resolve(path_or_id: str | Path) -> Path:
     """A local folder or GGUF file as it is; otherwise a Hub repo id (``owner/name``, or
     ``owner/name:FILE.gguf`` for one GGUF file of it), through huggingface_hub's cache."""
     path = Path(path_or_id)
-    if path.is_dir() or (path.is_file() and is_gguf(path)):
+    if path.is_dir() or (path.is_file() and (is_gguf(path) or rwkv_pth.is_pth(path))):
         return path
     repo, _, file = str(path_or_id).partition(":")
     if file and is_gguf(file) and repo.count("/") == 1 and not path.exists():
@@ -107,6 +114,8 @@ def config_json(path: Path) -> dict[str, Any]:
     :mod:`linserve.model.gguf.archs`)."""
     if is_gguf(path):
         return dict(gguf(path).config)
+    if rwkv_pth.is_pth(path):
+        return rwkv_pth.config(path)
     return read_json(path / "config.json")
 
 
@@ -136,7 +145,7 @@ def parse_config(path: Path, parse: Callable[[dict[str, Any]], Any]) -> Any:
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise
-        where = path if is_gguf(path) else f"{path}/config.json"
+        where = path if is_gguf(path) or rwkv_pth.is_pth(path) else f"{path}/config.json"
         raise CheckpointError(f"{where}: inconsistent or incomplete "
                               f"({type(exc).__name__}: {exc})") from None
 
@@ -240,6 +249,9 @@ def _tensors(path: Path, rename: Callable[[str], str | None], split: Split,
     file's tensors are named as the Hugging Face checkpoint named them, where ``rename``
     takes that name to one of ``ours`` (or ``split`` to parts of several); a tensor the
     converter squeezed or flattened takes the shape of ours (:func:`read_into` reshapes)."""
+    if rwkv_pth.is_pth(path):
+        found = rwkv_pth.sources(path)
+        return {n: path for n in found}, {n: s.shape for n, s in found.items()}
     if not is_gguf(path):
         files = tensor_files(path)
         return files, _shapes(files)
@@ -272,6 +284,8 @@ def checkpoint_params(path: Path) -> int:
     """Parameters stored in the checkpoint at ``path`` (from its safetensors headers)."""
     if is_gguf(path):
         return gguf(path).params()
+    if rwkv_pth.is_pth(path):
+        return sum(_numel(s.shape) for s in rwkv_pth.sources(path).values())
     total = 0
     for shape in _shapes(tensor_files(path)).values():
         n = 1
@@ -402,6 +416,10 @@ def read_into(file: Path, pairs: list[tuple[torch.Tensor, str, Index]]) -> None:
     by_name: dict[str, list[tuple[torch.Tensor, Index]]] = {}
     for dest, name, index in pairs:
         by_name.setdefault(name, []).append((dest, index))
+    if rwkv_pth.is_pth(file):
+        for name, dests in by_name.items():
+            _scatter(rwkv_pth.read(file, name), dests)
+        return
     if is_gguf(file):
         ck = gguf(file)
         for name, dests in by_name.items():
@@ -454,17 +472,23 @@ def fingerprint(path: Path) -> str:
     """config.json and the weight files, sampled (:mod:`linserve.model.fingerprint`)."""
     if is_gguf(path):
         return gguf(path).fingerprint()
+    pth = rwkv_pth.pth_file(path)
+    if pth is not None:
+        return files_fingerprint([pth], b"")
     return files_fingerprint(sorted(set(tensor_files(path).values())),
                              (path / "config.json").read_bytes())
 
 
-def load_tokenizer(path: Path, config: dict[str, Any], vocab_size: int) -> Tokenizer:
+def load_tokenizer(path: Path, config: dict[str, Any], vocab_size: int) -> TextTokenizer:
     """``tokenizer.json`` with the end-of-sequence ids of ``generation_config.json`` (else
     the config's; for a GGUF file, its own vocabulary)."""
     if is_gguf(path):
         return gguf(path).tokenizer(vocab_size)
     file = path / "tokenizer.json"
     if not file.is_file():
+        world = world_vocab(path)
+        if world is not None:
+            return world
         raise CheckpointError(f"{path}: tokenizer.json is missing")
     gen = read_json(path / "generation_config.json", required=False)
     eos = gen.get("eos_token_id", config.get("eos_token_id"))
@@ -479,13 +503,36 @@ def load_tokenizer(path: Path, config: dict[str, Any], vocab_size: int) -> Token
     return tok
 
 
+def world_vocab(path: Path) -> WorldTokenizer | None:
+    """RWKV's world vocabulary where the checkpoint is one (a ``.pth``, or a folder with
+    ``rwkv_vocab_*.txt``): the file beside it, else the one the package ships (a ``.pth``
+    alone); None for any other checkpoint."""
+    found = world_vocab_file(path)
+    if found is None and not rwkv_pth.is_pth(path):
+        return None
+    try:
+        return WorldTokenizer.from_file(found or WORLD_VOCAB, int(config_json(path)["vocab_size"]))
+    except (OSError, VocabFileError) as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def world_vocab_file(path: Path) -> Path | None:
+    """An ``rwkv_vocab_*.txt`` in the checkpoint's folder (None: none there)."""
+    found = sorted((path.parent if path.is_file() else path).glob("rwkv_vocab_*.txt"))
+    return found[0] if found else None
+
+
 def chat_template(path: Path) -> str | None:
     """``chat_template.jinja``, else the ``chat_template`` of ``tokenizer_config.json`` (a
     GGUF file's ``tokenizer.chat_template``)."""
     if is_gguf(path):
         return gguf(path).chat_template()
+    if rwkv_pth.is_pth(path):
+        return WORLD_CHAT_TEMPLATE
     file = path / "chat_template.jinja"
     if file.is_file():
         return file.read_text()
     template = read_json(path / "tokenizer_config.json", required=False).get("chat_template")
-    return template if isinstance(template, str) else None
+    if isinstance(template, str):
+        return template
+    return WORLD_CHAT_TEMPLATE if world_vocab_file(path) is not None else None

@@ -1,0 +1,100 @@
+"""Tiny random RWKV-7 checkpoints written as BlinkDL's ``.pth`` and as fla-hub's folder of
+the same weights, and the reference's figures on them (``rwkv_reference``, in a process of
+its own)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from linserve.model.architectures import rwkv_pth
+from tests.paths import ROOT
+
+# hidden, layers, head size (the reference's CPU path takes any), LoRA ranks (w, a, v, g),
+# the channel mix's width, the vocabulary (the world vocabulary's 65,536, or fewer)
+SHAPES = {
+    "d128-l3": dict(d=128, layers=3, head=64, ranks=(16, 16, 8, 32), ffn=448, vocab=65536),
+    "d192-l2-h32": dict(d=192, layers=2, head=32, ranks=(8, 8, 8, 16), ffn=384, vocab=4096),
+}
+
+
+def blinkdl_weights(shape: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights of a plausible scale, named and shaped as BlinkDL's ``.pth``."""
+    s = SHAPES[shape]
+    d, n_layers, head, (rw, ra, rv, rg), f, vocab = (
+        s["d"], s["layers"], s["head"], s["ranks"], s["ffn"], s["vocab"])
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*size: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+        return torch.randn(*size, generator=gen) * scale + shift
+
+    def uni(*size: int) -> torch.Tensor:
+        return torch.rand(*size, generator=gen)
+
+    sd = {"emb.weight": rnd(vocab, d, scale=0.5), "ln_out.weight": rnd(d, scale=0.1, shift=1),
+          "ln_out.bias": rnd(d, scale=0.1), "head.weight": rnd(vocab, d, scale=d ** -0.5)}
+    for i in range(n_layers):
+        p = f"blocks.{i}."
+        norms = ["ln1", "ln2"] + (["ln0"] if i == 0 else [])
+        for ln in norms:
+            sd[p + ln + ".weight"] = rnd(d, scale=0.1, shift=1)
+            sd[p + ln + ".bias"] = rnd(d, scale=0.1)
+        a = p + "att."
+        for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"):
+            sd[a + m] = uni(1, 1, d)
+        for name, rank, bias in (("w", rw, -0.5), ("a", ra, 0.0), ("v", rv, 0.0)):
+            sd[a + name + "0"] = rnd(1, 1, d, scale=0.5, shift=bias)
+            sd[a + name + "1"] = rnd(d, rank, scale=0.1)
+            sd[a + name + "2"] = rnd(rank, d, scale=0.1)
+        sd[a + "g1"] = rnd(d, rg, scale=0.1)
+        sd[a + "g2"] = rnd(rg, d, scale=0.1)
+        sd[a + "k_k"] = rnd(1, 1, d, scale=0.05, shift=0.85)
+        sd[a + "k_a"] = rnd(1, 1, d, scale=0.05, shift=1.0)
+        sd[a + "r_k"] = rnd(d // head, head, scale=0.1)
+        for proj in ("receptance", "key", "value", "output"):
+            sd[a + proj + ".weight"] = rnd(d, d, scale=d ** -0.5)
+        sd[a + "ln_x.weight"] = rnd(d, scale=0.1, shift=1)
+        sd[a + "ln_x.bias"] = rnd(d, scale=0.1)
+        sd[p + "ffn.x_k"] = uni(1, 1, d)
+        sd[p + "ffn.key.weight"] = rnd(f, d, scale=d ** -0.5)
+        sd[p + "ffn.value.weight"] = rnd(d, f, scale=f ** -0.5)
+    return sd
+
+
+def write_pth(folder: Path, shape: str, seed: int = 0) -> Path:
+    """``folder/model.pth`` of :func:`blinkdl_weights`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.pth"
+    torch.save(blinkdl_weights(shape, seed), path)
+    return path
+
+
+def write_fla(folder: Path, pth: Path) -> Path:
+    """fla-hub's folder of the weights of ``pth``: config.json, model.safetensors and the
+    world vocabulary beside them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = rwkv_pth.config(pth)
+    (folder / "config.json").write_text(json.dumps({
+        **cfg, "architectures": ["RWKV7ForCausalLM"], "attn_mode": "chunk",
+        "value_dim": [cfg["hidden_size"]] * cfg["num_hidden_layers"], "norm_bias": True,
+        "hidden_act": "sqrelu", "fuse_norm": True}))
+    tensors = {n: rwkv_pth.read(pth, n).contiguous() for n in rwkv_pth.sources(pth)}
+    save_file(tensors, str(folder / "model.safetensors"))
+    vocab = ROOT / "linserve/model/vocab/rwkv_vocab_v20230424.txt"
+    (folder / vocab.name).write_bytes(vocab.read_bytes())
+    return folder
+
+
+def reference(pth: Path, prompt: list[int], steps: list[int], tmp: Path) -> dict[str, object]:
+    """The reference's logits ``[len(prompt) + len(steps), V]`` and final state."""
+    ids, out = tmp / "ids.json", tmp / "ref.pt"
+    ids.write_text(json.dumps({"prompt": prompt, "steps": steps}))
+    subprocess.run([sys.executable, "-m", "tests.model.rwkv_reference", str(pth), str(ids),
+                    str(out)], cwd=ROOT, check=True, capture_output=True)
+    found: dict[str, object] = torch.load(out, weights_only=True)
+    return found
