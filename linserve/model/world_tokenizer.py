@@ -24,7 +24,7 @@ WORLD_CHAT_TEMPLATE = (
     "{%- for m in messages -%}"
     "{%- set text = (m.content if m.content is string else '') "
     "| replace('\n\n', '\n') | trim -%}"
-    "{{ m.role | capitalize }}: {{ text }}\n\n"
+    "{{ (m.role | capitalize) ~ ': ' ~ text ~ '\\n\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt %}Assistant:{% endif -%}")
 

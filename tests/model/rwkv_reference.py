@@ -14,11 +14,11 @@ from pathlib import Path
 os.environ["RWKV_V7_ON"] = "1"
 os.environ.setdefault("RWKV_JIT_ON", "0")
 
-import torch  # noqa: E402
+import torch
 
 
 def main(model: Path, ids_file: Path, out: Path) -> None:
-    from rwkv.model import RWKV  # noqa: PLC0415 (after the environment above)
+    from rwkv.model import RWKV
 
     spec = json.loads(ids_file.read_text())
     prompt, steps = spec["prompt"], spec["steps"]

@@ -120,7 +120,8 @@ def test_the_fused_gdn_step_equals_the_eager_one(native_checkpoint: Path) -> Non
 def test_the_native_whole_model_step_equals_the_eager_one(native_checkpoint: Path, dtype: str
                                                           ) -> None:
     """The whole-model native step (decoder_step.cpp) against the layer-by-layer step on 3
-    rows at different positions, 12 steps. fp32: logits and every state tensor within fp32 rounding (1e-4).
+    rows at different positions, 12 steps. fp32: logits and every state tensor within fp32
+    rounding (1e-4).
     bf16: the native step keeps activations fp32 between layers where the eager one rounds
     them to bf16 as transformers does, so the two differ by bf16 rounding. Both are held to
     fp32's next-token distributions: the native step's KL from them no more than 1.5× the

@@ -34,6 +34,7 @@ class Rwkv7Config(DecoderConfig):
     gate_low_rank_dim: int
     intermediate_size: int
     norm_eps: float
+    group_norm_eps: float  # fla's head_dim·norm_eps; a .pth's BlinkDL's 64e-5
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> Rwkv7Config:
@@ -47,6 +48,7 @@ class Rwkv7Config(DecoderConfig):
             raise NotImplementedError("RWKV-7 without LayerNorm biases is not served")
         if any(int(v) != d for v in c.get("value_dim") or []):
             raise NotImplementedError("RWKV-7 with value_dim other than hidden_size")
+        eps = float(c.get("norm_eps", 1e-5))
         inter = c.get("intermediate_size")
         if inter is None:
             inter = 32 * ((int(d * float(c.get("hidden_ratio") or 4)) + 31) // 32)
@@ -56,13 +58,14 @@ class Rwkv7Config(DecoderConfig):
                    a_low_rank_dim=int(c["a_low_rank_dim"]),
                    v_low_rank_dim=int(c["v_low_rank_dim"]),
                    gate_low_rank_dim=int(c["gate_low_rank_dim"]),
-                   intermediate_size=int(inter), norm_eps=float(c.get("norm_eps", 1e-5)))
+                   intermediate_size=int(inter), norm_eps=eps,
+                   group_norm_eps=float(c.get("group_norm_eps", head * eps)))
 
     @property
     def shape(self) -> Rwkv7Shape:
         return Rwkv7Shape(self.hidden_size, self.head_dim, self.decay_low_rank_dim,
                           self.a_low_rank_dim, self.v_low_rank_dim, self.gate_low_rank_dim,
-                          self.intermediate_size, self.norm_eps)
+                          self.intermediate_size, self.norm_eps, self.group_norm_eps)
 
 
 class Rwkv7Block(nn.Module):

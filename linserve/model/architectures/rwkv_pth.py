@@ -150,4 +150,4 @@ def config(path: Path) -> dict[str, Any]:
             "v_low_rank_dim": int(v_rank),
             "gate_low_rank_dim": int(sd["blocks.0.att.g1"].shape[1]),
             "intermediate_size": int(sd["blocks.0.ffn.key.weight"].shape[0]),
-            "norm_eps": 1e-5, "tie_word_embeddings": False}
+            "norm_eps": 1e-5, "group_norm_eps": 64e-5, "tie_word_embeddings": False}

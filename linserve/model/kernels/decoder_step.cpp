@@ -34,6 +34,7 @@
 #include "step_attention.h"
 #include "step_mixers.h"
 #include "step_parts.h"
+#include "step_rwkv.h"
 
 #include <cstdint>
 #include <optional>
@@ -65,26 +66,30 @@ struct PlanPart {
 
 // A model as the step runs it (the header's comment). Built from records: ``kinds`` and
 // ``fields`` name each record, its values are the next ones of ``tensors``, ``ints`` and
-// ``floats``. ``model``: embed, head, final norm; ``scalars``: the final norm's eps, the
-// embedding scale, the logits' divisor. ``experts``: every MoE part's experts in order.
+// ``floats``. ``model``: embed, head, final norm, its bias (empty: an RMSNorm, else a
+// LayerNorm); ``scalars``: the final norm's eps, the embedding scale, the logits' divisor.
+// ``experts``: every MoE part's experts in order.
 struct DecoderPlan : torch::CustomClassHolder {
-  at::Tensor embed, head, norm;
+  at::Tensor embed, head, norm, norm_bias;
   double norm_eps, embed_scale, logits_scale;
   std::optional<MtpPrologue> prologue;
   std::vector<PlanPart> parts;
   std::vector<at::Tensor> experts;
   std::vector<int64_t> recurrent;  // per state tensor, 1: snapshot per position in a verify
+  int64_t carries = 0;             // value slots that cross layers (Call's carry)
 
   DecoderPlan(std::vector<at::Tensor> model, std::vector<double> scalars,
               std::vector<std::string> kinds, std::vector<std::string> fields,
               std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
               std::vector<double> floats, std::vector<at::Tensor> experts_)
       : experts(std::move(experts_)) {
-    TORCH_CHECK(model.size() == 3 && scalars.size() == 3 && kinds.size() == fields.size(),
-                "decoder plan: embed, head, norm; three scalars; a field list per record");
+    TORCH_CHECK(model.size() == 4 && scalars.size() == 3 && kinds.size() == fields.size(),
+                "decoder plan: embed, head, norm, its bias; three scalars; a field list per "
+                "record");
     embed = model[0];
     head = model[1];
     norm = model[2];
+    norm_bias = model[3];
     norm_eps = scalars[0];
     embed_scale = scalars[1];
     logits_scale = scalars[2];
@@ -103,20 +108,36 @@ struct DecoderPlan : torch::CustomClassHolder {
       parts.push_back({std::move(res), std::move(body), static_cast<int64_t>(recurrent.size())});
       recurrent.insert(recurrent.end(), linserve::step::state_count(parts.back().body),
                        int64_t{linserve::step::recurrent(parts.back().body)});
+      check_carry(parts.back().body);
     }
     TORCH_CHECK(r.done(), "decoder plan: values left over after the last record");
+  }
+
+  // A part that declares a value slot: the first writes it, a later one reads it.
+  void check_carry(const Body& body) {
+    const auto* p = std::get_if<Rwkv7TimeMix>(&body);
+    if (p == nullptr) return;
+    TORCH_CHECK(p->first ? p->carry == carries : p->carry < carries,
+                "decoder plan: value slot ", p->carry, " read before a part writes it");
+    if (p->first) ++carries;
   }
 
   int64_t state_count() const { return static_cast<int64_t>(recurrent.size()); }
   std::vector<int64_t> recurrent_states() const { return recurrent; }
 };
 
+// x [N, d] through an RMSNorm, or a LayerNorm where ``bias`` is given.
+at::Tensor norm_of(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                   bool layer_norm, double eps) {
+  return layer_norm ? linserve::layer_normed(x, w, bias, eps) : linserve::normed(x, w, eps);
+}
+
 // One part and its residual over x [N, d] (N = T B); returns the new x.
 at::Tensor run_part(const PlanPart& part, at::Tensor x, at::Tensor* state, const Call& c) {
   const Residual& r = part.residual;
-  at::Tensor h = present(r.pre) ? linserve::normed(x, r.pre, r.pre_eps) : x;
+  at::Tensor h = present(r.pre) ? norm_of(x, r.pre, r.pre_bias, r.layer_norm, r.pre_eps) : x;
   at::Tensor y = std::visit([&](const auto& p) { return run(p, h, state, c); }, part.body);
-  if (present(r.post)) y = linserve::normed(y, r.post, r.post_eps);
+  if (present(r.post)) y = norm_of(y, r.post, r.post_bias, r.layer_norm, r.post_eps);
   at::Tensor base = r.from_normed ? h : x;
   add_scaled(base, y, r.a, r.b);
   return base;
@@ -137,8 +158,9 @@ at::Tensor run_parts(const DecoderPlan& plan, at::Tensor x, at::TensorList state
                                    t.size(0) == rows),
                 "decoder_step: state is fp32 contiguous [B, ...]");
   std::vector<at::Tensor> st(state.begin(), state.end()), snap(snaps.begin(), snaps.end());
+  std::vector<at::Tensor> carry(plan.carries);
   for (const PlanPart& part : plan.parts) {
-    Call call{lengths.data_ptr<int64_t>(), plan.experts.data(), Positions{positions}};
+    Call call{lengths.data_ptr<int64_t>(), plan.experts.data(), Positions{positions}, &carry};
     if (!snap.empty() && plan.recurrent[part.first_state]) call.pos.snaps = snap.data() + part.first_state;
     x = run_part(part, x, st.data() + part.first_state, call);
   }
@@ -147,7 +169,8 @@ at::Tensor run_parts(const DecoderPlan& plan, at::Tensor x, at::TensorList state
 
 // The final norm's output of x into hidden (if given), then the logits.
 at::Tensor logits_of(const DecoderPlan& plan, const at::Tensor& x, at::Tensor hidden) {
-  const at::Tensor normed = linserve::normed(x, plan.norm, plan.norm_eps);
+  const at::Tensor normed =
+      norm_of(x, plan.norm, plan.norm_bias, present(plan.norm_bias), plan.norm_eps);
   if (hidden.defined() && hidden.numel() > 0) hidden.copy_(normed);
   at::Tensor logits = linserve::project(normed, plan.head);
   if (plan.logits_scale != 1.0) logits.div_(plan.logits_scale);

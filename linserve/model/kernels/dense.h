@@ -69,6 +69,19 @@ inline void rms_row(float* x, const float* w, int64_t n, float eps) {
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] * r * w[i];
 }
 
+// out [n] = (x - mean) / sqrt(var + eps) * w + b over n floats (LayerNorm's, or one group of
+// a GroupNorm; var the biased one); out may be x.
+inline void layer_norm_row(const float* x, const float* w, const float* b, float* out,
+                           int64_t n, float eps) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += x[i];
+  const float mean = sum / static_cast<float>(n);
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += (x[i] - mean) * (x[i] - mean);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] - mean) * r * w[i] + b[i];
+}
+
 // Rotary position ``pos`` on the first ``rot`` dims of x (halves rotated), in place.
 inline void rotate_half(float* x, const float* inv_freq, int64_t rot, int64_t pos) {
   const int64_t half = rot / 2;
@@ -94,6 +107,17 @@ inline at::Tensor normed(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::Tensor out = at::empty_like(x);
   rms_norm(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), x.size(0),
            x.size(1), eps);
+  return out;
+}
+
+// LayerNorm of x [N, d] fp32 (weight and bias [d]) into a new fp32 tensor.
+inline at::Tensor layer_normed(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                               double eps) {
+  at::Tensor out = at::empty_like(x);
+  const int64_t rows = x.size(0), d = x.size(1);
+  for (int64_t r = 0; r < rows; ++r)
+    layer_norm_row(x.data_ptr<float>() + r * d, w.data_ptr<float>(), b.data_ptr<float>(),
+                   out.data_ptr<float>() + r * d, d, static_cast<float>(eps));
   return out;
 }
 

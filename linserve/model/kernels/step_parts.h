@@ -50,17 +50,24 @@ inline bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; 
 
 // How a part joins the residual stream x: h = pre(x) (x where pre is empty),
 // y = post(part(h)) (part(h) where post is empty), then x = a base + b y, base being x or,
-// with from_normed, h (MiniMax's alpha / beta).
+// with from_normed, h (MiniMax's alpha / beta). The norms are RMSNorms, or with layer_norm
+// LayerNorms with their biases (RWKV's).
 struct Residual {
   static constexpr const char* kKind = "residual";
-  static constexpr const char* kFields = "pre post from_normed pre_eps post_eps a b";
-  at::Tensor pre, post;
-  bool from_normed;
+  static constexpr const char* kFields =
+      "pre post pre_bias post_bias from_normed layer_norm pre_eps post_eps a b";
+  at::Tensor pre, post, pre_bias, post_bias;
+  bool from_normed, layer_norm;
   double pre_eps, post_eps;
   float a, b;
   explicit Residual(Reader& r)
-      : pre(r.tensor()), post(r.tensor()), from_normed(r.flag()), pre_eps(r.f64()),
-        post_eps(r.f64()), a(r.f32()), b(r.f32()) {}
+      : pre(r.tensor()), post(r.tensor()), pre_bias(r.tensor()), post_bias(r.tensor()),
+        from_normed(r.flag()), layer_norm(r.flag()), pre_eps(r.f64()), post_eps(r.f64()),
+        a(r.f32()), b(r.f32()) {
+    TORCH_CHECK(!layer_norm || ((!present(pre) || present(pre_bias)) &&
+                                (!present(post) || present(post_bias))),
+                "decoder plan: a LayerNorm without its bias");
+  }
 };
 
 // Qwen3.5's MTP head before its layer: x = fc([norm_embed(e), norm_hidden(h)]).
@@ -254,8 +261,51 @@ struct GatedDelta {
         norm_eps(r.f32()), beta_scale(r.f32()) {}
 };
 
+// RWKV-7's time mix (model/layers/rwkv7.py): mixes [6, d] fp32 (the token-shift lerps of
+// r, w, k, v, a, g); r, k, v, o [d, d]; the LoRAs' down and up GEMM weights and the up ones'
+// biases (w: tanh between, a: none, v: none (empty on the first layer), g: sigmoid, no
+// bias); k_k, k_a [d], r_k [H N], the output GroupNorm [d] and its bias, fp32. ``first``:
+// layer 0, whose v it writes to the plan's value slot ``carry`` (v1, which every later
+// layer reads). State: S [B, H, N(value), N(key)], the shift [B, 1, d].
+struct Rwkv7TimeMix {
+  static constexpr const char* kKind = "rwkv7_time_mix";
+  static constexpr const char* kFields =
+      "mixes r k v o w_down w_up w_bias a_down a_up a_bias v_down v_up v_bias g_down g_up "
+      "k_k k_a r_k norm norm_bias heads head_dim first carry group_eps";
+  static constexpr int kState = 2;
+  static constexpr bool kRecurrent = true;
+  at::Tensor mixes, r, k, v, o, w_down, w_up, w_bias, a_down, a_up, a_bias, v_down, v_up,
+      v_bias, g_down, g_up, k_k, k_a, r_k, norm, norm_bias;
+  int64_t heads, head_dim;
+  bool first;
+  int64_t carry;
+  float group_eps;
+  explicit Rwkv7TimeMix(Reader& rd)
+      : mixes(rd.tensor()), r(rd.tensor()), k(rd.tensor()), v(rd.tensor()), o(rd.tensor()),
+        w_down(rd.tensor()), w_up(rd.tensor()), w_bias(rd.tensor()), a_down(rd.tensor()),
+        a_up(rd.tensor()), a_bias(rd.tensor()), v_down(rd.tensor()), v_up(rd.tensor()),
+        v_bias(rd.tensor()), g_down(rd.tensor()), g_up(rd.tensor()), k_k(rd.tensor()),
+        k_a(rd.tensor()), r_k(rd.tensor()), norm(rd.tensor()), norm_bias(rd.tensor()),
+        heads(rd.integer()), head_dim(rd.integer()), first(rd.flag()), carry(rd.integer()),
+        group_eps(rd.f32()) {
+    TORCH_CHECK(carry >= 0 && (first || present(v_down)) && mixes.size(0) == 6,
+                "decoder plan: an RWKV-7 time mix's value slot or weights");
+  }
+};
+
+// RWKV-7's channel mix: value(relu(key(x + (x_prev - x) x_k))^2); x_k [d] fp32, key [d, f],
+// value [f, d]. State: the shift [B, 1, d].
+struct Rwkv7ChannelMix {
+  static constexpr const char* kKind = "rwkv7_channel_mix";
+  static constexpr const char* kFields = "x_k key value";
+  static constexpr int kState = 1;
+  static constexpr bool kRecurrent = true;
+  at::Tensor x_k, key, value;
+  explicit Rwkv7ChannelMix(Reader& r) : x_k(r.tensor()), key(r.tensor()), value(r.tensor()) {}
+};
+
 using Body = std::variant<Attention, ShortConv, Mamba2, SwiGLU, ReluSquared, Experts, Kda, Mla,
-                          Lightning, GatedDelta>;
+                          Lightning, GatedDelta, Rwkv7TimeMix, Rwkv7ChannelMix>;
 
 // A record of a known kind whose field names must be ``fields``.
 template <typename T>
@@ -303,11 +353,13 @@ struct Positions {
 };
 
 // What every part of one call sees: each row's position before the call (lengths [B]), the
-// plan's experts, the positions.
+// plan's experts, the positions, and the values that cross layers (the plan's slots: a part
+// that declares one writes or reads it; RWKV-7's v1).
 struct Call {
   const int64_t* lengths;
   const at::Tensor* experts;
   Positions pos;
+  std::vector<at::Tensor>* carry = nullptr;
 };
 
 }  // namespace linserve::step

@@ -197,24 +197,30 @@ def describe(module: nn.Module) -> NativePart | None:
     return None if describer is None else describer(module)
 
 
-def _norm(norm: nn.Module | None) -> tuple[torch.Tensor, float] | None:
-    """A part's norm as the kernel takes it (empty: none); None if not an RMSNorm."""
+def norm_tensors(norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """A norm as the kernel takes it: its scale, its bias (empty for an RMSNorm) and eps
+    (empty: no norm); None for another kind of norm, or a LayerNorm without a bias."""
     if norm is None:
-        return EMPTY, 0.0
-    if type(norm) is not RMSNorm:
-        return None
-    return norm.scale().contiguous(), float(norm.eps)
+        return EMPTY, EMPTY, 0.0
+    if type(norm) is RMSNorm:
+        return norm.scale().contiguous(), EMPTY, float(norm.eps)
+    if type(norm) is nn.LayerNorm and norm.bias is not None:
+        return _f32(norm.weight), _f32(norm.bias), float(norm.eps)
+    return None
 
 
 def _part(layer_part: LayerPart) -> tuple[Residual, NativePart] | None:
     """A present layer part's residual and body; None if the kernel cannot run it."""
     assert layer_part.module is not None
-    pre, post = _norm(layer_part.pre), _norm(layer_part.post)
+    pre, post = norm_tensors(layer_part.pre), norm_tensors(layer_part.post)
     body = describe(layer_part.module)
     if body is None or pre is None or post is None:
         return None
-    return Residual(pre[0], post[0], layer_part.from_normed, pre[1], post[1],
-                    layer_part.a, layer_part.b), body
+    kinds = {type(n) for n in (layer_part.pre, layer_part.post) if n is not None}
+    if len(kinds) > 1:
+        return None  # one kind of norm a part
+    return Residual(pre[0], post[0], pre[1], post[1], layer_part.from_normed,
+                    nn.LayerNorm in kinds, pre[2], post[2], layer_part.a, layer_part.b), body
 
 
 def _layers(layers: list[nn.Module], records: Records, experts: list[torch.Tensor]
@@ -246,8 +252,9 @@ def _layers(layers: list[nn.Module], records: Records, experts: list[torch.Tenso
 def build(head: list[torch.Tensor], scalars: list[float], layers: list[nn.Module],
           prologue: MtpPrologue | None = None) -> Plan | None:
     """A plan of ``layers`` (each with ``native_parts()``) under ``head`` (embed, head, final
-    norm) and ``scalars`` (the final norm's eps, the embedding scale, the logits' divisor),
-    after ``prologue`` (an MTP head's); None as :func:`plan`."""
+    norm, its bias: empty for an RMSNorm) and ``scalars`` (the final norm's eps, the
+    embedding scale, the logits' divisor), after ``prologue`` (an MTP head's); None as
+    :func:`plan`."""
     records, experts = Records(), list[torch.Tensor]()
     if prologue is not None:
         records.add(prologue)
@@ -265,11 +272,12 @@ def build(head: list[torch.Tensor], scalars: list[float], layers: list[nn.Module
 def plan(model: Any) -> Plan | None:
     """The kernel's model for ``model`` (a DecoderLM), or None if a layer is not one the
     kernel implements."""
-    if type(model.model.norm) is not RMSNorm or model.logits_soft_cap is not None:
+    final = norm_tensors(model.model.norm)
+    if final is None or model.logits_soft_cap is not None:
         return None
-    return build([*head_tensors(model), model.model.norm.scale().contiguous()],
-                 [float(model.model.norm.eps), float(model.embedding_scale),
-                  float(model.logits_scaling)], list(model.model.layers))
+    return build([*head_tensors(model), final[0], final[1]],
+                 [final[2], float(model.embedding_scale), float(model.logits_scaling)],
+                 list(model.model.layers))
 
 
 def head_tensors(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,22 +289,33 @@ def head_tensors(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return packing.embedding_table(emb), head
 
 
+ENTRY_ORDER = ("kv", "recurrent", "conv")
+
+
+def _entry_order(name: str) -> int:
+    """Where a layer's entry comes in its state tensors: kv, recurrent, conv, then others
+    (RWKV's ``ffn`` shift) in the order the layer made them (a stable sort)."""
+    return ENTRY_ORDER.index(name) if name in ENTRY_ORDER else len(ENTRY_ORDER)
+
+
 def state_tensors(p: Plan, state: State) -> list[torch.Tensor] | None:
     """Each layer's state tensors as the kernel takes them: a KV entry's k and v, a
-    recurrent entry's S, a conv entry's window, in that order (None: a layout it does not
-    take)."""
+    recurrent entry's S, a conv entry's window, in :func:`_entry_order` (None: a layout it
+    does not take)."""
     out: list[torch.Tensor] = []
     for count, entries in zip(p.layer_states, state.layers, strict=True):
-        kv, rec, conv = entries.get("kv"), entries.get("recurrent"), entries.get("conv")
         tensors: list[torch.Tensor] = []
-        if isinstance(kv, KVEntry):
-            tensors += [kv.k, kv.v]
-        if isinstance(rec, RecurrentEntry) and rec.z is None:
-            tensors.append(rec.s)
-        if isinstance(conv, ConvEntry):
-            tensors.append(conv.window)
-        known = sum(e is not None for e in (kv, rec, conv))
-        if len(tensors) != count or len(entries) != known:
+        for name in sorted(entries, key=_entry_order):
+            entry = entries[name]
+            if isinstance(entry, KVEntry):
+                tensors += [entry.k, entry.v]
+            elif isinstance(entry, RecurrentEntry) and entry.z is None:
+                tensors.append(entry.s)
+            elif isinstance(entry, ConvEntry):
+                tensors.append(entry.window)
+            else:
+                return None
+        if len(tensors) != count:
             return None
         out += tensors
     return out if all(t.is_contiguous() for t in out) else None

@@ -24,15 +24,16 @@ shift ``{"conv"}`` and the channel mix's ``{"ffn"}`` (each a :class:`ConvEntry` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linserve.model import invariant, kernels
+from linserve.model import invariant, kernels, packing
 from linserve.model.invariant import Linear
 from linserve.model.layers.short_conv import advance_window
+from linserve.model.layers.step_parts import EMPTY, Rwkv7ChannelMixPart, Rwkv7TimeMixPart
 from linserve.model.state import ConvEntry, RecurrentEntry
 
 DECAY_SCALE = 0.606531  # e^{-1/2}: w = exp(-e^{-1/2} σ(·)) lies in (e^{-0.61}, 1)
@@ -52,15 +53,11 @@ class Rwkv7Shape:
     gate_rank: int
     intermediate: int
     norm_eps: float = 1e-5
+    group_eps: float = 64e-5  # the output GroupNorm's: fla's N·norm_eps, BlinkDL's 64e-5
 
     @property
     def heads(self) -> int:
         return self.hidden // self.head_dim
-
-    @property
-    def group_eps(self) -> float:
-        """The output GroupNorm's eps: N·1e-5 (BlinkDL's 64e-5 at N = 64)."""
-        return self.head_dim * 1e-5
 
 
 class LoRA(nn.Module):
@@ -164,6 +161,26 @@ class TimeMix7(nn.Module):
         decay = invariant.rowwise(torch.exp, -DECAY_SCALE * invariant.rowwise(torch.sigmoid, w))
         return r, decay, k, v, kk, a, g
 
+    def native_part(self) -> Rwkv7TimeMixPart:
+        """The layer as the native step takes it (v₁ in the plan's value slot 0)."""
+        def f32(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().float().reshape(-1).contiguous()
+
+        def lora(m: LoRA) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            up = cast(Linear, m.lora[2])
+            return (packing.packed(m.lora[0]), packing.packed(up),
+                    EMPTY if up.bias is None else f32(up.bias))
+
+        v = lora(self.v_lora) if not self.first else (EMPTY, EMPTY, EMPTY)
+        mixes = torch.stack([f32(getattr(self, m)) for m in MIXES]).contiguous()
+        sh = self.shape
+        return Rwkv7TimeMixPart(
+            mixes, packing.packed(self.r_proj), packing.packed(self.k_proj),
+            packing.packed(self.v_proj), packing.packed(self.o_proj), *lora(self.w_lora),
+            *lora(self.a_lora), *v, *lora(self.g_lora)[:2], f32(self.k_k), f32(self.k_a),
+            f32(self.r_k), f32(self.g_norm.weight), f32(self.g_norm.bias), sh.heads,
+            sh.head_dim, self.first, 0, sh.group_eps)
+
     def forward(self, x: torch.Tensor, entries: dict[str, Any], new: torch.Tensor | None,
                 carry: dict[str, torch.Tensor]) -> torch.Tensor:
         """``x [B, T, d]`` (normed) -> ``[B, T, d]``; advances S and the shift."""
@@ -196,6 +213,10 @@ class ChannelMix7(nn.Module):
 
     def new_entries(self, batch: int) -> dict[str, Any]:
         return {"ffn": ConvEntry.empty(batch, 2, self.hidden)}
+
+    def native_part(self) -> Rwkv7ChannelMixPart:
+        return Rwkv7ChannelMixPart(self.x_k.detach().float().contiguous(),
+                                   packing.packed(self.key), packing.packed(self.value))
 
     def forward(self, x: torch.Tensor, entries: dict[str, Any], new: torch.Tensor | None
                 ) -> torch.Tensor:

@@ -40,7 +40,10 @@ class Residual(NativePart):
     KIND: ClassVar[str] = "residual"
     pre: torch.Tensor
     post: torch.Tensor
+    pre_bias: torch.Tensor
+    post_bias: torch.Tensor
     from_normed: bool
+    layer_norm: bool  # LayerNorms with their biases (RWKV's), else RMSNorms
     pre_eps: float
     post_eps: float
     a: float
@@ -238,6 +241,52 @@ class GatedDeltaPart(NativePart):
     head_k_dim: int
     norm_eps: float
     beta_scale: float
+
+
+@dataclass
+class Rwkv7TimeMixPart(NativePart):
+    """RWKV-7's time mix: the six lerps ``[6, d]``, r, k, v, o, each LoRA's down and up GEMM
+    weights and up bias (v's empty on the first layer; g has no bias), k_k, k_a, r_k, the
+    output GroupNorm; ``first`` writes v₁ to the plan's value slot ``carry``, later layers
+    read it."""
+
+    KIND: ClassVar[str] = "rwkv7_time_mix"
+    STATE: ClassVar[int] = 2
+    mixes: torch.Tensor
+    r: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    w_down: torch.Tensor
+    w_up: torch.Tensor
+    w_bias: torch.Tensor
+    a_down: torch.Tensor
+    a_up: torch.Tensor
+    a_bias: torch.Tensor
+    v_down: torch.Tensor
+    v_up: torch.Tensor
+    v_bias: torch.Tensor
+    g_down: torch.Tensor
+    g_up: torch.Tensor
+    k_k: torch.Tensor
+    k_a: torch.Tensor
+    r_k: torch.Tensor
+    norm: torch.Tensor
+    norm_bias: torch.Tensor
+    heads: int
+    head_dim: int
+    first: bool
+    carry: int
+    group_eps: float
+
+
+@dataclass
+class Rwkv7ChannelMixPart(NativePart):
+    KIND: ClassVar[str] = "rwkv7_channel_mix"
+    STATE: ClassVar[int] = 1
+    x_k: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
 
 
 @dataclass
