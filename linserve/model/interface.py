@@ -11,6 +11,7 @@ modules under ``linserve/model/architectures/`` (``linserve.py``: the project's 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -139,11 +140,21 @@ class ServedModel(Protocol):
         depend on how the prompt was split."""
         ...
 
-    def state_to_bytes(self, state: State, extra: dict[str, Any] | None = None) -> bytes:
+    def state_to_bytes(self, state: State, extra: dict[str, Any] | None = None,
+                       file_format: str = "blob") -> bytes:
+        """One row's state as this server's blob (``extra``: what else it carries), or
+        with ``file_format="pth"`` as the model's own state file (RWKV's ``.pth``; raises
+        :class:`StateError` for a model without one)."""
         ...
 
     def state_from_bytes(self, data: bytes) -> tuple[State, dict[str, Any]]:
-        """Parse and validate a blob; raises :class:`StateError` for a bad one."""
+        """Parse and validate a blob, or a model's state file; raises :class:`StateError`
+        for a bad one."""
+        ...
+
+    def set_initial_state(self, path: Path) -> None:
+        """Start every new state from the state file at ``path``; raises
+        :class:`StateError`."""
         ...
 
     def drop_weights(self) -> None:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from linserve.model import invariant, kernels, modes, packing
+from linserve.model import invariant, kernels, modes, packing, state_files
 from linserve.model.inputs import Encoder, InsertTable
 from linserve.model.interface import DraftHead, ModelInfo
 from linserve.model.state import State
@@ -63,6 +64,7 @@ class ServedModule:
         self.chunk, self.info = chunk, info
         self.context_limit = info.context_limit
         self._encoders: dict[str, Encoder] = {}
+        self._initial: State | None = None
 
     def fingerprint(self) -> str:
         if self._fp is None:
@@ -80,6 +82,8 @@ class ServedModule:
         return self._template
 
     def new_state(self, batch: int = 1) -> State:
+        if self._initial is not None:
+            return State.cat([self._initial] * batch).copy()
         state: State = self.module.new_state(batch, self.context_limit)
         return state
 
@@ -123,8 +127,23 @@ class ServedModule:
     def prefill_split(self, todo: int, cap: int, budget: int) -> int:
         return invariant.prefill_split(todo, cap, budget, self.chunk)
 
-    def state_to_bytes(self, state: State, extra: dict[str, Any] | None = None) -> bytes:
+    def state_to_bytes(self, state: State, extra: dict[str, Any] | None = None,
+                       file_format: str = "blob") -> bytes:
+        if file_format == "pth":
+            return state_files.write(self.module, state)
         return state_to_bytes(state, self.fingerprint(), extra)
 
     def state_from_bytes(self, data: bytes) -> tuple[State, dict[str, Any]]:
+        if state_files.is_state_file(data):
+            fresh = self.module.new_state(1, self.context_limit)
+            return state_files.read(self.module, data, fresh), {"tokens": 0, "pending": []}
         return state_from_bytes(data, self.new_state(1), self.fingerprint())
+
+    def set_initial_state(self, path: Path) -> None:
+        """Start every new state from the state file at ``path`` (``--initial-state``);
+        the fingerprint takes its digest, so that states and shared prefixes made from it
+        are never mixed with another's. Raises :class:`StateError`."""
+        fresh = self.module.new_state(1, self.context_limit)
+        self._initial = state_files.read(self.module, path.read_bytes(), fresh)
+        self._fp_suffix += "-s" + state_files.digest(path)
+        self._fp = None

@@ -52,15 +52,44 @@ def read_vocab(path: Path) -> list[bytes]:
     return [table.get(i, b"") for i in range(size)]
 
 
+_ESCAPES = {"t": 9, "n": 10, "r": 13, "\\": 92, "'": 39, '"': 34}
+
+
+def unescape_gguf_token(text: str) -> bytes:
+    """A token of a GGUF ``rwkv`` vocabulary (llama.cpp's converter writes each as the
+    inside of its Python bytes literal: ``\\xff``, ``\\n``, ``\\'``) back to its bytes, as
+    llama.cpp's ``llama_unescape_rwkv_token`` reads it."""
+    out = bytearray()
+    raw = text.encode("utf-8")
+    i = 0
+    while i < len(raw):
+        ch = raw[i]
+        if ch == 92 and i + 1 < len(raw):  # a backslash
+            nxt = chr(raw[i + 1])
+            if nxt == "x" and i + 3 < len(raw):
+                out.append(int(raw[i + 2 : i + 4], 16))
+                i += 4
+                continue
+            if nxt in _ESCAPES:
+                out.append(_ESCAPES[nxt])
+                i += 2
+                continue
+        out.append(ch)
+        i += 1
+    return bytes(out)
+
+
 class WorldTokenizer(TextTokenizer):
     """Greedy longest-match over bytes (see the module docstring). ``size``: the model's
-    vocabulary (ids past the file decode to nothing)."""
+    vocabulary (ids past the file decode to nothing); ``eos_ids``: the ids that end a
+    generation (id 0, the end of text, by default; a GGUF file adds its end-of-turn)."""
 
-    def __init__(self, token_bytes: list[bytes], size: int | None = None) -> None:
+    def __init__(self, token_bytes: list[bytes], size: int | None = None,
+                 eos_ids: tuple[int, ...] = (0,)) -> None:
         self.vocab_size = max(size or 0, len(token_bytes))
         self.token_bytes = token_bytes + [b""] * (self.vocab_size - len(token_bytes))
-        self.eos_ids = (0,)
-        self.eos_id = 0
+        self.eos_ids = eos_ids
+        self.eos_id = eos_ids[0]
         self._ids = {t: i for i, t in enumerate(token_bytes) if t}
         # per leading byte pair, the lengths of the tokens that start with it, longest first
         lengths: dict[bytes, set[int]] = {}
@@ -71,6 +100,16 @@ class WorldTokenizer(TextTokenizer):
     @classmethod
     def from_file(cls, path: Path = WORLD_VOCAB, size: int | None = None) -> WorldTokenizer:
         return cls(read_vocab(path), size)
+
+    @classmethod
+    def from_gguf(cls, tokens: list[str], types: list[int], size: int,
+                  eos_ids: list[int]) -> WorldTokenizer:
+        """A GGUF ``rwkv`` vocabulary: id 0 (``<s>``) the end of text, the padding ids
+        (type UNUSED) empty, the others unescaped (:func:`unescape_gguf_token`)."""
+        unused = 5
+        table = [b"" if i == 0 or (i < len(types) and types[i] == unused)
+                 else unescape_gguf_token(t) for i, t in enumerate(tokens)]
+        return cls(table, size, tuple(dict.fromkeys([0, *eos_ids])))
 
     def encode_bytes(self, data: bytes) -> list[int]:
         out: list[int] = []

@@ -47,6 +47,10 @@ class Settings(BaseSettings):
         "to int8 per block of 32 (as llama.cpp's Q8_0); embeddings, norms, states and KV "
         "caches stay as they are")
     threads: int = Field(0, ge=0, description="torch threads for the engine (0: auto)")
+    initial_state: str = Field(
+        "", description="a state file every request without a session starts from (RWKV's "
+        "state-tuned .pth: blocks.N.att.time_state per layer); its digest joins the model's "
+        "fingerprint, so states and shared prefixes made from it stay apart")
     chat_template: str = Field("", description="a Jinja chat template file that replaces the "
                                "checkpoint's own")
     tool_call_parser: Literal["", "qwen3_xml", "qwen3_coder", "hermes", "lfm2", "pythonic",

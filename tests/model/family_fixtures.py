@@ -419,6 +419,10 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
                      "neg": False, "rope": False, "tie": True,
                      "types": ["full_attention", "linear_attention", "linear_attention",
                                "full_attention"]},
+        # value_dim 144 != key_dim 48: transformers saves the conv kernels as equal thirds
+        "wide-v": {"d": 64, "ff": 96, "heads": (4, 2), "linear": (3, 3, 16, 48),
+                   "neg": True, "rope": True, "tie": False,
+                   "types": ["linear_attention", "full_attention"]},
     },
     "minimax": {  # block: the lightning prefill's block, not dividing the tests' prompts
         "b24-factors": {"d": 64, "ff": 48, "heads": (4, 2), "head_dim": 16, "experts": (4, 2),

@@ -16,10 +16,10 @@ from linserve.model.architectures import rwkv_pth
 from tests.paths import ROOT
 
 # hidden, layers, head size (the reference's CPU path takes any), LoRA ranks (w, a, v, g),
-# the channel mix's width, the vocabulary (the world vocabulary's 65,536, or fewer)
+# the channel mix's width, the vocabulary (the world vocabulary's 65,536)
 SHAPES = {
     "d128-l3": dict(d=128, layers=3, head=64, ranks=(16, 16, 8, 32), ffn=448, vocab=65536),
-    "d192-l2-h32": dict(d=192, layers=2, head=32, ranks=(8, 8, 8, 16), ffn=384, vocab=4096),
+    "d192-l2-h32": dict(d=192, layers=2, head=32, ranks=(8, 8, 8, 16), ffn=384, vocab=65536),
 }
 
 
@@ -90,10 +90,24 @@ def write_fla(folder: Path, pth: Path) -> Path:
     return folder
 
 
-def reference(pth: Path, prompt: list[int], steps: list[int], tmp: Path) -> dict[str, object]:
-    """The reference's logits ``[len(prompt) + len(steps), V]`` and final state."""
+def write_state_file(path: Path, shape: str, seed: int = 1) -> Path:
+    """A random state-tuned file of the shape: ``blocks.{i}.att.time_state [H, N, N]``."""
+    s = SHAPES[shape]
+    gen = torch.Generator().manual_seed(seed)
+    heads = s["d"] // s["head"]
+    torch.save({f"blocks.{i}.att.time_state":
+                torch.randn(heads, s["head"], s["head"], generator=gen) * 0.5
+                for i in range(s["layers"])}, path)
+    return path
+
+
+def reference(pth: Path, prompt: list[int], steps: list[int], tmp: Path,
+              state_file: Path | None = None) -> dict[str, object]:
+    """The reference's logits ``[len(prompt) + len(steps), V]`` and final state (from the
+    state file's state where given)."""
     ids, out = tmp / "ids.json", tmp / "ref.pt"
-    ids.write_text(json.dumps({"prompt": prompt, "steps": steps}))
+    ids.write_text(json.dumps({"prompt": prompt, "steps": steps,
+                               "state_file": str(state_file) if state_file else None}))
     subprocess.run([sys.executable, "-m", "tests.model.rwkv_reference", str(pth), str(ids),
                     str(out)], cwd=ROOT, check=True, capture_output=True)
     found: dict[str, object] = torch.load(out, weights_only=True)

@@ -1,6 +1,7 @@
 """RWKV-7 against BlinkDL's reference (the ``rwkv`` package on the same ``.pth``, in fp32):
-one set of random weights written as BlinkDL's ``.pth`` and as fla-hub's folder, so that one
-reference checks both loaders. Logits of every prompt position and of later steps within
+one set of random weights written as BlinkDL's ``.pth``, as fla-hub's folder and as the GGUF
+file llama.cpp's converter makes of that folder, so that one reference checks all three
+loaders. Logits of every prompt position and of later steps within
 1e-4, the state after them (S in BlinkDL's orientation, both shifts), greedy continuations
 identical; the native step against the eager one, prompt splits, batch invariance, bf16;
 the world tokenizer against the reference's on every byte and non-ASCII text."""
@@ -19,6 +20,7 @@ from linserve.model.interface import CheckpointError
 from linserve.model.served import ServedModule
 from linserve.model.state import State
 from tests.model import rwkv_fixtures
+from tests.model.gguf_fixtures import convert
 
 PROMPT = [1, 2, 3, 400, 3000, 17, 17, 255, 256, 1024, 98, 7]
 
@@ -32,6 +34,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     tmp = tmp_path_factory.mktemp(shape)
     pth = rwkv_fixtures.write_pth(tmp / "pth", shape)
     fla = rwkv_fixtures.write_fla(tmp / "fla", pth)
+    gguf = convert(fla, tmp / "model.gguf", "f32", pre=None)
     ours = _served(pth)
     logits, state = ours.module.prefill(torch.tensor([PROMPT]))
     greedy = []
@@ -39,7 +42,8 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         greedy.append(int(logits[0].argmax()))
         logits = ours.module.step(torch.tensor(greedy[-1:]), state)
     ref = rwkv_fixtures.reference(pth, PROMPT, greedy, tmp)
-    return {"shape": shape, "pth": pth, "fla": fla, "greedy": greedy, "ref": ref}
+    return {"shape": shape, "pth": pth, "fla": fla, "gguf": gguf, "greedy": greedy,
+            "ref": ref}
 
 
 def _served(path: Path, dtype: str = "float32") -> ServedModule:
@@ -48,7 +52,7 @@ def _served(path: Path, dtype: str = "float32") -> ServedModule:
     return model
 
 
-@pytest.mark.parametrize("layout", ["pth", "fla"])
+@pytest.mark.parametrize("layout", ["pth", "fla", "gguf"])
 def test_logits_and_state_are_the_references(case: dict[str, Any], layout: str) -> None:
     model = _served(case[layout])
     assert model.info.architecture.startswith("rwkv7")
@@ -128,6 +132,20 @@ def test_the_world_tokenizer_is_the_references() -> None:
     every = bytes(range(256)) + bytes(rng.randrange(256) for _ in range(4000))
     assert ours.encode_bytes(every) == ref.encodeBytes(every)
     assert ours.eos_ids == (0,) and ours.token_bytes[0] == b""
+
+
+def test_the_gguf_vocabulary_and_template_are_the_worlds(case: dict[str, Any]) -> None:
+    """The converter's escaped tokens read back to the world vocabulary's bytes; the file's
+    end of turn ("\\n\\n", as llama.cpp chats) ends a generation beside id 0; RWKV's chat
+    format stands in for the template name the converter writes."""
+    from linserve.model.world_tokenizer import WORLD_CHAT_TEMPLATE, WorldTokenizer
+
+    model = _served(case["gguf"])
+    world = WorldTokenizer.from_file(size=model.info.vocab_size)
+    tok = model.tokenizer()
+    assert tok.token_bytes[1:65530] == world.token_bytes[1:65530]
+    assert tok.eos_ids[0] == 0 and world.token_id("\n\n") in tok.eos_ids
+    assert model.chat_template() == WORLD_CHAT_TEMPLATE
 
 
 def test_a_pth_that_is_not_weights_only_is_refused(tmp_path: Path) -> None:

@@ -6,7 +6,10 @@ int8 weights."""
 
 from __future__ import annotations
 
+import io
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -105,6 +108,48 @@ def test_structured_output(srv: ServerProcess) -> None:
         "prompt": "A number:", "max_tokens": 40, "guided_json": schema, "seed": 1})
     assert r.status_code == 200, r.text
     jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), schema)
+
+
+def _greedy(url: str, ids: list[int], **extra: object) -> list[int]:
+    r = httpx.post(url + "/v1/completions", timeout=120, json={
+        "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+        "return_tokens_as_token_ids": True, **extra})
+    assert r.status_code == 200, r.text
+    return [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+
+
+def test_a_state_file_is_a_session_and_a_servers_initial_state(srv: ServerProcess, pth: Path,
+                                                              tmp_path: Path) -> None:
+    """An RWKV state-tuned file uploaded to ``/v1/sessions/import`` is a session that
+    continues as the reference does from that state; exported with ``format=pth`` it is the
+    file's tensors again (RWKV-Runner's format); ``--initial-state`` makes it where every
+    request without a session starts, and a file of another model is one line at startup."""
+    import torch
+
+    tuned = rwkv_fixtures.write_state_file(tmp_path / "tuned.pth", SHAPE)
+    ids = httpx.post(srv.url + "/tokenize", json={"prompt": "Q: 2+2?\n\nA:"}).json()["tokens"]
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        sess = c.post("/v1/sessions/import", content=tuned.read_bytes(),
+                      headers={"content-type": "application/octet-stream"})
+        assert sess.status_code == 200, sess.text
+        sid = sess.json()["id"]
+        exported = c.get(f"/v1/sessions/{sid}/state", params={"format": "pth"}).content
+        back = torch.load(io.BytesIO(exported), weights_only=True)
+        for name, t in torch.load(tuned, weights_only=True).items():
+            assert torch.equal(back[name], t)
+        assert c.get(f"/v1/sessions/{sid}/state", params={"format": "xml"}).status_code == 400
+    got = _greedy(srv.url, ids, session_id=sid)
+    ref = rwkv_fixtures.reference(pth, ids, got[:-1], tmp_path, tuned)["logits"]
+    assert [int(ref[len(ids) - 1 + i].argmax()) for i in range(len(got))] == got
+    assert _greedy(srv.url, ids) != got  # the state matters
+    with ServerProcess.serving(pth, "--initial-state", str(tuned)) as s:
+        assert _greedy(s.url, ids) == got
+    other = rwkv_fixtures.write_state_file(tmp_path / "other.pth", "d192-l2-h32")
+    run = subprocess.run([sys.executable, "-m", "linserve", "serve", "--model", str(pth),
+                          "--initial-state", str(other)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1
+    assert "state file of 3 layers" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_int8_weights_serve(pth: Path) -> None:

@@ -307,6 +307,15 @@ def _part_shape(shape: tuple[int, ...], index: tuple[int | slice | torch.Tensor,
     return (*out, *shape[len(index):])
 
 
+def tensor_shape(path: Path, name: str) -> tuple[int, ...] | None:
+    """The shape of one tensor of a safetensors checkpoint, from its header (None: absent)."""
+    file = tensor_files(path).get(name)
+    if file is None:
+        return None
+    with safe_open(str(file), "pt") as f:
+        return tuple(f.get_slice(name).get_shape())
+
+
 def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape, from the safetensors headers."""
     shapes: dict[str, tuple[int, ...]] = {}

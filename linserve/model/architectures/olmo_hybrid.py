@@ -8,11 +8,14 @@ conv window per linear layer (constant), a KV cache per attention layer."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from linserve.model.architectures import hf
 from linserve.model.architectures.family import (
     DecoderConfig,
     HFFamily,
@@ -124,5 +127,22 @@ def describe(cfg: OlmoHybridConfig) -> str:
             "layers)")
 
 
-FAMILY = HFFamily(OlmoHybridConfig.from_hf, build,
-                  lambda n: n, describe, rename_for=renames)
+def stored_conv_split(cfg: OlmoHybridConfig, path: Path) -> OlmoHybridConfig:
+    """The config with the conv kernels' widths as the checkpoint stores them: transformers
+    5.23 saves the fused ``[2 key + value]`` kernel as three equal thirds (and reads it
+    back so); published checkpoints store q, k and v at their own widths."""
+    if LINEAR not in cfg.layer_types or hf.is_gguf(path):
+        return cfg
+    first = cfg.layer_types.index(LINEAR)
+    name = f"model.layers.{first}.linear_attn.k_conv1d.weight"
+    shape = hf.tensor_shape(path, name)
+    conv = cfg.delta.conv_dim
+    if shape is None or shape[0] == cfg.delta.key_heads * cfg.delta.head_k_dim \
+            or 3 * shape[0] != conv:
+        return cfg  # as published (or not this layout: the check names the mismatch)
+    return dataclasses.replace(cfg, delta=dataclasses.replace(
+        cfg.delta, conv_split=(conv // 3, conv // 3, conv // 3)))
+
+
+FAMILY = HFFamily(OlmoHybridConfig.from_hf, build, lambda n: n, describe,
+                  rename_for=renames, config_for=stored_conv_split)

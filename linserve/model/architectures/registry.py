@@ -88,7 +88,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("bailing_hybrid", "Ling hybrids", "bailing_hybrid", ("bailing_hybrid",),
            ("bailingmoe3",)),
     Family("minimax", "MiniMax-Text-01", "minimax", ("minimax",)),
-    Family("rwkv7", "RWKV-7", "rwkv7", ("rwkv7", "rwkv7_fla")),
+    Family("rwkv7", "RWKV-7", "rwkv7", ("rwkv7", "rwkv7_fla"), ("rwkv7",)),
 )
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 

@@ -11,17 +11,18 @@ layer to layer, as the native step's plan carries it in a slot (``carry``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linserve.model.architectures.family import DecoderConfig, HFFamily
+from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
+from linserve.model.architectures.hf import Index
 from linserve.model.layers.block import LayerPart
 from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.rwkv7 import ChannelMix7, Rwkv7Shape, TimeMix7
-from linserve.model.state import State
+from linserve.model.state import RecurrentEntry, State, StateError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,12 +140,65 @@ class Rwkv7LM(DecoderLM):
         self.fold_embedding_norm()
         return super().prepare(fused)
 
+    def state_from_file(self, tensors: dict[str, torch.Tensor], state: State) -> None:
+        """A state-tuned ``.pth`` (``blocks.{i}.att.time_state`` ``[H, N, N]`` per layer, in
+        BlinkDL's value × key orientation, as v7's are written) into a fresh one-row
+        ``state`` (the token shifts stay zero). Raises :class:`StateError`."""
+        expected = {f"blocks.{i}.att.time_state" for i in range(self.cfg.num_hidden_layers)}
+        if set(tensors) != expected:
+            extra = sorted(set(tensors) ^ expected)
+            raise StateError(f"an RWKV-7 state file of {len(expected)} layers holds "
+                             f"blocks.N.att.time_state, each once (not {extra[0]})")
+        for i, entries in enumerate(state.layers):
+            s = cast(RecurrentEntry, entries["recurrent"]).s
+            t = tensors[f"blocks.{i}.att.time_state"]
+            if tuple(t.shape) != tuple(s.shape[1:]):
+                raise StateError(f"blocks.{i}.att.time_state has shape {tuple(t.shape)}, the "
+                                 f"model's is {tuple(s.shape[1:])}")
+            s[0].copy_(t.float())
+
+    def state_to_file(self, state: State) -> dict[str, torch.Tensor]:
+        """Row 0 of ``state`` as a state file (its S per layer; RWKV-Runner's format)."""
+        return {f"blocks.{i}.att.time_state": cast(RecurrentEntry, entries["recurrent"]).s[0]
+                .clone() for i, entries in enumerate(state.layers)}
+
+
+# llama.cpp's converter's names (GGUF, through gguf-py's map) to fla-hub's; a layer-0 v
+# LoRA is the converter's dummy copy of a's (layer 0 has none)
+_L, _A, _TO = r"^model\.layers\.(\d+)\.", r"^model\.layers\.(\d+)\.attention\.", r"model.layers.\1."
+_W = r"(\.weight)?$"  # the converter's name of a vector, with or without its suffix
+_GGUF_NAMES = renamer([
+    (r"^model\.layers\.0\.attention\.v[012]" + _W, ""),
+    (_A + r"([wav])0" + _W, _TO + r"attn.\2_lora.lora.2.bias"),
+    (_A + r"([wavg])1\.weight$", _TO + r"attn.\2_lora.lora.0.weight"),
+    (_A + r"([wavg])2\.weight$", _TO + r"attn.\2_lora.lora.2.weight"),
+    (_A + r"(k_k|k_a|r_k)" + _W, _TO + r"attn.\2"),
+    (_A + r"receptance\.", _TO + "attn.r_proj."),
+    (_A + r"key\.", _TO + "attn.k_proj."),
+    (_A + r"value\.", _TO + "attn.v_proj."),
+    (_A + r"output\.", _TO + "attn.o_proj."),
+    (_A + r"ln_x\.", _TO + "attn.g_norm."),
+    (_L + r"ln1\.", _TO + "attn_norm."),
+    (_L + r"ln2\.", _TO + "ffn_norm."),
+    (_L + r"feed_forward\.x_k" + _W, _TO + "ffn.x_k"),
+    (_L + r"feed_forward\.(key|value)\.", _TO + r"ffn.\2."),
+    (r"^model\.embeddings\.", "model.embed_tokens."),
+])
+MIX_ROWS = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+
 
 def rename(name: str) -> str | None:
-    """An fla-hub tensor's name in :class:`Rwkv7LM`."""
-    if name == "model.embeddings.weight":
-        return "model.embed_tokens.weight"
-    return name
+    """An fla-hub tensor's name (or llama.cpp's converter's, from a GGUF file) in
+    :class:`Rwkv7LM` (None: a tensor the model does not use)."""
+    return _GGUF_NAMES(name) or None
+
+
+def split_lerps(name: str, shape: tuple[int, ...]) -> list[tuple[str, Index]] | None:
+    """The converter's stacked lerps ``[6, 1, 1, d]`` (``x_fused``) as the six ``x_*``."""
+    if not name.endswith(".attn.x_fused") or shape[0] != len(MIX_ROWS):
+        return None
+    prefix = name.removesuffix("x_fused")
+    return [(prefix + m, (i,)) for i, m in enumerate(MIX_ROWS)]
 
 
 def describe(cfg: Rwkv7Config) -> str:
@@ -152,4 +206,5 @@ def describe(cfg: Rwkv7Config) -> str:
             f"{cfg.hidden_size // cfg.head_dim} heads of {cfg.head_dim})")
 
 
-FAMILY = HFFamily(Rwkv7Config.from_hf, Rwkv7LM, rename, describe)
+FAMILY = HFFamily(Rwkv7Config.from_hf, Rwkv7LM, rename, describe,
+                  split_for=lambda cfg: split_lerps)

@@ -659,6 +659,19 @@ _LING_MERGES = (Merge(("blk.{n}.attn_k_b.weight", "blk.{n}.attn_v_b.weight"),
                       "model.layers.{n}.attention.kv_b_proj.weight", combine=_kv_b),)
 
 
+def _rwkv7_config(m: GGUFModel) -> dict[str, Any]:
+    """RWKV-7's sizes: the head, the four LoRA ranks, the channel mix's width. llama.cpp
+    normalises the output groups with eps 64e-5 (BlinkDL's) whatever the head size."""
+    return {**_common(m, "rwkv7"), "head_dim": int(m.require("wkv.head_size")),
+            "norm_eps": float(m.get("attention.layer_norm_epsilon", 1e-5)),
+            "decay_low_rank_dim": int(m.require("attention.decay_lora_rank")),
+            "a_low_rank_dim": int(m.require("attention.iclr_lora_rank")),
+            "v_low_rank_dim": int(m.require("attention.value_residual_mix_lora_rank")),
+            "gate_low_rank_dim": int(m.require("attention.gate_lora_rank")),
+            "intermediate_size": int(m.require("feed_forward_length")),
+            "group_norm_eps": 64e-5}
+
+
 ARCHS: dict[str, GGUFArch] = {a.name: a for a in (
     GGUFArch("qwen35", _qwen35_config, _dt_bias, _qwen35_transform),
     GGUFArch("qwen35moe", _qwen35_config, _dt_bias, _qwen35_transform),
@@ -685,6 +698,9 @@ ARCHS: dict[str, GGUFArch] = {a.name: a for a in (
         (r"blk\.(\d+)\.exp_probs_b\.bias", r"model.layers.\1.mlp.gate.e_score_correction_bias"))),
     GGUFArch("bailingmoe3", _ling_config, transform=_ling_transform,
              merges=lambda cfg: _LING_MERGES, names=_LING_NAMES),
+    # the converter stacks the six token-shift lerps into one tensor (the family splits it)
+    GGUFArch("rwkv7", _rwkv7_config, names=(
+        (r"blk\.(\d+)\.time_mix_lerp_fused\.weight", r"model.layers.\1.attn.x_fused"),)),
 )}
 
 

@@ -33,7 +33,8 @@ from linserve.model.gguf import archs, vocab, vocab_cache
 from linserve.model.gguf.files import GGUFFileError, GGUFModel, Tensor, open_model, release_pages
 from linserve.model.packing import Blocks
 from linserve.model.quantize import PACKED_BYTES, stored_format
-from linserve.model.tokenizer import Tokenizer
+from linserve.model.tokenizer import TextTokenizer, Tokenizer
+from linserve.model.world_tokenizer import WORLD_CHAT_TEMPLATE, WorldTokenizer
 
 # The storage types served: the float ones, llama.cpp's legacy blocks and its K-quants.
 SERVED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K,
@@ -78,7 +79,7 @@ class GGUFCheckpoint:
         # the vocabulary, read from the cache (or built) once asked for (_vocab)
         self._vocab_read: Future[HFTokenizer] | None = None
         self._vocab_lock = threading.Lock()
-        self._wrapped: dict[int, Tokenizer] = {}
+        self._wrapped: dict[int, TextTokenizer] = {}
         self._shapes: dict[tuple[str, ...], tuple[int, ...]] = {}  # _shape's answers
 
     def names(self, accept: Callable[[str, tuple[int, ...]], bool]) -> dict[str, str]:
@@ -322,14 +323,20 @@ class GGUFCheckpoint:
         """The bytes of every tensor as stored."""
         return sum(t.nbytes for t in self.model.tensors.values())
 
-    def tokenizer(self, vocab_size: int) -> Tokenizer:
-        """The file's vocabulary (:mod:`linserve.model.gguf.vocab`) with its end ids (made
-        once). Where its byte table is kept (:mod:`.vocab_cache`: the vocabulary was built
-        and read before), the ``tokenizers`` one is read when first needed (a 250k-token
-        vocabulary's JSON holds the GIL for half a second: :class:`Tokenizer`); else it is
-        built or read now, and checked."""
+    def tokenizer(self, vocab_size: int) -> TextTokenizer:
+        """The file's vocabulary (:mod:`linserve.model.gguf.vocab`; RWKV's world vocabulary,
+        :mod:`linserve.model.world_tokenizer`) with its end ids (made once). Where its byte
+        table is kept (:mod:`.vocab_cache`: the vocabulary was built and read before), the
+        ``tokenizers`` one is read when first needed (a 250k-token vocabulary's JSON holds
+        the GIL for half a second: :class:`Tokenizer`); else it is built or read now, and
+        checked."""
+        meta = self.model.meta
+        if vocab_size not in self._wrapped and meta.get("tokenizer.ggml.model") == "rwkv":
+            self._wrapped[vocab_size] = WorldTokenizer.from_gguf(
+                list(meta["tokenizer.ggml.tokens"]),
+                list(meta.get("tokenizer.ggml.token_type") or []), vocab_size, self.end_ids())
         if vocab_size not in self._wrapped:
-            files, meta = self.model.files, self.model.meta
+            files = self.model.files
             table = vocab_cache.load_bytes(files, meta)
             if table is not None:
                 tok = Tokenizer(self._vocab, self.end_ids(), vocab_size, table)
@@ -368,7 +375,12 @@ class GGUFCheckpoint:
         return list(dict.fromkeys(ids))
 
     def chat_template(self) -> str | None:
+        """The file's template; RWKV's chat format for an ``rwkv`` vocabulary whose
+        converter wrote only its name (``rwkv-world``)."""
         template = self.model.meta.get("tokenizer.chat_template")
+        if self.model.meta.get("tokenizer.ggml.model") == "rwkv" and (
+                not isinstance(template, str) or "{" not in template):
+            return WORLD_CHAT_TEMPLATE
         return template if isinstance(template, str) else None
 
     def fingerprint(self) -> str:

@@ -253,72 +253,99 @@ inline void signed_row_avx2(const int32_t* xq, const __m256i (&q)[2], __m256i on
         "m"(*xq));
 }
 
-// Half G of a block (the block, or kQ6's half): NV vectors of 8 columns' integer dots of
-// rows R0 .. R0 + P - 1 (inputs xq [ROWS][8] of 4), added to dot; the weights' stored rows
-// at p + t ld, vector j 32 bytes on.
+// A half's stored row t of vector j: 32 bytes at p + t ld + 32 j.
+inline __m256i stored_row_avx2(const uint8_t* p, int64_t ld, int64_t t, int64_t j) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + t * ld + 32 * j));
+}
+
+// The nibble formats (kNib): a block's 4 stored rows of nibbles, in int16, then vpmaddwd.
+template <int F, int64_t P, int64_t NV, int64_t R0>
+inline void half_dot_nib_avx2(const int32_t* xq, const uint8_t* p, int64_t ld,
+                              __m256i (&dot)[P][NV]) {
+  static_assert(NV == 2, "nib_pairs_avx2 takes two vectors");
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(15);
+  __m256i sum[P][NV];
+  for (auto& row : sum) for (auto& v : row) v = _mm256_setzero_si256();
+  unrolled<kSteps<F>>([&](auto t) {
+    __m256i lo[NV], hi[NV];
+    for (int64_t j = 0; j < NV; ++j) {
+      const __m256i v = stored_row_avx2(p, ld, t, j);
+      lo[j] = _mm256_and_si256(v, low);
+      hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    unrolled<P>([&](auto r) { nib_pairs_avx2<8 * (R0 + r) + 2 * t>(xq, lo, hi, sum[r]); });
+  });
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t j = 0; j < NV; ++j)
+      dot[r][j] = _mm256_add_epi32(dot[r][j], _mm256_madd_epi16(sum[r][j], ones));
+}
+
+// The six-bit and narrow-byte formats (kSix, kNarrowBytes): pairs of byte rows a vpmaddwd.
 template <int F, int64_t P, int64_t NV, int64_t G, int64_t R0>
-inline void half_dot_avx2(const int32_t* xq, const uint8_t* p, int64_t ld,
-                          __m256i (&dot)[P][NV]) {  // (p: the pass's first vector)
+inline void half_dot_pairs_avx2(const int32_t* xq, const uint8_t* p, int64_t ld,
+                                __m256i (&dot)[P][NV]) {
   const __m256i ones = _mm256_set1_epi16(1);
   constexpr int64_t t0 = G * kHalfSteps<F>;
-  const auto at = [&](int64_t t, int64_t j) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + t * ld + 32 * j));
-  };
-  if constexpr (kNib<F>) {  // a block's 4 stored rows of nibbles, in int16, then vpmaddwd
-    static_assert(NV == 2, "nib_pairs_avx2 takes two vectors");
-    const __m256i low = _mm256_set1_epi8(15);
-    __m256i sum[P][NV];
-    for (auto& row : sum) for (auto& v : row) v = _mm256_setzero_si256();
-    unrolled<kSteps<F>>([&](auto t) {
-      __m256i lo[NV], hi[NV];
-      for (int64_t j = 0; j < NV; ++j) {
-        const __m256i v = at(t, j);
-        lo[j] = _mm256_and_si256(v, low);
-        hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      }
-      unrolled<P>([&](auto r) { nib_pairs_avx2<8 * (R0 + r) + 2 * t>(xq, lo, hi, sum[r]); });
-    });
-    for (int64_t r = 0; r < P; ++r)
-      for (int64_t j = 0; j < NV; ++j)
-        dot[r][j] = _mm256_add_epi32(dot[r][j], _mm256_madd_epi16(sum[r][j], ones));
-  } else if constexpr (kSix<F> || kNarrowBytes<F>) {  // pairs of byte rows a vpmaddwd
-    unrolled<kHalfSteps<F> / (kSix<F> ? 1 : 2)>([&](auto tt) {
-      __m256i u0[NV], u1[NV];  // two stored rows of bytes, u0's inputs at xq[xi]
-      if constexpr (kSix<F>) {  // nibble row t widened to q + 32
-        constexpr int64_t t = t0 + tt;
-        for (int64_t j = 0; j < NV; ++j)
-          widen_six_avx2(at(t, j), at(kSteps<F> + t / 2, j), t, u0[j], u1[j]);
-      } else {  // two stored rows of bytes, q + kNarrowBias
-        constexpr int64_t t = t0 + 2 * tt;
-        const __m256i off = _mm256_set1_epi8(static_cast<char>(128 - kNarrowBias<F>));
-        for (int64_t j = 0; j < NV; ++j) {
-          u0[j] = _mm256_sub_epi8(at(t, j), off);
-          u1[j] = _mm256_sub_epi8(at(t + 1, j), off);
-        }
-      }
-      constexpr int64_t xi = kSix<F> ? 2 * (t0 + tt) : t0 + 2 * tt;
-      if constexpr (NV == 2) {  // the six bits' passes (kPassVecs)
-        unrolled<P>([&](auto r) { byte_pairs_avx2<8 * (R0 + r) + xi>(xq, u0, u1, ones, dot[r]); });
-        return;
-      }
-      unrolled<P>([&](auto r) {  // the narrow bytes' passes of one vector
-        const __m256i a0 = broadcast_ymm_at<8 * (R0 + r) + xi>(xq);
-        const __m256i a1 = broadcast_ymm_at<8 * (R0 + r) + xi + 1>(xq);
-        for (int64_t j = 0; j < NV; ++j)
-          dot[r][j] = _mm256_add_epi32(dot[r][j], _mm256_madd_epi16(_mm256_add_epi16(
-              _mm256_maddubs_epi16(u0[j], a0), _mm256_maddubs_epi16(u1[j], a1)), ones));
-      });
-    });
-  } else {  // bytes taken signed, x's sign moved onto q (block_dot_avx2)
-    static_assert(NV == 2, "signed_row_avx2 takes two vectors");
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    unrolled<kHalfSteps<F>>([&](auto tt) {
+  unrolled<kHalfSteps<F> / (kSix<F> ? 1 : 2)>([&](auto tt) {
+    __m256i u0[NV], u1[NV];  // two stored rows of bytes, u0's inputs at xq[xi]
+    if constexpr (kSix<F>) {  // nibble row t widened to q + 32
       constexpr int64_t t = t0 + tt;
-      __m256i q[NV];
-      for (int64_t j = 0; j < NV; ++j) q[j] = _mm256_xor_si256(flip, at(t, j));
-      unrolled<P>([&](auto r) { signed_row_avx2<8 * (R0 + r) + t>(xq, q, ones, dot[r]); });
+      for (int64_t j = 0; j < NV; ++j)
+        widen_six_avx2(stored_row_avx2(p, ld, t, j),
+                       stored_row_avx2(p, ld, kSteps<F> + t / 2, j), t, u0[j], u1[j]);
+    } else {  // two stored rows of bytes, q + kNarrowBias
+      constexpr int64_t t = t0 + 2 * tt;
+      const __m256i off = _mm256_set1_epi8(static_cast<char>(128 - kNarrowBias<F>));
+      for (int64_t j = 0; j < NV; ++j) {
+        u0[j] = _mm256_sub_epi8(stored_row_avx2(p, ld, t, j), off);
+        u1[j] = _mm256_sub_epi8(stored_row_avx2(p, ld, t + 1, j), off);
+      }
+    }
+    constexpr int64_t xi = kSix<F> ? 2 * (t0 + tt) : t0 + 2 * tt;
+    if constexpr (NV == 2) {  // the six bits' passes (kPassVecs)
+      unrolled<P>([&](auto r) { byte_pairs_avx2<8 * (R0 + r) + xi>(xq, u0, u1, ones, dot[r]); });
+      return;
+    }
+    unrolled<P>([&](auto r) {  // the narrow bytes' passes of one vector
+      const __m256i a0 = broadcast_ymm_at<8 * (R0 + r) + xi>(xq);
+      const __m256i a1 = broadcast_ymm_at<8 * (R0 + r) + xi + 1>(xq);
+      for (int64_t j = 0; j < NV; ++j)
+        dot[r][j] = _mm256_add_epi32(dot[r][j], _mm256_madd_epi16(_mm256_add_epi16(
+            _mm256_maddubs_epi16(u0[j], a0), _mm256_maddubs_epi16(u1[j], a1)), ones));
     });
-  }
+  });
+}
+
+// The byte formats: bytes taken signed, x's sign moved onto q (block_dot_avx2).
+template <int F, int64_t P, int64_t NV, int64_t G, int64_t R0>
+inline void half_dot_signed_avx2(const int32_t* xq, const uint8_t* p, int64_t ld,
+                                 __m256i (&dot)[P][NV]) {
+  static_assert(NV == 2, "signed_row_avx2 takes two vectors");
+  const __m256i ones = _mm256_set1_epi16(1);
+  constexpr int64_t t0 = G * kHalfSteps<F>;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  unrolled<kHalfSteps<F>>([&](auto tt) {
+    constexpr int64_t t = t0 + tt;
+    __m256i q[NV];
+    for (int64_t j = 0; j < NV; ++j) q[j] = _mm256_xor_si256(flip, stored_row_avx2(p, ld, t, j));
+    unrolled<P>([&](auto r) { signed_row_avx2<8 * (R0 + r) + t>(xq, q, ones, dot[r]); });
+  });
+}
+
+// Half G of a block (the block, or kQ6's half): NV vectors of 8 columns' integer dots of
+// rows R0 .. R0 + P - 1 (inputs xq [ROWS][8] of 4), added to dot; the weights' stored rows
+// at p + t ld, vector j 32 bytes on (p: the pass's first vector). One of the three format
+// families' dots above.
+template <int F, int64_t P, int64_t NV, int64_t G, int64_t R0>
+inline void half_dot_avx2(const int32_t* xq, const uint8_t* p, int64_t ld,
+                          __m256i (&dot)[P][NV]) {
+  if constexpr (kNib<F>)
+    half_dot_nib_avx2<F, P, NV, R0>(xq, p, ld, dot);
+  else if constexpr (kSix<F> || kNarrowBytes<F>)
+    half_dot_pairs_avx2<F, P, NV, G, R0>(xq, p, ld, dot);
+  else
+    half_dot_signed_avx2<F, P, NV, G, R0>(xq, p, ld, dot);
 }
 
 // Block b's half G for the tile's rows R0 .. ROWS - 1 and vectors J0 .. NV - 1, a pass of

@@ -40,6 +40,9 @@ class DeltaShape:
     conv_kernel: int
     eps: float
     separate_qkv: bool = False  # q, k and v projections stored apart (OLMo-Hybrid)
+    # the channels of the q, k and v conv kernels as stored (None: the key, key and value
+    # widths; transformers 5.23 saves OLMo-Hybrid's fused kernel as three equal thirds)
+    conv_split: tuple[int, int, int] | None = None
     beta_scale: float = 1.0  # β = sigmoid(b) times this (2: OLMo-Hybrid's allow_neg_eigval)
 
     @property
@@ -73,7 +76,7 @@ class GatedDeltaNet(nn.Module):
         if sh.separate_qkv:  # q, k and v convolved apart (their kernels stored apart)
             self.q_conv1d, self.k_conv1d, self.v_conv1d = (
                 nn.Conv1d(n, n, sh.conv_kernel, groups=n, bias=False)
-                for n in (self.key_dim, self.key_dim, self.value_dim))
+                for n in sh.conv_split or (self.key_dim, self.key_dim, self.value_dim))
         else:
             self.conv1d = nn.Conv1d(sh.conv_dim, sh.conv_dim, sh.conv_kernel,
                                     groups=sh.conv_dim, bias=False)

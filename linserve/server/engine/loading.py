@@ -12,6 +12,7 @@ import io
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -71,6 +72,7 @@ def load_engine_model(settings: Settings) -> ServedModel:
     start = time.perf_counter()
     model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
                  settings.quantization)
+    apply_initial_state(model, settings)
     info = model.info
     torch.set_num_threads(engine_threads(settings, info.weight_bytes))
     if info.weight_bytes >= TRIM_ABOVE:
@@ -99,11 +101,20 @@ def describe_model(settings: Settings) -> ServedModel:
     ``info`` is replaced by the engine's once that has loaded."""
     model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
                  settings.quantization, weights=False)
+    apply_initial_state(model, settings)
     # reading a tokenizer leaves ~100 MB of free heap; one read later (a kept GGUF
     # vocabulary) is read while the engine loads, and trimmed after
     model.tokenizer().prefetch(then=trim)
     trim()
     return model
+
+
+def apply_initial_state(model: ServedModel, settings: Settings) -> None:
+    """``--initial-state``: every new state starts from that file (both processes, so that
+    they agree on the fingerprint); raises StateError (a ValueError) for one that does not
+    fit the model."""
+    if settings.initial_state:
+        model.set_initial_state(Path(settings.initial_state))
 
 
 def state_budget(settings: Settings, info: ModelInfo) -> int:

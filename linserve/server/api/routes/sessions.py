@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
 
@@ -92,14 +92,22 @@ async def fork_session(session_id: str, request: Request, owner: Owner) -> Sessi
 @router.get("/v1/sessions/{session_id}/state", responses={
     **ERRORS, 200: {"content": {"application/octet-stream": {}},
                     "description": "The state as safetensors bytes"}})
-async def export_session(session_id: str, request: Request, owner: Owner) -> Response:
+async def export_session(session_id: str, request: Request, owner: Owner,
+                         format: Literal["safetensors", "pth"] = "safetensors") -> Response:
+    """The session's state: this server's blob (``safetensors``, which imports back with
+    its tokens and transcript), or the model's own state file (``pth``: RWKV's
+    ``blocks.N.att.time_state``, as RWKV-Runner and ai00 load them)."""
     svc = _svc(request)
     sess = await _get(svc, session_id, owner)
     extra: dict[str, Any] = {"tokens": sess.tokens, "pending": sess.pending}
     if sess.chat is not None:
         extra["chat"] = sess.chat
-    blob = await asyncio.to_thread(svc.model.state_to_bytes, sess.state, extra)
-    disposition = f'attachment; filename="{sess.id}.safetensors"'
+    kind = "pth" if format == "pth" else "blob"
+    try:
+        blob = await asyncio.to_thread(svc.model.state_to_bytes, sess.state, extra, kind)
+    except StateError as exc:
+        raise APIError(400, str(exc), "format", "unsupported_format") from exc
+    disposition = f'attachment; filename="{sess.id}.{format}"'
     return Response(blob, media_type="application/octet-stream",
                     headers={"Content-Disposition": disposition})
 
