@@ -50,11 +50,13 @@ def test_every_record_kind_has_one_struct_with_its_fields_in_order() -> None:
 def test_records_put_each_value_in_its_stream() -> None:
     records = step_parts.Records()
     t = torch.ones(3)
-    records.add(step_parts.Residual(t, step_parts.EMPTY, True, 1e-5, 0.0, 1.0, 2))
+    empty = step_parts.EMPTY
+    records.add(step_parts.Residual(t, empty, empty, empty, True, False, 1e-5, 0.0, 1.0, 2))
     assert records.kinds == ["residual"]
-    assert records.fields == ["pre post from_normed pre_eps post_eps a b"]
-    assert records.ints == [1] and records.floats == [1e-5, 0.0, 1.0, 2.0]
-    assert len(records.tensors) == 2
+    assert records.fields == [
+        "pre post pre_bias post_bias from_normed layer_norm pre_eps post_eps a b"]
+    assert records.ints == [1, 0] and records.floats == [1e-5, 0.0, 1.0, 2.0]
+    assert len(records.tensors) == 4
 
 
 def test_a_plan_names_a_field_the_kernel_does_not_take() -> None:
@@ -64,9 +66,11 @@ def test_a_plan_names_a_field_the_kernel_does_not_take() -> None:
         pytest.skip("native kernels unavailable")
     d, f = 32, 64
     records = step_parts.Records()
-    records.add(step_parts.Residual(torch.ones(d), step_parts.EMPTY, False, 1e-5, 0.0, 1.0, 1.0))
+    empty = step_parts.EMPTY
+    records.add(step_parts.Residual(torch.ones(d), empty, empty, empty, False, False, 1e-5, 0.0,
+                                    1.0, 1.0))
     records.add(step_parts.SwiGLUPart(torch.randn(d, 2 * f), torch.randn(f, d)))
-    head = [torch.randn(100, d), torch.randn(d, 100), torch.ones(d)]
+    head = [torch.randn(100, d), torch.randn(d, 100), torch.ones(d), empty]
     args = (head, [1e-5, 1.0, 1.0], records.kinds, records.fields, records.tensors,
             records.ints, records.floats, [])
     plan = torch.classes.linserve.DecoderPlan(*args)
