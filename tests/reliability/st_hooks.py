@@ -11,7 +11,9 @@ generation prompt) are dropped from the cases that break them; their 400s are te
 ``tests/server/test_tool_calls.py``. So is ``best_of`` below ``n`` (refused as OpenAI and vLLM
 refuse it; tested in ``tests/server/test_bad_input.py``). Image parts and blocks, and chat
 content parts of no type any API defines, are taken out of the messages: the served model
-has no image encoder, and its 400 for them is tested in ``tests/server/test_image_parts.py``."""
+has no image encoder, and its 400 for them is tested in ``tests/server/test_image_parts.py``.
+A session export's ``format=pth`` becomes the default: the served model has no state-file
+format, and that 400 is tested in ``tests/server/test_rwkv_http.py``."""
 
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
     meta = getattr(case, "meta", None)
     if meta is not None and str(getattr(meta.generation.mode, "value", "")) == "negative":
         return
+    keep_blob_export(case)
     if isinstance(case.body, dict):
         keep_valid_best_of(case.body)
         keep_valid_thinking(case.body)
@@ -80,13 +83,21 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
 
 
 def keep_valid(case: Any) -> None:
-    """Every cross-field rule below, on a case's JSON body."""
+    """Every cross-field rule below, on a case's JSON body (and its query)."""
+    keep_blob_export(case)
     if isinstance(case.body, dict):
         keep_valid_constraints(case.body)
         keep_valid_chat_rules(case.body)
         keep_valid_best_of(case.body)
         keep_valid_agent_rules(case.body)
         keep_text_only(case.body)
+
+
+def keep_blob_export(case: Any) -> None:
+    """A state export in this server's own format (the model under test has no state file)."""
+    query = getattr(case, "query", None)
+    if isinstance(query, dict) and query.get("format") == "pth":
+        query["format"] = "safetensors"
 
 
 TEXT_PARTS = ("text", "input_text", "output_text")

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from bench.serverproc import ServerProcess
 from tests.model import rwkv_fixtures
@@ -124,8 +125,6 @@ def test_a_state_file_is_a_session_and_a_servers_initial_state(srv: ServerProces
     continues as the reference does from that state; exported with ``format=pth`` it is the
     file's tensors again (RWKV-Runner's format); ``--initial-state`` makes it where every
     request without a session starts, and a file of another model is one line at startup."""
-    import torch
-
     tuned = rwkv_fixtures.write_state_file(tmp_path / "tuned.pth", SHAPE)
     ids = httpx.post(srv.url + "/tokenize", json={"prompt": "Q: 2+2?\n\nA:"}).json()["tokens"]
     with httpx.Client(base_url=srv.url, timeout=120) as c:
@@ -150,6 +149,21 @@ def test_a_state_file_is_a_session_and_a_servers_initial_state(srv: ServerProces
                          timeout=120)
     assert run.returncode == 1
     assert "state file of 3 layers" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_model_without_state_files_says_so(server: ServerProcess) -> None:
+    """The project's own model has no state-file format: exporting one, or importing an
+    RWKV state file, is a 400 that says so, and the session is still there."""
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        sid = c.post("/v1/sessions", json={"prompt": "Hi"}).json()["id"]
+        r = c.get(f"/v1/sessions/{sid}/state", params={"format": "pth"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_format"
+        buf = io.BytesIO()
+        torch.save({"blocks.0.att.time_state": torch.zeros(2, 64, 64)}, buf)
+        r = c.post("/v1/sessions/import", content=buf.getvalue(),
+                   headers={"content-type": "application/octet-stream"})
+        assert r.status_code == 400 and "no state-file format" in r.json()["error"]["message"]
+        assert c.get(f"/v1/sessions/{sid}").status_code == 200
 
 
 def test_int8_weights_serve(pth: Path) -> None:
