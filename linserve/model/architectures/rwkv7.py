@@ -95,11 +95,9 @@ class Rwkv7Block(nn.Module):
                 carry: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """``[B, T, d]`` (or ``[B, d]`` with ``one_token``) -> the same; ``carry`` holds v₁
         from layer 0 on (None: a layer run alone, as when its weights are packed)."""
-        del lengths
         carry = {} if carry is None else carry
         if one_token:
-            return self.forward(x.unsqueeze(1), entries, x.new_zeros(0), new=None,
-                                carry=carry).squeeze(1)
+            return self.forward(x.unsqueeze(1), entries, lengths, carry=carry).squeeze(1)
         x = x + self.attn(self.attn_norm(x), entries, new, carry)
         return x + self.ffn(self.ffn_norm(x), entries, new)
 
