@@ -1,9 +1,11 @@
-"""Run BlinkDL's reference (the ``rwkv`` package, ``RWKV_V7_ON=1``, ``cpu fp32``) on a ``.pth``:
-``python -m tests.model.rwkv_reference MODEL.pth IDS.json OUT.pt`` writes the logits of every
-prompt position (one sequence call, from a state file's state where IDS.json names one),
-then of each later token fed one at a time, and the state after them (``[att shift, S, ffn
-shift]`` per layer). Its own process: the package sets
-process-wide torch flags and scripts its functions at import."""
+"""Run BlinkDL's reference (the ``rwkv`` package, ``cpu fp32``; ``RWKV_V7_ON=1`` for an RWKV-7
+``.pth``) on a ``.pth``: ``python -m tests.model.rwkv_reference MODEL.pth IDS.json OUT.pt``
+writes the logits of every prompt position (one sequence call, from a state file's state
+where IDS.json names one), then of each later token fed one at a time, and the state after
+them (the package's list: ``[att shift, S, ffn shift]`` per layer for v6 and v7, S key ×
+value for v6; ``[att shift, num, den, p, ffn shift]`` for v4). Its own process: the package
+sets process-wide torch flags and scripts its functions at import, and chooses its model
+class by the environment."""
 
 from __future__ import annotations
 
@@ -12,13 +14,15 @@ import os
 import sys
 from pathlib import Path
 
-os.environ["RWKV_V7_ON"] = "1"
 os.environ.setdefault("RWKV_JIT_ON", "0")
 
 import torch
 
 
 def main(model: Path, ids_file: Path, out: Path) -> None:
+    v7 = "blocks.0.att.r_k" in torch.load(model, weights_only=True, mmap=True)
+    if v7:
+        os.environ["RWKV_V7_ON"] = "1"
     from rwkv.model import RWKV
 
     spec = json.loads(ids_file.read_text())
@@ -29,7 +33,8 @@ def main(model: Path, ids_file: Path, out: Path) -> None:
         tuned = torch.load(spec["state_file"], weights_only=True)
         state = rwkv.generate_zero_state()
         for i in range(rwkv.n_layer):
-            state[3 * i + 1] = tuned[f"blocks.{i}.att.time_state"].float().clone()
+            s = tuned[f"blocks.{i}.att.time_state"].float()
+            state[3 * i + 1] = (s if v7 else s.transpose(1, 2)).contiguous().clone()
     with torch.no_grad():
         seq, state = rwkv.forward(prompt, state, full_output=True)
         logits = [seq.reshape(len(prompt), -1)]

@@ -4,25 +4,20 @@ mix, a LayerNorm, the channel mix (:mod:`linserve.model.layers.rwkv7`); a LayerN
 embeddings (folded into the table once loaded, as BlinkDL's reference does); a LayerNorm and an
 untied head. State per layer: S ``[H, N, N]`` and two token shifts ``[d]``, constant in size.
 
-Layer 0's value (v₁) is mixed into every later layer's: :meth:`Rwkv7LM._run` carries it from
-layer to layer, as the native step's plan carries it in a slot (``carry``).
+Layer 0's value (v₁) is mixed into every later layer's: the model's ``_run`` carries it from
+layer to layer, as the native step's plan carries it in a slot (``carry``). The block, the
+embeddings' LayerNorm and state files are every RWKV's (:mod:`linserve.model.layers.rwkv_block`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
-
-import torch
-import torch.nn.functional as F
-from torch import nn
+from typing import Any
 
 from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
 from linserve.model.architectures.hf import Index
-from linserve.model.layers.block import LayerPart
-from linserve.model.layers.decoder import DecoderLM
 from linserve.model.layers.rwkv7 import ChannelMix7, Rwkv7Shape, TimeMix7
-from linserve.model.state import RecurrentEntry, State, StateError
+from linserve.model.layers.rwkv_block import RwkvBlock, RwkvStateFileLM
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,96 +64,17 @@ class Rwkv7Config(DecoderConfig):
                           self.intermediate_size, self.norm_eps, self.group_norm_eps)
 
 
-class Rwkv7Block(nn.Module):
-    """``x + attn(attn_norm(x))``, then ``x + ffn(ffn_norm(x))`` (fla's ``RWKV7Block``; layer
-    0's ``pre_norm`` is the embeddings' LayerNorm, folded into the table by
-    :meth:`Rwkv7LM.prepare`)."""
+class Rwkv7LM(RwkvStateFileLM):
+    """The whole model (:class:`RwkvLM`'s body, RWKV-7's mixers); v₁ crosses layers in
+    ``carry``, as the native step's plan carries it in a slot."""
 
-    def __init__(self, sh: Rwkv7Shape, index: int) -> None:
-        super().__init__()
-        if index == 0:
-            self.pre_norm = nn.LayerNorm(sh.hidden, eps=sh.norm_eps)
-        self.attn_norm = nn.LayerNorm(sh.hidden, eps=sh.norm_eps)
-        self.attn = TimeMix7(sh, first=index == 0)
-        self.ffn_norm = nn.LayerNorm(sh.hidden, eps=sh.norm_eps)
-        self.ffn = ChannelMix7(sh)
-
-    def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
-        del max_context
-        return {**self.attn.new_entries(batch), **self.ffn.new_entries(batch)}
-
-    def native_parts(self) -> tuple[LayerPart, LayerPart]:
-        return LayerPart(self.attn, self.attn_norm), LayerPart(self.ffn, self.ffn_norm)
-
-    def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
-                one_token: bool = False, new: torch.Tensor | None = None,
-                carry: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """``[B, T, d]`` (or ``[B, d]`` with ``one_token``) -> the same; ``carry`` holds v₁
-        from layer 0 on (None: a layer run alone, as when its weights are packed)."""
-        carry = {} if carry is None else carry
-        if one_token:
-            return self.forward(x.unsqueeze(1), entries, lengths, carry=carry).squeeze(1)
-        x = x + self.attn(self.attn_norm(x), entries, new, carry)
-        return x + self.ffn(self.ffn_norm(x), entries, new)
-
-
-class Rwkv7LM(DecoderLM):
-    """The whole model on the shared decoder body (:class:`DecoderLM`); see the module
-    docstring."""
+    version = "RWKV-7"
 
     def __init__(self, cfg: Rwkv7Config) -> None:
         sh = cfg.shape
-        super().__init__(cfg, cfg.vocab_size, cfg.hidden_size,
-                         [Rwkv7Block(sh, i) for i in range(cfg.num_hidden_layers)],
-                         nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps), False)
-
-    def _run(self, x: torch.Tensor, state: State, one_token: bool = False,
-             new: torch.Tensor | None = None, lengths: torch.Tensor | None = None
-             ) -> torch.Tensor:
-        carry: dict[str, torch.Tensor] = {}
-        lengths = state.lengths if lengths is None else lengths
-        for layer, entries in zip(self.model.layers, state.layers, strict=True):
-            x = layer(x, entries, lengths, one_token=one_token, new=new, carry=carry)
-        return x
-
-    @torch.no_grad()
-    def fold_embedding_norm(self) -> None:
-        """The embeddings' LayerNorm applied to the table once, in fp32 (BlinkDL's reference
-        does the same at load), then dropped."""
-        first = self.model.layers[0]
-        norm = getattr(first, "pre_norm", None)
-        if norm is None:
-            return
-        table = self.model.embed_tokens.weight
-        table.copy_(F.layer_norm(table.float(), (table.shape[1],), norm.weight.float(),
-                                 norm.bias.float(), norm.eps).to(table.dtype))
-        del first.pre_norm
-
-    def prepare(self, fused: bool) -> bool:
-        self.fold_embedding_norm()
-        return super().prepare(fused)
-
-    def state_from_file(self, tensors: dict[str, torch.Tensor], state: State) -> None:
-        """A state-tuned ``.pth`` (``blocks.{i}.att.time_state`` ``[H, N, N]`` per layer, in
-        BlinkDL's value × key orientation, as v7's are written) into a fresh one-row
-        ``state`` (the token shifts stay zero). Raises :class:`StateError`."""
-        expected = {f"blocks.{i}.att.time_state" for i in range(self.cfg.num_hidden_layers)}
-        if set(tensors) != expected:
-            extra = sorted(set(tensors) ^ expected)
-            raise StateError(f"an RWKV-7 state file of {len(expected)} layers holds "
-                             f"blocks.N.att.time_state, each once (not {extra[0]})")
-        for i, entries in enumerate(state.layers):
-            s = cast(RecurrentEntry, entries["recurrent"]).s
-            t = tensors[f"blocks.{i}.att.time_state"]
-            if tuple(t.shape) != tuple(s.shape[1:]):
-                raise StateError(f"blocks.{i}.att.time_state has shape {tuple(t.shape)}, the "
-                                 f"model's is {tuple(s.shape[1:])}")
-            s[0].copy_(t.float())
-
-    def state_to_file(self, state: State) -> dict[str, torch.Tensor]:
-        """Row 0 of ``state`` as a state file (its S per layer; RWKV-Runner's format)."""
-        return {f"blocks.{i}.att.time_state": cast(RecurrentEntry, entries["recurrent"]).s[0]
-                .clone() for i, entries in enumerate(state.layers)}
+        super().__init__(cfg, [RwkvBlock(sh.hidden, sh.norm_eps, TimeMix7(sh, first=i == 0),
+                                         ChannelMix7(sh), i)
+                               for i in range(cfg.num_hidden_layers)], cfg.norm_eps)
 
 
 # llama.cpp's converter's names (GGUF, through gguf-py's map) to fla-hub's; a layer-0 v

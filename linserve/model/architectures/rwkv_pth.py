@@ -1,7 +1,9 @@
-"""BlinkDL's ``.pth`` checkpoints of RWKV-7 (``emb.weight``, ``blocks.N.att.*``, as the
-``rwkv`` package reads them), seen as the fla-hub folder of the same weights: a config dict
-from the tensors' shapes, fla's tensor names, and each tensor in fla's layout (the LoRA
-matrices transposed, the ``[1, 1, d]`` vectors flattened where fla's are). A ``.pth`` is a
+"""BlinkDL's ``.pth`` checkpoints of RWKV-7, RWKV-6 and RWKV-4 (``emb.weight``,
+``blocks.N.att.*``, as the ``rwkv`` package reads them), each seen as the Hugging Face folder
+of the same weights: a config dict from the tensors' shapes, the folder's tensor names, and
+each tensor in its layout. RWKV-7 reads as fla-hub's folder (the LoRA matrices transposed,
+the ``[1, 1, d]`` vectors flattened where fla's are); RWKV-6 and RWKV-4 as the ``rwkv.*``
+folders (renamed only, as their converters do). A ``.pth`` is a
 pickle: it is read with ``torch.load(weights_only=True)``, and a file that needs more is
 refused in one line. ``linserve serve model.pth`` or a folder holding one ``.pth`` (and no
 ``config.json``).
@@ -76,6 +78,41 @@ TOP = {"emb.weight": "model.embeddings.weight", "ln_out.weight": "model.norm.wei
        "ln_out.bias": "model.norm.bias", "head.weight": "lm_head.weight"}
 
 
+def version(sd: dict[str, torch.Tensor]) -> int:
+    """The RWKV generation of a ``.pth``'s tensors (as the ``rwkv`` package tells them
+    apart; 5 for RWKV-5, which is not served)."""
+    if "blocks.0.att.r_k" in sd:
+        return 7
+    if "blocks.0.att.time_maa_x" in sd:
+        return 6
+    return 5 if "blocks.0.att.ln_x.weight" in sd else 4
+
+
+_V4_MIX = {"time_mix_k": "time_mix_key", "time_mix_v": "time_mix_value",
+           "time_mix_r": "time_mix_receptance"}
+
+
+def hf_name(name: str, generation: int) -> str | None:
+    """An RWKV-6 or RWKV-4 tensor's name in the Hugging Face folder (``rwkv.blocks.N.*``,
+    as the folders' converters rename them)."""
+    if name == "head.weight":
+        return name
+    if name.startswith("emb."):
+        return "rwkv.embeddings." + name.removeprefix("emb.")
+    if name.startswith("ln_out."):
+        return "rwkv." + name
+    m = re.fullmatch(r"blocks\.(\d+)\.(\w+)\.(.+)", name)
+    if m is None:
+        return None
+    layer, part, leaf = m.groups()
+    if generation == 4:
+        leaf = _V4_MIX.get(leaf, leaf)
+    if part == "att" and leaf == "time_state":
+        return None  # a state merged into the weights: loaded as a state file instead
+    part = {"ln0": "pre_ln", "att": "attention", "ffn": "feed_forward"}.get(part, part)
+    return f"rwkv.blocks.{layer}.{part}.{leaf}"
+
+
 def fla_name(name: str) -> tuple[str, bool] | None:
     """A BlinkDL tensor's fla name and whether it is transposed there (None: unused, such
     as layer 0's v₀, v₁, v₂)."""
@@ -115,9 +152,16 @@ def _fla_shape(fla: str, shape: tuple[int, ...], transposed: bool) -> tuple[int,
 
 
 def sources(path: Path) -> dict[str, Source]:
-    """Every fla tensor the ``.pth`` at ``path`` holds, and where it comes from."""
+    """Every folder tensor the ``.pth`` at ``path`` holds, and where it comes from."""
     out: dict[str, Source] = {}
-    for name, t in state_dict(path).items():
+    sd = state_dict(path)
+    generation = version(sd)
+    for name, t in sd.items():
+        if generation != 7:
+            renamed = hf_name(name, generation)
+            if renamed is not None:
+                out[renamed] = Source(name, False, tuple(t.shape))
+            continue
         found = fla_name(name)
         if found is not None:
             fla, transposed = found
@@ -133,13 +177,33 @@ def read(path: Path, fla: str) -> torch.Tensor:
 
 
 def config(path: Path) -> dict[str, Any]:
-    """fla's config.json for the ``.pth`` at ``path``, from its tensors' shapes. Raises
-    :class:`CheckpointError` for another RWKV version."""
+    """The folder's config.json for the ``.pth`` at ``path``, from its tensors' shapes.
+    Raises :class:`CheckpointError` for an RWKV generation not served."""
     sd = state_dict(path)
-    if "blocks.0.att.r_k" not in sd:
-        version = "RWKV-6" if "blocks.0.att.time_maa_x" in sd else "not RWKV-7"
-        raise CheckpointError(f"{path}: a .pth of {version}; RWKV-7 .pth files are served")
+    generation = version(sd)
+    if "emb.weight" not in sd or not any(n.startswith("blocks.") for n in sd):
+        raise CheckpointError(f"{path}: not an RWKV .pth (no emb.weight and blocks.N.*)")
+    if generation == 5:
+        raise CheckpointError(f"{path}: a .pth of RWKV-5; RWKV-4, 6 and 7 .pth files are "
+                              "served")
     layers = 1 + max(int(n.split(".")[1]) for n in sd if n.startswith("blocks."))
+    vocab, hidden = sd["emb.weight"].shape
+    common = {"vocab_size": int(vocab), "hidden_size": int(hidden), "num_hidden_layers": layers,
+              "intermediate_size": int(sd["blocks.0.ffn.key.weight"].shape[0]),
+              "layer_norm_epsilon": 1e-5, "rescale_every": 0, "tie_word_embeddings": False}
+    if generation == 6:
+        heads, head = sd["blocks.0.att.time_faaaa"].shape[-2:]
+        return {**common, "model_type": "rwkv6", "head_size": int(head),
+                "attention_hidden_size": int(heads * head),
+                "time_mix_extra_dim": int(sd["blocks.0.att.time_maa_w2"].shape[1]),
+                "time_decay_extra_dim": int(sd["blocks.0.att.time_decay_w1"].shape[1])}
+    if generation == 4:
+        return {**common, "model_type": "rwkv",
+                "attention_hidden_size": int(sd["blocks.0.att.key.weight"].shape[0])}
+    return _rwkv7_config(sd, layers)
+
+
+def _rwkv7_config(sd: dict[str, torch.Tensor], layers: int) -> dict[str, Any]:
     head_dim = sd["blocks.0.att.r_k"].shape[1]
     vocab, hidden = sd["emb.weight"].shape
     v_rank = sd["blocks.1.att.v1"].shape[1] if "blocks.1.att.v1" in sd else 32
