@@ -118,7 +118,7 @@ def reference(pth: Path, prompt: list[int], steps: list[int], tmp: Path,
 # RWKV-6: hidden, layers, head size, the token-shift and decay LoRA ranks, the channel mix
 SHAPES6 = {
     "d128-l3": dict(d=128, layers=3, head=64, ranks=(32, 64), ffn=448, vocab=65536),
-    "d96-l2-h32": dict(d=96, layers=2, head=32, ranks=(16, 24), ffn=320, vocab=65536),
+    "d96-l2-h32": dict(d=96, layers=2, head=32, ranks=(32, 64), ffn=320, vocab=65536),
 }
 
 

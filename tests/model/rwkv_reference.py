@@ -31,8 +31,8 @@ def main(model: Path, ids_file: Path, out: Path) -> None:
     state = None
     if spec.get("state_file"):  # a state-tuned file: S per layer, the shifts zero
         tuned = torch.load(spec["state_file"], weights_only=True)
-        state = rwkv.generate_zero_state()
-        for i in range(rwkv.n_layer):
+        state = rwkv.generate_zero_state() if v7 else _zero_state_v6(rwkv)
+        for i in range(len(state) // 3):
             s = tuned[f"blocks.{i}.att.time_state"].float()
             state[3 * i + 1] = (s if v7 else s.transpose(1, 2)).contiguous().clone()
     with torch.no_grad():
@@ -43,6 +43,17 @@ def main(model: Path, ids_file: Path, out: Path) -> None:
             logits.append(one.reshape(1, -1))
     torch.save({"logits": torch.cat(logits).float(),
                 "state": [s.float().clone() for s in state]}, out)
+
+
+def _zero_state_v6(rwkv: object) -> list[torch.Tensor]:
+    """The package's fresh v6 state (its v6 class has no ``generate_zero_state``)."""
+    args = rwkv.args  # type: ignore[attr-defined]
+    n = args.n_att // args.n_head
+    state = []
+    for _ in range(args.n_layer):
+        state += [torch.zeros(args.n_embd), torch.zeros(args.n_head, n, n),
+                  torch.zeros(args.n_embd)]
+    return state
 
 
 if __name__ == "__main__":

@@ -153,11 +153,3 @@ def test_a_pth_that_is_not_weights_only_is_refused(tmp_path: Path) -> None:
     torch.save({"emb.weight": torch.zeros(2, 2), "extra": random.Random(0)}, path)
     with pytest.raises(CheckpointError, match=r"not a weights-only \.pth"):
         loader.load(path)
-
-
-def test_an_rwkv6_pth_is_named(tmp_path: Path) -> None:
-    path = tmp_path / "model.pth"
-    torch.save({"emb.weight": torch.zeros(2, 2), "blocks.0.att.time_maa_x": torch.zeros(2)},
-               path)
-    with pytest.raises(CheckpointError, match=r"a \.pth of RWKV-6"):
-        loader.load(path)

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from linserve.model.architectures.family import DecoderConfig, HFFamily
+from linserve.model.architectures.hf import Index
 from linserve.model.architectures.rwkv4 import rename
-from linserve.model.layers.rwkv6 import ChannelMix, Rwkv6Shape, TimeMix6
+from linserve.model.layers.rwkv6 import MIXES, ChannelMix, Rwkv6Shape, TimeMix6
 from linserve.model.layers.rwkv_block import RwkvBlock, RwkvStateFileLM, out_scales
 
 
@@ -69,9 +70,18 @@ class Rwkv6LM(RwkvStateFileLM):
                                for i in range(cfg.num_hidden_layers)], eps, cfg.rescale_every)
 
 
+def split_lerps(name: str, shape: tuple[int, ...]) -> list[tuple[str, Index]] | None:
+    """llama.cpp's converter's stacked lerps ``[5, 1, 1, d]`` as ``time_maa_{w,k,v,r,g}``."""
+    if not name.endswith(".attn.time_maa_fused") or shape[0] != len(MIXES):
+        return None
+    prefix = name.removesuffix("fused")
+    return [(prefix + m, (i,)) for i, m in enumerate(MIXES)]
+
+
 def describe(cfg: Rwkv6Config) -> str:
     return (f"rwkv6 (RWKV-6 Finch, {cfg.num_hidden_layers} layers, "
             f"{cfg.hidden_size // cfg.head_size} heads of {cfg.head_size})")
 
 
-FAMILY = HFFamily(Rwkv6Config.from_hf, Rwkv6LM, rename, describe)
+FAMILY = HFFamily(Rwkv6Config.from_hf, Rwkv6LM, rename, describe,
+                  split_for=lambda cfg: split_lerps)

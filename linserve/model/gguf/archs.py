@@ -672,6 +672,30 @@ def _rwkv7_config(m: GGUFModel) -> dict[str, Any]:
             "group_norm_eps": 64e-5}
 
 
+def _rwkv6_config(m: GGUFModel) -> dict[str, Any]:
+    """RWKV-6's sizes. The converter divides each layer's two output projections by
+    2^(layer // rescale_every) and llama.cpp's graph halves the residual to match:
+    ``rescaled_weights`` says the division is in the file."""
+    return {**_common(m, "rwkv6"), "head_size": int(m.require("wkv.head_size")),
+            "layer_norm_epsilon": float(m.get("attention.layer_norm_epsilon", 1e-5)),
+            "rescale_every": int(m.get("rescale_every_n_layers", 0) or 0),
+            "rescaled_weights": True,
+            "time_mix_extra_dim": int(m.require("time_mix_extra_dim")),
+            "time_decay_extra_dim": int(m.require("time_decay_extra_dim")),
+            "intermediate_size": int(m.require("feed_forward_length"))}
+
+
+def _rwkv6_transform(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
+    """The converter's transposes undone: the two LoRAs' matrices back to ``x @ W``'s
+    orientation, the token-shift LoRA's second ``[5, C, D]`` back to ``[5, D, C]``."""
+    del cfg
+    if re.search(r"\.(time_maa_w1|time_decay_w1|time_decay_w2)(\.weight)?$", name):
+        return t.t()
+    if re.search(r"\.time_maa_w2(\.weight)?$", name):
+        return t.permute(0, 2, 1)
+    return t
+
+
 ARCHS: dict[str, GGUFArch] = {a.name: a for a in (
     GGUFArch("qwen35", _qwen35_config, _dt_bias, _qwen35_transform),
     GGUFArch("qwen35moe", _qwen35_config, _dt_bias, _qwen35_transform),
@@ -701,6 +725,10 @@ ARCHS: dict[str, GGUFArch] = {a.name: a for a in (
     # the converter stacks the six token-shift lerps into one tensor (the family splits it)
     GGUFArch("rwkv7", _rwkv7_config, names=(
         (r"blk\.(\d+)\.time_mix_lerp_fused\.weight", r"model.layers.\1.attn.x_fused"),)),
+    # RWKV-6's five data-dependent lerps (w, k, v, r, g) stacked the same way
+    GGUFArch("rwkv6", _rwkv6_config, transform=_rwkv6_transform, names=(
+        (r"blk\.(\d+)\.time_mix_lerp_fused\.weight",
+         r"rwkv.blocks.\1.attention.time_maa_fused"),)),
 )}
 
 
