@@ -203,7 +203,8 @@ def test_native_step_equals_the_eager_step(checkpoint: Path) -> None:
 
 
 # families transformers does not implement, and the module that tests them against theirs
-OWN_REFERENCE = {"rwkv7": "tests/model/test_rwkv7.py"}
+OWN_REFERENCE = {"rwkv7": "tests/model/test_rwkv7.py", "rwkv6": "tests/model/test_rwkv6_rwkv4.py",
+                 "rwkv4": "tests/model/test_rwkv6_rwkv4.py"}
 
 
 def test_every_registered_family_is_tested_here() -> None:
