@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from linserve.model import loader, state_files
+from linserve.model import kernels, loader, state_files
 from linserve.model.interface import CheckpointError
 from linserve.model.served import ServedModule
 from linserve.model.state import State
@@ -91,9 +91,12 @@ def test_rwkv6_greedy_is_the_references(case6: dict[str, Any]) -> None:
 
 
 def _splits_steps_and_batch(model: ServedModule) -> None:
-    """Whole, two chunks, token by token: the same logits; the native or eager step as the
-    eager one; a row beside others bit-equal to itself alone."""
+    """Whole, two chunks, token by token: the same logits; the native step (the whole model in
+    one call) as the eager one; a verify of three tokens as three steps; a row beside others
+    bit-equal to itself alone."""
     module = model.module
+    if kernels.load():
+        assert model.info.decode_step.startswith("fused") and module.native_plan() is not None
     whole, state = module.prefill(torch.tensor([PROMPT]))
     _, half = module.prefill(torch.tensor([PROMPT[:5]]))
     split, _ = module.prefill(torch.tensor([PROMPT[5:]]), half)
@@ -107,6 +110,11 @@ def _splits_steps_and_batch(model: ServedModule) -> None:
         a = module.step(torch.tensor([token]), state)
         b = module.step_eager(torch.tensor([token]), eager)
         assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+    stepped = state.copy()
+    logits, _ = module.verify(torch.tensor([[11, 12, 13]]), state)
+    for i, token in enumerate((11, 12, 13)):
+        one = module.step(torch.tensor([token]), stepped)
+        assert (logits[0, i] - one[0]).abs().max().item() <= 1e-5 * max(1.0, one.abs().max())
     rows = [module.prefill(torch.tensor([PROMPT[:n]]))[1] for n in (3, 7, 12)]
     together = module.step(torch.tensor([9, 9, 9]), State.cat([r.copy() for r in rows]))
     for i, row in enumerate(rows):

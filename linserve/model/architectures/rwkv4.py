@@ -18,7 +18,7 @@ from typing import Any
 from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
 from linserve.model.layers.rwkv4 import TimeMix4
 from linserve.model.layers.rwkv6 import ChannelMix
-from linserve.model.layers.rwkv_block import RwkvBlock, RwkvLM, out_scales
+from linserve.model.layers.rwkv_block import RwkvBlock, RwkvLM, rescaling
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,11 +48,11 @@ class Rwkv4LM(RwkvLM):
 
     def __init__(self, cfg: Rwkv4Config) -> None:
         d, eps = cfg.hidden_size, cfg.layer_norm_epsilon
-        scales = out_scales(cfg.num_hidden_layers, cfg.rescale_every, cfg.rescaled)
+        rescale = rescaling(cfg.num_hidden_layers, cfg.rescale_every, cfg.rescaled)
         super().__init__(cfg, [RwkvBlock(d, eps, TimeMix4(d, cfg.attention_hidden_size),
                                          ChannelMix(d, cfg.intermediate_size, "mix"), i,
-                                         scales[i])
-                               for i in range(cfg.num_hidden_layers)], eps, cfg.rescale_every)
+                                         **rescale[i])
+                               for i in range(cfg.num_hidden_layers)], eps)
 
 
 _B, _TO = r"^rwkv\.blocks\.(\d+)\.", r"model.layers.\1."

@@ -17,7 +17,7 @@ from linserve.model.architectures.family import DecoderConfig, HFFamily
 from linserve.model.architectures.hf import Index
 from linserve.model.architectures.rwkv4 import rename
 from linserve.model.layers.rwkv6 import MIXES, ChannelMix, Rwkv6Shape, TimeMix6
-from linserve.model.layers.rwkv_block import RwkvBlock, RwkvStateFileLM, out_scales
+from linserve.model.layers.rwkv_block import RwkvBlock, RwkvStateFileLM, rescaling
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,11 +63,11 @@ class Rwkv6LM(RwkvStateFileLM):
 
     def __init__(self, cfg: Rwkv6Config) -> None:
         sh, eps = cfg.shape, cfg.layer_norm_epsilon
-        scales = out_scales(cfg.num_hidden_layers, cfg.rescale_every, cfg.rescaled)
+        rescale = rescaling(cfg.num_hidden_layers, cfg.rescale_every, cfg.rescaled)
         super().__init__(cfg, [RwkvBlock(sh.hidden, eps, TimeMix6(sh),
                                          ChannelMix(sh.hidden, sh.intermediate, "maa"), i,
-                                         scales[i])
-                               for i in range(cfg.num_hidden_layers)], eps, cfg.rescale_every)
+                                         **rescale[i])
+                               for i in range(cfg.num_hidden_layers)], eps)
 
 
 def split_lerps(name: str, shape: tuple[int, ...]) -> list[tuple[str, Index]] | None:

@@ -304,8 +304,64 @@ struct Rwkv7ChannelMix {
   explicit Rwkv7ChannelMix(Reader& r) : x_k(r.tensor()), key(r.tensor()), value(r.tensor()) {}
 };
 
+// RWKV-6's time mix (model/layers/rwkv6.py): maa_x [d], maa [5, d] (w k v r g), the
+// token-shift LoRA maa_w1 [d, 5 D] and maa_w2 [5, D, d], the decay w0 [d] and its LoRA
+// decay_w1 [d, R], decay_w2 [R, d] (fp32, x @ W); the bonus u [H N]; r, k, v, g, o [d, d];
+// the output GroupNorm. State: S [B, H, N(value), N(key)], the shift [B, 1, d].
+struct Rwkv6TimeMix {
+  static constexpr const char* kKind = "rwkv6_time_mix";
+  static constexpr const char* kFields =
+      "maa_x maa maa_w1 maa_w2 decay decay_w1 decay_w2 u r k v g o norm norm_bias heads "
+      "head_dim group_eps";
+  static constexpr int kState = 2;
+  static constexpr bool kRecurrent = true;
+  at::Tensor maa_x, maa, maa_w1, maa_w2, decay, decay_w1, decay_w2, u, r, k, v, g, o, norm,
+      norm_bias;
+  int64_t heads, head_dim;
+  float group_eps;
+  explicit Rwkv6TimeMix(Reader& rd)
+      : maa_x(rd.tensor()), maa(rd.tensor()), maa_w1(rd.tensor()), maa_w2(rd.tensor()),
+        decay(rd.tensor()), decay_w1(rd.tensor()), decay_w2(rd.tensor()), u(rd.tensor()),
+        r(rd.tensor()), k(rd.tensor()), v(rd.tensor()), g(rd.tensor()), o(rd.tensor()),
+        norm(rd.tensor()), norm_bias(rd.tensor()), heads(rd.integer()), head_dim(rd.integer()),
+        group_eps(rd.f32()) {
+    TORCH_CHECK(maa.size(0) == 5 && maa_w2.dim() == 3 && maa_w2.size(0) == 5,
+                "decoder plan: an RWKV-6 time mix's five lerps");
+  }
+};
+
+// RWKV-4's time mix (model/layers/rwkv4.py): mix [3, d] (k v r: x mu + x_prev (1 - mu)), the
+// decay w = -exp(w0) and the bonus u [A] fp32; k, v, r [d, A], o [A, d]. State: num, den and
+// the largest exponent [B, 3, 1, A], the shift [B, 1, d].
+struct Rwkv4TimeMix {
+  static constexpr const char* kKind = "rwkv4_time_mix";
+  static constexpr const char* kFields = "mix w u k v r o";
+  static constexpr int kState = 2;
+  static constexpr bool kRecurrent = true;
+  at::Tensor mix, w, u, k, v, r, o;
+  explicit Rwkv4TimeMix(Reader& rd)
+      : mix(rd.tensor()), w(rd.tensor()), u(rd.tensor()), k(rd.tensor()), v(rd.tensor()),
+        r(rd.tensor()), o(rd.tensor()) {}
+};
+
+// RWKV-4's and RWKV-6's channel mix: sigmoid(receptance(x_r)) value(relu(key(x_k))^2); mix
+// [2, d] (k r) in RWKV-6's form x + (x_prev - x) mu with ``maa``, else RWKV-4's
+// x mu + x_prev (1 - mu). State: the shift [B, 1, d].
+struct RwkvGatedChannelMix {
+  static constexpr const char* kKind = "rwkv_gated_channel_mix";
+  static constexpr const char* kFields = "mix key receptance value maa";
+  static constexpr int kState = 1;
+  static constexpr bool kRecurrent = true;
+  at::Tensor mix, key, receptance, value;
+  bool maa;
+  explicit RwkvGatedChannelMix(Reader& r)
+      : mix(r.tensor()), key(r.tensor()), receptance(r.tensor()), value(r.tensor()),
+        maa(r.flag()) {}
+};
+
 using Body = std::variant<Attention, ShortConv, Mamba2, SwiGLU, ReluSquared, Experts, Kda, Mla,
-                          Lightning, GatedDelta, Rwkv7TimeMix, Rwkv7ChannelMix>;
+                          Lightning, GatedDelta, Rwkv7TimeMix, Rwkv7ChannelMix, Rwkv6TimeMix,
+                          Rwkv4TimeMix, RwkvGatedChannelMix>;
 
 // A record of a known kind whose field names must be ``fields``.
 template <typename T>

@@ -25,9 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from linserve.model import invariant, kernels
+from linserve.model import invariant, kernels, packing
 from linserve.model.invariant import Linear
+from linserve.model.layers.rwkv6 import f32
 from linserve.model.layers.short_conv import advance_window
+from linserve.model.layers.step_parts import Rwkv4TimeMixPart
 from linserve.model.state import ConvEntry, RecurrentEntry
 
 
@@ -75,6 +77,13 @@ class TimeMix4(nn.Module):
     def new_entries(self, batch: int) -> dict[str, Any]:
         return {"recurrent": RecurrentEntry.empty(batch, 3, 1, self.width, with_z=False),
                 "conv": ConvEntry.empty(batch, 2, self.hidden)}
+
+    def native_part(self) -> Rwkv4TimeMixPart:
+        mix = torch.stack([f32(getattr(self, f"time_mix_{n}")).view(-1)
+                           for n in ("key", "value", "receptance")]).contiguous()
+        return Rwkv4TimeMixPart(mix, -torch.exp(f32(self.time_decay)), f32(self.time_first),
+                                *(packing.packed(m) for m in (self.key, self.value,
+                                                              self.receptance, self.output)))
 
     def forward(self, x: torch.Tensor, entries: dict[str, Any], new: torch.Tensor | None,
                 carry: dict[str, torch.Tensor]) -> torch.Tensor:

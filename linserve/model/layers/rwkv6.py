@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linserve.model import invariant, kernels
+from linserve.model import invariant, kernels, packing
 from linserve.model.invariant import Linear
 from linserve.model.layers.short_conv import advance_window
+from linserve.model.layers.step_parts import RwkvGatedChannelMixPart, Rwkv6TimeMixPart
 from linserve.model.state import ConvEntry, RecurrentEntry
 
 GROUP_EPS = 64e-5  # the output GroupNorm's (BlinkDL's, llama.cpp's, head_size_divisor 8)
@@ -53,6 +54,11 @@ class Rwkv6Shape:
     @property
     def heads(self) -> int:
         return self.hidden // self.head_dim
+
+
+def f32(t: torch.Tensor) -> torch.Tensor:
+    """A parameter as the native step takes it: fp32, contiguous, detached."""
+    return t.detach().float().contiguous()
 
 
 def wkv6_scan(s: torch.Tensor, r: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
@@ -104,6 +110,19 @@ class TimeMix6(nn.Module):
         return {"recurrent": RecurrentEntry.empty(batch, sh.heads, sh.head_dim, sh.head_dim,
                                                   with_z=False),
                 "conv": ConvEntry.empty(batch, 2, sh.hidden)}
+
+    def native_part(self) -> Rwkv6TimeMixPart:
+        """The layer as the native step takes it (the LoRAs' matrices fp32, as the eager
+        form multiplies them)."""
+        sh = self.shape
+        maa = torch.stack([f32(getattr(self, f"time_maa_{c}")).view(-1) for c in MIXES])
+        return Rwkv6TimeMixPart(
+            f32(self.time_maa_x).view(-1), maa.contiguous(), f32(self.time_maa_w1),
+            f32(self.time_maa_w2), f32(self.time_decay).view(-1), f32(self.time_decay_w1),
+            f32(self.time_decay_w2), f32(self.time_faaaa).view(-1),
+            *(packing.packed(m) for m in (self.receptance, self.key, self.value, self.gate,
+                                          self.output)),
+            f32(self.ln_x.weight), f32(self.ln_x.bias), sh.heads, sh.head_dim, GROUP_EPS)
 
     def _mixed(self, x: torch.Tensor, prev: torch.Tensor) -> list[torch.Tensor]:
         """x, prev ``[B, T, d]`` -> x_w, x_k, x_v, x_r, x_g ``[B, T, d]`` fp32."""
@@ -161,6 +180,12 @@ class ChannelMix(nn.Module):
 
     def new_entries(self, batch: int) -> dict[str, Any]:
         return {"ffn": ConvEntry.empty(batch, 2, self.hidden)}
+
+    def native_part(self) -> RwkvGatedChannelMixPart:
+        mix = torch.stack([f32(getattr(self, n)).view(-1) for n in self.names]).contiguous()
+        return RwkvGatedChannelMixPart(mix, packing.packed(self.key),
+                                       packing.packed(self.receptance),
+                                       packing.packed(self.value), self.lerp == "maa")
 
     def _mix(self, x: torch.Tensor, prev: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
         mu = mu.float().view(-1)

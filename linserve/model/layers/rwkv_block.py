@@ -32,12 +32,13 @@ from linserve.model.state import RecurrentEntry, State, StateError
 
 class RwkvBlock(nn.Module):
     """``x + s·attn(attn_norm(x))``, then ``x + s·ffn(ffn_norm(x))`` with s = ``out_scale``
-    (1 unless rescaling an undivided checkpoint); layer 0 also holds ``pre_norm``, the
-    embeddings' LayerNorm, until :meth:`RwkvLM.prepare` folds it into the table. The time
-    mix takes ``(x, entries, new, carry)``, the channel mix ``(x, entries, new)``."""
+    (1 unless rescaling an undivided checkpoint), then halved where ``halve``; layer 0 also
+    holds ``pre_norm``, the embeddings' LayerNorm, until :meth:`RwkvLM.prepare` folds it into
+    the table. The time mix takes ``(x, entries, new, carry)``, the channel mix
+    ``(x, entries, new)``."""
 
     def __init__(self, hidden: int, eps: float, attn: nn.Module, ffn: nn.Module, index: int,
-                 out_scale: float = 1.0) -> None:
+                 out_scale: float = 1.0, halve: bool = False) -> None:
         super().__init__()
         if index == 0:
             self.pre_norm = nn.LayerNorm(hidden, eps=eps)
@@ -45,7 +46,7 @@ class RwkvBlock(nn.Module):
         self.attn = attn
         self.ffn_norm = nn.LayerNorm(hidden, eps=eps)
         self.ffn = ffn
-        self.out_scale = out_scale
+        self.out_scale, self.halve = out_scale, halve
 
     def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
         del max_context
@@ -53,7 +54,11 @@ class RwkvBlock(nn.Module):
         return {**attn.new_entries(batch), **ffn.new_entries(batch)}
 
     def native_parts(self) -> tuple[LayerPart, LayerPart]:
-        return LayerPart(self.attn, self.attn_norm), LayerPart(self.ffn, self.ffn_norm)
+        """The two parts; the halving folded into the second's ``a·x + b·y`` (a power of two:
+        (x + s·y) / 2 and x/2 + (s/2)·y are the same bits)."""
+        half = 0.5 if self.halve else 1.0
+        return (LayerPart(self.attn, self.attn_norm, b=self.out_scale),
+                LayerPart(self.ffn, self.ffn_norm, a=half, b=half * self.out_scale))
 
     def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
                 one_token: bool = False, new: torch.Tensor | None = None,
@@ -67,37 +72,33 @@ class RwkvBlock(nn.Module):
         a = self.attn(self.attn_norm(x), entries, new, carry)
         x = x + (a if self.out_scale == 1.0 else a * self.out_scale)
         f = self.ffn(self.ffn_norm(x), entries, new)
-        return x + (f if self.out_scale == 1.0 else f * self.out_scale)
+        x = x + (f if self.out_scale == 1.0 else f * self.out_scale)
+        return x / 2 if self.halve else x
 
 
-def out_scales(layers: int, rescale_every: int, divided: bool) -> list[float]:
-    """Each layer's ``out_scale``: 2^-(i // R) where the checkpoint's weights were not divided
-    already (see the module docstring), else 1."""
-    if rescale_every <= 0 or divided:
-        return [1.0] * layers
-    return [2.0 ** -(i // rescale_every) for i in range(layers)]
+def rescaling(layers: int, rescale_every: int, divided: bool) -> list[dict[str, Any]]:
+    """Each layer's ``out_scale`` and ``halve`` (see the module docstring): 2^-(i // R)
+    where the checkpoint's weights were not divided already, else 1; halved after every R-th
+    layer (R = 0: never)."""
+    every = max(rescale_every, 0)
+    return [{"out_scale": 1.0 if every == 0 or divided else 2.0 ** -(i // every),
+             "halve": every > 0 and (i + 1) % every == 0} for i in range(layers)]
 
 
 class RwkvLM(DecoderLM):
-    """The whole model on the shared decoder body: ``rescale_every`` halves the residual
-    after every R-th layer (0: never); ``carry`` passes what crosses layers."""
+    """The whole model on the shared decoder body; ``carry`` passes what crosses layers."""
 
-    def __init__(self, cfg: Any, layers: list[RwkvBlock], norm_eps: float,
-                 rescale_every: int = 0) -> None:
+    def __init__(self, cfg: Any, layers: list[RwkvBlock], norm_eps: float) -> None:
         super().__init__(cfg, cfg.vocab_size, cfg.hidden_size, layers,
                          nn.LayerNorm(cfg.hidden_size, eps=norm_eps), False)
-        self.rescale_every = rescale_every
 
     def _run(self, x: torch.Tensor, state: State, one_token: bool = False,
              new: torch.Tensor | None = None, lengths: torch.Tensor | None = None
              ) -> torch.Tensor:
         carry: dict[str, torch.Tensor] = {}
         lengths = state.lengths if lengths is None else lengths
-        every = self.rescale_every
-        for i, (layer, entries) in enumerate(zip(self.model.layers, state.layers, strict=True)):
+        for layer, entries in zip(self.model.layers, state.layers, strict=True):
             x = layer(x, entries, lengths, one_token=one_token, new=new, carry=carry)
-            if every > 0 and (i + 1) % every == 0:
-                x = x / 2
         return x
 
     @torch.no_grad()

@@ -290,6 +290,65 @@ class Rwkv7ChannelMixPart(NativePart):
 
 
 @dataclass
+class Rwkv6TimeMixPart(NativePart):
+    """RWKV-6's time mix: the shared lerp μ_x ``[d]`` and the five groups' ``[5, d]`` (w, k,
+    v, r, g), the token-shift LoRA ``[d, 5 D]`` and ``[5, D, d]``, the decay w₀ ``[d]`` and
+    its LoRA ``[d, R]``, ``[R, d]`` (all fp32, ``x @ W``), the bonus u ``[H, N]``, r, k, v, g,
+    o (GEMM weights), the output GroupNorm."""
+
+    KIND: ClassVar[str] = "rwkv6_time_mix"
+    STATE: ClassVar[int] = 2
+    maa_x: torch.Tensor
+    maa: torch.Tensor
+    maa_w1: torch.Tensor
+    maa_w2: torch.Tensor
+    decay: torch.Tensor
+    decay_w1: torch.Tensor
+    decay_w2: torch.Tensor
+    u: torch.Tensor
+    r: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    o: torch.Tensor
+    norm: torch.Tensor
+    norm_bias: torch.Tensor
+    heads: int
+    head_dim: int
+    group_eps: float
+
+
+@dataclass
+class Rwkv4TimeMixPart(NativePart):
+    """RWKV-4's time mix: the lerps ``[3, d]`` (k, v, r: ``x·μ + x₋·(1 − μ)``), the decay
+    w = −exp(w₀) and the bonus u ``[A]`` fp32, k, v, r, o (GEMM weights)."""
+
+    KIND: ClassVar[str] = "rwkv4_time_mix"
+    STATE: ClassVar[int] = 2
+    mix: torch.Tensor
+    w: torch.Tensor
+    u: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    r: torch.Tensor
+    o: torch.Tensor
+
+
+@dataclass
+class RwkvGatedChannelMixPart(NativePart):
+    """RWKV-4's and RWKV-6's channel mix ``σ(R x_r)·V relu(K x_k)²``: the lerps ``[2, d]``
+    (k, r) in RWKV-6's form ``x + (x₋ − x)·μ`` with ``maa``, else RWKV-4's."""
+
+    KIND: ClassVar[str] = "rwkv_gated_channel_mix"
+    STATE: ClassVar[int] = 1
+    mix: torch.Tensor
+    key: torch.Tensor
+    receptance: torch.Tensor
+    value: torch.Tensor
+    maa: bool
+
+
+@dataclass
 class Records:
     """A sequence of records as ``DecoderPlan`` takes them."""
 
