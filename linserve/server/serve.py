@@ -16,6 +16,7 @@ from linserve import __version__
 from linserve.model import kernels, loader
 from linserve.server.api.app import create_app, wrap
 from linserve.server.engine.loading import describe_model, resolve_checkpoint
+from linserve.server.sessions.named_states import load_named_states
 from linserve.server.settings import parse_cli
 from linserve.server.speculative.draft import check_speculative
 from linserve.server.system.malloc import pin_mmap_threshold
@@ -74,8 +75,8 @@ def main(argv: list[str] | None = None, boot: float | None = None,
         state_limit = max_state_bytes(settings.weights)
         if settings.speculative is not None:
             check_speculative(settings.speculative, settings.weights)
-        if settings.initial_state:  # the file read against the model's state, before serving
-            describe_model(settings)
+        if settings.initial_state or settings.state_dir:  # read against the model's state,
+            load_named_states(describe_model(settings), settings.state_dir)  # before serving
     except (loader.CheckpointError, OSError, ValueError) as exc:  # one line, no traceback
         raise SystemExit(f"linserve: cannot load {settings.model or settings.weights}: "
                          f"{exc}") from None

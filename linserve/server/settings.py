@@ -51,6 +51,10 @@ class Settings(BaseSettings):
         "", description="a state file every request without a session starts from (RWKV's "
         "state-tuned .pth: blocks.N.att.time_state per layer); its digest joins the model's "
         "fingerprint, so states and shared prefixes made from it stay apart")
+    state_dir: str = Field(
+        "", description="a folder of state files (RWKV's state-tuned .pth), each a named "
+        "initial state a request picks with \"state\": \"NAME\" (the file's stem), as ai00 "
+        "serves them; GET /v1/states lists them")
     chat_template: str = Field("", description="a Jinja chat template file that replaces the "
                                "checkpoint's own")
     tool_call_parser: Literal["", "qwen3_xml", "qwen3_coder", "hermes", "lfm2", "pythonic",

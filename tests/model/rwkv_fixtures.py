@@ -144,7 +144,7 @@ def blinkdl_weights6(shape: str, seed: int = 0) -> dict[str, torch.Tensor]:
             sd[a + "time_maa_" + m] = uni(1, 1, d)
         sd[a + "time_maa_w1"] = rnd(d, 5 * rm, scale=0.1)
         sd[a + "time_maa_w2"] = rnd(5, rm, d, scale=0.1)
-        sd[a + "time_decay"] = rnd(1, 1, d, scale=0.5, shift=-1.0)
+        sd[a + "time_decay"] = rnd(1, 1, d, scale=0.5, shift=-2.5)
         sd[a + "time_decay_w1"] = rnd(d, rd, scale=0.1)
         sd[a + "time_decay_w2"] = rnd(rd, d, scale=0.1)
         sd[a + "time_faaaa"] = rnd(d // head, head, scale=0.5)

@@ -13,7 +13,9 @@ refuse it; tested in ``tests/server/test_bad_input.py``). Image parts and blocks
 content parts of no type any API defines, are taken out of the messages: the served model
 has no image encoder, and its 400 for them is tested in ``tests/server/test_image_parts.py``.
 A session export's ``format=pth`` becomes the default: the served model has no state-file
-format, and that 400 is tested in ``tests/server/test_rwkv_http.py``."""
+format, and that 400 is tested in ``tests/server/test_rwkv_http.py``. A named initial
+``state`` is taken out too: the server under test holds none (``--state-dir``), and its 400
+for an unknown name is tested in ``tests/server/test_rwkv6_http.py``."""
 
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
         keep_valid_best_of(case.body)
         keep_valid_thinking(case.body)
         keep_text_only(case.body)
+        case.body.pop("state", None)
 
 
 def keep_valid(case: Any) -> None:
@@ -91,6 +94,7 @@ def keep_valid(case: Any) -> None:
         keep_valid_best_of(case.body)
         keep_valid_agent_rules(case.body)
         keep_text_only(case.body)
+        case.body.pop("state", None)  # the server under test holds no named states
 
 
 def keep_blob_export(case: Any) -> None:

@@ -33,7 +33,7 @@ from torch import nn
 from linserve.model import invariant, kernels, packing
 from linserve.model.invariant import Linear
 from linserve.model.layers.short_conv import advance_window
-from linserve.model.layers.step_parts import RwkvGatedChannelMixPart, Rwkv6TimeMixPart
+from linserve.model.layers.step_parts import Rwkv6TimeMixPart, RwkvGatedChannelMixPart
 from linserve.model.state import ConvEntry, RecurrentEntry
 
 GROUP_EPS = 64e-5  # the output GroupNorm's (BlinkDL's, llama.cpp's, head_size_divisor 8)
@@ -90,7 +90,8 @@ class TimeMix6(nn.Module):
         super().__init__()
         d = sh.hidden
         self.shape = sh
-        for name in ("x", *MIXES):
+        self.time_maa_x = nn.Parameter(torch.empty(1, 1, d))
+        for name in MIXES:
             setattr(self, f"time_maa_{name}", nn.Parameter(torch.empty(1, 1, d)))
         self.time_maa_w1 = nn.Parameter(torch.empty(d, len(MIXES) * sh.mix_rank))
         self.time_maa_w2 = nn.Parameter(torch.empty(len(MIXES), sh.mix_rank, d))
@@ -116,18 +117,18 @@ class TimeMix6(nn.Module):
         form multiplies them)."""
         sh = self.shape
         maa = torch.stack([f32(getattr(self, f"time_maa_{c}")).view(-1) for c in MIXES])
+        r, k, v, g, o = (packing.packed(m) for m in (self.receptance, self.key, self.value,
+                                                     self.gate, self.output))
         return Rwkv6TimeMixPart(
             f32(self.time_maa_x).view(-1), maa.contiguous(), f32(self.time_maa_w1),
             f32(self.time_maa_w2), f32(self.time_decay).view(-1), f32(self.time_decay_w1),
-            f32(self.time_decay_w2), f32(self.time_faaaa).view(-1),
-            *(packing.packed(m) for m in (self.receptance, self.key, self.value, self.gate,
-                                          self.output)),
+            f32(self.time_decay_w2), f32(self.time_faaaa).view(-1), r, k, v, g, o,
             f32(self.ln_x.weight), f32(self.ln_x.bias), sh.heads, sh.head_dim, GROUP_EPS)
 
     def _mixed(self, x: torch.Tensor, prev: torch.Tensor) -> list[torch.Tensor]:
         """x, prev ``[B, T, d]`` -> x_w, x_k, x_v, x_r, x_g ``[B, T, d]`` fp32."""
         sx = prev - x
-        b, t, d = x.shape
+        b, t, _ = x.shape
         h = invariant.rowwise(torch.tanh, invariant.matmul(
             x + sx * self.time_maa_x.float().view(-1), self.time_maa_w1.float()))
         m = invariant.per_head(h.view(b, t, len(MIXES), -1), self.time_maa_w2)

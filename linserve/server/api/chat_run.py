@@ -105,7 +105,8 @@ def prepare(svc: GenerationService, body: CompletionRequest | ChatRequest, owner
         fault = body.model_extra.get("linserve_fault")
     # chat: the plain template's transcript rules (a checkpoint template's sessions keep
     # their turns through server.api.chat_session instead)
-    return Prepared(prompt_ids, params, stop, owner, body.session_id, prompt_logprobs=echo_lp,
+    return Prepared(prompt_ids, params, stop, owner, body.session_id, body.state,
+                    prompt_logprobs=echo_lp,
                     chat=isinstance(body, ChatRequest) and svc.chat is None, fault=fault,
                     grammar=grammar)
 

@@ -139,6 +139,9 @@ class SamplingFields(OpenAIBase):
         "token, 100 all but forces it")
     user: str | None = Field(None, max_length=256)
     session_id: str | None = Field(None, max_length=128)
+    state: str | None = Field(None, max_length=128, description="a named initial state the "
+                              "server holds (--state-dir: RWKV's state-tuned files; "
+                              "GET /v1/states lists them); not with session_id")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = Field(

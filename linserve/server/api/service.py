@@ -30,6 +30,7 @@ from linserve.server.engine.types import GenerationRequest, Output
 from linserve.server.grammar.compiler import GrammarCompiler
 from linserve.server.grammar.spec import GrammarError, GrammarSpec
 from linserve.server.prefix_cache.remote import RemotePrefixes
+from linserve.server.sessions.named_states import load_named_states
 from linserve.server.sessions.store import (
     Session,
     SessionStore,
@@ -56,6 +57,7 @@ class Prepared:
     stop: tuple[str, ...]
     owner: str
     session_id: str | None = None
+    state_name: str | None = None  # a named initial state (--state-dir)
     prompt_logprobs: bool = False
     chat: bool = False
     fault: str | None = None
@@ -103,6 +105,7 @@ class GenerationService:
         self.tool_parser = settings.tool_call_parser or default_parser(template)
         self.prompt_tokens = PromptTokens(self.tok)
         self.settings = settings
+        self.named_states = load_named_states(model, settings.state_dir)
         self._tasks: set[asyncio.Task[None]] = set()
         self.draining: Callable[[], bool] = lambda: False
         self.remote: RemotePrefixes | None = None  # prefix states shared through Redis
@@ -185,6 +188,10 @@ class GenerationService:
     async def start(self, prep: Prepared) -> RequestHandle:
         """Submit a request (continuing its session, if any); returns its handle."""
         self._check_open()
+        named = self.named_state(prep)
+        if named is not None:
+            self._check_stateless(prep)
+            return self._submit(self._request(prep, prep.prompt_ids, named))
         if prep.session_id is None:
             self._check_stateless(prep)
             if self.next_turns is not None:
@@ -199,6 +206,33 @@ class GenerationService:
                     req.prefix_depth, req.prefix_blob = hint
             return self._submit(req)
         return await self._start_in_session(prep)
+
+    def named_state(self, prep: Prepared) -> State | None:
+        """The named initial state a request asks for (None: none asked); 400 for a name
+        the server does not hold, or one asked with a session (which has its own state)."""
+        if prep.state_name is None:
+            return None
+        if prep.session_id is not None:
+            raise APIError(400, "state and session_id cannot be given together: a session "
+                           "continues from its own state", "state")
+        found = self.named_states.get(prep.state_name)
+        if found is None:
+            held = ", ".join(sorted(self.named_states)) or "none; see --state-dir"
+            raise APIError(400, f"no state named {prep.state_name!r} (this server holds: "
+                           f"{held})", "state", "state_not_found")
+        return found.state
+
+    def _request(self, prep: Prepared, feed: list[int], start: State | None,
+                 start_tokens: int = 0, seed_offset: int | None = None) -> GenerationRequest:
+        """A request for ``prep`` feeding ``feed`` after ``start`` (sample ``seed_offset``
+        of n, its seed moved by that much where one is given)."""
+        params = prep.params
+        if seed_offset is not None and params.seed is not None:
+            params = replace(params, seed=params.seed + seed_offset)
+        return GenerationRequest(new_id("cmpl"), feed, params, prep.stop, start_state=start,
+                                 start_tokens=start_tokens,
+                                 prompt_logprobs=prep.prompt_logprobs, chat=prep.chat,
+                                 fault=prep.fault, grammar=prep.grammar)
 
     def _check_open(self) -> None:
         if self.draining():
@@ -230,21 +264,16 @@ class GenerationService:
         self._check_open()
         self._check_stateless(prep)
         ids = prep.prompt_ids
-        base: State | None = None
+        base: State | None = self.named_state(prep)
         feed, cached = ids, 0
-        if len(ids) > 1 and not prep.prompt_logprobs:
+        if len(ids) > 1 and not prep.prompt_logprobs and base is None:
             if self.next_turns is not None:
                 await self.next_turns.settled(ids)
             base, feed, cached = await self._prefill(ids)
         handles: list[RequestHandle] = []
         try:
             for j in range(n):
-                seed = None if prep.params.seed is None else prep.params.seed + j
-                req = GenerationRequest(
-                    new_id("cmpl"), feed, replace(prep.params, seed=seed), prep.stop,
-                    start_state=base, start_tokens=len(ids) - len(feed),
-                    prompt_logprobs=prep.prompt_logprobs, chat=prep.chat, fault=prep.fault,
-                    grammar=prep.grammar)
+                req = self._request(prep, feed, base, len(ids) - len(feed), j)
                 handles.append(self._submit(req))
                 handles[-1].forked_from = cached
         except BaseException:

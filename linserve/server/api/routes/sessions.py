@@ -1,5 +1,5 @@
 """Sessions: create, read, delete, fork, export and import. Each is owned by the API key
-that made it; any other key gets 404."""
+that made it; any other key gets 404. Also the named initial states (``--state-dir``)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,16 @@ async def _get(svc: GenerationService, sid: str, owner: str) -> Session:
     if sess is None:
         raise APIError(404, f"session {sid!r} not found", "session_id")
     return sess
+
+
+@router.get("/v1/states", responses=ERRORS)
+async def list_states(request: Request, owner: Owner) -> dict[str, Any]:
+    """The named initial states (``--state-dir``) a request may start from with
+    ``"state": NAME``: each file's name and digest."""
+    del owner
+    held = _svc(request).named_states.values()
+    return {"object": "list", "data": [{"id": s.name, "object": "state", "digest": s.digest}
+                                       for s in held]}
 
 
 @router.post("/v1/sessions", response_model=SessionInfo, responses=ERRORS)
