@@ -301,6 +301,17 @@ def _bailing_hybrid(shape: dict[str, Any]) -> Any:
     return t.BailingHybridForCausalLM(cfg)
 
 
+def _xlstm(shape: dict[str, Any]) -> Any:
+    t = pytest.importorskip("transformers")
+    cfg = t.xLSTMConfig(vocab_size=VOCAB, hidden_size=shape["d"], num_hidden_layers=shape["layers"],
+                        num_heads=shape["heads"], qk_dim_factor=shape.get("qk", 0.5),
+                        v_dim_factor=shape.get("v", 1.0), ffn_proj_factor=shape.get("ffn", 2.667),
+                        tie_word_embeddings=shape["tie"], chunk_size=shape.get("chunk", 64),
+                        autocast_kernel_dtype="float32", inference_state_dtype="float32",
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return t.xLSTMForCausalLM(cfg)
+
+
 # family -> shape name -> shape
 SHAPES: dict[str, dict[str, dict[str, Any]]] = {
     "qwen3_5": QWEN_SHAPES,  # interval: a full-attention layer every `interval` layers
@@ -485,6 +496,13 @@ SHAPES: dict[str, dict[str, dict[str, Any]]] = {
         "gate-g1": {"d": 48, "ff": 80, "layers": 2, "heads": (6, 1), "tie": True,
                     "mamba": (64, 4, 8, 1), "rms": False},
     },
+    # transformers' xLSTM-7B layout (mLSTM blocks); d·qk and d·v multiples of 64, as its
+    # cache sizes them; chunk: its chunkwise kernel's
+    "xlstm": {
+        "h4-untied": {"d": 128, "layers": 2, "heads": 4, "tie": False, "chunk": 32},
+        "h2-v2": {"d": 64, "layers": 3, "heads": 2, "tie": False, "v": 2.0, "qk": 1.0,
+                  "ffn": 2.0},
+    },
 }
 BUILDERS = {"qwen3_5": _qwen3_5, "lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_moe": _qwen3_5_moe,
             "qwen3_next": _qwen3_next, "granitemoehybrid": _granite,
@@ -492,7 +510,7 @@ BUILDERS = {"qwen3_5": _qwen3_5, "lfm2": _lfm2, "lfm2_moe": _lfm2_moe, "qwen3_5_
             "bamba": _bamba, "jamba": _jamba,
             "zamba2": _zamba2, "recurrent_gemma": _recurrent_gemma, "lfm3": _lfm3,
             "olmo_hybrid": _olmo_hybrid, "minimax": _minimax, "kimi_linear": _kimi_linear,
-            "bailing_hybrid": _bailing_hybrid}
+            "bailing_hybrid": _bailing_hybrid, "xlstm": _xlstm}
 CASES = [(family, name) for family, shapes in SHAPES.items() for name in sorted(shapes)]
 
 

@@ -169,17 +169,17 @@ def test_steps_on_views_of_a_pooled_state_update_the_pool(checkpoint: Path) -> N
 # linserve/model/layers/native_step.py) implements
 NATIVE = {"lfm2", "lfm2_moe", "nemotron_h", "granitemoehybrid", "qwen3_5", "qwen3_5_moe",
           "qwen3_next", "mamba2", "bamba", "kimi_linear", "bailing_hybrid", "minimax",
-          "olmo_hybrid", "lfm3"}
+          "olmo_hybrid", "lfm3", "xlstm"}
 
 
 def test_native_step_equals_the_eager_step(checkpoint: Path) -> None:
     """A whole-model native step serves LFM2, LFM2-MoE, Nemotron-H and Granite, dense or with
     experts, Mamba2, Bamba, Kimi-Linear and Ling (KDA, MLA), MiniMax (lightning attention,
-    its residual), OLMo-Hybrid (Gated DeltaNet, post-norms) and the Qwen families (gated
-    attention) through decoder_step.cpp. It agrees with the eager
-    layer-by-layer step within fp32 rounding: logits and every state tensor, over ten steps
-    of three rows at different lengths (a ragged prefill first), rows choosing different
-    experts."""
+    its residual), OLMo-Hybrid (Gated DeltaNet, post-norms), xLSTM (the mLSTM cell,
+    soft-capped logits) and the Qwen families (gated attention) through decoder_step.cpp. It
+    agrees with the eager layer-by-layer step within fp32 rounding: logits and every state
+    tensor, over ten steps of three rows at different lengths (a ragged prefill first), rows
+    choosing different experts."""
     ours = _served(checkpoint)
     module = ours.module
     family = checkpoint.name.split("-")[0]

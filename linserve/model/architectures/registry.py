@@ -91,6 +91,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("rwkv7", "RWKV-7", "rwkv7", ("rwkv7", "rwkv7_fla"), ("rwkv7",)),
     Family("rwkv6", "RWKV-6", "rwkv6", ("rwkv6",), ("rwkv6",)),
     Family("rwkv4", "RWKV-4", "rwkv4", ("rwkv",)),
+    Family("xlstm", "xLSTM", "xlstm", ("xlstm",)),
 )
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 

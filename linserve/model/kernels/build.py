@@ -38,7 +38,8 @@ NAME = "linserve_kernels"
 # (decoder_step 9.9 s, prefill_ops 3.9, gdn_step 2.7, sampling 1.4;
 # gemm 8.9, linear_step 8.3, moe_ops 8.3, softmax_step 8.2).
 UNITS: dict[str, tuple[str, ...]] = {
-    "hybrid_steps": ("decoder_step", "gdn_step", "rwkv_ops", "prefill_ops", "sampling"),
+    "hybrid_steps": ("decoder_step", "gdn_step", "rwkv_ops", "mlstm_ops", "prefill_ops",
+                     "sampling"),
     "gemm_and_own_steps": ("gemm", "linear_step", "softmax_step", "moe_ops"),
 }
 SOURCES = [HERE / f"{stem}.cpp" for stems in UNITS.values() for stem in stems]

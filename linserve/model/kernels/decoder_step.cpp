@@ -36,6 +36,7 @@
 #include "step_parts.h"
 #include "step_rwkv.h"
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -67,11 +68,12 @@ struct PlanPart {
 // A model as the step runs it (the header's comment). Built from records: ``kinds`` and
 // ``fields`` name each record, its values are the next ones of ``tensors``, ``ints`` and
 // ``floats``. ``model``: embed, head, final norm, its bias (empty: an RMSNorm, else a
-// LayerNorm); ``scalars``: the final norm's eps, the embedding scale, the logits' divisor.
+// LayerNorm); ``scalars``: the final norm's eps, the embedding scale, the logits' divisor,
+// their soft cap (0: none; cap tanh(logits / cap), Gemma's and xLSTM's).
 // ``experts``: every MoE part's experts in order.
 struct DecoderPlan : torch::CustomClassHolder {
   at::Tensor embed, head, norm, norm_bias;
-  double norm_eps, embed_scale, logits_scale;
+  double norm_eps, embed_scale, logits_scale, logits_cap;
   std::optional<MtpPrologue> prologue;
   std::vector<PlanPart> parts;
   std::vector<at::Tensor> experts;
@@ -83,8 +85,8 @@ struct DecoderPlan : torch::CustomClassHolder {
               std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
               std::vector<double> floats, std::vector<at::Tensor> experts_)
       : experts(std::move(experts_)) {
-    TORCH_CHECK(model.size() == 4 && scalars.size() == 3 && kinds.size() == fields.size(),
-                "decoder plan: embed, head, norm, its bias; three scalars; a field list per "
+    TORCH_CHECK(model.size() == 4 && scalars.size() == 4 && kinds.size() == fields.size(),
+                "decoder plan: embed, head, norm, its bias; four scalars; a field list per "
                 "record");
     embed = model[0];
     head = model[1];
@@ -93,6 +95,7 @@ struct DecoderPlan : torch::CustomClassHolder {
     norm_eps = scalars[0];
     embed_scale = scalars[1];
     logits_scale = scalars[2];
+    logits_cap = scalars[3];
     Reader r{tensors, ints, floats};
     for (size_t i = 0; i < kinds.size(); ++i) {
       if (kinds[i] == MtpPrologue::kKind) {
@@ -174,6 +177,11 @@ at::Tensor logits_of(const DecoderPlan& plan, const at::Tensor& x, at::Tensor hi
   if (hidden.defined() && hidden.numel() > 0) hidden.copy_(normed);
   at::Tensor logits = linserve::project(normed, plan.head);
   if (plan.logits_scale != 1.0) logits.div_(plan.logits_scale);
+  if (plan.logits_cap > 0.0) {
+    const float cap = static_cast<float>(plan.logits_cap);
+    float* lp = logits.data_ptr<float>();
+    for (int64_t i = 0; i < logits.numel(); ++i) lp[i] = std::tanh(lp[i] / cap) * cap;
+  }
   return logits;
 }
 

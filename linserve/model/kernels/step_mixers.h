@@ -13,6 +13,7 @@
 #include "gdn.h"
 #include "kda.h"
 #include "mamba2.h"
+#include "mlstm.h"
 #include "moe.h"
 #include "parallel.h"
 #include "step_parts.h"
@@ -287,6 +288,50 @@ inline at::Tensor run(const GatedDelta& p, const at::Tensor& h, at::Tensor* stat
     c.pos.keep(t, state, GatedDelta::kState);
   }
   return linserve::project(y, p.out);
+}
+
+// xLSTM's mLSTM layer (step_parts.h's Mlstm; model/layers/mlstm.py has the arithmetic).
+// State: C [B, H, K, V], n [B, H, K], m [B, 1, H].
+inline at::Tensor run(const Mlstm& p, const at::Tensor& x, at::Tensor* state, const Call& c) {
+  const int64_t all = x.size(0), rows = all / c.pos.count, heads = p.heads;
+  const int64_t dk = p.qk_dim / heads, dv = p.v_dim / heads;
+  at::Tensor y = linserve::project(x, p.proj);  // q k v o i f
+  const int64_t width = y.size(1), gates = 2 * p.qk_dim + 2 * p.v_dim;
+  float* yp = y.data_ptr<float>();
+  const float* bias = p.gate_bias.data_ptr<float>();
+  for (int64_t r = 0; r < all; ++r)
+    for (int64_t g = 0; g < 2 * heads; ++g) {
+      float& z = yp[r * width + gates + g];
+      z = std::tanh((z + bias[g]) / p.gate_cap) * p.gate_cap;
+    }
+  at::Tensor h = at::empty({all, p.v_dim}, x.options());
+  float* hp = h.data_ptr<float>();
+  for (int64_t t = 0; t < c.pos.count; ++t) {
+    at::parallel_for(0, rows * heads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t hh = task % heads, row = t * rows + task / heads;
+        const float* base = yp + row * width;
+        linserve::mlstm::head_token(
+            state[0].data_ptr<float>() + task * dk * dv, state[1].data_ptr<float>() + task * dk,
+            state[2].data_ptr<float>() + task, base + hh * dk, base + p.qk_dim + hh * dk,
+            base + 2 * p.qk_dim + hh * dv, base[gates + hh], base[gates + heads + hh],
+            hp + row * p.v_dim + hh * dv, dk, dv, p.eps);
+      }
+    });
+    c.pos.keep(t, state, Mlstm::kState);
+  }
+  const std::vector<float> zeros(dv, 0.f);
+  const float* w = p.norm.data_ptr<float>();
+  for (int64_t r = 0; r < all; ++r) {
+    const float* o = yp + r * width + 2 * p.qk_dim + p.v_dim;
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      float* at = hp + r * p.v_dim + hh * dv;
+      linserve::layer_norm_row(at, w + hh * dv, zeros.data(), at, dv, p.norm_eps);
+    }
+    for (int64_t j = 0; j < p.v_dim; ++j)
+      hp[r * p.v_dim + j] = 1.f / (1.f + std::exp(-o[j])) * hp[r * p.v_dim + j];
+  }
+  return linserve::project(h, p.out);
 }
 
 }  // namespace linserve::step

@@ -359,9 +359,27 @@ struct RwkvGatedChannelMix {
         maa(r.flag()) {}
 };
 
+// xLSTM's mLSTM layer (model/layers/mlstm.py): proj [d, 2 qk + 2 v + 2 H] (q, k, v, the
+// output gate, the input and forget gates), gate_bias [2 H], the per-head norm's weight [v],
+// out [v, d]. State: C [B, H, K, V], n [B, H, K], m [B, 1, H].
+struct Mlstm {
+  static constexpr const char* kKind = "mlstm";
+  static constexpr const char* kFields =
+      "proj gate_bias norm out heads qk_dim v_dim gate_cap norm_eps eps";
+  static constexpr int kState = 3;
+  static constexpr bool kRecurrent = true;
+  at::Tensor proj, gate_bias, norm, out;
+  int64_t heads, qk_dim, v_dim;
+  float gate_cap, norm_eps, eps;
+  explicit Mlstm(Reader& r)
+      : proj(r.tensor()), gate_bias(r.tensor()), norm(r.tensor()), out(r.tensor()),
+        heads(r.integer()), qk_dim(r.integer()), v_dim(r.integer()), gate_cap(r.f32()),
+        norm_eps(r.f32()), eps(r.f32()) {}
+};
+
 using Body = std::variant<Attention, ShortConv, Mamba2, SwiGLU, ReluSquared, Experts, Kda, Mla,
                           Lightning, GatedDelta, Rwkv7TimeMix, Rwkv7ChannelMix, Rwkv6TimeMix,
-                          Rwkv4TimeMix, RwkvGatedChannelMix>;
+                          Rwkv4TimeMix, RwkvGatedChannelMix, Mlstm>;
 
 // A record of a known kind whose field names must be ``fields``.
 template <typename T>

@@ -253,8 +253,8 @@ def build(head: list[torch.Tensor], scalars: list[float], layers: list[nn.Module
           prologue: MtpPrologue | None = None) -> Plan | None:
     """A plan of ``layers`` (each with ``native_parts()``) under ``head`` (embed, head, final
     norm, its bias: empty for an RMSNorm) and ``scalars`` (the final norm's eps, the
-    embedding scale, the logits' divisor), after ``prologue`` (an MTP head's); None as
-    :func:`plan`."""
+    embedding scale, the logits' divisor, their soft cap or 0), after ``prologue`` (an MTP
+    head's); None as :func:`plan`."""
     records, experts = Records(), list[torch.Tensor]()
     if prologue is not None:
         records.add(prologue)
@@ -273,11 +273,11 @@ def plan(model: Any) -> Plan | None:
     """The kernel's model for ``model`` (a DecoderLM), or None if a layer is not one the
     kernel implements."""
     final = norm_tensors(model.model.norm)
-    if final is None or model.logits_soft_cap is not None:
+    if final is None:
         return None
     return build([*head_tensors(model), final[0], final[1]],
-                 [final[2], float(model.embedding_scale), float(model.logits_scaling)],
-                 list(model.model.layers))
+                 [final[2], float(model.embedding_scale), float(model.logits_scaling),
+                  float(model.logits_soft_cap or 0.0)], list(model.model.layers))
 
 
 def head_tensors(model: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -349,6 +349,25 @@ class RwkvGatedChannelMixPart(NativePart):
 
 
 @dataclass
+class MlstmPart(NativePart):
+    """xLSTM's mLSTM layer: q, k, v, o and the two gates as one GEMM weight ``[d, 2·qk +
+    2·v + 2H]``, the gates' biases ``[2H]``, the per-head norm's weight ``[v]``, out."""
+
+    KIND: ClassVar[str] = "mlstm"
+    STATE: ClassVar[int] = 3
+    proj: torch.Tensor
+    gate_bias: torch.Tensor
+    norm: torch.Tensor
+    out: torch.Tensor
+    heads: int
+    qk_dim: int
+    v_dim: int
+    gate_cap: float
+    norm_eps: float
+    eps: float
+
+
+@dataclass
 class Records:
     """A sequence of records as ``DecoderPlan`` takes them."""
 

@@ -78,5 +78,5 @@ def mtp_plan(mtp: QwenMTP, table: torch.Tensor, head: torch.Tensor) -> native_st
     prologue = MtpPrologue(norm_weight(mtp.pre_fc_norm_embedding),
                            norm_weight(mtp.pre_fc_norm_hidden), packing.packed(mtp.fc), eps)
     return native_step.build([table, head, norm_weight(mtp.norm), torch.empty(0)],
-                             [eps, 1.0, 1.0],
+                             [eps, 1.0, 1.0, 0.0],
                              list(mtp.layers[:1]), prologue)
