@@ -132,8 +132,8 @@ class MlstmLayer(nn.Module):
         cap = sh.gate_soft_cap
         gates = invariant.rowwise(torch.tanh, (gates + self.gate_bias()) / cap) * cap
         rec = entries["recurrent"]
-        h = mlstm_scan(rec.s, rec.z, entries["m"].window,
-                       *(z.reshape(b, t, sh.heads, -1) for z in (q, k, v)),
+        q, k, v = (z.reshape(b, t, sh.heads, -1) for z in (q, k, v))
+        h = mlstm_scan(rec.s, rec.z, entries["m"].window, q, k, v,
                        gates[..., :sh.heads].contiguous(), gates[..., sh.heads:].contiguous(),
                        sh.eps, new)
         gate = invariant.rowwise(torch.sigmoid, o.contiguous())
