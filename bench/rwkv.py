@@ -1,6 +1,7 @@
 """``python -m bench.rwkv``: RWKV-7 at a published shape (random weights), as served.
 
-``--make`` writes fla-hub's folder of ``rwkv7-1.5B-world``'s shape (d 2,048, 24 layers, heads
+``--make`` writes fla-hub's folder of ``rwkv7-1.5B-world``'s shape (``--shape v6-1.6b``: the
+Hugging Face folder of ``v6-Finch-1B6``'s, :func:`make6`) (d 2,048, 24 layers, heads
 of 64, LoRA ranks 96 / 96 / 64 / 256, channel mix 8,192, the world vocabulary) in bf16, layer
 by layer. Then for each weight type: the checkpoint loaded as the server loads it, the decode
 step at batch 1 and 16 (``bench.native_step``'s measure: the median of many, at position
@@ -96,6 +97,61 @@ def make(shape: str, path: Path) -> None:
     (path / WORLD_VOCAB.name).write_bytes(WORLD_VOCAB.read_bytes())
 
 
+# RWKV-6 "Finch" 1.6B (RWKV/v6-Finch-1B6-HF): hidden, layers, channel mix
+SHAPES6 = {"v6-1.6b": (2048, 24, 7168)}
+
+
+def make6(shape: str, path: Path) -> None:
+    """The Hugging Face folder (``Rwkv6ForCausalLM``, ``rwkv.blocks.N.*``) of an RWKV-6 shape
+    with random bf16 weights of a plausible scale (the LoRA ranks 32 and 64 the modeling code
+    and llama.cpp's converter take for hidden 2,048; ``rescale_every`` 6 as published)."""
+    d, layers, f = SHAPES6[shape]
+    vocab, head = 65536, 64
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*size: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen) * scale + shift).to(torch.bfloat16)
+
+    def uni(*size: int) -> torch.Tensor:
+        return torch.rand(*size, generator=gen).to(torch.bfloat16)
+
+    t = {"rwkv.embeddings.weight": rnd(vocab, d, scale=0.5),
+         "rwkv.ln_out.weight": rnd(d, shift=1.0, scale=0.1), "rwkv.ln_out.bias": rnd(d, scale=0.1),
+         "head.weight": rnd(vocab, d, scale=d ** -0.5)}
+    for i in range(layers):
+        p = f"rwkv.blocks.{i}."
+        for norm in ["ln1", "ln2"] + (["pre_ln"] if i == 0 else []):
+            t[p + norm + ".weight"] = rnd(d, shift=1.0, scale=0.1)
+            t[p + norm + ".bias"] = rnd(d, scale=0.1)
+        a = p + "attention."
+        for m in ("x", "w", "k", "v", "r", "g"):
+            t[a + "time_maa_" + m] = uni(1, 1, d)
+        t[a + "time_maa_w1"] = rnd(d, 5 * 32, scale=0.1)
+        t[a + "time_maa_w2"] = rnd(5, 32, d, scale=0.1)
+        t[a + "time_decay"] = rnd(1, 1, d, scale=0.5, shift=-2.5)
+        t[a + "time_decay_w1"] = rnd(d, 64, scale=0.1)
+        t[a + "time_decay_w2"] = rnd(64, d, scale=0.1)
+        t[a + "time_faaaa"] = rnd(d // head, head, scale=0.5)
+        for proj in ("receptance", "key", "value", "gate", "output"):
+            t[a + proj + ".weight"] = rnd(d, d, scale=d ** -0.5)
+        t[a + "ln_x.weight"] = rnd(d, shift=1.0, scale=0.1)
+        t[a + "ln_x.bias"] = rnd(d, scale=0.1)
+        ffn = p + "feed_forward."
+        t[ffn + "time_maa_k"], t[ffn + "time_maa_r"] = uni(1, 1, d), uni(1, 1, d)
+        t[ffn + "key.weight"] = rnd(f, d, scale=d ** -0.5)
+        t[ffn + "receptance.weight"] = rnd(d, d, scale=d ** -0.5)
+        t[ffn + "value.weight"] = rnd(d, f, scale=f ** -0.5)
+    save_file(t, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "rwkv6", "architectures": ["Rwkv6ForCausalLM"], "vocab_size": vocab,
+        "hidden_size": d, "attention_hidden_size": d, "num_hidden_layers": layers,
+        "head_size": head, "head_size_divisor": 8, "intermediate_size": f,
+        "layer_norm_epsilon": 1e-5, "rescale_every": 6, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "bfloat16"}))
+    (path / WORLD_VOCAB.name).write_bytes(WORLD_VOCAB.read_bytes())
+
+
 def state_costs(path: Path, kind: str) -> dict[str, float]:
     """A session's state: bytes, and the ms of a fork (copy), an export and an import."""
     served = loader.load(path, "bfloat16", quantization=TYPES[kind], weights=False)
@@ -162,7 +218,7 @@ def plot(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="1.5b", choices=list(SHAPES))
+    p.add_argument("--shape", default="1.5b", choices=[*SHAPES, *SHAPES6])
     p.add_argument("--root", type=Path, default=Path("/tmp"))
     p.add_argument("--make", action="store_true")
     p.add_argument("--kinds", nargs="+", default=["int8", "bf16"], choices=list(TYPES))
@@ -171,9 +227,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    path = args.root / f"rwkv7-{args.shape}-shapes"
+    v6 = args.shape in SHAPES6
+    path = args.root / (f"rwkv6-{args.shape[3:]}-shapes" if v6 else f"rwkv7-{args.shape}-shapes")
     if args.make and not (path / "config.json").exists():
-        make(args.shape, path)
+        (make6 if v6 else make)(args.shape, path)
     result = measure(path, args.kinds, args.context, args.prompt)
     print_table(result["rows"], ["kind", "b1_tok_s", "b16_tok_s", "roofline", "prefill_tok_s",
                                  "state_bytes", "fork_ms", "export_ms", "import_ms"])
