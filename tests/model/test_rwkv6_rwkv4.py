@@ -126,8 +126,22 @@ def _splits_steps_and_batch(model: ServedModule) -> None:
             1.0, alone.abs().max().item())
 
 
+def _blobs_and_int8(model: ServedModule, path: Path) -> None:
+    """A state blob round-trips and continues the same bits; int8 weights serve, their
+    greedy first token the fp32 one's."""
+    _, state = model.prefill(torch.tensor([PROMPT]))
+    back, _ = model.state_from_bytes(model.state_to_bytes(state))
+    for token in (5, 6, 7):
+        assert torch.equal(model.step(torch.tensor([token]), state),
+                           model.step(torch.tensor([token]), back))
+    int8 = loader.load(path, "float32", quantization="int8")
+    exact = model.prefill(torch.tensor([PROMPT]))[0]
+    assert int(int8.prefill(torch.tensor([PROMPT]))[0].argmax()) == int(exact.argmax())
+
+
 def test_rwkv6_splits_steps_and_batch(case6: dict[str, Any]) -> None:
     _splits_steps_and_batch(_served(case6["gguf"]))
+    _blobs_and_int8(_served(case6["hf"]), case6["hf"])
 
 
 def test_rwkv6_bf16_tracks_fp32(case6: dict[str, Any]) -> None:
@@ -238,6 +252,7 @@ def test_rwkv4_is_transformers(hf4: dict[str, Any]) -> None:
 
 def test_rwkv4_splits_steps_batch_and_bf16(hf4: dict[str, Any]) -> None:
     _splits_steps_and_batch(_served(hf4["path"]))
+    _blobs_and_int8(_served(hf4["path"]), hf4["path"])
     _bf16_tracks(hf4["path"])
 
 
