@@ -71,7 +71,7 @@ def test_a_plan_names_a_field_the_kernel_does_not_take() -> None:
                                     1.0, 1.0))
     records.add(step_parts.SwiGLUPart(torch.randn(d, 2 * f), torch.randn(f, d)))
     head = [torch.randn(100, d), torch.randn(d, 100), torch.ones(d), empty]
-    args = (head, [1e-5, 1.0, 1.0], records.kinds, records.fields, records.tensors,
+    args = (head, [1e-5, 1.0, 1.0, 0.0], records.kinds, records.fields, records.tensors,
             records.ints, records.floats, [])
     plan = torch.classes.linserve.DecoderPlan(*args)
     assert plan.state_count() == 0
