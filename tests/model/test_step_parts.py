@@ -78,9 +78,9 @@ def test_a_plan_names_a_field_the_kernel_does_not_take() -> None:
     bad = list(records.fields)
     bad[1] = "up gate_down"
     with pytest.raises(RuntimeError, match=r'"up gate_down" in Python but "gate_up down"'):
-        torch.classes.linserve.DecoderPlan(head, [1e-5, 1.0, 1.0], records.kinds, bad,
+        torch.classes.linserve.DecoderPlan(head, [1e-5, 1.0, 1.0, 0.0], records.kinds, bad,
                                            records.tensors, records.ints, records.floats, [])
     with pytest.raises(RuntimeError, match="no layer part of kind conv9"):
-        torch.classes.linserve.DecoderPlan(head, [1e-5, 1.0, 1.0], ["residual", "conv9"],
+        torch.classes.linserve.DecoderPlan(head, [1e-5, 1.0, 1.0, 0.0], ["residual", "conv9"],
                                            records.fields, records.tensors, records.ints,
                                            records.floats, [])
