@@ -262,3 +262,13 @@ def test_an_rwkv5_pth_is_named(tmp_path: Path) -> None:
                path)
     with pytest.raises(CheckpointError, match=r"a \.pth of RWKV-5"):
         loader.load(path)
+
+
+def test_a_pth_of_another_vocabulary_needs_its_tokenizer(tmp_path: Path) -> None:
+    """An RWKV-4 "pile" ``.pth`` (a vocabulary smaller than the world's) is refused without
+    its tokenizer.json, and served with the one beside it."""
+    pth = rwkv_fixtures.write_pth_of(tmp_path, rwkv_fixtures.blinkdl_weights4(vocab=4096))
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json beside it"):
+        loader.load(pth)
+    _tokenizer(tmp_path, 4096)
+    assert loader.load(pth, "float32").tokenizer().vocab_size == 4096

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from linserve.model import loader
+from linserve.model.interface import CheckpointError
 from tests.model.family_fixtures import make, reference
 
 
@@ -48,3 +50,11 @@ def test_the_fused_weight_mode_is_the_single_ones_model(tmp_path: Path) -> None:
     assert (got_b[0] - want).abs().max().item() <= 1e-4
     assert torch.equal(got_a, got_b)
     assert b.info.decode_step == a.info.decode_step
+
+
+def test_heads_that_do_not_split_the_widths_are_one_line(tmp_path: Path) -> None:
+    single = make(tmp_path / "single", "xlstm", "h4-untied")
+    cfg = json.loads((single / "config.json").read_text())
+    (single / "config.json").write_text(json.dumps({**cfg, "num_heads": 3}))
+    with pytest.raises(CheckpointError, match="must split into num_heads 3"):
+        loader.load(single, "float32")

@@ -493,7 +493,7 @@ def load_tokenizer(path: Path, config: dict[str, Any], vocab_size: int) -> TextT
     the config's; for a GGUF file, its own vocabulary)."""
     if is_gguf(path):
         return gguf(path).tokenizer(vocab_size)
-    file = path / "tokenizer.json"
+    file = (path.parent if path.is_file() else path) / "tokenizer.json"  # (beside a .pth)
     if not file.is_file():
         world = world_vocab(path)
         if world is not None:
@@ -519,10 +519,16 @@ def world_vocab(path: Path) -> WorldTokenizer | None:
     found = world_vocab_file(path)
     if found is None and not rwkv_pth.is_pth(path):
         return None
+    size = int(config_json(path)["vocab_size"])
     try:
-        return WorldTokenizer.from_file(found or WORLD_VOCAB, int(config_json(path)["vocab_size"]))
+        world = WorldTokenizer.from_file(found or WORLD_VOCAB, size)
     except (OSError, VocabFileError) as exc:
         raise CheckpointError(str(exc)) from None
+    if world.vocab_size > size:  # (an RWKV-4 "pile" model's 50,277 tokens, say)
+        raise CheckpointError(f"{path}: the model has {size} tokens, RWKV's world vocabulary "
+                              f"{world.vocab_size}: put the checkpoint's own tokenizer.json "
+                              "beside it")
+    return world
 
 
 def world_vocab_file(path: Path) -> Path | None:

@@ -45,14 +45,17 @@ class XlstmConfig(DecoderConfig):
         mode = c.get("weight_mode", "single")
         if mode not in ("single", "fused"):
             raise ValueError(f"weight_mode {mode!r} is neither single nor fused")
+        heads = int(c["num_heads"])
+        qk, v = int(d * float(c.get("qk_dim_factor", 0.5))), int(d * float(c.get("v_dim_factor",
+                                                                                  1.0)))
+        if qk % heads or v % heads:
+            raise ValueError(f"qk_dim {qk} and v_dim {v} must split into num_heads {heads}")
         cap = c.get("output_logit_soft_cap", 30.0)
         # transformers never ties xLSTM's head to its embeddings, whatever the config says
         return cls(**DecoderConfig.shared({**c, "hidden_size": d, "tie_word_embeddings": False},
                                           1_048_576, False),
                    num_hidden_layers=int(c.get("num_hidden_layers") or c["num_blocks"]),
-                   num_heads=int(c["num_heads"]),
-                   qk_dim=int(d * float(c.get("qk_dim_factor", 0.5))),
-                   v_dim=int(d * float(c.get("v_dim_factor", 1.0))),
+                   num_heads=heads, qk_dim=qk, v_dim=v,
                    ffn_dim=round_up(d * float(c.get("ffn_proj_factor", 2.667)),
                                     int(c.get("ffn_round_up_to_multiple_of", 64))),
                    norm_eps=float(c.get("norm_eps", 1e-6)), eps=float(c.get("eps", 1e-6)),
