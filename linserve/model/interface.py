@@ -157,6 +157,10 @@ class ServedModel(Protocol):
         :class:`StateError`."""
         ...
 
+    def set_initial_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """:meth:`set_initial_state` from a state file's tensors."""
+        ...
+
     def drop_weights(self) -> None:
         """Free the weights where they are large: the model keeps its config, tokenizer and
         state layout (new states, state blobs) but can no longer run. For the HTTP process

@@ -16,7 +16,7 @@ from linserve.model import kernels, memory, modes, packing
 from linserve.model.architectures import hf, registry, rwkv_pth
 from linserve.model.architectures.registry import CheckpointLoader, Family
 from linserve.model.gguf.files import is_gguf
-from linserve.model.interface import CheckpointError, ServedModel
+from linserve.model.interface import CheckpointError, ServedModel, StateError
 from linserve.model.kernels import cpu_flags
 
 log = logging.getLogger("linserve")
@@ -85,9 +85,16 @@ def load(path: Path, dtype: str = "auto", fused: bool = True,
         log.info("%s: %s", path.name, hf.gguf(path).load_plan(pick_dtype(dtype)[0],
                                                               packing.native_blocks()))
     try:
-        return fam.loader().load(path, getattr(torch, pick_dtype(dtype)[0]), fused, weights)
+        served = fam.loader().load(path, getattr(torch, pick_dtype(dtype)[0]), fused, weights)
     except OSError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
+    tuned = rwkv_pth.time_states(path) if rwkv_pth.is_pth(path) else {}
+    if tuned:  # a state-tuned .pth merged into its weights starts every sequence from it
+        try:
+            served.set_initial_tensors(tuned)
+        except StateError as exc:
+            raise CheckpointError(f"{path}: its time_state tensors: {exc}") from None
+    return served
 
 
 def check(path: Path, dtype: str = "auto", quantization: str = "none", budget: int = 0

@@ -143,7 +143,15 @@ class ServedModule:
         """Start every new state from the state file at ``path`` (``--initial-state``);
         the fingerprint takes its digest, so that states and shared prefixes made from it
         are never mixed with another's. Raises :class:`StateError`."""
+        self.set_initial_state_bytes(path.read_bytes())
+
+    def set_initial_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """:meth:`set_initial_state` from a state file's tensors (a ``.pth`` checkpoint
+        that holds its tuned state beside its weights)."""
+        self.set_initial_state_bytes(state_files.to_bytes(tensors))
+
+    def set_initial_state_bytes(self, data: bytes) -> None:
         fresh = self.module.new_state(1, self.context_limit)
-        self._initial = state_files.read(self.module, path.read_bytes(), fresh)
-        self._fp_suffix += "-s" + state_files.digest(path)
+        self._initial = state_files.read(self.module, data, fresh)
+        self._fp_suffix += "-s" + state_files.digest_bytes(data)
         self._fp = None

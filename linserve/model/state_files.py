@@ -53,11 +53,20 @@ def write(module: Any, state: State) -> bytes:
     """One row's state as the model's state file (``torch.save`` bytes)."""
     if not supported(module):
         raise StateError("this model has no state-file format")
-    buf = io.BytesIO()
-    torch.save(module.state_to_file(state), buf)
-    return buf.getvalue()
+    return to_bytes(module.state_to_file(state))
 
 
 def digest(path: Path) -> str:
     """A short digest of a state file (what an initial state adds to the fingerprint)."""
-    return hashlib.blake2b(path.read_bytes(), digest_size=8).hexdigest()
+    return digest_bytes(path.read_bytes())
+
+
+def digest_bytes(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """Tensors as a state file's bytes (``torch.save``)."""
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    return buf.getvalue()

@@ -272,3 +272,21 @@ def test_a_pth_of_another_vocabulary_needs_its_tokenizer(tmp_path: Path) -> None
         loader.load(pth)
     _tokenizer(tmp_path, 4096)
     assert loader.load(pth, "float32").tokenizer().vocab_size == 4096
+
+
+def test_a_pth_with_its_tuned_state_merged_starts_from_it(case6: dict[str, Any]) -> None:
+    """A ``.pth`` holding ``blocks.N.att.time_state`` beside its weights (a state-tuned model
+    merged): every sequence starts from that state, as BlinkDL's reference starts it."""
+    s = rwkv_fixtures.SHAPES6[case6["shape"]]
+    gen = torch.Generator().manual_seed(5)
+    weights = rwkv_fixtures.blinkdl_weights6(case6["shape"])
+    for i in range(s["layers"]):
+        weights[f"blocks.{i}.att.time_state"] = torch.randn(
+            s["d"] // s["head"], s["head"], s["head"], generator=gen) * 2
+    tmp = case6["tmp"] / "merged"
+    pth = rwkv_fixtures.write_pth_of(tmp, weights)
+    logits, _ = _served(pth).prefill(torch.tensor([PROMPT]), all_logits=True)
+    ref = rwkv_fixtures.reference(pth, PROMPT, [], tmp)["logits"]
+    assert (logits[0] - ref).abs().max().item() <= 1e-4
+    plain = rwkv_fixtures.reference(case6["pth"], PROMPT, [], tmp)["logits"]
+    assert (plain - ref).abs().max().item() > 1e-2  # the state matters

@@ -108,9 +108,15 @@ def hf_name(name: str, generation: int) -> str | None:
     if generation == 4:
         leaf = _V4_MIX.get(leaf, leaf)
     if part == "att" and leaf == "time_state":
-        return None  # a state merged into the weights: loaded as a state file instead
+        return None  # a state merged into the weights: the model's initial state
     part = {"ln0": "pre_ln", "att": "attention", "ffn": "feed_forward"}.get(part, part)
     return f"rwkv.blocks.{layer}.{part}.{leaf}"
+
+
+def time_states(path: Path) -> dict[str, torch.Tensor]:
+    """The tuned state a ``.pth`` holds beside its weights (``blocks.N.att.time_state``,
+    which BlinkDL's reference starts every sequence from), as a state file's tensors."""
+    return {n: t for n, t in state_dict(path).items() if n.endswith(".att.time_state")}
 
 
 def fla_name(name: str) -> tuple[str, bool] | None:
@@ -125,6 +131,8 @@ def fla_name(name: str) -> tuple[str, bool] | None:
     prefix = f"model.layers.{layer}"
     if part in NORMS:
         return f"{prefix}.{NORMS[part]}.{leaf}", False
+    if part == "att" and leaf == "time_state":
+        return None  # a state merged into the weights: the model's initial state
     if part == "att":
         lora = re.fullmatch(r"([wavg])([012])", leaf)
         if lora:
