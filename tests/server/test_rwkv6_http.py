@@ -94,6 +94,21 @@ def test_an_unknown_name_or_one_with_a_session_is_a_400(srv: ServerProcess) -> N
                                              "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
         assert c.get(f"/v1/sessions/{sid}").json()["tokens"] == 1
+        r = c.post("/v1/sessions", json={"prompt": "Hi", "state": "nobody"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "state_not_found"
+
+
+def test_a_session_starts_from_a_named_state(srv: ServerProcess) -> None:
+    """A session made from a named state (with a prompt, or none) continues as a request
+    from that state does."""
+    ids = httpx.post(srv.url + "/tokenize", json={"prompt": "Q: 2+2?\n\nA:"}).json()["tokens"]
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    want = _greedy(client, ids, state="poet")
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        empty = c.post("/v1/sessions", json={"state": "poet"}).json()["id"]
+        half = c.post("/v1/sessions", json={"state": "poet", "prompt": ids[:3]}).json()["id"]
+    assert _greedy(client, ids, session_id=empty) == want
+    assert _greedy(client, ids[3:], session_id=half) == want
 
 
 def test_a_state_of_another_model_is_one_line_at_startup(files: dict[str, Path],

@@ -397,6 +397,8 @@ class ChatRequest(SamplingFields):
 
 class SessionCreate(OpenAIBase):
     prompt: str | list[TokenId] = ""
+    state: str | None = Field(None, max_length=128, description="a named initial state "
+                              "(--state-dir) the session starts from")
 
 
 class TokenizeRequest(OpenAIBase):

@@ -188,7 +188,7 @@ class GenerationService:
     async def start(self, prep: Prepared) -> RequestHandle:
         """Submit a request (continuing its session, if any); returns its handle."""
         self._check_open()
-        named = self.named_state(prep)
+        named = self.named_state(prep.state_name, prep.session_id)
         if named is not None:
             self._check_stateless(prep)
             return self._submit(self._request(prep, prep.prompt_ids, named))
@@ -207,19 +207,19 @@ class GenerationService:
             return self._submit(req)
         return await self._start_in_session(prep)
 
-    def named_state(self, prep: Prepared) -> State | None:
+    def named_state(self, name: str | None, session_id: str | None = None) -> State | None:
         """The named initial state a request asks for (None: none asked); 400 for a name
         the server does not hold, or one asked with a session (which has its own state)."""
-        if prep.state_name is None:
+        if name is None:
             return None
-        if prep.session_id is not None:
+        if session_id is not None:
             raise APIError(400, "state and session_id cannot be given together: a session "
                            "continues from its own state", "state")
-        found = self.named_states.get(prep.state_name)
+        found = self.named_states.get(name)
         if found is None:
             held = ", ".join(sorted(self.named_states)) or "none; see --state-dir"
-            raise APIError(400, f"no state named {prep.state_name!r} (this server holds: "
-                           f"{held})", "state", "state_not_found")
+            raise APIError(400, f"no state named {name!r} (this server holds: {held})",
+                           "state", "state_not_found")
         return found.state
 
     def _request(self, prep: Prepared, feed: list[int], start: State | None,
@@ -264,7 +264,7 @@ class GenerationService:
         self._check_open()
         self._check_stateless(prep)
         ids = prep.prompt_ids
-        base: State | None = self.named_state(prep)
+        base: State | None = self.named_state(prep.state_name, prep.session_id)
         feed, cached = ids, 0
         if len(ids) > 1 and not prep.prompt_logprobs and base is None:
             if self.next_turns is not None:
@@ -452,9 +452,16 @@ class GenerationService:
             handle.cancel()
             raise
 
-    async def create_session(self, owner: str, prompt_ids: list[int]) -> Session:
+    async def create_session(self, owner: str, prompt_ids: list[int],
+                             state_name: str | None = None) -> Session:
+        """A new session of ``prompt_ids`` prefilled, from the named state if given."""
         self._check_context(0, len(prompt_ids), 0)
-        state, pending = await self.build_state(prompt_ids)
+        start = self.named_state(state_name)
+        pending: list[int] = []
+        if start is not None and not prompt_ids:
+            state = start.copy()
+        else:
+            state, pending, _ = await self._prefill(prompt_ids, start)
         sess = Session(new_session_id(), owner, state, pending, len(prompt_ids))
         return await self.put_new(sess)
 

@@ -60,10 +60,11 @@ async def list_states(request: Request, owner: Owner) -> dict[str, Any]:
 @router.post("/v1/sessions", response_model=SessionInfo, responses=ERRORS)
 async def create_session(request: Request, owner: Owner,
                          body: SessionCreate | None = None) -> SessionInfo:
-    """Create a session, prefilling ``prompt`` (text or token ids) if given."""
+    """Create a session, prefilling ``prompt`` (text or token ids) if given, from the named
+    initial ``state`` if given (``--state-dir``)."""
     svc = _svc(request)
     ids = svc.tokenize_prompt(body.prompt if body else "")
-    sess = await svc.create_session(owner, ids)
+    sess = await svc.create_session(owner, ids, body.state if body else None)
     return _info(sess, request.app.state.model_name)
 
 
