@@ -10,7 +10,7 @@ but the embedding table as packed plus the state read and written, over the four
 of ``bench.roofline`` on the same threads); a 2,048-token prompt's prefill; and what a
 session's state costs: its bytes, a fork (a copy), an export and an import of its blob.
 
-Writes ``bench/results/rwkv.json`` and ``rwkv.png``.
+Writes ``bench/results/rwkv.json`` and ``rwkv.png`` (``rwkv6.*`` for an RWKV-6 shape).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def measure(path: Path, kinds: list[str], context: int, prompt: int) -> dict[str
             "prompt": prompt, "rows": rows}
 
 
-def plot(result: dict[str, Any]) -> None:
+def plot(result: dict[str, Any], name: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
@@ -212,8 +212,8 @@ def plot(result: dict[str, Any]) -> None:
     axes[1].bar(kinds, [r["roofline"] for r in rows], color="C2")
     axes[1].axhline(0.85, color="black", lw=0.8, ls="--")
     axes[1].set_ylabel("batch-1 step, of the read roofline")
-    fig.suptitle(f"RWKV-7 {result['checkpoint']} (random weights), 2 cores", fontsize=9)
-    save_figure(fig, "rwkv")
+    fig.suptitle(f"{result['checkpoint']} (random weights), 2 cores", fontsize=9)
+    save_figure(fig, name)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -234,8 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     result = measure(path, args.kinds, args.context, args.prompt)
     print_table(result["rows"], ["kind", "b1_tok_s", "b16_tok_s", "roofline", "prefill_tok_s",
                                  "state_bytes", "fork_ms", "export_ms", "import_ms"])
-    write_json("rwkv", result)
-    plot(result)
+    name = "rwkv6" if v6 else "rwkv"  # bench/results/NAME.json and .png
+    write_json(name, result)
+    plot(result, name)
 
 
 if __name__ == "__main__":
