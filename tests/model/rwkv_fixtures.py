@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -24,11 +25,12 @@ SHAPES = {
 }
 
 
-def blinkdl_weights(shape: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights of a plausible scale, named and shaped as BlinkDL's ``.pth``."""
-    s = SHAPES[shape]
-    d, n_layers, head, (rw, ra, rv, rg), f, vocab = (
-        s["d"], s["layers"], s["head"], s["ranks"], s["ffn"], s["vocab"])
+class Normal(Protocol):
+    def __call__(self, *size: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor: ...
+
+
+def _random(seed: int) -> tuple[Normal, Callable[..., torch.Tensor]]:
+    """Draws of one seeded generator: normal (scaled, shifted) and uniform in [0, 1)."""
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(*size: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
@@ -36,6 +38,16 @@ def blinkdl_weights(shape: str, seed: int = 0) -> dict[str, torch.Tensor]:
 
     def uni(*size: int) -> torch.Tensor:
         return torch.rand(*size, generator=gen)
+
+    return rnd, uni
+
+
+def blinkdl_weights(shape: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights of a plausible scale, named and shaped as BlinkDL's ``.pth``."""
+    s = SHAPES[shape]
+    d, n_layers, head, (rw, ra, rv, rg), f, vocab = (
+        s["d"], s["layers"], s["head"], s["ranks"], s["ffn"], s["vocab"])
+    rnd, uni = _random(seed)
 
     sd = {"emb.weight": rnd(vocab, d, scale=0.5), "ln_out.weight": rnd(d, scale=0.1, shift=1),
           "ln_out.bias": rnd(d, scale=0.1), "head.weight": rnd(vocab, d, scale=d ** -0.5)}
@@ -127,13 +139,7 @@ def blinkdl_weights6(shape: str, seed: int = 0) -> dict[str, torch.Tensor]:
     s = SHAPES6[shape]
     d, n_layers, head, (rm, rd), f, vocab = (
         s["d"], s["layers"], s["head"], s["ranks"], s["ffn"], s["vocab"])
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*size: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
-        return torch.randn(*size, generator=gen) * scale + shift
-
-    def uni(*size: int) -> torch.Tensor:
-        return torch.rand(*size, generator=gen)
+    rnd, uni = _random(seed)
 
     sd = _outer(rnd, vocab, d)
     for i in range(n_layers):
@@ -159,13 +165,7 @@ def blinkdl_weights6(shape: str, seed: int = 0) -> dict[str, torch.Tensor]:
 def blinkdl_weights4(d: int = 96, n_layers: int = 3, f: int = 256, vocab: int = 65536,
                      seed: int = 0) -> dict[str, torch.Tensor]:
     """Random RWKV-4 weights, named and shaped as BlinkDL's ``.pth``."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*size: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
-        return torch.randn(*size, generator=gen) * scale + shift
-
-    def uni(*size: int) -> torch.Tensor:
-        return torch.rand(*size, generator=gen)
+    rnd, uni = _random(seed)
 
     sd = _outer(rnd, vocab, d)
     for i in range(n_layers):

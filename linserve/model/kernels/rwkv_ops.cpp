@@ -27,28 +27,36 @@ void check_inputs(const char* op, std::initializer_list<const at::Tensor*> ts,
               ": counts [B] int64");
 }
 
+// Each (row, head) of the state s [B, H, N, N] as a task, its row's first counts[b] tokens
+// in order: fn(that head's S, the token's offset into x [B, T, H, N], the head).
+template <typename F>
+void each_head_token(const at::Tensor& s, const at::Tensor& counts, const at::Tensor& x, F fn) {
+  const int64_t t_len = x.size(1), heads = x.size(2), n = x.size(3);
+  const int64_t* cnt = counts.data_ptr<int64_t>();
+  at::parallel_for(0, x.size(0) * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / heads, h = task % heads;
+      float* state = s.data_ptr<float>() + task * n * n;
+      for (int64_t t = 0; t < std::min(cnt[row], t_len); ++t)
+        fn(state, ((row * t_len + t) * heads + h) * n, h);
+    }
+  });
+}
+
 at::Tensor wkv7_scan(const at::Tensor& s, const at::Tensor& r, const at::Tensor& w,
                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& kk,
                      const at::Tensor& a, const at::Tensor& counts) {
   check_inputs("wkv7_scan", {&s, &r, &w, &k, &v, &kk, &a}, counts);
-  const int64_t b = r.size(0), t_len = r.size(1), heads = r.size(2), n = r.size(3);
+  const int64_t b = r.size(0), heads = r.size(2), n = r.size(3);
   TORCH_CHECK(s.size(0) == b && s.size(1) == heads && s.size(2) == n && s.size(3) == n &&
                   counts.size(0) == b,
               "wkv7_scan: the state and the inputs disagree");
   at::Tensor y = at::zeros_like(r);
-  const int64_t* cnt = counts.data_ptr<int64_t>();
-  at::parallel_for(0, b * heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / heads, h = task % heads;
-      float* state = s.data_ptr<float>() + task * n * n;
-      for (int64_t t = 0; t < std::min(cnt[row], t_len); ++t) {
-        const int64_t at = ((row * t_len + t) * heads + h) * n;
-        linserve::wkv7::head_token(state, r.data_ptr<float>() + at, w.data_ptr<float>() + at,
-                                   k.data_ptr<float>() + at, v.data_ptr<float>() + at,
-                                   kk.data_ptr<float>() + at, a.data_ptr<float>() + at,
-                                   y.data_ptr<float>() + at, n);
-      }
-    }
+  each_head_token(s, counts, r, [&](float* state, int64_t at, int64_t) {
+    linserve::wkv7::head_token(state, r.data_ptr<float>() + at, w.data_ptr<float>() + at,
+                               k.data_ptr<float>() + at, v.data_ptr<float>() + at,
+                               kk.data_ptr<float>() + at, a.data_ptr<float>() + at,
+                               y.data_ptr<float>() + at, n);
   });
   return y;
 }
@@ -57,23 +65,15 @@ at::Tensor wkv6_scan(const at::Tensor& s, const at::Tensor& r, const at::Tensor&
                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& u,
                      const at::Tensor& counts) {
   check_inputs("wkv6_scan", {&s, &r, &w, &k, &v, &u}, counts);
-  const int64_t b = r.size(0), t_len = r.size(1), heads = r.size(2), n = r.size(3);
+  const int64_t b = r.size(0), heads = r.size(2), n = r.size(3);
   TORCH_CHECK(s.size(0) == b && s.size(1) == heads && s.size(2) == n && s.size(3) == n &&
                   u.numel() == heads * n && counts.size(0) == b,
               "wkv6_scan: the state and the inputs disagree");
   at::Tensor y = at::zeros_like(r);
-  const int64_t* cnt = counts.data_ptr<int64_t>();
-  at::parallel_for(0, b * heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / heads, h = task % heads;
-      float* state = s.data_ptr<float>() + task * n * n;
-      for (int64_t t = 0; t < std::min(cnt[row], t_len); ++t) {
-        const int64_t at = ((row * t_len + t) * heads + h) * n;
-        linserve::wkv6::head_token(state, r.data_ptr<float>() + at, w.data_ptr<float>() + at,
-                                   k.data_ptr<float>() + at, v.data_ptr<float>() + at,
-                                   u.data_ptr<float>() + h * n, y.data_ptr<float>() + at, n);
-      }
-    }
+  each_head_token(s, counts, r, [&](float* state, int64_t at, int64_t h) {
+    linserve::wkv6::head_token(state, r.data_ptr<float>() + at, w.data_ptr<float>() + at,
+                               k.data_ptr<float>() + at, v.data_ptr<float>() + at,
+                               u.data_ptr<float>() + h * n, y.data_ptr<float>() + at, n);
   });
   return y;
 }
