@@ -28,17 +28,29 @@ DIGEST_BITS = 40  # bits of the content hash in a virtual id (with the offset: 5
 class Insert:
     """An item at ``input_ids[start : start + length]``: ``kind`` names the encoder that
     makes its ``length`` embeddings from ``payload``; ``digest`` hashes its content (the
-    decoded pixels of an image, not the bytes it was sent as)."""
+    decoded pixels of an image, not the bytes it was sent as). ``grid``: its positions as
+    rows × columns (an image's tokens; (0, 0): one row of ``length``), for models whose
+    positions are 2-D (M-RoPE)."""
 
     kind: str
     start: int
     length: int
     digest: str
     payload: bytes = field(default=b"", repr=False, compare=False)
+    grid: tuple[int, int] = (0, 0)
 
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, columns) of its positions."""
+        return self.grid if self.grid != (0, 0) else (1, self.length)
+
+    def moved(self, start: int) -> Insert:
+        """The same item at another position of a prompt."""
+        return Insert(self.kind, start, self.length, self.digest, self.payload, self.grid)
 
 
 def digest_of(content: bytes) -> str:
@@ -90,6 +102,7 @@ class InsertTable:
 
     def __init__(self) -> None:
         self._rows: dict[int, tuple[torch.Tensor, int]] = {}
+        self._items: dict[int, tuple[Insert, int]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._rows)
@@ -101,6 +114,15 @@ class InsertTable:
                              f"{item.length} positions")
         for offset, vid in enumerate(virtual_ids(item.digest, item.length)):
             self._rows[vid] = (embeds, offset)
+            self._items[vid] = (item, offset)
+
+    def where(self, token: int) -> tuple[Insert, int]:
+        """A virtual id's item and its offset within the item (ValueError for one this
+        table does not hold)."""
+        found = self._items.get(token)
+        if found is None:
+            raise ValueError("the prompt holds an item whose content was not sent with it")
+        return found
 
     def place(self, tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., d]`` (the token embeddings of ``tokens`` ``[...]``, virtual ids

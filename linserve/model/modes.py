@@ -1,8 +1,12 @@
 """The process-wide modes the loader sets before a model is built: batch invariance
 (``--batch-invariant``, on by default: :mod:`linserve.model.invariant`) and the quantization of
-GEMM weights as they are packed (``--quantization``: :mod:`linserve.model.packing`)."""
+GEMM weights as they are packed (``--quantization``: :mod:`linserve.model.packing`), and
+whether a vision-language checkpoint's tower is loaded, with its processor's limits
+(``--limit-mm-per-prompt``, ``--mm-processor-kwargs``)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -12,6 +16,7 @@ _enabled = [True]
 
 
 _quantization = ["none"]
+_images: list[Any] = [True, {}]  # the tower wanted; the processor's overrides
 
 
 def set_enabled(on: bool) -> None:
@@ -42,3 +47,18 @@ def quantization() -> str:
 def active() -> bool:
     """On, the kernels loaded, and no autograd to serve: the invariant GEMM runs."""
     return _enabled[0] and kernels.available() and not torch.is_grad_enabled()
+
+
+def set_images(wanted: bool, limits: dict[str, Any] | None = None) -> None:
+    """Load vision towers (``wanted``; off: a vision-language checkpoint serves text only,
+    its tower never read) with the image processor's ``min_pixels`` / ``max_pixels``
+    overridden by ``limits``."""
+    _images[0], _images[1] = wanted, dict(limits or {})
+
+
+def images_wanted() -> bool:
+    return bool(_images[0])
+
+
+def image_limits() -> dict[str, Any]:
+    return dict(_images[1])

@@ -63,6 +63,7 @@ class Entry:
 
     KIND: ClassVar[str] = ""
     TENSORS: ClassVar[tuple[str, ...]] = ()
+    DTYPE: ClassVar[torch.dtype] = torch.float32  # its tensors' dtype (a blob checks it)
 
     @property
     def truncatable(self) -> bool:
@@ -271,7 +272,28 @@ class KVEntry(Entry):
         return super().cat(kvs)
 
 
-ENTRY_TYPES: dict[str, type[Entry]] = {t.KIND: t for t in (RecurrentEntry, ConvEntry, KVEntry)}
+@dataclass
+class PositionEntry(Entry):
+    """``offset [B]`` int64: what the next token's rotary position adds to its index in the
+    context. Zero for text; an image under M-RoPE (Qwen3.5) covers fewer positions than it
+    has tokens, and the difference stays with the row. Rolling back text leaves it as it is."""
+
+    offset: torch.Tensor
+    KIND: ClassVar[str] = "position"
+    TENSORS: ClassVar[tuple[str, ...]] = ("offset",)
+    DTYPE: ClassVar[torch.dtype] = torch.long
+
+    @property
+    def truncatable(self) -> bool:
+        return True
+
+    @classmethod
+    def empty(cls, batch: int) -> PositionEntry:
+        return cls(torch.zeros(batch, dtype=torch.long))
+
+
+ENTRY_TYPES: dict[str, type[Entry]] = {
+    t.KIND: t for t in (RecurrentEntry, ConvEntry, KVEntry, PositionEntry)}
 Layer = dict[str, Entry]
 
 
@@ -336,7 +358,8 @@ class State:
 
     def to(self, dtype: torch.dtype) -> State:
         """A copy with floating tensors in ``dtype`` (float64 references in tests)."""
-        return self._map(lambda e: e._with({k: t.to(dtype) for k, t in e.tensors().items()}),
+        return self._map(lambda e: e._with({k: t.to(dtype) if t.is_floating_point() else
+                                            t.clone() for k, t in e.tensors().items()}),
                          self.lengths.clone())
 
     def rows(self, n: int) -> State:

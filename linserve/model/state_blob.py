@@ -131,12 +131,13 @@ def _check_entry(name: str, e: Any, ref: Any, lengths: torch.Tensor) -> None:
         want = (rows, *ref.tensors()[t].shape[1:])
         if isinstance(e, KVEntry):  # the slot dimension is the cache's own capacity
             want = (rows, want[1], x.shape[2] if x.dim() == 4 else -1, want[3])
-        if x.dtype != torch.float32:
-            raise StateError(f"state tensor {name}.{t} has dtype {x.dtype}, expected fp32")
+        if x.dtype != e.DTYPE:
+            raise StateError(f"state tensor {name}.{t} has dtype {x.dtype}, expected "
+                             f"{e.DTYPE}")
         if tuple(x.shape) != want:
             raise StateError(f"state tensor {name}.{t} has shape {tuple(x.shape)}, "
                              f"expected {want}")
-        if not torch.isfinite(x).all():
+        if x.is_floating_point() and not torch.isfinite(x).all():
             raise StateError(f"state tensor {name}.{t} holds NaN or inf")
     if isinstance(e, KVEntry):
         if e.capacity > e.slot_limit:

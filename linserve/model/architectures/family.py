@@ -132,8 +132,11 @@ class HFFamily:
         per_token = state_sizes(module, cfg.max_position_embeddings)[1]
         info = describe(module, self.describe(cfg), cfg.max_position_embeddings, per_token,
                         decode_step=None if native else "eager (layer by layer)")
-        return ServedModule(module, tok, hf.chat_template(path),
-                            partial(hf.fingerprint, path), info)
+        served = ServedModule(module, tok, hf.chat_template(path),
+                              partial(hf.fingerprint, path), info)
+        for kind, encoder in getattr(module, "encoders", dict)().items():
+            served.add_encoder(kind, encoder)  # a vision tower's images
+        return served
 
 
 # What a vision-language checkpoint holds beside its text model (left unread here).

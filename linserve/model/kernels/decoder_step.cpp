@@ -14,7 +14,8 @@
 // the rows beside it (batch invariance).
 //
 // Ops (B rows):
-//   decoder_step(plan, tokens [B], state, lengths [B]) -> logits [B, V] fp32;
+//   decoder_step(plan, tokens [B], state, lengths [B], offsets [B]?) -> logits [B, V] fp32
+//     (offsets: each row's rotary position minus its cache slot, M-RoPE after an image);
 //   decoder_verify(plan, tokens [T B] position-major, state, snaps, hidden, lengths, T)
 //     -> logits [T B, V]: speculative decoding's verify (model/verify.py), every projection
 //     over the T B rows at once, each mixer position after position with the step's
@@ -148,7 +149,8 @@ at::Tensor run_part(const PlanPart& part, at::Tensor x, at::Tensor* state, const
 
 // Every part over x [T B, d]; snaps as decoder_verify's (empty: none kept).
 at::Tensor run_parts(const DecoderPlan& plan, at::Tensor x, at::TensorList state,
-                     at::TensorList snaps, const at::Tensor& lengths, int64_t positions) {
+                     at::TensorList snaps, const at::Tensor& lengths, int64_t positions,
+                     const std::optional<at::Tensor>& offsets = std::nullopt) {
   const int64_t rows = lengths.size(0);
   TORCH_CHECK(static_cast<int64_t>(state.size()) == plan.state_count(),
               "decoder_step: the plan's parts take ", plan.state_count(), " state tensors, not ",
@@ -162,8 +164,12 @@ at::Tensor run_parts(const DecoderPlan& plan, at::Tensor x, at::TensorList state
                 "decoder_step: state is fp32 contiguous [B, ...]");
   std::vector<at::Tensor> st(state.begin(), state.end()), snap(snaps.begin(), snaps.end());
   std::vector<at::Tensor> carry(plan.carries);
+  const bool shifted = offsets.has_value() && offsets->defined();
+  TORCH_CHECK(!shifted || (offsets->scalar_type() == at::kLong && offsets->is_contiguous() &&
+                           offsets->numel() == rows), "decoder_step: offsets [B] int64");
   for (const PlanPart& part : plan.parts) {
-    Call call{lengths.data_ptr<int64_t>(), plan.experts.data(), Positions{positions}, &carry};
+    Call call{lengths.data_ptr<int64_t>(), plan.experts.data(), Positions{positions}, &carry,
+              shifted ? offsets->data_ptr<int64_t>() : nullptr};
     if (!snap.empty() && plan.recurrent[part.first_state]) call.pos.snaps = snap.data() + part.first_state;
     x = run_part(part, x, st.data() + part.first_state, call);
   }
@@ -193,17 +199,20 @@ at::Tensor embedded(const DecoderPlan& plan, const at::Tensor& tokens) {
 }
 
 at::Tensor decoder_step(const c10::intrusive_ptr<DecoderPlan>& plan, const at::Tensor& tokens,
-                        at::TensorList state, const at::Tensor& lengths) {
-  const at::Tensor x = run_parts(*plan, embedded(*plan, tokens), state, {}, lengths, 1);
+                        at::TensorList state, const at::Tensor& lengths,
+                        const std::optional<at::Tensor>& offsets) {
+  const at::Tensor x =
+      run_parts(*plan, embedded(*plan, tokens), state, {}, lengths, 1, offsets);
   return logits_of(*plan, x, at::Tensor());
 }
 
 at::Tensor decoder_verify(const c10::intrusive_ptr<DecoderPlan>& plan, const at::Tensor& tokens,
                           at::TensorList state, at::TensorList snaps, at::Tensor hidden,
-                          const at::Tensor& lengths, int64_t positions) {
+                          const at::Tensor& lengths, int64_t positions,
+                          const std::optional<at::Tensor>& offsets) {
   TORCH_CHECK(positions >= 1, "decoder_verify: at least one position");
   const at::Tensor x =
-      run_parts(*plan, embedded(*plan, tokens), state, snaps, lengths, positions);
+      run_parts(*plan, embedded(*plan, tokens), state, snaps, lengths, positions, offsets);
   return logits_of(*plan, x, hidden);
 }
 
@@ -234,11 +243,11 @@ TORCH_LIBRARY_FRAGMENT(linserve, m) {
       .def("recurrent_states", &DecoderPlan::recurrent_states);
   m.def(
       "decoder_step(__torch__.torch.classes.linserve.DecoderPlan plan, Tensor tokens, "
-      "Tensor(a!)[] state, Tensor lengths) -> Tensor");
+      "Tensor(a!)[] state, Tensor lengths, Tensor? offsets=None) -> Tensor");
   m.def(
       "decoder_verify(__torch__.torch.classes.linserve.DecoderPlan plan, Tensor tokens, "
       "Tensor(a!)[] state, Tensor(b!)[] snaps, Tensor(c!) hidden, Tensor lengths, "
-      "int positions) -> Tensor");
+      "int positions, Tensor? offsets=None) -> Tensor");
   m.def(
       "decoder_mtp(__torch__.torch.classes.linserve.DecoderPlan plan, Tensor tokens, "
       "Tensor hidden, Tensor(a!)[] state, Tensor lengths) -> Tensor");

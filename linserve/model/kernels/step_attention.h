@@ -46,7 +46,7 @@ inline void gate_interleaved(at::Tensor& o, const at::Tensor& qkv, int64_t heads
 // q heads into q [B, H, D]; k and v into the cache at each row's position; norms, rotary
 // and multipliers as Attention._qkv applies them.
 inline void write_qkv(const at::Tensor& qkv, const Attention& p, at::Tensor& kc, at::Tensor& vc,
-                      const int64_t* lengths, std::vector<float>& q) {
+                      const int64_t* lengths, const int64_t* offsets, std::vector<float>& q) {
   const int64_t rows = qkv.size(0), width = qkv.size(1), dh = p.head_dim, cap = kc.size(2);
   const bool qk_norm = present(p.q_norm) && !p.norm_whole, rope = present(p.inv_freq);
   const int64_t q_stride = p.gate_interleaved ? 2 * dh : dh, k_at = p.heads * q_stride;
@@ -63,7 +63,8 @@ inline void write_qkv(const at::Tensor& qkv, const Attention& p, at::Tensor& kc,
   const float* src = src_t.data_ptr<float>();
   const int64_t rot = rope ? 2 * p.inv_freq.size(0) : 0;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t pos = lengths[r], slot = p.window > 0 ? pos % p.window : pos;
+    const int64_t slot = p.window > 0 ? lengths[r] % p.window : lengths[r];
+    const int64_t pos = lengths[r] + (offsets != nullptr ? offsets[r] : 0);  // rotary
     TORCH_CHECK(slot < cap, "decoder_step: the KV cache is full (reserve first)");
     const float* row = src + r * width;
     for (int64_t h = 0; h < p.heads; ++h) {
@@ -121,7 +122,7 @@ inline at::Tensor run(const Attention& p, const at::Tensor& h, at::Tensor* state
   std::vector<int64_t> at_pos(c.lengths, c.lengths + rows);
   for (int64_t t = 0; t < c.pos.count; ++t) {
     std::vector<float> q(rows * p.heads * dh);
-    write_qkv(qkv.narrow(0, t * rows, rows), p, kc, vc, at_pos.data(), q);
+    write_qkv(qkv.narrow(0, t * rows, rows), p, kc, vc, at_pos.data(), c.offsets, q);
     float* o_t = o.data_ptr<float>() + t * rows * p.heads * dh;
     at::parallel_for(0, rows * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {

@@ -434,6 +434,7 @@ struct Call {
   const at::Tensor* experts;
   Positions pos;
   std::vector<at::Tensor>* carry = nullptr;
+  const int64_t* offsets = nullptr;  // rotary position minus cache slot, per row (M-RoPE)
 };
 
 }  // namespace linserve::step

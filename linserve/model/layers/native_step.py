@@ -50,7 +50,7 @@ from linserve.model.layers.step_parts import (
     ShortConvPart,
     SwiGLUPart,
 )
-from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
+from linserve.model.state import ConvEntry, KVEntry, PositionEntry, RecurrentEntry, State
 from linserve.model.verify import Trail
 
 
@@ -313,12 +313,19 @@ def state_tensors(p: Plan, state: State) -> list[torch.Tensor] | None:
                 tensors.append(entry.s)
             elif isinstance(entry, ConvEntry):
                 tensors.append(entry.window)
-            else:
+            elif not isinstance(entry, PositionEntry):  # offsets go beside (offsets_of)
                 return None
         if len(tensors) != count:
             return None
         out += tensors
     return out if all(t.is_contiguous() for t in out) else None
+
+
+def offsets_of(state: State) -> torch.Tensor | None:
+    """Each row's rotary position minus its cache slot ``[B]`` (a :class:`PositionEntry`'s,
+    after an image under M-RoPE), or None where the state keeps none."""
+    held = next((e for e in state.entries() if isinstance(e, PositionEntry)), None)
+    return None if held is None else held.offset
 
 
 def step(p: Plan, tokens: torch.Tensor, state: State) -> torch.Tensor | None:
@@ -328,7 +335,7 @@ def step(p: Plan, tokens: torch.Tensor, state: State) -> torch.Tensor | None:
     if tensors is None:
         return None
     return torch.ops.linserve.decoder_step(p.handle, tokens.contiguous(), tensors,
-                                           state.lengths)
+                                           state.lengths, offsets_of(state))
 
 
 def verify(p: Plan, tokens: torch.Tensor, state: State, hidden: bool = False
@@ -345,7 +352,8 @@ def verify(p: Plan, tokens: torch.Tensor, state: State, hidden: bool = False
              for x, keep in zip(tensors, p.recurrent, strict=True)]
     hid = torch.empty(t * b, p.width) if hidden else EMPTY
     logits = torch.ops.linserve.decoder_verify(p.handle, tokens.t().contiguous().flatten(),
-                                               tensors, snaps, hid, state.lengths, t)
+                                               tensors, snaps, hid, state.lengths, t,
+                                               offsets_of(state))
     kept = [x for x in snaps if x.numel()]
     trail = Trail([[x[i] for x in kept] for i in range(t - 1)],
                   hid.view(t, b, -1).transpose(0, 1) if hidden else None)

@@ -23,11 +23,17 @@ def proportional_freqs(head_dim: int, rotary_dim: int, theta: float) -> torch.Te
     return torch.cat([rotating, torch.zeros(head_dim // 2 - angles, device="cpu")])
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor,
+         axes: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary positions on the first ``2 · len(freqs)`` channels of each head (halves
-    rotated; the rest pass through). x ``[B, H, T, D]``, pos ``[B, T]`` (or ``[1, T]``)."""
+    rotated; the rest pass through). x ``[B, H, T, D]``, pos ``[B, T]`` (or ``[1, T]``), or
+    ``[A, B, T]`` with ``axes [rot / 2]`` saying which of the A positions each frequency
+    reads (multimodal rotary positions, :mod:`linserve.model.architectures.qwen3_5.mrope`)."""
     rot = 2 * freqs.shape[0]
-    angles = pos[..., None].float() * freqs  # [B, T, rot/2]
+    if axes is not None and pos.dim() == 3:
+        angles = pos.permute(1, 2, 0)[..., axes].float() * freqs  # [B, T, rot/2]
+    else:
+        angles = pos[..., None].float() * freqs  # [B, T, rot/2]
     emb = torch.cat([angles, angles], dim=-1)
     cos, sin = (invariant.rowwise(f, emb)[:, None] for f in (torch.cos, torch.sin))
     xr, xp = x[..., :rot], x[..., rot:]

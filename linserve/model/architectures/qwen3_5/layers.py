@@ -24,6 +24,7 @@ from torch import nn
 
 from linserve.model import invariant, packing
 from linserve.model.architectures.family import DecoderConfig
+from linserve.model.architectures.qwen3_5 import mrope
 from linserve.model.invariant import Linear
 from linserve.model.layers.block import LayerPart
 from linserve.model.layers.gated_delta import DeltaShape, GatedDeltaNet
@@ -33,7 +34,9 @@ from linserve.model.layers.norms import RMSNorm
 from linserve.model.layers.rope import inv_freq as rope_freqs
 from linserve.model.layers.rope import rope as shared_rope
 from linserve.model.layers.step_parts import AttentionPart
-from linserve.model.state import KVEntry
+from linserve.model.state import KVEntry, PositionEntry
+from linserve.model.vision.qwen_prep import QwenImageSpec
+from linserve.model.vision.qwen_tower import VisionConfig
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class Qwen35Config(DecoderConfig):
     partial_rotary_factor: float
     experts: QwenExperts | None = None  # None: every layer's MLP dense
     mtp_layers: int = 0  # MTP layers the checkpoint carries (mtp.*; 0: none read)
+    mrope_section: tuple[int, int, int] = (11, 11, 10)  # frequencies on t, row, column
+    vision: VisionConfig | None = None  # the vision tower's (None: text only, or not loaded)
+    image: QwenImageSpec | None = None  # how its images become tokens
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> Qwen35Config:
@@ -114,7 +120,9 @@ class Qwen35Config(DecoderConfig):
                                                  text.get("partial_rotary_factor", 0.25))),
             experts=QwenExperts.from_hf(text, n),
             mtp_layers=int(text.get("mtp_num_hidden_layers")
-                           or text.get("num_nextn_predict_layers") or 0)).tied(tie)
+                           or text.get("num_nextn_predict_layers") or 0),
+            mrope_section=_section(rope.get("mrope_section")),
+            **_vision_fields(config)).tied(tie)
         cfg.check()
         return cfg
 
@@ -148,6 +156,27 @@ class Qwen35Config(DecoderConfig):
                           self.rms_norm_eps)
 
 
+def _vision_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The vision tower's config and image spec of a ``qwen3_5`` (vision-language) config
+    (none for a text model's)."""
+    vision = config.get("vision_config")
+    if config.get("model_type") != "qwen3_5" or not vision or "image_token_id" not in config:
+        return {}
+    return {"vision": VisionConfig.from_hf(vision),
+            "image": QwenImageSpec(placeholder=int(config["image_token_id"]),
+                                   patch=int(vision.get("patch_size", 16)),
+                                   merge=int(vision.get("spatial_merge_size", 2)),
+                                   temporal=int(vision.get("temporal_patch_size", 2)))}
+
+
+def _section(value: Any) -> tuple[int, int, int]:
+    """``rope_parameters.mrope_section`` (transformers' default where absent)."""
+    v = [int(x) for x in (value or (11, 11, 10))]
+    if len(v) != 3:
+        raise ValueError(f"rope_parameters.mrope_section must have three entries, not {v}")
+    return (v[0], v[1], v[2])
+
+
 def qwen_norm(dim: int, eps: float) -> RMSNorm:
     """Qwen's RMSNorm, its weight stored as w − 1 (it scales by 1 + w)."""
     return RMSNorm(dim, eps, offset=1.0)
@@ -160,8 +189,9 @@ def inv_freq(cfg: Qwen35Config) -> torch.Tensor:
 
 def rope(x: torch.Tensor, pos: torch.Tensor, cfg: Qwen35Config) -> torch.Tensor:
     """Rotary positions on the first ``rotary_dim`` of each head (halves rotated). x
-    ``[B, H, T, D]``, pos ``[B, T]`` (or ``[1, T]``) int64."""
-    return shared_rope(x, pos, inv_freq(cfg))
+    ``[B, H, T, D]``, pos ``[B, T]`` (or ``[1, T]``) int64, or ``[3, B, T]``: (t, row,
+    column) positions (:mod:`.mrope`)."""
+    return shared_rope(x, pos, inv_freq(cfg), mrope.axes(cfg.rotary_dim, cfg.mrope_section))
 
 
 class GatedAttention(nn.Module):
@@ -214,14 +244,16 @@ class GatedAttention(nn.Module):
         o = o.transpose(1, 2).reshape(b, t, -1) * invariant.rowwise(torch.sigmoid, gate)
         return self.o_proj(o.to(x.dtype))
 
-    def forward(self, x: torch.Tensor, kv: KVEntry, start: int) -> torch.Tensor:
-        """T new tokens ``[B, T, d]`` at positions start … start+T−1 (every row alike)."""
-        return self._attend(x, kv.k, kv.v, start)
+    def forward(self, x: torch.Tensor, kv: KVEntry, start: int,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """T new tokens ``[B, T, d]`` at cache slots start … start+T−1 (every row alike),
+        their rotary positions the slots' own or ``positions`` ``[3, B, T]`` (:mod:`.mrope`)."""
+        return self._attend(x, kv.k, kv.v, start, positions)
 
     def _attend(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                start: int) -> torch.Tensor:
+                start: int, positions: torch.Tensor | None = None) -> torch.Tensor:
         t = x.shape[1]
-        pos = torch.arange(start, start + t)[None]
+        pos = torch.arange(start, start + t)[None] if positions is None else positions
         q, k, v, gate = self._qkv(x, pos)
         k_cache[:, :, start : start + t] = k
         v_cache[:, :, start : start + t] = v
@@ -230,19 +262,25 @@ class GatedAttention(nn.Module):
         return self._out(o, gate, x)
 
     def forward_ragged(self, x: torch.Tensor, kv: KVEntry, starts: torch.Tensor,
-                       new: torch.Tensor) -> torch.Tensor:
+                       new: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         """A right-padded ragged batch ``[B, T, d]``: row i's ``new[i]`` real tokens at
-        positions ``starts[i]`` on (each row attends alone; padding gives zeros)."""
+        slots ``starts[i]`` on, their positions ``offsets[i]`` past them (each row attends
+        alone; padding gives zeros)."""
         out = torch.zeros_like(x)
         for i, (start, n) in enumerate(zip(starts.tolist(), new.tolist(), strict=True)):
+            pos = None if offsets is None else \
+                torch.arange(start, start + n)[None] + offsets[i]
             out[i : i + 1, :n] = self._attend(x[i : i + 1, :n], kv.k[i : i + 1],
-                                              kv.v[i : i + 1], start)
+                                              kv.v[i : i + 1], start, pos)
         return out
 
-    def step(self, x: torch.Tensor, kv: KVEntry, lengths: torch.Tensor) -> torch.Tensor:
-        """One token per row ``[B, d]`` at each row's own position ``lengths [B]``."""
+    def step(self, x: torch.Tensor, kv: KVEntry, lengths: torch.Tensor,
+             offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row ``[B, d]`` at each row's own slot ``lengths [B]``, its rotary
+        position ``offsets [B]`` past it."""
         b = x.shape[0]
-        q, k, v, gate = self._qkv(x.unsqueeze(1), lengths[:, None])
+        pos = lengths if offsets is None else lengths + offsets
+        q, k, v, gate = self._qkv(x.unsqueeze(1), pos[:, None])
         rows = torch.arange(b)
         kv.k[rows, :, lengths] = k[:, :, 0]
         kv.v[rows, :, lengths] = v[:, :, 0]
@@ -283,20 +321,27 @@ class DecoderLayer(nn.Module):
                 LayerPart(self.mlp, self.post_attention_layernorm))
 
     def _mix(self, h: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
-             one_token: bool, new: torch.Tensor | None) -> torch.Tensor:
+             one_token: bool, new: torch.Tensor | None, positions: torch.Tensor | None
+             ) -> torch.Tensor:
         if self.kind == "linear_attention":
             if one_token:
                 return self.linear_attn.step(h, entries["recurrent"], entries["conv"])
             return self.linear_attn(h, entries["recurrent"], entries["conv"], new)
+        held = entries.get("position")
+        offsets = held.offset if isinstance(held, PositionEntry) else None
         if one_token:
-            return self.self_attn.step(h, entries["kv"], lengths)
+            return self.self_attn.step(h, entries["kv"], lengths, offsets)
         if new is not None:
-            return self.self_attn.forward_ragged(h, entries["kv"], lengths, new)
-        return self.self_attn(h, entries["kv"], int(lengths[0]))
+            return self.self_attn.forward_ragged(h, entries["kv"], lengths, new, offsets)
+        return self.self_attn(h, entries["kv"], int(lengths[0]), positions)
 
     def forward(self, x: torch.Tensor, entries: dict[str, Any], lengths: torch.Tensor,
-                one_token: bool = False, new: torch.Tensor | None = None) -> torch.Tensor:
+                one_token: bool = False, new: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """``lengths [B]``: each row's tokens so far; ``new [B]``: a ragged prefill's real
-        token counts (None: all of x's T, or one token with ``one_token``)."""
-        x = x + self._mix(self.input_layernorm(x), entries, lengths, one_token, new)
+        token counts (None: all of x's T, or one token with ``one_token``); ``positions``
+        ``[3, B, T]``: a prefill's rotary positions where they are not the slots' (:mod:`.mrope`;
+        a step's and a ragged prefill's come from the entries' ``position`` offsets)."""
+        x = x + self._mix(self.input_layernorm(x), entries, lengths, one_token, new,
+                          positions)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -18,14 +18,18 @@ from typing import Any, cast
 
 import torch
 
-from linserve.model import kernels
+from linserve.model import kernels, modes
 from linserve.model.architectures import hf
 from linserve.model.architectures.family import HFFamily
+from linserve.model.architectures.qwen3_5 import mrope
 from linserve.model.architectures.qwen3_5.layers import DecoderLayer, Qwen35Config, qwen_norm
 from linserve.model.architectures.qwen3_5.mtp import QwenMTP, mtp_plan
+from linserve.model.inputs import Encoder, InsertTable
 from linserve.model.layers import native_step
 from linserve.model.layers.decoder import DecoderLM
-from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
+from linserve.model.state import ConvEntry, KVEntry, PositionEntry, RecurrentEntry, State
+from linserve.model.vision.qwen_prep import QwenImageSpec
+from linserve.model.vision.qwen_tower import QwenImageEncoder, QwenVisionTower
 
 log = logging.getLogger("linserve")
 
@@ -41,6 +45,43 @@ class Qwen35ForCausalLM(DecoderLM):
                          [DecoderLayer(cfg, kind, i) for i, kind in enumerate(cfg.layer_types)],
                          qwen_norm(cfg.hidden_size, cfg.rms_norm_eps), cfg.tie_word_embeddings)
         self.mtp = QwenMTP(cfg) if cfg.mtp_layers else None
+        self.visual = QwenVisionTower(cfg.vision) if cfg.vision is not None else None
+
+    def encoders(self) -> dict[str, Encoder]:
+        """The image encoder where the vision tower is loaded."""
+        if self.visual is None or self.cfg.image is None:
+            return {}
+        return {"image": QwenImageEncoder(self.visual, self.cfg.image)}
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, state: State | None = None,
+                all_logits: bool = False, inserts: InsertTable | None = None
+                ) -> tuple[torch.Tensor, State]:
+        """:meth:`DecoderLM.prefill`, with (t, row, column) positions (:mod:`.mrope`) where
+        the model reads images: an image's tokens at its grid's, and each row's offset kept
+        in its state."""
+        if self.visual is None:
+            return super().prefill(tokens, state, all_logits, inserts)
+        b, t = tokens.shape
+        state = self.new_state(b) if state is None else state.copy()
+        if bool((state.lengths != state.lengths[0]).any()):
+            raise ValueError("prefill needs rows of equal length")
+        state.reserve(int(state.lengths[0]) + t)
+        held = [e for e in state.entries() if isinstance(e, PositionEntry)]
+        pos, after = mrope.positions(tokens, state.lengths, held[0].offset, inserts)
+        x = self._run(self.embed_prompt(tokens, inserts), state, positions=pos)
+        for e in held:
+            e.offset.copy_(after)
+        state.lengths += t
+        return self.head(x if all_logits else x[:, -1]), state
+
+    def _run(self, x: torch.Tensor, state: State, one_token: bool = False,
+             new: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
+        lengths = state.lengths if lengths is None else lengths
+        for layer, entries in zip(self.model.layers, state.layers, strict=True):
+            x = layer(x, entries, lengths, one_token=one_token, new=new, positions=positions)
+        return x
 
     def draft_head(self) -> MtpHead | None:
         """The checkpoint's MTP layers as a draft head (None: it has none)."""
@@ -64,6 +105,8 @@ class Qwen35ForCausalLM(DecoderLM):
             else:
                 layers.append({"kv": KVEntry.empty(batch, cfg.num_key_value_heads, cfg.head_dim,
                                                    max_context or cfg.max_position_embeddings)})
+                if self.visual is not None:  # images move the positions after them
+                    layers[-1]["position"] = PositionEntry.empty(batch)
         return State(layers, torch.zeros(batch, dtype=torch.long))
 
     def prepare(self, fused: bool) -> bool:
@@ -73,6 +116,10 @@ class Qwen35ForCausalLM(DecoderLM):
         if head is not None:
             head.logits(head.extend(head.new_state(), torch.zeros(2, self.cfg.hidden_size),
                                     [0, 0]))
+        if self.visual is not None:  # its weights packed too
+            cfg = self.visual.cfg
+            m = cfg.merge
+            self.visual(torch.zeros(m * m, cfg.channels * cfg.temporal * cfg.patch ** 2), m, m)
         return super().prepare(fused)
 
 
@@ -87,12 +134,35 @@ def rename(name: str) -> str | None:
     return name
 
 
+def rename_for(cfg: Qwen35Config) -> Callable[[str], str | None]:
+    """:func:`rename`, with the vision tower's tensors (``model.visual.*``) read where the
+    config has one."""
+    if cfg.vision is None:
+        return rename
+
+    def with_tower(name: str) -> str | None:
+        if name.startswith("model.visual."):
+            return "visual." + name.removeprefix("model.visual.")
+        return rename(name)
+
+    return with_tower
+
+
 def mtp_present(cfg: Qwen35Config, path: Path) -> Qwen35Config:
     """The config with MTP layers only where the checkpoint has their tensors (a checkpoint
-    saved by transformers keeps ``mtp_num_hidden_layers`` but drops ``mtp.*``)."""
+    saved by transformers keeps ``mtp_num_hidden_layers`` but drops ``mtp.*``), and the
+    vision tower only where it has its tensors and images are wanted
+    (:func:`linserve.model.modes.images_wanted`), its image spec from the folder's
+    ``preprocessor_config.json``."""
     if cfg.mtp_layers and not hf.is_gguf(path) and \
             not any(n.startswith("mtp.") for n in hf.tensor_files(path)):
-        return dataclasses.replace(cfg, mtp_layers=0)
+        cfg = dataclasses.replace(cfg, mtp_layers=0)
+    if cfg.vision is not None:
+        tower = not hf.is_gguf(path) and modes.images_wanted() and \
+            any(n.startswith("model.visual.") for n in hf.tensor_files(path))
+        cfg = dataclasses.replace(cfg, vision=None, image=None) if not tower else \
+            dataclasses.replace(cfg, image=QwenImageSpec.from_checkpoint(
+                path, hf.config_json(path)).with_limits(modes.image_limits()))
     return cfg
 
 
@@ -116,7 +186,8 @@ def describe_as(name: str, moe_name: str = "") -> Callable[[Qwen35Config], str]:
 
 
 FAMILY = HFFamily(Qwen35Config.from_hf, Qwen35ForCausalLM, rename,
-                  describe_as("qwen3_5", "qwen3_5_moe"), config_for=mtp_present)
+                  describe_as("qwen3_5", "qwen3_5_moe"), rename_for=rename_for,
+                  config_for=mtp_present)
 
 
 class MtpHead:
