@@ -59,6 +59,7 @@ class ModelInfo:
     quantization: str = "none"  # "int8" / "int4" GEMM weights (model.quantize), or none
     notes: tuple[str, ...] = ()
     input_kinds: tuple[str, ...] = ()  # what it takes besides text ("image"): its encoders
+    image_spec: Any = None  # how its images become tokens (linserve.model.vision; torch-free)
 
 
 class DraftHead(Protocol):

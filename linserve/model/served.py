@@ -100,9 +100,12 @@ class ServedModule:
         return dict(self._encoders)
 
     def add_encoder(self, kind: str, encoder: Encoder) -> None:
-        """Take items of ``kind`` from now on (``info.input_kinds`` says so)."""
+        """Take items of ``kind`` from now on (``info.input_kinds`` says so; an image
+        encoder's ``spec``, how an image becomes tokens, is ``info.image_spec``)."""
         self._encoders[kind] = encoder
-        self.info = dataclasses.replace(self.info, input_kinds=tuple(self._encoders))
+        spec = getattr(encoder, "spec", None) if kind == "image" else self.info.image_spec
+        self.info = dataclasses.replace(self.info, input_kinds=tuple(self._encoders),
+                                        image_spec=spec)
 
     def prefill_ragged(self, prompts: list[list[int]], states: list[State | None]
                        ) -> tuple[torch.Tensor, list[State]]:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -107,7 +108,26 @@ class Settings(BaseSettings):
         "available at start (the cgroup limit, else MemAvailable)")
     max_prompt_tokens: int = Field(32768, ge=1, description="longest prompt accepted")
     max_tokens_limit: int = Field(8192, ge=1, description="largest max_tokens accepted")
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest JSON request body")
+    max_body_bytes: int = Field(32 << 20, ge=1024, description="largest JSON request body "
+                                "(images sent inline as data: URLs count)")
+    limit_mm_per_prompt: str = Field(
+        "", description='items other than text a prompt may hold, by kind, as JSON (vLLM\'s '
+        'flag): {"image": N}, default 8; {"image": 0} does not load a vision tower at all, '
+        "so a vision-language checkpoint serves text only and its tower takes no memory")
+    mm_processor_kwargs: str = Field(
+        "", description='the image processor\'s limits, as JSON (vLLM\'s flag): '
+        '{"min_pixels": N, "max_pixels": N} replace the checkpoint\'s '
+        "preprocessor_config.json (fewer pixels, fewer tokens an image)")
+    allowed_media_domains: str = Field(
+        "", description="comma-separated hosts whose http(s) image URLs are fetched (vLLM's "
+        "flag; empty: none are; data: URLs are always read)")
+    allowed_local_media_path: str = Field(
+        "", description="a folder whose files file:// image URLs may read (vLLM's flag; "
+        "empty: none)")
+    media_fetch_timeout: float = Field(
+        10.0, gt=0, description="seconds an image URL may take to fetch")
+    media_max_bytes: int = Field(
+        20 << 20, ge=1024, description="largest image accepted, as sent or fetched (bytes)")
     prefill_chunk: int = Field(512, ge=16, description="prompt tokens per prefill chunk")
     step_token_budget: int = Field(
         512, ge=1, description="prompt tokens prefilled per engine iteration")
@@ -157,6 +177,21 @@ class Settings(BaseSettings):
         parse_speculative(value)  # raises one line for a bad config
         return value
 
+    @field_validator("limit_mm_per_prompt", "mm_processor_kwargs")
+    @classmethod
+    def _check_json_ints(cls, value: str) -> str:
+        json_ints(value)  # raises one line for one that is not a JSON object of integers
+        return value
+
+    @property
+    def image_limit(self) -> int:
+        """Images a prompt may hold (``--limit-mm-per-prompt``; 0: the tower not loaded)."""
+        return json_ints(self.limit_mm_per_prompt).get("image", DEFAULT_IMAGES)
+
+    @property
+    def processor_limits(self) -> dict[str, int]:
+        return json_ints(self.mm_processor_kwargs)
+
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """``speculative_config`` parsed (None: off)."""
@@ -187,6 +222,23 @@ class Settings(BaseSettings):
     def served_name(self) -> str:
         return (self.served_model_name or self.model_name or self.model
                 or self.weights.resolve().name)
+
+
+DEFAULT_IMAGES = 8  # images a prompt may hold, unless --limit-mm-per-prompt says
+
+
+def json_ints(value: str) -> dict[str, int]:
+    """A flag's JSON object of non-negative integers ({} for empty); ValueError otherwise."""
+    if not value.strip():
+        return {}
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not JSON") from None
+    if not isinstance(parsed, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in parsed.values()):
+        raise ValueError(f"{value!r} must be a JSON object of non-negative integers")
+    return {str(k): int(v) for k, v in parsed.items()}
 
 
 def parse_cli(argv: list[str] | None = None) -> Settings:

@@ -54,10 +54,34 @@ def text_config(shape: dict[str, Any], vocab: int = 8192) -> Any:
                      else "linear_attention" for i in range(n)])
 
 
-def make_checkpoint(path: Path, name: str, vision: bool = False, seed: int = 0,
+# Vision towers of the tiny vision-language checkpoints (transformers' Qwen3_5VisionConfig
+# fields; out_hidden_size is the text model's width).
+VISION_SHAPES: dict[str, dict[str, Any]] = {
+    "v1": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2},
+    "v2": {"depth": 2, "hidden_size": 48, "intermediate_size": 80, "num_heads": 3,
+           "num_position_embeddings": 256},
+}
+# The image processor's limits of those checkpoints: 64² to 256² pixels (4 to 64 tokens).
+IMAGE_PIXELS = {"shortest_edge": 64 * 64, "longest_edge": 256 * 256}
+# The image tokens' ids: the Qwen tokenizer's own, or free ids of the project's.
+IMAGE_IDS = {"qwen": {"image_token_id": 151655, "video_token_id": 151656,
+                      "vision_start_token_id": 151652, "vision_end_token_id": 151653},
+             "project": {"image_token_id": 8000, "video_token_id": 8001,
+                         "vision_start_token_id": 8002, "vision_end_token_id": 8003}}
+
+
+def write_processor(path: Path, pixels: dict[str, int] | None = None) -> None:
+    """A ``preprocessor_config.json`` as Qwen3.5 ships it (transformers' PIL processor)."""
+    transformers = pytest.importorskip("transformers")
+    proc = transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil
+    proc(patch_size=16, merge_size=2, temporal_patch_size=2, size=pixels or IMAGE_PIXELS,
+         image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]).save_pretrained(path)
+
+
+def make_checkpoint(path: Path, name: str, vision: bool | str = False, seed: int = 0,
                     tokenizer: str = "qwen", scale: float = 4.0) -> Path:
     """Save a random-weight Qwen3.5 of shape ``SHAPES[name]`` (the vision-language wrapper
-    with ``vision``) with a tokenizer (``"qwen"`` or ``"project"``), chat template and
+    with ``vision``: True or a ``VISION_SHAPES`` name, with its image processor's config) with a tokenizer (``"qwen"`` or ``"project"``), chat template and
     generation config, its matrices ``scale`` times transformers' initialisation; returns
     the folder."""
     transformers = pytest.importorskip("transformers")
@@ -65,10 +89,10 @@ def make_checkpoint(path: Path, name: str, vision: bool = False, seed: int = 0,
     shape = {**SHAPES, **KERNEL_SHAPES}[name]
     cfg = text_config(shape, QWEN_VOCAB if tokenizer == "qwen" else 8192)
     if vision:
+        tower = VISION_SHAPES[vision if isinstance(vision, str) else "v1"]
         full = transformers.Qwen3_5Config(
             text_config=cfg.to_dict(), tie_word_embeddings=shape["tie"],
-            vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64,
-                           "num_heads": 2, "out_hidden_size": 64})
+            vision_config={**tower, "out_hidden_size": 64}, **IMAGE_IDS[tokenizer])
         model = transformers.Qwen3_5ForConditionalGeneration(full)
     else:
         model = transformers.Qwen3_5ForCausalLM(cfg)
@@ -76,6 +100,8 @@ def make_checkpoint(path: Path, name: str, vision: bool = False, seed: int = 0,
         for p in model.parameters():
             p.mul_(scale if p.dim() > 1 else 1.0)
     model.eval().save_pretrained(path)
+    if vision:
+        write_processor(path)
     if tokenizer == "qwen":
         write_qwen_tokenizer_files(path)
     else:

@@ -7,7 +7,9 @@ animated GIF or WebP gives its first frame. Torch-free (the HTTP process runs it
 
 from __future__ import annotations
 
+import hashlib
 import io
+import struct
 import warnings
 from dataclasses import dataclass
 
@@ -50,9 +52,10 @@ def decode(data: bytes, max_pixels: int = MAX_PIXELS) -> RGBImage:
         raise
     except Image.DecompressionBombError as exc:
         raise ImageError(f"the image is too large to decode: {exc}") from None
+    except Image.UnidentifiedImageError:
+        raise ImageError("the data is not a PNG, JPEG, WebP or GIF image") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as exc:
-        raise ImageError(f"the image could not be decoded (PNG, JPEG, WebP and GIF are "
-                         f"read): {exc}") from None
+        raise ImageError(f"the image is corrupt or truncated ({exc})") from None
     if w < 1 or h < 1:
         raise ImageError("the image has no pixels")
     return RGBImage(w, h, to_rgb(img).tobytes())
@@ -65,3 +68,14 @@ def to_rgb(img: Image.Image) -> Image.Image:
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
     return img.convert("RGB")
+
+
+def digest(image: RGBImage, *salt: bytes) -> str:
+    """The content hash of an image's pixels (and its size, and ``salt``: how it was
+    prepared), as :class:`linserve.model.inputs.Insert` carries it (hex)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(struct.pack("<II", image.width, image.height))
+    h.update(image.pixels)
+    for s in salt:
+        h.update(s)
+    return h.hexdigest()

@@ -13,12 +13,14 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
+from linserve.model.inputs import Insert
 from linserve.server import metrics
 from linserve.server.api import reasoning
 from linserve.server.api.chat_reply import ChatShape
 from linserve.server.api.chat_session import ChatTurn, next_prompt
 from linserve.server.api.chat_template import CHAT_STOP, render_chat
 from linserve.server.api.errors import APIError
+from linserve.server.api.images import place, read_images
 from linserve.server.api.protocol import ChatRequest, CompletionRequest
 from linserve.server.api.service import GenerationService, Prepared
 from linserve.server.api.streaming import log_request, observe_tokens
@@ -74,15 +76,23 @@ async def start_chat(svc: GenerationService, body: ChatRequest, owner: str,
     session keeps beside the reply's state (see :class:`Prepared`); ``call_ids``: the
     prefix of the reply's tool-call ids (default: random ids)."""
     check_inputs(svc, body)
+    spec = svc.info.image_spec
+    found = await read_images(body.messages, spec, svc.settings) if spec is not None else []
     text, stops, shape, turn = await _chat_prompt(svc, body, owner)
     shape.call_ids = call_ids
     prompt_ids = svc.tokenize_prompt(text, "messages")
+    inserts: tuple[Insert, ...] = ()
+    if spec is not None:  # each image where the template put its placeholder
+        prompt_ids, inserts = place(prompt_ids, spec.placeholder, found)
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     prep = prepare(svc, body, owner, prompt_ids, DEFAULT_CHAT_TOKENS, n_lp,
                    body.stop_list() + stops, await svc.grammar_of(body))
-    prep.turn, prep.meta = turn, meta
+    prep.turn, prep.meta, prep.inserts = turn, meta, inserts
+    if inserts:  # a state right after the last image: later text changes never redo it
+        prep.keep_at = inserts[-1].end
     # a stateless reply whose conversation is prefilled again after it (next_turn.py)
-    turns = svc.next_turns if body.session_id is None and body.n == 1 else None
+    turns = svc.next_turns if body.session_id is None and body.n == 1 and not inserts \
+        else None
     if turns is not None and body.add_generation_prompt and not body.continue_final_message:
         prep.keep_at = turns.boundary(body.messages, _render_vars(svc, body), prompt_ids)
     handles = await svc.start_choices(prep, body.n)

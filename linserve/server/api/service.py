@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from linserve.model.inputs import Insert
 from linserve.model.interface import ServedModel, State
 from linserve.model.sampling import SamplingParams
 from linserve.server.api.chat_session import ChatTurn
@@ -64,6 +65,7 @@ class Prepared:
     grammar: GrammarSpec | None = None
     turn: ChatTurn | None = None  # a template chat session's turn (server.api.chat_session)
     keep_at: int = 0  # keep a prefix-cache state after prompt_ids[:keep_at] (next_turn.py)
+    inserts: tuple[Insert, ...] = ()  # its images, at their virtual ids in prompt_ids
     # What the session keeps beside its state once the reply is whole (its text, its last
     # output): a stored response (server.api.responses.stored), written with the state.
     meta: Callable[[str, Output], dict[str, Any]] | None = None
@@ -199,7 +201,7 @@ class GenerationService:
             req = GenerationRequest(new_id("cmpl"), prep.prompt_ids, prep.params, prep.stop,
                                     prompt_logprobs=prep.prompt_logprobs, chat=prep.chat,
                                     fault=prep.fault, grammar=prep.grammar,
-                                    keep_at=prep.keep_at)
+                                    keep_at=prep.keep_at, inserts=prep.inserts)
             if self.remote is not None and not prep.prompt_logprobs:
                 hint = await self.remote.lookup(prep.prompt_ids, len(prep.prompt_ids) - 1)
                 if hint is not None:
@@ -232,7 +234,7 @@ class GenerationService:
         return GenerationRequest(new_id("cmpl"), feed, params, prep.stop, start_state=start,
                                  start_tokens=start_tokens,
                                  prompt_logprobs=prep.prompt_logprobs, chat=prep.chat,
-                                 fault=prep.fault, grammar=prep.grammar)
+                                 fault=prep.fault, grammar=prep.grammar, inserts=prep.inserts)
 
     def _check_open(self) -> None:
         if self.draining():
@@ -266,7 +268,7 @@ class GenerationService:
         ids = prep.prompt_ids
         base: State | None = self.named_state(prep.state_name, prep.session_id)
         feed, cached = ids, 0
-        if len(ids) > 1 and not prep.prompt_logprobs and base is None:
+        if len(ids) > 1 and not prep.prompt_logprobs and base is None and not prep.inserts:
             if self.next_turns is not None:
                 await self.next_turns.settled(ids)
             base, feed, cached = await self._prefill(ids)
@@ -299,7 +301,8 @@ class GenerationService:
                                     start_state=sess.state, start_tokens=consumed,
                                     prompt_logprobs=prep.prompt_logprobs,
                                     want_state=prep.turn is None,
-                                    chat=prep.chat, fault=prep.fault, grammar=prep.grammar)
+                                    chat=prep.chat, fault=prep.fault, grammar=prep.grammar,
+                                    inserts=prep.inserts)
             handle = self._submit(req)
         except BaseException:
             await self.store.release(sid, token)

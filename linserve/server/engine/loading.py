@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from linserve.model import kernels
+from linserve.model import kernels, modes
 from linserve.model.heap import keep_scratch, trim
 from linserve.model.interface import ModelInfo, ServedModel
 from linserve.model.kernels import bf16_gemm  # noqa: F401 (re-exported for the app's startup)
@@ -70,6 +70,7 @@ def load_engine_model(settings: Settings) -> ServedModel:
     :func:`engine_threads`."""
     torch.set_num_threads(settings.threads or available_cpus())
     start = time.perf_counter()
+    apply_image_settings(settings)
     model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
                  settings.quantization)
     apply_initial_state(model, settings)
@@ -99,6 +100,7 @@ def describe_model(settings: Settings) -> ServedModel:
     """The model without its weights (:func:`linserve.model.loader.load` with ``weights=False``):
     what the HTTP process needs beside an engine process that holds the weights. Its
     ``info`` is replaced by the engine's once that has loaded."""
+    apply_image_settings(settings)
     model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
                  settings.quantization, weights=False)
     apply_initial_state(model, settings)
@@ -107,6 +109,13 @@ def describe_model(settings: Settings) -> ServedModel:
     model.tokenizer().prefetch(then=trim)
     trim()
     return model
+
+
+def apply_image_settings(settings: Settings) -> None:
+    """``--limit-mm-per-prompt '{"image": 0}'`` leaves a vision tower unread;
+    ``--mm-processor-kwargs`` replaces the image processor's limits (both processes, so
+    that they count an image's tokens alike)."""
+    modes.set_images(settings.image_limit > 0, settings.processor_limits)
 
 
 def apply_initial_state(model: ServedModel, settings: Settings) -> None:
