@@ -57,7 +57,7 @@ CASES: list[tuple[str, str, object, int]] = [
     ("too many stops", C, {"prompt": "a", "stop": ["x"] * 20}, 400),
     ("empty stop", C, {"prompt": "a", "stop": [""]}, 400),
     ("unknown session", C, {"prompt": "a", "session_id": "sess_nope"}, 404),
-    ("huge body", C, b'{"prompt": "' + b"a" * (2 << 20) + b'"}', 413),
+    ("huge body", C, b'{"prompt": "' + b"a" * (33 << 20) + b'"}', 413),
     ("invalid utf-8", C, b'{"prompt": "\xff\xfe\xfd"}', 400),
     ("chat without messages", "/v1/chat/completions", {"messages": []}, 400),
     ("chat bad role", "/v1/chat/completions", {"messages": [{"role": "x", "content": "a"}]},

@@ -125,7 +125,7 @@ def test_non_streaming_request_is_cancelled_on_disconnect(server: ServerProcess)
 
 def test_chunked_oversize_body_gets_413(server: ServerProcess) -> None:
     def chunks():  # no Content-Length: Transfer-Encoding chunked
-        for _ in range(40):
+        for _ in range(33 * 16):  # past the default 32 MiB
             yield b" " * 65536
 
     r = httpx.post(server.url + "/v1/completions", content=chunks(),
