@@ -81,7 +81,8 @@ def write_processor(path: Path, pixels: dict[str, int] | None = None) -> None:
 def make_checkpoint(path: Path, name: str, vision: bool | str = False, seed: int = 0,
                     tokenizer: str = "qwen", scale: float = 4.0) -> Path:
     """Save a random-weight Qwen3.5 of shape ``SHAPES[name]`` (the vision-language wrapper
-    with ``vision``: True or a ``VISION_SHAPES`` name, with its image processor's config) with a tokenizer (``"qwen"`` or ``"project"``), chat template and
+    with ``vision``: True or a ``VISION_SHAPES`` name, with its image processor's config)
+    with a tokenizer (``"qwen"`` or ``"project"``), chat template and
     generation config, its matrices ``scale`` times transformers' initialisation; returns
     the folder."""
     transformers = pytest.importorskip("transformers")

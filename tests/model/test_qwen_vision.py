@@ -186,7 +186,7 @@ def test_limit_zero_leaves_the_tower_unread(checkpoint: Path) -> None:
     finally:
         modes.set_images(True)
     assert model.info.input_kinds == () and model.info.image_spec is None
-    assert getattr(model, "module").visual is None
+    assert isinstance(model, ServedModule) and model.module.visual is None
 
 
 def test_processor_limits_override_the_checkpoints(checkpoint: Path) -> None:

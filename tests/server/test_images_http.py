@@ -131,11 +131,11 @@ def test_chat_answers_as_transformers_and_caches_the_picture(srv: ServerProcess,
 def test_two_pictures_and_every_source(srv: ServerProcess, files: dict[str, Path],
                                        site: str) -> None:
     a, b = picture(100, 180, 1), (files["media"] / "a.png").read_bytes()
-    content = _content(data_url(a)) + [{"type": "image_url",
+    content = [*_content(data_url(a)), {"type": "image_url",
                                         "image_url": {"url": f"{site}/a.png"}}]
     reply = _chat(srv, content)
     assert reply.choices[0].message.content == _reference_text(files["model"], [a, b])
-    local = _content(data_url(a)) + [{"type": "image_url", "image_url": {
+    local = [*_content(data_url(a)), {"type": "image_url", "image_url": {
         "url": (files["media"] / "a.png").as_uri()}}]
     assert _chat(srv, local).choices[0].message.content == reply.choices[0].message.content
 
