@@ -305,3 +305,31 @@ def test_api_key_flow(browser: Any, linear_weights: Path) -> None:
         assert p.errors == []
         p.close()
         assert key not in srv.logs()
+
+
+def test_an_image_is_sent_and_shown_in_the_transcript(browser: Any, tmp_path: Path) -> None:
+    """A vision-language model: the image control appears, an attached picture shows in
+    the transcript and reaches the model (its tokens counted in the prompt)."""
+    from tests.model.qwen_fixtures import make_checkpoint
+    from tests.model.vision_fixtures import picture
+
+    model = make_checkpoint(tmp_path / "vl", "i4-tied", vision=True)
+    (tmp_path / "cat.png").write_bytes(picture(100, 150, 3))
+    with ServerProcess.serving(model) as srv:
+        p = Page(browser, srv.url)
+        page = p.open()
+        wait_until(page, MODEL_SHOWN)
+        page.check("input[value=chat]")
+        page.uncheck("#use-session")
+        set_field(page, "max_tokens", "5")
+        assert page.is_visible("#image-file")
+        page.set_input_files("#image-file", str(tmp_path / "cat.png"))
+        wait_until(page, "document.querySelectorAll('#attached img').length === 1")
+        page.fill("#prompt", "What is this?")
+        generate(page)
+        assert page.eval_on_selector_all(".pane .turn img.thumb", "xs => xs.length") == 1
+        assert page.eval_on_selector_all("#attached img", "xs => xs.length") == 0
+        cached = re.search(r"(\d+) of (\d+)", page.inner_text(".pane .stats"))
+        assert cached is not None and int(cached.group(2)) > 20  # the picture's tokens
+        assert p.errors == []
+        p.close()

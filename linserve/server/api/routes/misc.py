@@ -28,7 +28,8 @@ async def list_models(request: Request, _: Owner) -> dict[str, Any]:
         "state_grows": st.model.info.state_grows,
         "state_bytes_per_token": st.model.info.state_bytes_per_token,
         "quantization": st.model.info.quantization,
-        "weight_bytes": st.model.info.weight_bytes}]}
+        "weight_bytes": st.model.info.weight_bytes,
+        "input_modalities": ["text", *st.model.info.input_kinds]}]}
 
 
 @router.post("/tokenize", tags=["tokenizer"], responses=ERRORS)

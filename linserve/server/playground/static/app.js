@@ -15,9 +15,10 @@
     sessionInfo: $("session-info"), newSession: $("new-session"), fork: $("fork-session"),
     exportSession: $("export-session"), deleteSession: $("delete-session"),
     importFile: $("import-file"), chart: $("chart"), serverFigures: $("server-figures"),
-    template: $("pane-template"),
+    template: $("pane-template"), images: $("images"), imageFile: $("image-file"),
+    attached: $("attached"),
   };
-  const app = { model: null, panes: [], controllers: [], running: false };
+  const app = { model: null, panes: [], controllers: [], running: false, images: [] };
 
   // ---- HTTP -------------------------------------------------------------------------
   function apiKey() { return sessionStorage.getItem(KEY_STORAGE) || ""; }
@@ -116,6 +117,7 @@
         (growing ? fixed + "a KV cache of " + formatBytes(m.state_bytes_per_token || 0) +
                    " per token (max " + m.max_model_len + ")"
                  : "constant state of " + formatBytes(m.state_bytes) + " per session");
+      ui.images.hidden = !(m.input_modalities || []).includes("image");
       ui.auth.hidden = true;
       clearError();
     } catch (err) {
@@ -252,12 +254,47 @@
     refreshSessionUi();
   }
 
-  function requestFor(pane, prompt, offset) {
+  // ---- images (a vision-language model, chat mode) -------------------------------------
+  function attachFiles(files) {
+    for (const file of files) {
+      if (!file.type.startsWith("image/")) continue;
+      const reader = new FileReader();
+      reader.onload = () => { app.images.push(reader.result); showAttached(); };
+      reader.readAsDataURL(file);
+    }
+  }
+
+  function thumb(url, label) {
+    const img = document.createElement("img");
+    img.className = "thumb";
+    img.src = url;
+    img.alt = label;
+    return img;
+  }
+
+  function showAttached() {
+    ui.attached.replaceChildren(...app.images.map((url, i) => {
+      const remove = document.createElement("button");
+      remove.type = "button";
+      remove.title = "Remove image " + (i + 1);
+      remove.append(thumb(url, "attached image " + (i + 1) + " (click to remove)"));
+      remove.addEventListener("click", () => { app.images.splice(i, 1); showAttached(); });
+      return remove;
+    }));
+  }
+
+  function userContent(prompt, images) {
+    if (!images.length) return prompt;
+    return [{ type: "text", text: prompt }].concat(
+      images.map((url) => ({ type: "image_url", image_url: { url: url } })));
+  }
+
+  function requestFor(pane, prompt, offset, images) {
     const body = Object.assign(readParams(offset), { model: app.model ? app.model.id : undefined,
       stream: true, stream_options: { include_usage: true } });
     if (pane.sessionId) body.session_id = pane.sessionId;
     if (mode() === "chat") {
-      const message = { role: "user", content: prompt };
+      const message = { role: "user", content: userContent(prompt, images) };
       body.messages = pane.sessionId ? [message] : pane.messages.concat([message]);
       return ["/v1/chat/completions", body];
     }
@@ -265,14 +302,15 @@
     return ["/v1/completions", body];
   }
 
-  function showPrompt(pane, prompt) {
+  function showPrompt(pane, prompt, images) {
     if (mode() === "chat") {
       const turn = document.createElement("p");
       turn.className = "turn";
       const who = document.createElement("span");
       who.className = "who";
       who.textContent = "You: ";
-      turn.append(who, document.createTextNode(prompt));
+      turn.append(who, document.createTextNode(prompt),
+                  ...images.map((url, i) => thumb(url, "image " + (i + 1) + " sent")));
       pane.out.append(turn);
       appendText(pane, "", "who").textContent = "Assistant: ";
     } else if (prompt) {
@@ -280,10 +318,10 @@
     }
   }
 
-  async function runPane(pane, prompt, offset, signal) {
+  async function runPane(pane, prompt, offset, signal, images) {
     await ensureSession(pane);
-    const [path, body] = requestFor(pane, prompt, offset);
-    showPrompt(pane, prompt);
+    const [path, body] = requestFor(pane, prompt, offset, images);
+    showPrompt(pane, prompt, images);
     const t0 = performance.now();
     let first = null;
     let text = "";
@@ -309,7 +347,7 @@
     if (mode() === "chat") {
       appendText(pane, "\n");
       if (!pane.sessionId) {
-        pane.messages.push({ role: "user", content: prompt },
+        pane.messages.push({ role: "user", content: userContent(prompt, images) },
                            { role: "assistant", content: text.trim() });
       }
     }
@@ -353,10 +391,12 @@
     if (app.running) return;
     clearError();
     const prompt = ui.prompt.value;
+    const images = mode() === "chat" ? app.images.splice(0) : [];
+    showAttached();
     const controller = new AbortController();
     app.controllers = [controller];
     setRunning(true);
-    const runs = app.panes.map((pane, i) => runPane(pane, prompt, i, controller.signal)
+    const runs = app.panes.map((pane, i) => runPane(pane, prompt, i, controller.signal, images)
       .catch((err) => {
         if (err.name === "AbortError") {
           appendText(pane, " [stopped]", "prompt");
@@ -481,6 +521,17 @@
         resetPanes(null);
       });
     }
+    ui.imageFile.addEventListener("change", () => { attachFiles(ui.imageFile.files); ui.imageFile.value = ""; });
+    ui.prompt.addEventListener("paste", (e) => {
+      const files = Array.from(e.clipboardData ? e.clipboardData.files : []);
+      if (files.length && !ui.images.hidden) { e.preventDefault(); attachFiles(files); }
+    });
+    ui.prompt.addEventListener("dragover", (e) => { if (!ui.images.hidden) e.preventDefault(); });
+    ui.prompt.addEventListener("drop", (e) => {
+      if (ui.images.hidden || !e.dataTransfer || !e.dataTransfer.files.length) return;
+      e.preventDefault();
+      attachFiles(e.dataTransfer.files);
+    });
     ui.prompt.addEventListener("keydown", (e) => {
       if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); generate(); }
     });
