@@ -6,6 +6,7 @@ whether a vision-language checkpoint's tower is loaded, with its processor's lim
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ _enabled = [True]
 
 
 _quantization = ["none"]
-_images: list[Any] = [True, {}]  # the tower wanted; the processor's overrides
+_images: list[Any] = [True, {}, None]  # the tower wanted; the processor's overrides; mmproj
 
 
 def set_enabled(on: bool) -> None:
@@ -49,11 +50,12 @@ def active() -> bool:
     return _enabled[0] and kernels.available() and not torch.is_grad_enabled()
 
 
-def set_images(wanted: bool, limits: dict[str, Any] | None = None) -> None:
+def set_images(wanted: bool, limits: dict[str, Any] | None = None,
+               mmproj: Path | None = None) -> None:
     """Load vision towers (``wanted``; off: a vision-language checkpoint serves text only,
     its tower never read) with the image processor's ``min_pixels`` / ``max_pixels``
-    overridden by ``limits``."""
-    _images[0], _images[1] = wanted, dict(limits or {})
+    overridden by ``limits``; a GGUF model's tower from llama.cpp's ``mmproj`` file."""
+    _images[0], _images[1], _images[2] = wanted, dict(limits or {}), mmproj
 
 
 def images_wanted() -> bool:
@@ -62,3 +64,8 @@ def images_wanted() -> bool:
 
 def image_limits() -> dict[str, Any]:
     return dict(_images[1])
+
+
+def mmproj() -> Path | None:
+    """The mmproj file of a GGUF model's vision tower (``--mmproj``), if one was given."""
+    return _images[2] if _images[0] else None

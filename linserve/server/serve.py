@@ -15,7 +15,11 @@ from pydantic import ValidationError
 from linserve import __version__
 from linserve.model import kernels, loader
 from linserve.server.api.app import create_app, wrap
-from linserve.server.engine.loading import describe_model, resolve_checkpoint
+from linserve.server.engine.loading import (
+    apply_image_settings,
+    describe_model,
+    resolve_checkpoint,
+)
 from linserve.server.sessions.named_states import load_named_states
 from linserve.server.settings import parse_cli
 from linserve.server.speculative.draft import check_speculative
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None, boot: float | None = None,
     pin_mmap_threshold(settings.malloc_mmap_threshold)
     try:
         settings = resolve_checkpoint(settings)
+        apply_image_settings(settings)  # a vision tower, --mmproj's too, is checked with it
         loader.check(settings.weights, settings.dtype, settings.quantization,
                      settings.max_memory)
         state_limit = max_state_bytes(settings.weights)

@@ -118,6 +118,9 @@ class Settings(BaseSettings):
         "", description='the image processor\'s limits, as JSON (vLLM\'s flag): '
         '{"min_pixels": N, "max_pixels": N} replace the checkpoint\'s '
         "preprocessor_config.json (fewer pixels, fewer tokens an image)")
+    mmproj: str = Field(
+        "", description="a GGUF model's vision tower: llama.cpp's mmproj file, as llama-server "
+        "takes it (clip.* keys, v.* / mm.* tensors; Qwen3.5's qwen3vl_merger)")
     allowed_media_domains: str = Field(
         "", description="comma-separated hosts whose http(s) image URLs are fetched (vLLM's "
         "flag; empty: none are; data: URLs are always read)")

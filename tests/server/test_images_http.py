@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import http.server
 import io
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -212,3 +214,24 @@ def test_limit_zero_serves_the_checkpoint_as_text(files: dict[str, Path]) -> Non
         with pytest.raises(openai.BadRequestError, match="takes no image input"):
             _chat(s, _content(data_url(picture(64, 64, 1))))
         assert _chat(s, QUESTION).choices[0].finish_reason
+
+
+def test_a_gguf_file_with_its_mmproj_sees_the_picture(files: dict[str, Path]) -> None:
+    """``linserve serve model.gguf --mmproj mmproj.gguf``, both written by llama.cpp's own
+    converter from the checkpoint, answers as transformers does; a file that is no mmproj
+    is one line at startup."""
+    from tests.model.gguf_fixtures import Conversion, convert_many
+
+    model, proj = files["model"].parent / "vl.gguf", files["model"].parent / "vl-mmproj.gguf"
+    convert_many([Conversion(files["model"], model, "f32", None, ("--no-mtp",)),
+                  Conversion(files["model"], proj, "f32", None, ("--mmproj",))])
+    pic = picture(100, 180, 1)
+    with ServerProcess.serving(model, "--mmproj", str(proj), "--mm-processor-kwargs",
+                               '{"min_pixels": 4096, "max_pixels": 65536}') as s:
+        reply = _chat(s, _content(data_url(pic)))
+        assert reply.choices[0].message.content == _reference_text(files["model"], [pic])
+    bad = subprocess.run([sys.executable, "-m", "linserve", "serve", str(model), "--mmproj",
+                          str(model), "--port", "0"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "not an mmproj file" in bad.stderr
+    assert "Traceback" not in bad.stderr

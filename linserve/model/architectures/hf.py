@@ -26,12 +26,13 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from linserve.model import heap, packing
+from linserve.model import heap, modes, packing
 from linserve.model.architectures import rwkv_pth
 from linserve.model.fingerprint import files_fingerprint
 from linserve.model.gguf.checkpoint import GGUFCheckpoint
 from linserve.model.gguf.checkpoint import checkpoint as gguf_checkpoint
 from linserve.model.gguf.files import GGUFFileError, is_gguf
+from linserve.model.gguf.mmproj import MMProj, is_mmproj, mmproj
 from linserve.model.interface import CheckpointError
 from linserve.model.layers import moe
 from linserve.model.tokenizer import TextTokenizer, Tokenizer
@@ -105,6 +106,14 @@ def gguf(path: Path) -> GGUFCheckpoint:
     """The GGUF model at ``path``; any problem with it is a one-line CheckpointError."""
     try:
         return gguf_checkpoint(path)
+    except GGUFFileError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def mmproj_file(path: Path) -> MMProj:
+    """The mmproj file at ``path``; any problem with it is a one-line CheckpointError."""
+    try:
+        return mmproj(path)
     except GGUFFileError as exc:
         raise CheckpointError(str(exc)) from None
 
@@ -270,7 +279,13 @@ def _tensors(path: Path, rename: Callable[[str], str | None], split: Split,
     for name in ck.names(accept):
         target = rename(name)
         shapes[name] = ours[target] if target in ours else ck.shape(name)
-    return {n: path for n in shapes}, shapes
+    files = {n: path for n in shapes}
+    tower = modes.mmproj()
+    if tower is not None and any(k.startswith("visual.") for k in ours):
+        proj = mmproj_file(tower)  # a vision tower beside it (llama.cpp's --mmproj)
+        for name in proj.names:
+            files[name], shapes[name] = tower, proj.shape(name)
+    return files, shapes
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -429,6 +444,10 @@ def read_into(file: Path, pairs: list[tuple[torch.Tensor, str, Index]]) -> None:
         for name, dests in by_name.items():
             _scatter(rwkv_pth.read(file, name), dests)
         return
+    if is_mmproj(file):
+        for name, dests in by_name.items():
+            _scatter(mmproj_file(file).read(name), dests)
+        return
     if is_gguf(file):
         ck = gguf(file)
         for name, dests in by_name.items():
@@ -480,7 +499,9 @@ def _scatter(t: torch.Tensor, dests: list[tuple[torch.Tensor, Index]]) -> None:
 def fingerprint(path: Path) -> str:
     """config.json and the weight files, sampled (:mod:`linserve.model.fingerprint`)."""
     if is_gguf(path):
-        return gguf(path).fingerprint()
+        tower = modes.mmproj() if modes.images_wanted() else None
+        return gguf(path).fingerprint() + ("" if tower is None else
+                                           "-v" + mmproj_file(tower).fingerprint()[:16])
     pth = rwkv_pth.pth_file(path)
     if pth is not None:
         return files_fingerprint([pth], b"")

@@ -115,7 +115,8 @@ def apply_image_settings(settings: Settings) -> None:
     """``--limit-mm-per-prompt '{"image": 0}'`` leaves a vision tower unread;
     ``--mm-processor-kwargs`` replaces the image processor's limits (both processes, so
     that they count an image's tokens alike)."""
-    modes.set_images(settings.image_limit > 0, settings.processor_limits)
+    modes.set_images(settings.image_limit > 0, settings.processor_limits,
+                     Path(settings.mmproj) if settings.mmproj else None)
 
 
 def apply_initial_state(model: ServedModel, settings: Settings) -> None:

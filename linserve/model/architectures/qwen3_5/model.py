@@ -25,11 +25,12 @@ from linserve.model.architectures.qwen3_5 import mrope
 from linserve.model.architectures.qwen3_5.layers import DecoderLayer, Qwen35Config, qwen_norm
 from linserve.model.architectures.qwen3_5.mtp import QwenMTP, mtp_plan
 from linserve.model.inputs import Encoder, InsertTable
+from linserve.model.interface import CheckpointError
 from linserve.model.layers import native_step
 from linserve.model.layers.decoder import DecoderLM
 from linserve.model.state import ConvEntry, KVEntry, PositionEntry, RecurrentEntry, State
 from linserve.model.vision.qwen_prep import QwenImageSpec
-from linserve.model.vision.qwen_tower import QwenImageEncoder, QwenVisionTower
+from linserve.model.vision.qwen_tower import QwenImageEncoder, QwenVisionTower, VisionConfig
 
 log = logging.getLogger("linserve")
 
@@ -157,13 +158,40 @@ def mtp_present(cfg: Qwen35Config, path: Path) -> Qwen35Config:
     if cfg.mtp_layers and not hf.is_gguf(path) and \
             not any(n.startswith("mtp.") for n in hf.tensor_files(path)):
         cfg = dataclasses.replace(cfg, mtp_layers=0)
+    if hf.is_gguf(path):
+        proj = modes.mmproj()
+        return cfg if proj is None else gguf_tower(cfg, path, proj)
     if cfg.vision is not None:
-        tower = not hf.is_gguf(path) and modes.images_wanted() and \
+        tower = modes.images_wanted() and \
             any(n.startswith("model.visual.") for n in hf.tensor_files(path))
         cfg = dataclasses.replace(cfg, vision=None, image=None) if not tower else \
             dataclasses.replace(cfg, image=QwenImageSpec.from_checkpoint(
                 path, hf.config_json(path)).with_limits(modes.image_limits()))
     return cfg
+
+
+IMAGE_PAD = "<|image_pad|>"  # the placeholder Qwen's chat template writes for an image
+
+
+def gguf_tower(cfg: Qwen35Config, path: Path, proj_path: Path) -> Qwen35Config:
+    """A GGUF model's config with the vision tower of llama.cpp's mmproj file
+    (``--mmproj``), its placeholder the GGUF vocabulary's ``<|image_pad|>``."""
+    proj = hf.mmproj_file(proj_path)
+    tokens = hf.gguf(path).model.meta.get("tokenizer.ggml.tokens") or []
+    pad = next((i for i, t in enumerate(tokens) if t == IMAGE_PAD), None)
+    if pad is None:
+        raise CheckpointError(f"{path}: the vocabulary has no {IMAGE_PAD} token for the "
+                              f"images of {proj_path.name}")
+    vision = VisionConfig.from_hf(proj.vision_config())
+    if vision.out_hidden != cfg.hidden_size:
+        raise CheckpointError(f"{proj_path}: the tower's projection is {vision.out_hidden} "
+                              f"wide, the model {cfg.hidden_size}: not this model's mmproj")
+    mean, std = proj.normalization()
+    spec = QwenImageSpec(placeholder=pad, patch=vision.patch, merge=vision.merge,
+                         temporal=vision.temporal, mean=(mean[0], mean[1], mean[2]),
+                         std=(std[0], std[1], std[2]))
+    return dataclasses.replace(cfg, vision=vision,
+                               image=spec.with_limits(modes.image_limits()))
 
 
 def describe_as(name: str, moe_name: str = "") -> Callable[[Qwen35Config], str]:
