@@ -57,9 +57,12 @@ case "${1:-}" in
     # --no-mtp: Qwen3.5's benchmark checkpoints carry no multi-token-prediction head (the
     # flag exists for Qwen's families only); one whose config counts MTP layers keeps them.
     # LINSERVE_GGUF_PRE=gpt-2: name the tokenizer's pre-tokenizer (bench/gguf_pre_shim.py)
-    extra=()
+    # Arguments after the type go to the converter (--mmproj: the vision tower's file, for
+    # which --no-mtp is not taken).
+    extra=("${@:5}")
     if grep -q '"model_type": "qwen3_5' "$2/config.json" &&
-       ! grep -Eq '"mtp_num_hidden_layers": [1-9]' "$2/config.json"; then extra=(--no-mtp); fi
+       ! grep -Eq '"mtp_num_hidden_layers": [1-9]' "$2/config.json" &&
+       [[ " ${extra[*]} " != *" --mmproj "* ]]; then extra+=(--no-mtp); fi
     if [ -n "${LINSERVE_GGUF_PRE:-}" ]; then
       "$py" "$(dirname "$0")/gguf_pre_shim.py" "$SRC" "$2" --outfile "$3" --outtype "$4" "${extra[@]}"
     else

@@ -166,6 +166,19 @@ def test_responses_and_messages_see_the_picture(srv: ServerProcess,
                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert "".join(b.text for b in msg.content if b.type == "text") == \
         plain.choices[0].message.content
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(pic).decode()}}
+    count = httpx.post(srv.url + "/v1/messages/count_tokens", json={
+        "model": "vl", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": QUESTION}, image]}]}).json()["input_tokens"]
+    assert count == msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
+    tool = client.messages.create(model="vl", max_tokens=4, messages=[
+        {"role": "user", "content": "Take a picture."},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "camera", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [image]}]}])
+    assert tool.usage.input_tokens + (tool.usage.cache_read_input_tokens or 0) > count - 10
 
 
 def test_a_session_keeps_its_picture(srv: ServerProcess) -> None:

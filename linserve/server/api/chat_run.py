@@ -20,7 +20,7 @@ from linserve.server.api.chat_reply import ChatShape
 from linserve.server.api.chat_session import ChatTurn, next_prompt
 from linserve.server.api.chat_template import CHAT_STOP, render_chat
 from linserve.server.api.errors import APIError
-from linserve.server.api.images import place, read_images
+from linserve.server.api.images import PromptImage, place, read_images
 from linserve.server.api.protocol import ChatRequest, CompletionRequest
 from linserve.server.api.service import GenerationService, Prepared
 from linserve.server.api.streaming import log_request, observe_tokens
@@ -76,14 +76,10 @@ async def start_chat(svc: GenerationService, body: ChatRequest, owner: str,
     session keeps beside the reply's state (see :class:`Prepared`); ``call_ids``: the
     prefix of the reply's tool-call ids (default: random ids)."""
     check_inputs(svc, body)
-    spec = svc.info.image_spec
-    found = await read_images(body.messages, spec, svc.settings) if spec is not None else []
+    found = await _images(svc, body)
     text, stops, shape, turn = await _chat_prompt(svc, body, owner)
     shape.call_ids = call_ids
-    prompt_ids = svc.tokenize_prompt(text, "messages")
-    inserts: tuple[Insert, ...] = ()
-    if spec is not None:  # each image where the template put its placeholder
-        prompt_ids, inserts = place(prompt_ids, spec.placeholder, found)
+    prompt_ids, inserts = _placed(svc, text, found)
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     prep = prepare(svc, body, owner, prompt_ids, DEFAULT_CHAT_TOKENS, n_lp,
                    body.stop_list() + stops, await svc.grammar_of(body))
@@ -158,10 +154,25 @@ def _constrained(body: ChatRequest) -> bool:
         return True  # an invalid one: grammar_of answers the 400
 
 
-async def render_prompt(svc: GenerationService, body: ChatRequest, owner: str) -> str:
-    """The prompt text a chat request renders to (for counting its tokens)."""
+async def count_prompt(svc: GenerationService, body: ChatRequest, owner: str) -> int:
+    """The prompt tokens a chat request would have, its images' included."""
     check_inputs(svc, body)
-    return (await _chat_prompt(svc, body, owner))[0]
+    found = await _images(svc, body)
+    return len(_placed(svc, (await _chat_prompt(svc, body, owner))[0], found)[0])
+
+
+async def _images(svc: GenerationService, body: ChatRequest) -> list[PromptImage]:
+    """The request's images, read and prepared (none for a model that takes none)."""
+    spec = svc.info.image_spec
+    return await read_images(body.messages, spec, svc.settings) if spec is not None else []
+
+
+def _placed(svc: GenerationService, text: str, found: list[PromptImage]
+            ) -> tuple[list[int], tuple[Insert, ...]]:
+    """The prompt's ids, each image where the template put its placeholder."""
+    ids = svc.tokenize_prompt(text, "messages")
+    spec = svc.info.image_spec
+    return (ids, ()) if spec is None else place(ids, spec.placeholder, found)
 
 
 async def _chat_prompt(svc: GenerationService, body: ChatRequest, owner: str

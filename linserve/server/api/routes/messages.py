@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from linserve.server.api.auth import Owner
 from linserve.server.api.chat_reply import ChatDeltas
-from linserve.server.api.chat_run import collect_reply, render_prompt, start_chat
+from linserve.server.api.chat_run import collect_reply, count_prompt, start_chat
 from linserve.server.api.errors import APIError, anthropic_body
 from linserve.server.api.formatting import SSE_HEADERS
 from linserve.server.api.messages.convert import (
@@ -79,5 +79,4 @@ async def count_tokens(body: CountTokensRequest, request: Request, owner: Owner)
     thinking would have (rendered by the same template)."""
     svc = _svc(request)
     chat = to_chat(body.as_request())
-    text = await render_prompt(svc, chat, owner)
-    return {"input_tokens": len(svc.tokenize_prompt(text, "messages"))}
+    return {"input_tokens": await count_prompt(svc, chat, owner)}
