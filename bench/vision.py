@@ -27,6 +27,7 @@ import argparse
 import base64
 import io
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -91,14 +92,17 @@ def picture(width: int, height: int, seed: int) -> str:
 
 def first_token(client: openai.OpenAI, messages: list[dict[str, Any]]) -> tuple[float, int,
                                                                                     str]:
-    """Seconds to the first content, the prompt tokens the server counted, and the reply."""
+    """Seconds to the first token (of the answer or of its thinking), the prompt tokens the
+    server counted, and the reply's answer."""
     start = time.perf_counter()
     first, usage, text = None, 0, ""
     for chunk in client.chat.completions.create(
             model="m", messages=messages, max_tokens=8, temperature=0, stream=True,
             stream_options={"include_usage": True}):
-        if chunk.choices and chunk.choices[0].delta.content and first is None:
-            first = time.perf_counter() - start
+        delta = chunk.choices[0].delta if chunk.choices else None
+        thought = getattr(delta, "reasoning_content", None) if delta is not None else None
+        if delta is not None and (delta.content or thought) and first is None:
+            first = time.perf_counter() - start  # the first token, thinking or not
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
         if chunk.usage is not None:
@@ -149,7 +153,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     model, proj = args.checkpoint / "model-q8_0.gguf", args.checkpoint / "mmproj-f16.gguf"
     port = lc.free_port()
     ours_cmd = [sys.executable, "-m", "linserve", "serve", str(model), "--mmproj", str(proj),
-                "--port", str(port), "--threads", "2", *args.ours_args]
+                "--port", str(port), "--threads", "2", *shlex.split(args.ours_args)]
     theirs_cmd, theirs_port = lc.llama_server_cmd(model, 1, 16384)
     theirs_cmd += ["-t", "2", "--mmproj", str(proj)]
     out: dict[str, Any] = {"machine": machine(), "files": [model.name, proj.name]}
@@ -212,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--make", action="store_true", help="write the checkpoint and its GGUFs")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--turns", type=int, default=8)
-    p.add_argument("--ours-args", nargs="*", default=[])
+    p.add_argument("--ours-args", default="--reasoning-parser qwen3",
+                   help="this server's extra flags, one string (default: Qwen's reasoning "
+                   "parser, as llama-server splits the thinking off by default)")
     args = p.parse_args(argv)
     if args.make:
         make(args.checkpoint)

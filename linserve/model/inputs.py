@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 SPAN = 1 << 16  # positions an item may cover (an id's offset within its item)
+ENCODED_CACHE_BYTES = 64 << 20  # the engine's cache of encoded items (EncodedCache)
 DIGEST_BITS = 40  # bits of the content hash in a virtual id (with the offset: 56 of 63)
 
 
@@ -145,7 +146,7 @@ class EncodedCache:
     """Items' embeddings by digest, least recently used dropped past ``capacity`` bytes: an
     image sent again is not encoded again."""
 
-    def __init__(self, capacity: int = 64 << 20) -> None:
+    def __init__(self, capacity: int = ENCODED_CACHE_BYTES) -> None:
         self.capacity = capacity
         self.bytes = 0
         self._items: OrderedDict[str, torch.Tensor] = OrderedDict()

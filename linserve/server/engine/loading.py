@@ -18,6 +18,7 @@ import torch
 
 from linserve.model import kernels, modes
 from linserve.model.heap import keep_scratch, trim
+from linserve.model.inputs import ENCODED_CACHE_BYTES
 from linserve.model.interface import ModelInfo, ServedModel
 from linserve.model.kernels import bf16_gemm  # noqa: F401 (re-exported for the app's startup)
 from linserve.model.loader import (
@@ -134,6 +135,8 @@ def state_budget(settings: Settings, info: ModelInfo) -> int:
     if not info.state_grows:
         return 0
     fixed = info.weight_bytes + info.state_bytes * settings.max_running
+    if info.input_kinds:  # the encoded items' cache (an image's embeddings, by content)
+        fixed += ENCODED_CACHE_BYTES
     return max(settings.max_memory - fixed - settings.prefix_cache_bytes, 1)
 
 
