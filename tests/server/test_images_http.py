@@ -189,6 +189,14 @@ def test_a_session_keeps_its_picture(srv: ServerProcess) -> None:
         extra_body={"session_id": sid})
     assert first.choices[0].finish_reason and second.choices[0].finish_reason
     assert second.usage.prompt_tokens < first.usage.prompt_tokens  # only the new turn
+    blob = httpx.get(f"{srv.url}/v1/sessions/{sid}/state").content  # exported, with the
+    copy = httpx.post(srv.url + "/v1/sessions/import", content=blob,  # picture's positions
+                      headers={"content-type": "application/octet-stream"}).json()["id"]
+    turn = [{"role": "user", "content": "And the colours?"}]
+    replies = [_client(srv).chat.completions.create(
+        model="vl", messages=turn, max_tokens=6, temperature=0,  # type: ignore[arg-type]
+        extra_body={"session_id": s}).choices[0].message.content for s in (sid, copy)]
+    assert replies[0] == replies[1]
 
 
 @pytest.mark.parametrize(("url", "words"), [

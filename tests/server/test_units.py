@@ -264,3 +264,32 @@ def test_the_engine_takes_every_cpu_for_a_model_of_some_size(
                                   600 << 20) == 2
     monkeypatch.setattr(loading, "available_cpus", lambda: 1)
     assert loading.engine_threads(auto, 20 << 20) == 1
+
+
+def test_a_long_context_holds_no_spare_rows() -> None:
+    """Past SPARE_KV_SLOTS a KV cache's spare rows would each hold the longest context: the
+    pool keeps only its live rows then (one long prompt: one row's KV, not the floor's four),
+    grows by one row as a sequence joins, and its rows still step as each alone."""
+    import torch
+
+    from linserve.server.engine.pool import MIN_ROWS, SPARE_KV_SLOTS, SlotPool
+    from tests.model.helpers import served, tiny_model
+
+    model = tiny_model("softmax", max_context=4096)
+    pool = SlotPool(served(model), 8)
+    _, short = model.prefill(torch.randint(0, 97, (1, 10)))
+    pool.add(short, [], [1])
+    assert pool.rows == MIN_ROWS
+    pool.state.lengths[0] = SPARE_KV_SLOTS + 100  # the row's context grows long
+    pool.reserve_step()
+    kv = pool.state.kv_entries[0]
+    assert pool.rows == 1 and kv.capacity > SPARE_KV_SLOTS
+    pool.state.lengths[0] = 10
+    _, long = model.prefill(torch.randint(0, 97, (1, SPARE_KV_SLOTS + 50)))
+    want = model.step(torch.tensor([3]), long.copy())
+    slot = pool.add(long, [], [1])
+    assert pool.rows == 2 and slot == 1
+    got = model.step(torch.tensor([5, 3]), pool.view())
+    assert torch.allclose(got[1], want[0], atol=1e-5)
+    pool.remove(1)
+    assert pool.rows == 1

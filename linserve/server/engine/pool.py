@@ -8,6 +8,12 @@ The rows are allocated as sequences join, not all at start: the pool doubles whe
 to ``max_rows``) and halves when three quarters of it stand empty, copying only live rows.
 A Mamba2 hybrid's row is large (Granite-4.0-H-Micro: 75 MB), so 64 preallocated rows held
 4.8 GB where 16 streams use 1.2 GB.
+
+A KV cache has one capacity for every row, the longest row's, so a spare row costs as much
+as that row's context: one 4,000-token prompt on Qwen3.5's shapes held 384 MB of KV in the
+four rows of the pool's floor where its own row needs 98 MB. Past :data:`SPARE_KV_SLOTS`
+slots the pool keeps no spare rows: it drops them before a KV cache grows, and grows by one
+row, not by doubling, when a sequence joins.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 from linserve.model.interface import ServedModel, State
 
 MIN_ROWS = 4  # rows allocated at start, and the least the pool shrinks to
+SPARE_KV_SLOTS = 1024  # a KV capacity past which the pool holds no rows but live ones
 
 
 class SlotPool:
@@ -66,14 +73,32 @@ class SlotPool:
 
     def reserve_step(self, tokens: int = 1) -> None:
         """Make sure every live row has room for ``tokens`` more (KV caches grow)."""
+        if self.n:
+            self._drop_spares(int(self.state.lengths[: self.n].max()) + tokens, self.n)
         if self.state.reserve_step(self.n, tokens):
             self._view = None
+
+    def _long(self, *states: State) -> bool:
+        """Whether a KV cache of the pool (or of ``states``) holds more than
+        :data:`SPARE_KV_SLOTS` slots a row: spare rows then cost a long context each."""
+        return any(e.capacity > SPARE_KV_SLOTS for st in (self.state, *states)
+                   for e in st.kv_entries if not e.window)
+
+    def _drop_spares(self, positions: int, keep: int) -> None:
+        """Before KV caches grow past :data:`SPARE_KV_SLOTS` to hold ``positions``, give
+        back the rows past ``keep`` (each would grow too)."""
+        grows = [e for e in self.state.kv_entries if not e.window and e.capacity < positions]
+        if grows and positions > SPARE_KV_SLOTS and self.rows > keep:
+            self._resize(max(keep, 1))
 
     def add(self, row: State, seen_ids: list[int], generated: list[int]) -> int:
         """Append a single-row state; returns its slot."""
         if self.n >= self.max_rows:
             raise RuntimeError("slot pool is full")
-        if self.n == self.rows:
+        if self._long(row):  # exactly the live rows: a spare one costs a long context
+            if self.rows != self.n + 1:
+                self._resize(self.n + 1)
+        elif self.n == self.rows:
             self._resize(min(2 * self.rows, self.max_rows))
         slot = self.n
         self.state.reserve_like(row, live=slot)  # a KV cache grows copying live rows only
@@ -106,6 +131,8 @@ class SlotPool:
         rows = self.rows
         while rows > self.floor and self.n <= rows // 4:
             rows //= 2
+        if self._long():
+            rows = max(self.n, 1)
         if rows != self.rows:
             self._resize(rows)
             self.state.trim_kv()  # and the KV slots the rows that left had grown
