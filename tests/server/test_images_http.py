@@ -256,3 +256,44 @@ def test_a_gguf_file_with_its_mmproj_sees_the_picture(files: dict[str, Path]) ->
                          timeout=120)
     assert bad.returncode != 0 and "not an mmproj file" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def _bomb_png(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width × height`` pixels, with almost no data."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + \
+            struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + \
+        chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+
+
+def test_fuzzed_images_are_400s_never_500s(srv: ServerProcess) -> None:
+    """Random bytes, truncations and bit flips of PNG, JPEG, WebP and GIF files, and a
+    header that claims a vast image: each a 200 (a flip the decoder tolerates) or a 400 in
+    the error envelope, never a 500; the server answers after them."""
+    rng = np.random.default_rng(0)
+    cases = [_bomb_png(100_000, 100_000), _bomb_png(1, 1), b"", bytes(rng.integers(0, 256, 64,
+                                                                         dtype=np.uint8))]
+    for fmt in ("PNG", "JPEG", "WEBP", "GIF"):
+        good = picture(48, 64, 3, fmt)
+        for _ in range(4):
+            flipped = bytearray(good)
+            for at in rng.integers(0, len(good), 3):
+                flipped[at] ^= 1 << int(rng.integers(0, 8))
+            cases += [bytes(flipped), good[: int(rng.integers(1, len(good)))]]
+    statuses = []
+    for data in cases:
+        reply = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "max_tokens": 2, "messages": [{"role": "user", "content": _content(
+                data_url(data))}]})
+        statuses.append(reply.status_code)
+        assert reply.status_code in (200, 400), reply.text[:300]
+        if reply.status_code == 400:
+            assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+    assert statuses[0] == 400 and statuses.count(400) >= len(cases) // 2
+    assert _chat(srv, QUESTION).choices[0].finish_reason
