@@ -297,3 +297,20 @@ def test_fuzzed_images_are_400s_never_500s(srv: ServerProcess) -> None:
             assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
     assert statuses[0] == 400 and statuses.count(400) >= len(cases) // 2
     assert _chat(srv, QUESTION).choices[0].finish_reason
+
+
+def test_the_next_turn_of_a_chat_about_a_picture_resumes_after_the_reply(
+        srv: ServerProcess) -> None:
+    """A client that resends the whole conversation (the picture in its first message)
+    finds it prefilled up to the new message: the picture is never encoded or prefilled
+    again, and the reply is what the conversation sent fresh gets."""
+    pic = data_url(picture(96, 160, 11))
+    first = _chat(srv, _content(pic))
+    history = [{"role": "user", "content": _content(pic)},
+               {"role": "assistant", "content": first.choices[0].message.content},
+               {"role": "user", "content": "And the colours?"}]
+    second = _client(srv).chat.completions.create(model="vl", messages=history,  # type: ignore[arg-type]
+                                                  max_tokens=6, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > first.usage.prompt_tokens  # past the first reply, not just the picture
+    assert second.usage.prompt_tokens - cached < 20  # only the new message's tokens

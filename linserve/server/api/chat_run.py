@@ -21,6 +21,7 @@ from linserve.server.api.chat_session import ChatTurn, next_prompt
 from linserve.server.api.chat_template import CHAT_STOP, render_chat
 from linserve.server.api.errors import APIError
 from linserve.server.api.images import PromptImage, place, read_images
+from linserve.server.api.next_turn import Place
 from linserve.server.api.protocol import ChatRequest, CompletionRequest
 from linserve.server.api.service import GenerationService, Prepared
 from linserve.server.api.streaming import log_request, observe_tokens
@@ -84,17 +85,20 @@ async def start_chat(svc: GenerationService, body: ChatRequest, owner: str,
     prep = prepare(svc, body, owner, prompt_ids, DEFAULT_CHAT_TOKENS, n_lp,
                    body.stop_list() + stops, await svc.grammar_of(body))
     prep.turn, prep.meta, prep.inserts = turn, meta, inserts
-    if inserts:  # a state right after the last image: later text changes never redo it
-        prep.keep_at = inserts[-1].end
+    # a state right after each image: a change of the text after it never redoes it
+    keep = [item.end for item in inserts]
     # a stateless reply whose conversation is prefilled again after it (next_turn.py)
-    turns = svc.next_turns if body.session_id is None and body.n == 1 and not inserts \
-        else None
+    turns = svc.next_turns if body.session_id is None and body.n == 1 else None
+    placing = _placing(svc, found)
     if turns is not None and body.add_generation_prompt and not body.continue_final_message:
-        prep.keep_at = turns.boundary(body.messages, _render_vars(svc, body), prompt_ids)
+        keep.append(turns.boundary(body.messages, _render_vars(svc, body), prompt_ids,
+                                   placing))
+    prep.keep_at = tuple(k for k in keep if k)
     handles = await svc.start_choices(prep, body.n)
     if turns is not None:
         turns.remember(handles[0], [m.model_dump(exclude_none=True) for m in body.messages],
-                       _render_vars(svc, body), lambda reply: shape.message(reply)[0])
+                       _render_vars(svc, body), lambda reply: shape.message(reply)[0],
+                       placing)
     return ChatRun(handles, shape, prompt_ids)
 
 
@@ -165,6 +169,15 @@ async def _images(svc: GenerationService, body: ChatRequest) -> list[PromptImage
     """The request's images, read and prepared (none for a model that takes none)."""
     spec = svc.info.image_spec
     return await read_images(body.messages, spec, svc.settings) if spec is not None else []
+
+
+def _placing(svc: GenerationService, found: list[PromptImage]) -> Place | None:
+    """How this request's images go into another rendering of its conversation (the next
+    turn's, next_turn.py); None where it has none."""
+    spec = svc.info.image_spec
+    if spec is None or not found:
+        return None
+    return lambda ids: place(ids, spec.placeholder, found)
 
 
 def _placed(svc: GenerationService, text: str, found: list[PromptImage]

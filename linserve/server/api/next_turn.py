@@ -31,6 +31,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from linserve.model.inputs import Insert
 from linserve.server.api.chat_session import Transcript, next_turn_texts
 from linserve.server.api.chat_template import TemplateChat
 from linserve.server.api.errors import APIError
@@ -40,6 +41,9 @@ from linserve.server.engine.types import Output
 from linserve.server.sessions.transcript import common_prefix
 
 log = logging.getLogger("linserve.service")
+# How a request's images go into a rendering's ids: placeholders expanded, items made
+# (server.api.images.place with the request's images).
+Place = Callable[[list[int]], tuple[list[int], tuple[Insert, ...]]]
 SETTLE_SECONDS = 60.0  # the longest a request waits for a conversation's prefill
 
 
@@ -52,6 +56,7 @@ class _Prefill:
     group: int
     done: asyncio.Future[None]
     task: asyncio.Task[None] | None = None
+    inserts: tuple[Insert, ...] = ()  # its images (placed by the remembered request's own)
 
 
 class NextTurns:
@@ -59,7 +64,8 @@ class NextTurns:
 
     def __init__(self, chat: TemplateChat, specials: Sequence[str],
                  encode: Callable[[str], list[int]],
-                 prefill: Callable[[list[int]], Coroutine[Any, Any, object]],
+                 prefill: Callable[[list[int], tuple[Insert, ...]],
+                                   Coroutine[Any, Any, object]],
                  spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
                  max_tokens: int) -> None:
         self.chat, self.specials, self.encode = chat, specials, encode
@@ -69,18 +75,22 @@ class NextTurns:
         self._groups = itertools.count()
 
     def boundary(self, messages: Sequence[ChatMessage], render: dict[str, Any],
-                 prompt_ids: list[int]) -> int:
+                 prompt_ids: list[int], place: Place | None = None) -> int:
         """Where ``prompt_ids`` (``messages`` rendered with the generation prompt) leave the
-        conversation rendered without it: the state to keep for the next turn (0: none)."""
+        conversation rendered without it: the state to keep for the next turn (0: none).
+        ``place``: how the request's images went into its ids."""
         try:
             history = self.encode(self.chat.render(list(messages), False, **render))
+            if place is not None:
+                history = place(history)[0]
         except (APIError, ValueError):
             return 0
         at = common_prefix(prompt_ids, history)
         return at if 0 < at < len(prompt_ids) else 0
 
     def remember(self, handle: RequestHandle, messages: list[dict[str, Any]],
-                 render: dict[str, Any], reply: Callable[[str], dict[str, Any]]) -> None:
+                 render: dict[str, Any], reply: Callable[[str], dict[str, Any]],
+                 place: Place | None = None) -> None:
         """When ``handle`` (a stateless reply to ``messages``) finishes whole, prefill the
         conversation as its next turn will render it. Registered as the reply ends, before
         its client can send the next turn; the rendering and tokenizing (a long
@@ -93,18 +103,19 @@ class NextTurns:
             ready = asyncio.get_running_loop().create_future()
             self.preparing.append(ready)
             self.spawn(self._start(group, ready, messages, render, reply(handle.text),
-                                   len(handle.req.input_ids)))
+                                   len(handle.req.input_ids), place))
 
         handle.on_finish(done)
 
     async def _start(self, group: int, ready: asyncio.Future[None],
                      messages: list[dict[str, Any]], render: dict[str, Any],
-                     reply: dict[str, Any], prompt_len: int) -> None:
+                     reply: dict[str, Any], prompt_len: int, place: Place | None) -> None:
         try:
-            texts = await asyncio.to_thread(self._next_ids, messages, render, reply)
-            for ids in texts:
+            texts = await asyncio.to_thread(self._next_ids, messages, render, reply, place)
+            for ids, inserts in texts:
                 if prompt_len < len(ids) <= self.max_tokens:
-                    run = _Prefill(ids, group, asyncio.get_running_loop().create_future())
+                    run = _Prefill(ids, group, asyncio.get_running_loop().create_future(),
+                                   inserts=inserts)
                     self.running.append(run)
                     run.task = self.spawn(self._prefill(run))
         finally:
@@ -112,18 +123,20 @@ class NextTurns:
             ready.set_result(None)
 
     def _next_ids(self, messages: list[dict[str, Any]], render: dict[str, Any],
-                  reply: dict[str, Any]) -> list[list[int]]:
+                  reply: dict[str, Any], place: Place | None
+                  ) -> list[tuple[list[int], tuple[Insert, ...]]]:
         try:
             texts = next_turn_texts(self.chat, Transcript(messages, ""), reply,
                                     self.specials, **render)
+            ids = [self.encode(text) for text in texts]
+            return [place(x) if place is not None else (x, ()) for x in ids]
         except (APIError, ValueError) as exc:  # a template that will not render it
             log.debug("next turn not cached: %s", exc)
             return []
-        return [self.encode(text) for text in texts]
 
     async def _prefill(self, run: _Prefill) -> None:
         try:
-            await self.prefill(run.ids)
+            await self.prefill(run.ids, run.inserts)
         except APIError as exc:  # the engine is busy or down: no entry, no harm
             log.debug("next turn not cached: %s", exc.message)
         except asyncio.CancelledError:  # the next turn came, and it is another kind

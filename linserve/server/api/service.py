@@ -64,7 +64,8 @@ class Prepared:
     fault: str | None = None
     grammar: GrammarSpec | None = None
     turn: ChatTurn | None = None  # a template chat session's turn (server.api.chat_session)
-    keep_at: int = 0  # keep a prefix-cache state after prompt_ids[:keep_at] (next_turn.py)
+    # keep prefix-cache states after prompt_ids[:k] for each k (next_turn.py; after an image)
+    keep_at: tuple[int, ...] = ()
     inserts: tuple[Insert, ...] = ()  # its images, at their virtual ids in prompt_ids
     # What the session keeps beside its state once the reply is whole (its text, its last
     # output): a stored response (server.api.responses.stored), written with the state.
@@ -114,7 +115,7 @@ class GenerationService:
         self._grammars: GrammarCompiler | None = None  # validates grammars before the engine
         self.next_turns = (NextTurns(self.chat, self.tok.special_tokens(),
                                      self.prompt_tokens.encode,
-                                     lambda ids: self.warm(ids, "next_turn"),
+                                     lambda ids, items: self.warm(ids, "next_turn", items),
                                      self.spawn, settings.max_prompt_tokens)
                            if self.chat is not None and settings.prefix_cache_bytes > 0
                            and settings.next_turn_cache else None)
@@ -440,12 +441,14 @@ class GenerationService:
             raise APIError(503, "engine could not build the session state", None)
         return out.final_state, out.final_pending, out.cached_tokens
 
-    async def warm(self, prompt_ids: list[int], kind: str) -> None:
-        """Prefill ``prompt_ids`` into the engine's prefix cache only: the state stays
-        there (not sent back, which for a long conversation's KV is megabytes); ``kind``
-        names it in the prompt-token counters."""
+    async def warm(self, prompt_ids: list[int], kind: str,
+                   inserts: tuple[Insert, ...] = ()) -> None:
+        """Prefill ``prompt_ids`` (with the images ``inserts`` places) into the engine's
+        prefix cache only: the state stays there (not sent back, which for a long
+        conversation's KV is megabytes); ``kind`` names it in the prompt-token counters."""
         await self._run_prefill(GenerationRequest(
-            new_id("prefill"), prompt_ids, SamplingParams(max_tokens=0), kind=kind))
+            new_id("prefill"), prompt_ids, SamplingParams(max_tokens=0), kind=kind,
+            inserts=inserts))
 
     async def _run_prefill(self, req: GenerationRequest) -> Output:
         handle = self._submit(req)

@@ -74,10 +74,11 @@ class Sequence:
         return len(self.req.input_ids)
 
     @property
-    def keep_points(self) -> tuple[int, int]:
+    def keep_points(self) -> tuple[int, ...]:
         """Where the prefix cache wants a state inside this prompt: ``branch``, and the
-        request's ``keep_at`` (where a chat template's generation prompt begins)."""
-        return self.branch, self.req.keep_at
+        request's ``keep_at`` (where a chat template's generation prompt begins, right
+        after an image)."""
+        return self.branch, *self.req.keep_at
 
     @property
     def to_prefill(self) -> list[int]:

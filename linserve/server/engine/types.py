@@ -36,7 +36,9 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None  # structured outputs: what the output must match
     fault: str | None = None  # test-only fault injection point (settings.fault_injection)
     kind: str = "client"  # for the prompt-token counters: client, next_turn or session
-    keep_at: int = 0  # also keep a prefix-cache state after input_ids[:keep_at] (0: none)
+    # also keep prefix-cache states after input_ids[:k] for each k (where a chat template's
+    # generation prompt begins; right after an image)
+    keep_at: tuple[int, ...] = ()
     # A prefix state fetched from another replica (server.prefix_cache.remote): the state
     # after input_ids[:prefix_depth], as bytes across processes, decoded by the engine side.
     prefix_depth: int = 0
