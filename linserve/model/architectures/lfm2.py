@@ -11,12 +11,19 @@ Reads both the published config (``block_ff_dim``, ``tie_embedding``, ``full_att
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
+from linserve.model import modes
+from linserve.model.architectures import hf
 from linserve.model.architectures.family import DecoderConfig, HFFamily, renamer
+from linserve.model.inputs import Encoder
 from linserve.model.layers.attention import Attention, AttentionShape
 from linserve.model.layers.block import Block
 from linserve.model.layers.decoder import DecoderLM
@@ -24,6 +31,13 @@ from linserve.model.layers.hf_keys import rope_theta
 from linserve.model.layers.mlp import SwiGLU
 from linserve.model.layers.norms import RMSNorm
 from linserve.model.layers.short_conv import ShortConv
+from linserve.model.vision.lfm2_prep import Lfm2ImageSpec
+from linserve.model.vision.siglip2_tower import (
+    Lfm2ImageEncoder,
+    Projector,
+    SiglipConfig,
+    SiglipTower,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,9 +50,17 @@ class Lfm2Config(DecoderConfig):
     rope_theta: float
     conv_width: int
     conv_bias: bool
+    vision: SiglipConfig | None = None  # LFM2-VL's tower and projector (None: text only)
+    image: Lfm2ImageSpec | None = None  # how its images become tokens (set with the path)
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> Lfm2Config:
+        """Read an ``lfm2`` config, or the ``text_config`` of an ``lfm2_vl`` one with its
+        ``vision_config``."""
+        if c.get("model_type") == "lfm2_vl":
+            text = {"tie_embedding": c.get("tie_word_embeddings", True), **c["text_config"]}
+            cfg = cls.from_hf(text)
+            return dataclasses.replace(cfg, vision=SiglipConfig.from_hf(c, cfg.hidden_size))
         n = int(c["num_hidden_layers"])
         types = c.get("layer_types")
         if types is None:
@@ -75,12 +97,47 @@ def ff_size(c: dict[str, Any]) -> int:
     return size
 
 
+class Lfm2VlLM(DecoderLM):
+    """LFM2 with LFM2-VL's vision tower and projector (``vision_tower``,
+    ``multi_modal_projector``): its images are items whose rows the tower makes
+    (:class:`Lfm2ImageEncoder`); positions stay 1-D."""
+
+    def attach(self, vision: SiglipConfig) -> None:
+        self.vision_tower = SiglipTower(vision)
+        self.multi_modal_projector = Projector(vision)
+
+    def image_encoder(self) -> Lfm2ImageEncoder | None:
+        image = self.cfg.image
+        if image is None or not hasattr(self, "vision_tower"):
+            return None
+        return Lfm2ImageEncoder(self.vision_tower, self.multi_modal_projector, image,
+                                lambda ids: self.embed(ids[None])[0])
+
+    def encoders(self) -> dict[str, Encoder]:
+        encoder = self.image_encoder()
+        return {} if encoder is None else {"image": encoder}
+
+    def prepare(self, fused: bool) -> bool:
+        """The tower's weights packed as the layers' are (one tile of zeros), then the
+        decoder's."""
+        encoder = self.image_encoder()
+        if encoder is not None:
+            side = encoder.spec.patch * encoder.spec.downsample
+            encoder.features(torch.zeros(3, side, side, dtype=torch.uint8))
+        return super().prepare(fused)
+
+
 def build(cfg: Lfm2Config) -> DecoderLM:
-    return build_with(cfg, cfg, [SwiGLU(cfg.hidden_size, cfg.ff_size)
-                                 for _ in cfg.layer_types])
+    model = build_with(cfg, cfg, [SwiGLU(cfg.hidden_size, cfg.ff_size)
+                                  for _ in cfg.layer_types],
+                       Lfm2VlLM if cfg.vision is not None else DecoderLM)
+    if isinstance(model, Lfm2VlLM) and cfg.vision is not None:
+        model.attach(cfg.vision)
+    return model
 
 
-def build_with(cfg: Lfm2Config, whole: Any, mlps: list[nn.Module]) -> DecoderLM:
+def build_with(cfg: Lfm2Config, whole: Any, mlps: list[nn.Module],
+               cls: type[DecoderLM] = DecoderLM) -> DecoderLM:
     """LFM2's stack with the given feed-forward block per layer (LFM2-MoE's experts);
     ``whole`` is the config the module keeps."""
     d = cfg.hidden_size
@@ -92,8 +149,8 @@ def build_with(cfg: Lfm2Config, whole: Any, mlps: list[nn.Module]) -> DecoderLM:
                     else ShortConv(d, cfg.conv_width, cfg.conv_bias),
                     mlp, RMSNorm, d, cfg.norm_eps)
               for kind, mlp in zip(cfg.layer_types, mlps, strict=True)]
-    return DecoderLM(whole, cfg.vocab_size, d, layers, RMSNorm(d, cfg.norm_eps),
-                     cfg.tie_word_embeddings)
+    return cls(whole, cfg.vocab_size, d, layers, RMSNorm(d, cfg.norm_eps),
+               cfg.tie_word_embeddings)
 
 
 RENAMES = [
@@ -131,10 +188,37 @@ def rename(name: str) -> str | None:
     return _renames(name)
 
 
+def rename_for(cfg: Lfm2Config) -> Callable[[str], str | None]:
+    """:func:`rename`, with LFM2-VL's tower and projector read where the config has them."""
+    if cfg.vision is None:
+        return rename
+
+    def with_tower(name: str) -> str | None:
+        if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
+            return name.removeprefix("model.")
+        return rename(name)
+
+    return with_tower
+
+
+def with_images(cfg: Lfm2Config, path: Path) -> Lfm2Config:
+    """An LFM2-VL config with its image spec (the folder's processor config and markers),
+    or without its tower where images are not wanted or the checkpoint has none."""
+    if cfg.vision is None:
+        return cfg
+    if hf.is_gguf(path) or not modes.images_wanted() or not any(
+            n.startswith("model.vision_tower.") for n in hf.tensor_files(path)):
+        return dataclasses.replace(cfg, vision=None, image=None)
+    spec = Lfm2ImageSpec.from_checkpoint(path, hf.config_json(path))
+    return dataclasses.replace(cfg, image=spec.with_limits(modes.image_limits()))
+
+
 def describe(cfg: Lfm2Config) -> str:
     attn = sum(t == "full_attention" for t in cfg.layer_types)
-    return (f"lfm2 (short convolutions + GQA attention, {attn} of {len(cfg.layer_types)} "
-            "layers attention)")
+    tower = "" if cfg.vision is None else f"; a SigLIP2 tower of {cfg.vision.layers} layers"
+    return (f"lfm2{'_vl' if cfg.vision is not None else ''} (short convolutions + GQA "
+            f"attention, {attn} of {len(cfg.layer_types)} layers attention{tower})")
 
 
-FAMILY = HFFamily(Lfm2Config.from_hf, build, rename, describe)
+FAMILY = HFFamily(Lfm2Config.from_hf, build, rename, describe, rename_for=rename_for,
+                  config_for=with_images)

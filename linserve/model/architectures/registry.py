@@ -69,7 +69,7 @@ FAMILIES: tuple[Family, ...] = (
            ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
            ("qwen35", "qwen35moe")),
     Family("qwen3_next", "Qwen3-Next", "qwen3_next", ("qwen3_next",), ("qwen3next",)),
-    Family("lfm2", "LFM2, LFM2.5", "lfm2", ("lfm2",), ("lfm2",)),
+    Family("lfm2", "LFM2, LFM2.5, LFM2-VL", "lfm2", ("lfm2", "lfm2_vl"), ("lfm2",)),
     Family("lfm2_moe", "LFM2-MoE", "lfm2_moe", ("lfm2_moe",), ("lfm2moe",)),
     Family("lfm3", "LFM3", "lfm3", ("lfm3",)),
     Family("granite_hybrid", "Granite-4.0-H", "granite_hybrid", ("granitemoehybrid",),

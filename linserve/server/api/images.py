@@ -13,7 +13,7 @@ from typing import Any
 
 from linserve.model.inputs import Insert, mark
 from linserve.model.vision import images as decoding
-from linserve.model.vision import qwen_prep
+from linserve.model.vision.prepare import prepare_image
 from linserve.server.api.errors import APIError
 from linserve.server.api.media import fetch
 from linserve.server.api.protocol import IMAGE_PARTS, ChatMessage
@@ -77,16 +77,15 @@ async def read_images(messages: list[ChatMessage], spec: Any, settings: Settings
     return out
 
 
-def _prepare(data: bytes, spec: qwen_prep.QwenImageSpec, detail: str, param: str
-             ) -> PromptImage:
+def _prepare(data: bytes, spec: Any, detail: str, param: str) -> PromptImage:
     try:
         rgb = decoding.decode(data)
         limit = LOW_DETAIL_PIXELS if detail == "low" else None
-        prepared = qwen_prep.prepare(spec, rgb, limit)
+        grid, payload = prepare_image(spec, rgb, limit)
     except decoding.ImageError as exc:
         raise APIError(400, f"{param}: {exc}", param, "invalid_image") from None
-    header = prepared.payload[: qwen_prep.HEADER.size]
-    return PromptImage(prepared.grid, prepared.payload, decoding.digest(rgb, header))
+    return PromptImage(grid, payload, decoding.digest(rgb, repr(spec).encode(),
+                                                      str(limit).encode()))
 
 
 def place(ids: list[int], placeholder: int, found: list[PromptImage]
