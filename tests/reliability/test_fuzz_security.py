@@ -134,7 +134,7 @@ def test_session_ids_are_unguessable(server: ServerProcess) -> None:
 
 
 def test_limits_on_headers_and_bodies(server: ServerProcess) -> None:
-    big = "x" * (2 << 20)
+    big = "x" * (33 << 20)  # past the default 32 MiB body
     r = httpx.post(server.url + "/v1/completions", content=big,
                    headers={"content-type": "application/json"})
     assert r.status_code == 413
