@@ -7,7 +7,6 @@ as transformers' model takes it (``pixel_values`` padded, ``pixel_attention_mask
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +132,3 @@ def build(segments: list[list[int] | bytes], spec: lfm2_prep.Lfm2ImageSpec
             hf_ids += seg
     return hf_ids, mark(hf_ids, inserts), inserts
 
-
-def copy_tokenizer_only(src: Path, dst: Path) -> None:
-    shutil.copy(src / "tokenizer.json", dst / "tokenizer.json")
