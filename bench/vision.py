@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import importlib
 import io
 import json
 import shlex
@@ -55,9 +56,9 @@ QUESTION = "Describe this picture in one sentence."
 
 def make(path: Path) -> None:
     """The checkpoint and its two GGUF files (see the module docstring)."""
-    import transformers
-
     from bench.llamacpp_assets import write_qwen_tokenizer_files
+
+    transformers: Any = importlib.import_module("transformers")  # a dev dependency
 
     cfg = transformers.Qwen3_5Config(text_config=PUBLISHED_0_8B, vision_config=TOWER_0_8B,
                                      tie_word_embeddings=True, **IMAGE_IDS)
@@ -90,8 +91,7 @@ def picture(width: int, height: int, seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
-def first_token(client: openai.OpenAI, messages: list[dict[str, Any]]) -> tuple[float, int,
-                                                                                    str]:
+def first_token(client: openai.OpenAI, messages: Any) -> tuple[float, int, str]:
     """Seconds to the first token (of the answer or of its thinking), the prompt tokens the
     server counted, and the reply's answer."""
     start = time.perf_counter()
