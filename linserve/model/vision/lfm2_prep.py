@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from linserve.model.vision.images import ImageError, RGBImage
+from linserve.model.vision.qwen_prep import fit_area
 
 HEADER = struct.Struct("<4sII")  # a payload: b"LFI1", width, height, then RGB bytes
 MARKERS = ("<|image_start|>", "<|image_end|>", "<|img_thumbnail|>")
@@ -94,19 +95,9 @@ def round_by_factor(number: float, factor: int) -> int:
 def smart_resize(spec: Lfm2ImageSpec, height: int, width: int) -> tuple[int, int]:
     """The whole image's (or the thumbnail's) size: (height, width)."""
     factor = spec.patch * spec.downsample
-    lo = spec.min_image_tokens * spec.patch ** 2 * spec.downsample ** 2
-    hi = spec.max_image_tokens * spec.patch ** 2 * spec.downsample ** 2
-    h_bar = max(factor, round_by_factor(height, factor))
-    w_bar = max(factor, round_by_factor(width, factor))
-    if h_bar * w_bar > hi:
-        beta = math.sqrt((height * width) / hi)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < lo:
-        beta = math.sqrt(lo / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    per_token = spec.patch ** 2 * spec.downsample ** 2
+    return fit_area(height, width, factor, spec.min_image_tokens * per_token,
+                    spec.max_image_tokens * per_token, at_least_one=True)
 
 
 def too_large(spec: Lfm2ImageSpec, height: int, width: int) -> bool:

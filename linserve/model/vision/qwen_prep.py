@@ -82,8 +82,17 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     [min_pixels, max_pixels], the aspect ratio kept as nearly as it can be."""
     if max(height, width) / min(height, width) > 200:
         raise ImageError(f"the image's aspect ratio is over 200 ({width}×{height})")
+    return fit_area(height, width, factor, min_pixels, max_pixels)
+
+
+def fit_area(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
+             at_least_one: bool = False) -> tuple[int, int]:
+    """(height, width) rounded to multiples of ``factor``, then scaled (aspect kept) into
+    [min_pixels, max_pixels]; ``at_least_one``: the rounding never gives 0 (LFM2-VL's)."""
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
+    if at_least_one:
+        h_bar, w_bar = max(factor, h_bar), max(factor, w_bar)
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt((height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
