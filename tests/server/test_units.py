@@ -268,8 +268,9 @@ def test_the_engine_takes_every_cpu_for_a_model_of_some_size(
 
 def test_a_long_context_holds_no_spare_rows() -> None:
     """Past SPARE_KV_SLOTS a KV cache's spare rows would each hold the longest context: the
-    pool keeps only its live rows then (one long prompt: one row's KV, not the floor's four),
-    grows by one row as a sequence joins, and its rows still step as each alone."""
+    pool keeps at most a quarter of its live rows spare then (one long prompt: one row's KV,
+    not the floor's four), grows by a quarter as sequences join, and its rows still step as
+    each alone."""
     import torch
 
     from linserve.server.engine.pool import MIN_ROWS, SPARE_KV_SLOTS, SlotPool
@@ -291,5 +292,9 @@ def test_a_long_context_holds_no_spare_rows() -> None:
     assert pool.rows == 2 and slot == 1
     got = model.step(torch.tensor([5, 3]), pool.view())
     assert torch.allclose(got[1], want[0], atol=1e-5)
-    pool.remove(1)
+    for _ in range(3):
+        pool.add(long, [], [1])
+    assert pool.n == 5 and pool.rows <= 5 + 5 // 4
+    while pool.n > 1:
+        pool.remove(pool.n - 1)
     assert pool.rows == 1

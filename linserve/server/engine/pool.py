@@ -12,8 +12,9 @@ A Mamba2 hybrid's row is large (Granite-4.0-H-Micro: 75 MB), so 64 preallocated 
 A KV cache has one capacity for every row, the longest row's, so a spare row costs as much
 as that row's context: one 4,000-token prompt on Qwen3.5's shapes held 384 MB of KV in the
 four rows of the pool's floor where its own row needs 98 MB. Past :data:`SPARE_KV_SLOTS`
-slots the pool keeps no spare rows: it drops them before a KV cache grows, and grows by one
-row, not by doubling, when a sequence joins.
+slots the pool keeps at most a quarter of its live rows spare (none for one row): it drops
+the others before a KV cache grows, and grows by a quarter, not by doubling, when a sequence
+joins (so joins still copy the live rows only a bounded number of times).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class SlotPool:
     def reserve_step(self, tokens: int = 1) -> None:
         """Make sure every live row has room for ``tokens`` more (KV caches grow)."""
         if self.n:
-            self._drop_spares(int(self.state.lengths[: self.n].max()) + tokens, self.n)
+            self._drop_spares(int(self.state.lengths[: self.n].max()) + tokens,
+                              self.n + self.n // 4)
         if self.state.reserve_step(self.n, tokens):
             self._view = None
 
@@ -95,9 +97,10 @@ class SlotPool:
         """Append a single-row state; returns its slot."""
         if self.n >= self.max_rows:
             raise RuntimeError("slot pool is full")
-        if self._long(row):  # exactly the live rows: a spare one costs a long context
-            if self.rows != self.n + 1:
-                self._resize(self.n + 1)
+        if self._long(row):  # few spare rows: each costs a long context
+            live = self.n + 1
+            if self.n == self.rows or self.rows > live + live // 4:
+                self._resize(min(live + live // 4, self.max_rows))
         elif self.n == self.rows:
             self._resize(min(2 * self.rows, self.max_rows))
         slot = self.n
@@ -131,8 +134,8 @@ class SlotPool:
         rows = self.rows
         while rows > self.floor and self.n <= rows // 4:
             rows //= 2
-        if self._long():
-            rows = max(self.n, 1)
+        if self._long() and rows > self.n + self.n // 4:
+            rows = max(self.n + self.n // 4, 1)
         if rows != self.rows:
             self._resize(rows)
             self.state.trim_kv()  # and the KV slots the rows that left had grown
