@@ -66,20 +66,23 @@ def prompt(form: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
         form(q[:, :, c0:c1], k[:, :, :c1], v[:, :, :c1], c0)
 
 
-def measure(name: str, tokens: int, chunk: int, rounds: int) -> dict[str, Any]:
+FORMS = {"native": invariant.attention, "matrix": matrix_form, "sdpa": sdpa}
+
+
+def measure(name: str, tokens: int, chunk: int, rounds: int, forms: list[str]
+            ) -> dict[str, Any]:
     heads, groups, dim = SHAPES[name]
     torch.manual_seed(0)
     q = torch.randn(1, heads, tokens, dim)
     k, v = torch.randn(1, groups, tokens, dim), torch.randn(1, groups, tokens, dim)
-    forms = {"native": invariant.attention, "matrix": matrix_form, "sdpa": sdpa}
-    runs = {f: functools.partial(prompt, fn, q, k, v, chunk) for f, fn in forms.items()}
+    runs = {f: functools.partial(prompt, FORMS[f], q, k, v, chunk) for f in forms}
     ms = time_interleaved(runs, rounds=rounds, round_seconds=0.5, warmup=1)
     macs = heads * dim * 2 * tokens * (tokens + 1) / 2
     return {"shape": name, "tokens": tokens, "chunk": chunk,
             **{f"{f}_ms": ms[f] for f in forms},
             **{f"{f}_gmacs": macs / ms[f] / 1e6 for f in forms},
-            "matrix_over_native": ms["matrix"] / ms["native"],
-            "sdpa_over_native": ms["sdpa"] / ms["native"]}
+            **{f"{f}_over_native": ms[f] / ms["native"] for f in forms
+               if f != "native" and "native" in forms}}
 
 
 def main() -> None:
@@ -89,6 +92,10 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS),
+                   help="the forms to time (matrix and sdpa hold a score matrix: leave them "
+                   "out past 8k tokens)")
+    p.add_argument("--out", default="attention_prefill")
     args = p.parse_args()
     assert kernels.load(), kernels.load_error()
     torch.set_num_threads(args.threads)
@@ -96,9 +103,9 @@ def main() -> None:
     with torch.no_grad():
         for name in args.shapes:
             for tokens in args.tokens:
-                rows.append(measure(name, tokens, args.chunk, args.rounds))
+                rows.append(measure(name, tokens, args.chunk, args.rounds, args.forms))
                 print_table(rows[-1:], list(rows[-1]))
-    write_json("attention_prefill", {"command": "python -m bench.attention_prefill",
+    write_json(args.out, {"command": "python -m bench.attention_prefill",
                                      "machine": machine(), "threads": args.threads,
                                      "rows": rows})
 

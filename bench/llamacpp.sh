@@ -43,6 +43,12 @@ convert_venv() {
     # the project's torch 2.13.0 CPU and transformers seen through, so nothing is fetched
     # twice; the vendored gguf-py installed in the venv shadows any other gguf
     python -m venv --system-site-packages "$venv"
+    # run from the project's own venv, --system-site-packages sees the base interpreter's
+    # packages, not the venv's: a .pth file adds the project's (after the venv's own)
+    local here theirs
+    here=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    theirs=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "$here" > "$theirs/linserve-project.pth"
     "$venv/bin/pip" install -q numpy sentencepiece protobuf
     "$venv/bin/pip" install -q "$SRC/gguf-py"
   fi

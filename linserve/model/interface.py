@@ -58,6 +58,7 @@ class ModelInfo:
     embedding_bytes: int = 0
     quantization: str = "none"  # "int8" / "int4" GEMM weights (model.quantize), or none
     notes: tuple[str, ...] = ()
+    kv_cache_dtype: str = ""  # what its KV caches hold (fp32, bf16, int8); "": none
     input_kinds: tuple[str, ...] = ()  # what it takes besides text ("image"): its encoders
     image_spec: Any = None  # how its images become tokens (linserve.model.vision; torch-free)
 

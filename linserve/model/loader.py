@@ -64,14 +64,15 @@ def pick_dtype(requested: str, flags: frozenset[str] | None = None) -> tuple[str
 
 def load(path: Path, dtype: str = "auto", fused: bool = True,
          batch_invariant: bool = True, quantization: str = "none",
-         weights: bool = True) -> ServedModel:
+         weights: bool = True, kv_cache_dtype: str = "fp32") -> ServedModel:
     """Load the checkpoint at ``path`` with weights in ``dtype`` (see :func:`pick_dtype`),
     the native fused step where the architecture has one, batch-invariant kernels
     (:mod:`linserve.model.invariant`) unless turned off, and GEMM weights quantized to
     ``quantization`` (:mod:`linserve.model.quantize`). ``weights=False``: the model described
     without reading its weights (config, tokenizer, template, fingerprint, states and their
     codec; it cannot run, and ``info.weight_bytes`` is 0): what the HTTP process needs
-    beside an engine process."""
+    beside an engine process. ``kv_cache_dtype``: what attention caches hold
+    (:func:`kv_dtype_for`)."""
     fam = family(path)
     kernels.load()  # the invariant GEMM and the native sampler serve every architecture
     if quantization != "none" and not kernels.available():
@@ -81,6 +82,7 @@ def load(path: Path, dtype: str = "auto", fused: bool = True,
     modes.set_quantization(quantization)
     # a GGUF file's Q4_0 matrices stay in their blocks unless --dtype asks for floats
     packing.set_native_blocks(is_gguf(path) and dtype == "auto" and quantization == "none")
+    modes.set_kv_cache_dtype(kv_dtype_for(kv_cache_dtype, path, quantization))
     if is_gguf(path) and weights:
         log.info("%s: %s", path.name, hf.gguf(path).load_plan(pick_dtype(dtype)[0],
                                                               packing.native_blocks()))
@@ -95,6 +97,16 @@ def load(path: Path, dtype: str = "auto", fused: bool = True,
         except StateError as exc:
             raise CheckpointError(f"{path}: its time_state tensors: {exc}") from None
     return served
+
+
+def kv_dtype_for(asked: str, path: Path, quantization: str) -> str:
+    """``--kv-cache-dtype``: ``fp32``, ``bf16`` or ``int8`` as asked; ``auto`` is bf16 where
+    the weights are quantized (a GGUF file's quantized types, ``--quantization``), whose
+    rounding is far coarser than bf16's, and fp32 otherwise (exact against transformers)."""
+    if asked != "auto":
+        return asked
+    quantized = quantization != "none" or (is_gguf(path) and hf.gguf(path).quantized())
+    return "bf16" if quantized else "fp32"
 
 
 def check(path: Path, dtype: str = "auto", quantization: str = "none", budget: int = 0

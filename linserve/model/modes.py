@@ -2,7 +2,8 @@
 (``--batch-invariant``, on by default: :mod:`linserve.model.invariant`) and the quantization of
 GEMM weights as they are packed (``--quantization``: :mod:`linserve.model.packing`), and
 whether a vision-language checkpoint's tower is loaded, with its processor's limits
-(``--limit-mm-per-prompt``, ``--mm-processor-kwargs``)."""
+(``--limit-mm-per-prompt``, ``--mm-processor-kwargs``), and what KV caches hold
+(``--kv-cache-dtype``)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,18 @@ def image_limits() -> dict[str, Any]:
 def mmproj() -> Path | None:
     """The mmproj file of a GGUF model's vision tower (``--mmproj``), if one was given."""
     return _images[2] if _images[0] else None
+
+
+_kv_cache_dtype = ["fp32"]
+
+
+def set_kv_cache_dtype(dtype: str) -> None:
+    """What attention layers' KV caches made from now on hold (``--kv-cache-dtype``:
+    ``fp32``, ``bf16``, ``int8``; :class:`linserve.model.state.KVEntry`)."""
+    if dtype not in ("fp32", "bf16", "int8"):
+        raise ValueError(f"unknown KV cache dtype {dtype!r} (fp32, bf16 or int8)")
+    _kv_cache_dtype[0] = dtype
+
+
+def kv_cache_dtype() -> str:
+    return _kv_cache_dtype[0]

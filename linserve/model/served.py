@@ -46,7 +46,7 @@ def describe(module: Any, architecture: str, context_limit: int | None, per_toke
         state_layout=empty.layout(), state_bytes_per_token=per_token,
         weight_bytes=0 if described else packing.resident_bytes(module),
         embedding_bytes=0 if described else packing.embedding_bytes(module),
-        quantization=modes.quantization())
+        quantization=modes.quantization(), kv_cache_dtype=empty.kv_dtype)
 
 
 class ServedModule:

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -69,6 +69,10 @@ class Entry:
     def truncatable(self) -> bool:
         """Whether the entry can be cut back to a prefix of what it has consumed."""
         return False
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype tensor ``name`` holds (a blob checks it)."""
+        return self.DTYPE
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The entry's tensors by name (absent optional ones left out)."""
@@ -161,17 +165,50 @@ class ConvEntry(Entry):
         return cls(torch.zeros(batch, max(width - 1, 0), channels))
 
 
+KV_DTYPES = ("fp32", "bf16", "int8")  # what a KV cache may hold its keys and values in
+QUANT_BLOCK = 32  # an int8 cache's values per scale (llama.cpp's q8_0 block)
+_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x [..., D]`` (D a multiple of :data:`QUANT_BLOCK`) as an int8 cache's rows
+    ``[..., D + D / 8]``: D int8 values, then one fp32 scale per block of 32 values in its
+    4 bytes (as llama.cpp's q8_0 blocks, the scales gathered at the row's end): scale =
+    max |x| / 127, value = round(x / scale), half to even (an all-zero block: scale 0,
+    values 0). The native step quantizes with the same operations."""
+    blocks = x.reshape(*x.shape[:-1], -1, QUANT_BLOCK)
+    scale = blocks.abs().amax(-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    values = torch.round(blocks / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([values.reshape(x.shape), scale.contiguous().view(torch.int8)], -1)
+
+
+def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
+    """An int8 cache's rows ``[..., D + D / 8]`` (:func:`quantize_rows`) -> fp32 ``[..., D]``."""
+    d = rows.shape[-1] * 8 // 9
+    scale = rows[..., d:].contiguous().view(torch.float32)
+    blocks = rows[..., :d].reshape(*rows.shape[:-1], -1, QUANT_BLOCK).float()
+    return (blocks * scale.unsqueeze(-1)).reshape(*rows.shape[:-1], d)
+
+
 @dataclass
 class KVEntry(Entry):
     """Keys and values ``[B, H, C, D]``, written at each row's own position. C grows in
     blocks of :data:`KV_BLOCK` slots, never per step, up to ``max_context`` (as llama.cpp's
     cache and vLLM's pages grow: doubling held up to twice what was used). With
-    ``window = W > 0`` it is a ring of at most W slots: position p lives in slot p mod W."""
+    ``window = W > 0`` it is a ring of at most W slots: position p lives in slot p mod W.
+
+    ``dtype`` (``--kv-cache-dtype``): what k and v hold. ``fp32``; ``bf16`` (rounded to
+    nearest even); ``int8``: rows of ``D + D / 8`` bytes, D values and an fp32 scale per
+    block of 32 (:func:`quantize_rows`), so that every state operation sees two tensors
+    whatever the dtype. Keys and values are written fp32 (:meth:`put`) and read back fp32
+    (:meth:`keys`, :meth:`values`); attention runs in fp32 on what was stored."""
 
     k: torch.Tensor
     v: torch.Tensor
     max_context: int
     window: int = 0
+    dtype: str = "fp32"
     KIND: ClassVar[str] = "kv"
     TENSORS: ClassVar[tuple[str, ...]] = ("k", "v")
 
@@ -182,14 +219,83 @@ class KVEntry(Entry):
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, max_context: int, window: int = 0,
-              capacity: int = 0) -> KVEntry:
+              capacity: int = 0, dtype: str | None = None) -> KVEntry:
+        """An empty cache; ``dtype`` None: the process's ``--kv-cache-dtype``
+        (:func:`linserve.model.modes.kv_cache_dtype`); an int8 cache whose head size is not
+        a multiple of 32 is held in bf16."""
+        from linserve.model import modes
+
+        dtype = dtype or modes.kv_cache_dtype()
+        if dtype == "int8" and head_dim % QUANT_BLOCK:
+            dtype = "bf16"
         cap = min(max(capacity, 16), window or max_context)
-        shape = (batch, heads, cap, head_dim)
-        return cls(torch.zeros(shape), torch.zeros(shape), max_context, window)
+        width = head_dim + head_dim // 8 if dtype == "int8" else head_dim
+        shape = (batch, heads, cap, width)
+        return cls(torch.zeros(shape, dtype=_STORAGE[dtype]),
+                   torch.zeros(shape, dtype=_STORAGE[dtype]), max_context, window, dtype)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype tensor ``name`` holds (a blob checks it)."""
+        return _STORAGE[self.dtype]
+
+    @property
+    def head_dim(self) -> int:
+        """D, the width of a key (an int8 row holds D + D / 8 bytes)."""
+        width = self.k.shape[3]
+        return width * 8 // 9 if self.dtype == "int8" else width
+
+    def put(self, rows: Index, slots: Index, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store fp32 keys and values ``[b, H, t, D]`` at ``[rows, :, slots]`` (each slot
+        index a tensor ``[b]`` or ``[t]``, or a slice), converted to the cache's dtype."""
+        for held, x in ((self.k, k), (self.v, v)):
+            if self.dtype == "int8":
+                held[rows, :, slots] = quantize_rows(x)
+            else:
+                held[rows, :, slots] = x.to(held.dtype)
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 keys or values ``[..., D]`` as this cache gives them back once stored (a
+        prefill that attends to a chunk's own keys before reading them from the cache sees
+        what a step would)."""
+        if self.dtype == "int8":
+            return dequantize_rows(quantize_rows(x))
+        return x if self.dtype == "fp32" else x.to(torch.bfloat16).float()
+
+    def read(self, name: str, rows: Index, slots: Index) -> torch.Tensor:
+        """Keys (``name="k"``) or values at ``[rows, :, slots]`` as fp32 (a view of an fp32
+        cache, else a converted copy)."""
+        held = getattr(self, name)[rows, :, slots]
+        if self.dtype == "int8":
+            return dequantize_rows(held)
+        return held if self.dtype == "fp32" else held.float()
+
+    def as_dtype(self, dtype: str) -> KVEntry:
+        """A copy holding ``dtype`` (what was stored, read fp32 and stored again; an int8
+        cache's head size must allow it)."""
+        if dtype == self.dtype:
+            return cast(KVEntry, self._with({n: t.clone() for n, t in self.tensors().items()}))
+        out = KVEntry.empty(self.batch_size, self.k.shape[1], self.head_dim, self.max_context,
+                            self.window, self.capacity, dtype)
+        out.put(slice(None), slice(0, self.capacity), self.read("k", slice(None), slice(None)),
+                self.read("v", slice(None), slice(None)))
+        return out
+
+    def keys(self, rows: Index, n: int) -> torch.Tensor:
+        """Keys of slots ``[0, n)`` of ``rows``, fp32 ``[b, H, n, D]``."""
+        return self.read("k", rows, slice(0, n))
+
+    def values(self, rows: Index, n: int) -> torch.Tensor:
+        """Values of slots ``[0, n)`` of ``rows``, fp32 ``[b, H, n, D]``."""
+        return self.read("v", rows, slice(0, n))
 
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one slot of one row holds (keys, values and their scales)."""
+        return sum(t.shape[1] * t.shape[3] * t.element_size() for t in self.tensors().values())
 
     @property
     def slot_limit(self) -> int:
@@ -236,8 +342,7 @@ class KVEntry(Entry):
             return
         keep = min(capacity, self.capacity)
         rows = self.batch_size if live is None else live
-        for name in ("k", "v"):
-            old = getattr(self, name)
+        for name, old in self.tensors().items():
             new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
             new[:rows, :, :keep] = old[:rows, :, :keep]
             new[:rows, :, keep:] = 0  # masked-out slots must hold numbers, not garbage
@@ -250,8 +355,8 @@ class KVEntry(Entry):
     def select(self, idx: Index, lengths: torch.Tensor) -> KVEntry:
         """A copy of rows ``idx``, trimmed to the capacity they need."""
         cap = self._trimmed(lengths)
-        return KVEntry(_rows(self.k[:, :, :cap], idx), _rows(self.v[:, :, :cap], idx),
-                       self.max_context, self.window)
+        return cast(KVEntry, self._with({n: _rows(t[:, :, :cap], idx)
+                                         for n, t in self.tensors().items()}))
 
     def write_rows(self, dst: Index, src: Entry) -> None:
         """Copy ``src``'s rows into rows ``dst``; their slots past ``src``'s capacity are
@@ -259,8 +364,9 @@ class KVEntry(Entry):
         assert isinstance(src, KVEntry)
         used = src.capacity
         self.reserve(used)
-        for mine, theirs in ((self.k, src.k), (self.v, src.v)):
-            mine[dst, :, :used] = theirs
+        theirs = src.tensors()
+        for name, mine in self.tensors().items():
+            mine[dst, :, :used] = theirs[name]
             mine[dst, :, used:] = 0
 
     @classmethod
@@ -415,10 +521,27 @@ class State:
         for e in self.kv_entries:
             e.trim(self.lengths)
 
+    @property
+    def kv_dtype(self) -> str:
+        """What its KV caches hold, most of them (``--kv-cache-dtype``; a draft head's or a
+        latent cache may keep fp32); "" for a state without any."""
+        held = [e.dtype for e in self.kv_entries]
+        return max(held, key=held.count) if held else ""
+
     @functools.cached_property
     def kv_entries(self) -> list[KVEntry]:
         """The KV-cache entries (the only ones that grow)."""
         return [e for e in self.entries() if isinstance(e, KVEntry)]
+
+    def as_kv_dtypes(self, like: State) -> State:
+        """This state with each KV cache in the dtype of ``like``'s at the same place (itself
+        where they already agree)."""
+        if all(a.dtype == b.dtype for a, b in zip(self.kv_entries, like.kv_entries, strict=True)):
+            return self
+        layers = [{n: e.as_dtype(cast(KVEntry, theirs[n]).dtype) if isinstance(e, KVEntry) else e
+                   for n, e in layer.items()}
+                  for layer, theirs in zip(self.layers, like.layers, strict=True)]
+        return State(layers, self.lengths)
 
     @classmethod
     def cat(cls, states: Sequence[State]) -> State:

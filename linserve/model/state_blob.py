@@ -17,7 +17,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State, StateError
+from linserve.model.state import (
+    KV_DTYPES,
+    ConvEntry,
+    KVEntry,
+    RecurrentEntry,
+    State,
+    StateError,
+)
 
 STATE_FORMAT_VERSION = 3
 READABLE_FORMAT_VERSIONS = ("1", "2", "3")
@@ -69,9 +76,39 @@ def state_from_bytes(data: bytes, template: State, fingerprint: str
         if isinstance(exc, StateError):
             raise
         raise StateError(f"state blob is corrupt: {exc}") from exc
-    if layout != template.layout():
+    layout = _kv_dtypes_filled(layout)
+    held = _template_like(template, layout)
+    if layout != held.layout():
         raise StateError("state layout does not match this model's layers")
-    return _build(tensors, template), extra
+    return _build(tensors, held).as_kv_dtypes(template), extra
+
+
+def _kv_dtypes_filled(layout: Any) -> Any:
+    """A blob's layout with ``"dtype": "fp32"`` on KV entries written before caches had a
+    dtype (``--kv-cache-dtype``)."""
+    if isinstance(layout, list):
+        for spec in layout:
+            for desc in spec.values() if isinstance(spec, dict) else ():
+                if isinstance(desc, dict) and desc.get("kind") == "kv":
+                    desc.setdefault("dtype", "fp32")
+    return layout
+
+
+def _template_like(template: State, layout: Any) -> State:
+    """``template`` with its KV caches in the dtypes ``layout`` gives them (a blob written by
+    a server with another ``--kv-cache-dtype``: read as it is, then converted)."""
+    if not isinstance(layout, list) or len(layout) != len(template.layers):
+        return template
+    layers = []
+    for spec, layer in zip(layout, template.layers, strict=True):
+        out = dict(layer)
+        for name, e in layer.items():
+            desc = spec.get(name) if isinstance(spec, dict) else None
+            dtype = desc.get("dtype") if isinstance(desc, dict) else None
+            if isinstance(e, KVEntry) and dtype in KV_DTYPES and dtype != e.dtype:
+                out[name] = e.as_dtype(dtype)
+        layers.append(out)
+    return State(layers, template.lengths)
 
 
 def _upgrade(meta: dict[str, str], tensors: dict[str, torch.Tensor], template: State,
@@ -131,14 +168,17 @@ def _check_entry(name: str, e: Any, ref: Any, lengths: torch.Tensor) -> None:
         want = (rows, *ref.tensors()[t].shape[1:])
         if isinstance(e, KVEntry):  # the slot dimension is the cache's own capacity
             want = (rows, want[1], x.shape[2] if x.dim() == 4 else -1, want[3])
-        if x.dtype != e.DTYPE:
+        if x.dtype != e.dtype_of(t):
             raise StateError(f"state tensor {name}.{t} has dtype {x.dtype}, expected "
-                             f"{e.DTYPE}")
+                             f"{e.dtype_of(t)}")
         if tuple(x.shape) != want:
             raise StateError(f"state tensor {name}.{t} has shape {tuple(x.shape)}, "
                              f"expected {want}")
         if x.is_floating_point() and not torch.isfinite(x).all():
             raise StateError(f"state tensor {name}.{t} holds NaN or inf")
+        if isinstance(e, KVEntry) and e.dtype == "int8" and not torch.isfinite(
+                x[..., e.head_dim :].contiguous().view(torch.float32)).all():
+            raise StateError(f"state tensor {name}.{t} holds NaN or inf scales")
     if isinstance(e, KVEntry):
         if e.capacity > e.slot_limit:
             raise StateError(f"KV cache capacity {e.capacity} exceeds the model's limit of "

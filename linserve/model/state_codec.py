@@ -43,7 +43,8 @@ class PackedState:
 
 
 def _pack_tensor(name: str, t: torch.Tensor, cctx: zstandard.ZstdCompressor) -> PackedTensor:
-    arr = t.detach().contiguous().numpy()
+    t = t.detach().contiguous()
+    arr = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()  # numpy has no bf16
     planes = arr.reshape(-1).view(np.uint8).reshape(-1, arr.itemsize).T  # [itemsize, numel]
     return PackedTensor(name, t.dtype, tuple(t.shape),
                         cctx.compress(np.ascontiguousarray(planes).tobytes()))

@@ -39,14 +39,20 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="port to bind")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="weight dtype; 'auto' picks bfloat16 where the CPU has native bf16 "
-        "dot products (AVX512-BF16 or AMX), float32 otherwise; recurrent state and KV caches "
-        "are always float32")
+        "dot products (AVX512-BF16 or AMX), float32 otherwise; recurrent states are always "
+        "float32 (KV caches: --kv-cache-dtype)")
     quantization: Literal["none", "int8", "int4"] = Field(
         "none", description="quantization of every projection, MLP and output-head weight at "
         "load time: int8 (per output channel) or int4 (groups of 32, fp16 scales, as "
         "llama.cpp's Q4_0), multiplied as integer dot products with the GEMM's input rounded "
-        "to int8 per block of 32 (as llama.cpp's Q8_0); embeddings, norms, states and KV "
-        "caches stay as they are")
+        "to int8 per block of 32 (as llama.cpp's Q8_0); embeddings, norms and states stay as "
+        "they are (KV caches: --kv-cache-dtype)")
+    kv_cache_dtype: Literal["auto", "fp32", "bf16", "int8"] = Field(
+        "auto", description="what attention layers' KV caches hold, as llama.cpp's -ctk / -ctv: "
+        "fp32; bf16 (half the bytes); int8 with an fp32 scale per block of 32 values (about "
+        "0.28 of fp32's bytes, as llama.cpp's q8_0); attention runs in fp32 on what was "
+        "stored. 'auto': bf16 where the weights are quantized (a GGUF file's quantized "
+        "types, --quantization), fp32 otherwise. Recurrent states stay fp32")
     threads: int = Field(0, ge=0, description="torch threads for the engine (0: auto)")
     initial_state: str = Field(
         "", description="a state file every request without a session starts from (RWKV's "

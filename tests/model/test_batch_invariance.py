@@ -199,21 +199,23 @@ def test_prefill_does_not_depend_on_the_batch_or_chunk_splits(kind: str,
 
 @pytest.mark.parametrize(("heads", "groups", "dim"), [(8, 2, 64), (6, 2, 32), (6, 6, 16),
                                                      (6, 1, 48), (4, 2, 24)])
+@pytest.mark.parametrize("before", [9, 150])
 def test_causal_attention_rows_do_not_depend_on_the_call(heads: int, groups: int,
-                                                         dim: int) -> None:
+                                                         dim: int, before: int) -> None:
     """``invariant.attention`` (natively ``attend_causal``): each query row of a prompt
     gives the same bits in one call of 40 rows, in calls split anywhere over the cache, and
     alone (a decode step's call), for 4, 3, 1 and 6 query heads per key-value head and head
     sizes with and without a 16-wide tail (24: one head at a time); and it is causal
-    softmax attention (within fp32 rounding of SDPA's, every key count across 16)."""
+    softmax attention (within fp32 rounding of SDPA's, every key count across 16). With 150
+    cached positions the rows' blocks (16 rows attended together) cross blocks of 64 keys."""
     with torch.no_grad():  # the native path serves inference only
-        _causal_attention_case(heads, groups, dim)
+        _causal_attention_case(heads, groups, dim, before)
 
 
-def _causal_attention_case(heads: int, groups: int, dim: int) -> None:
+def _causal_attention_case(heads: int, groups: int, dim: int, before: int) -> None:
     assert modes.active()
     torch.manual_seed(0)
-    t, before = 40, 9
+    t = 40
     q = torch.randn(2, heads, t, dim)
     k, v = torch.randn(2, groups, before + t + 3, dim), torch.randn(2, groups, before + t + 3, dim)
     keys, values = k[:, :, : before + t], v[:, :, : before + t]  # a cache's slice
@@ -226,7 +228,7 @@ def _causal_attention_case(heads: int, groups: int, dim: int) -> None:
         part = invariant.attention(q[:, :, a:b], k[:, :, : before + b], v[:, :, : before + b],
                                    before + a)
         assert torch.equal(part, whole[:, :, a:b])
-    for i in (0, 1, 7, 39):
+    for i in (0, 1, 7, 15, 16, 31, 39):
         alone = invariant.attention(q[1:, :, i : i + 1], k[1:, :, : before + i + 1],
                                     v[1:, :, : before + i + 1], before + i)
         assert torch.equal(alone, whole[1:, :, i : i + 1])

@@ -116,3 +116,33 @@ def test_structured_output_and_messages_api(q4: ServerProcess) -> None:
     msg = httpx.post(q4.url + "/v1/messages", json={
         "model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]})
     assert msg.status_code == 200 and msg.json()["content"][0]["type"] == "text"
+
+
+def test_kv_cache_dtypes_serve_and_say_so(files: dict[str, Path], q4: ServerProcess) -> None:
+    """``--kv-cache-dtype``: the Q4_0 file's cache is bf16 by default (its weights are
+    quantized), the F32 file's fp32; ``int8`` holds 9/32 of fp32's bytes a token. An int8
+    server answers, keeps a session, and a session exported from it continues the same on
+    a server that reads it into an fp32 cache (what was stored, read back)."""
+    info = httpx.get(q4.url + "/v1/models").json()["data"][0]
+    assert info["kv_cache_dtype"] == "bf16"
+    with _serve(files["f32"], "--dtype", "float32", "--kv-cache-dtype", "int8") as int8, \
+            _serve(files["f32"], "--dtype", "float32") as fp32:
+        mine = httpx.get(int8.url + "/v1/models").json()["data"][0]
+        theirs = httpx.get(fp32.url + "/v1/models").json()["data"][0]
+        assert (mine["kv_cache_dtype"], theirs["kv_cache_dtype"]) == ("int8", "fp32")
+        assert mine["state_bytes_per_token"] * 32 == theirs["state_bytes_per_token"] * 9
+        ask = {"model": "tiny", "prompt": "One, two, three, four,", "max_tokens": 8,
+               "temperature": 0}
+        assert httpx.post(int8.url + "/v1/completions", json=ask).json()["choices"][0]["text"]
+        sid = httpx.post(int8.url + "/v1/sessions", json={"prompt": "One, two,"}).json()["id"]
+        blob = httpx.get(f"{int8.url}/v1/sessions/{sid}/state").content
+        more = {"model": "tiny", "prompt": " three,", "max_tokens": 6, "temperature": 0}
+        here = httpx.post(int8.url + "/v1/completions",
+                          json={**more, "session_id": sid}).json()
+        r = httpx.post(fp32.url + "/v1/sessions/import", content=blob,
+                       headers={"content-type": "application/octet-stream"})
+        assert r.status_code == 200, r.text
+        there = httpx.post(fp32.url + "/v1/completions",
+                           json={**more, "session_id": r.json()["id"]}).json()
+        assert here["usage"]["prompt_tokens"] == there["usage"]["prompt_tokens"]
+        assert there["choices"][0]["text"]

@@ -189,9 +189,9 @@ def renamer(rules: list[tuple[str, str]]) -> Callable[[str], str]:
 
 def state_sizes(module: DecoderLM, max_context: int) -> tuple[int, int]:
     """(the largest one-session state in bytes, the bytes each token of context adds): the
-    constant entries of a fresh state plus its full KV caches (fp32 keys and values)."""
+    constant entries of a fresh state plus its full KV caches (in ``--kv-cache-dtype``)."""
     state = module.new_state(1, max_context)
-    per_token = sum((e.k.shape[1] * e.k.shape[3] + e.v.shape[1] * e.v.shape[3]) * 4
-                    for e in state.entries() if isinstance(e, KVEntry) and not e.window)
+    per_token = sum(e.slot_bytes for e in state.entries()
+                    if isinstance(e, KVEntry) and not e.window)
     constant = sum(e.nbytes for e in state.entries() if not isinstance(e, KVEntry))
     return constant + per_token * max_context + 8, per_token

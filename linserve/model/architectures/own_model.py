@@ -280,10 +280,10 @@ def serve(model: LanguageModel, tok: Tokenizer) -> ServedModule:
         ragged_prefill=cfg.is_recurrent, state_bytes=empty.nbytes,
         state_grows=empty.grows, state_layout=empty.layout(),
         state_bytes_per_token=0 if not empty.grows else
-        2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 4,
+        sum(e.slot_bytes for e in empty.kv_entries),
         weight_bytes=packing.resident_bytes(model, model.fused_weights),
         embedding_bytes=packing.embedding_bytes(model),
-        quantization=modes.quantization())
+        quantization=modes.quantization(), kv_cache_dtype=empty.kv_dtype)
     return ServedModule(model, tok, None, model.fingerprint, info, chunk=cfg.chunk_size)
 
 

@@ -159,9 +159,8 @@ at::Tensor run_parts(const DecoderPlan& plan, at::Tensor x, at::TensorList state
   TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.is_contiguous() &&
                   x.size(0) == rows * positions, "decoder_step: lengths [B] int64");
   for (const at::Tensor& t : state)
-    TORCH_CHECK(t.numel() == 0 || (t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                                   t.size(0) == rows),
-                "decoder_step: state is fp32 contiguous [B, ...]");
+    TORCH_CHECK(t.numel() == 0 || (t.is_contiguous() && t.size(0) == rows),
+                "decoder_step: state is contiguous [B, ...] (fp32, a KV cache as stored)");
   std::vector<at::Tensor> st(state.begin(), state.end()), snap(snaps.begin(), snaps.end());
   std::vector<at::Tensor> carry(plan.carries);
   const bool shifted = offsets.has_value() && offsets->defined();

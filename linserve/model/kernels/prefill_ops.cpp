@@ -336,7 +336,8 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) {
 // contiguous, k, v [B, Hkv, >= start + T, D] with rows of D contiguous (a cache's slice) ->
 // o [B, T, H, D], fp32. In place of scores as a matrix and five elementwise passes over it,
 // which took a fifth of a 2,048-token LFM2-1.2B prefill. Threads take
-// (row, group) tasks from a counter: later rows have more keys.
+// (rows, group) tasks from a counter, kCausalRows rows each (attend_group_rows: each block
+// of keys read once for all of them; later rows have more keys).
 at::Tensor attend_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          int64_t start) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() &&
@@ -354,14 +355,16 @@ at::Tensor attend_causal(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* op = o.data_ptr<float>();
-  linserve::for_each_task(batch * groups * t_len, [&](int64_t task) {
-    const int64_t t = task % t_len, g = task / t_len % groups, b = task / (t_len * groups);
-    const int64_t n = start + t + 1, at_q = ((b * t_len + t) * heads + g * rep) * dim;
+  const int64_t blocks = (t_len + linserve::kCausalRows - 1) / linserve::kCausalRows;
+  linserve::for_each_task(batch * groups * blocks, [&](int64_t task) {
+    const int64_t t0 = task % blocks * linserve::kCausalRows, g = task / blocks % groups;
+    const int64_t b = task / (blocks * groups), rows = std::min(linserve::kCausalRows, t_len - t0);
+    const int64_t n0 = start + t0 + 1, at_q = ((b * t_len + t0) * heads + g * rep) * dim;
     thread_local std::vector<float> scores;
-    scores.resize(std::min(rep, linserve::kGroupHeads) * n);
-    linserve::attend_group(qp + at_q, kp + b * k.stride(0) + g * k.stride(1),
-                           vp + b * v.stride(0) + g * v.stride(1), rep, n, dim, op + at_q,
-                           scores.data());
+    scores.resize(rows * std::min(rep, linserve::kGroupHeads) * (n0 + rows - 1));
+    linserve::attend_group_rows(qp + at_q, heads * dim, kp + b * k.stride(0) + g * k.stride(1),
+                                vp + b * v.stride(0) + g * v.stride(1), rep, n0, rows, dim,
+                                op + at_q, scores.data());
   });
   return o;
 }

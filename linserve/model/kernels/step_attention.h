@@ -8,6 +8,7 @@
 
 #include "attention.h"
 #include "dense.h"
+#include "kv_rows.h"
 #include "step_parts.h"
 
 #include <algorithm>
@@ -43,11 +44,35 @@ inline void gate_interleaved(at::Tensor& o, const at::Tensor& qkv, int64_t heads
     }
 }
 
-// q heads into q [B, H, D]; k and v into the cache at each row's position; norms, rotary
-// and multipliers as Attention._qkv applies them.
+// What a cache tensor holds (KVEntry's dtype): fp32, bf16, or int8 rows of D + D / 8 bytes.
+inline linserve::KvKind kv_kind(const at::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: return linserve::KvKind::kFp32;
+    case at::kBFloat16: return linserve::KvKind::kBf16;
+    case at::kChar: return linserve::KvKind::kInt8;
+    default: TORCH_CHECK(false, "decoder_step: a KV cache of ", cache.scalar_type());
+  }
+  return linserve::KvKind::kFp32;
+}
+
+// Group g's rows of cache row r, as stored.
+inline linserve::StoredRows stored(const at::Tensor& cache, int64_t r, int64_t g, int64_t dh) {
+  const int64_t groups = cache.size(1), cap = cache.size(2);
+  const linserve::KvKind kind = kv_kind(cache);
+  const auto* base = static_cast<const uint8_t*>(cache.data_ptr());
+  return {base + (r * groups + g) * cap * linserve::row_bytes(kind, dh), kind, dh};
+}
+
+// q heads into q [B, H, D]; k and v into the cache at each row's position, in its dtype;
+// norms, rotary and multipliers as Attention._qkv applies them.
 inline void write_qkv(const at::Tensor& qkv, const Attention& p, at::Tensor& kc, at::Tensor& vc,
                       const int64_t* lengths, const int64_t* offsets, std::vector<float>& q) {
   const int64_t rows = qkv.size(0), width = qkv.size(1), dh = p.head_dim, cap = kc.size(2);
+  const linserve::KvKind kind = kv_kind(kc);
+  const int64_t bytes = linserve::row_bytes(kind, dh);
+  TORCH_CHECK(vc.scalar_type() == kc.scalar_type() && kc.size(3) * kc.element_size() == bytes,
+              "decoder_step: the KV cache's rows do not hold the head size ", dh);
+  std::vector<float> kd(dh);
   const bool qk_norm = present(p.q_norm) && !p.norm_whole, rope = present(p.inv_freq);
   const int64_t q_stride = p.gate_interleaved ? 2 * dh : dh, k_at = p.heads * q_stride;
   at::Tensor src_t = qkv;
@@ -76,38 +101,42 @@ inline void write_qkv(const at::Tensor& qkv, const Attention& p, at::Tensor& kc,
         for (int64_t i = 0; i < dh; ++i) qh[i] *= p.q_scale;
     }
     for (int64_t g = 0; g < p.kv_heads; ++g) {
-      float* kd = kc.data_ptr<float>() + ((r * p.kv_heads + g) * cap + slot) * dh;
-      float* vd = vc.data_ptr<float>() + ((r * p.kv_heads + g) * cap + slot) * dh;
-      std::memcpy(kd, row + k_at + g * dh, dh * sizeof(float));
-      std::memcpy(vd, row + k_at + (p.kv_heads + g) * dh, dh * sizeof(float));
-      if (qk_norm) linserve::rms_row(kd, p.k_norm.data_ptr<float>(), dh, p.norm_eps);
-      if (rope) linserve::rotate_half(kd, p.inv_freq.data_ptr<float>(), rot, pos);
+      const int64_t at = ((r * p.kv_heads + g) * cap + slot) * bytes;
+      std::memcpy(kd.data(), row + k_at + g * dh, dh * sizeof(float));
+      if (qk_norm) linserve::rms_row(kd.data(), p.k_norm.data_ptr<float>(), dh, p.norm_eps);
+      if (rope) linserve::rotate_half(kd.data(), p.inv_freq.data_ptr<float>(), rot, pos);
       if (p.key_multiplier != 1.f)
         for (int64_t i = 0; i < dh; ++i) kd[i] *= p.key_multiplier;
+      linserve::store_row(kind, kd.data(), dh, static_cast<uint8_t*>(kc.data_ptr()) + at);
+      linserve::store_row(kind, row + k_at + (p.kv_heads + g) * dh, dh,
+                          static_cast<uint8_t*>(vc.data_ptr()) + at);
     }
   }
 }
 
-// One key-value group of one row over its cache up to position ``at`` (attend_group): a
-// ring's (W = window > 0) full slots are read in position order, as a prefill reads them.
-inline void attend_cached(const float* q, const float* keys, const float* values, int64_t rep,
-                          int64_t at, int64_t window, int64_t dh, float* out) {
+// One key-value group of one row over its cache up to position ``at`` (attend_group, over
+// the rows as stored: attend_group_stored): a ring's (W = window > 0) full slots are read in
+// position order, as a prefill reads them.
+inline void attend_cached(const float* q, const linserve::StoredRows& keys,
+                          const linserve::StoredRows& values, int64_t rep, int64_t at,
+                          int64_t window, int64_t dh, float* out) {
   int64_t n = at + 1;
-  std::vector<float> ordered;
+  std::vector<float> scores(std::min(rep, linserve::kGroupHeads) *
+                           (window > 0 ? std::min(n, window) : n));
   if (window > 0 && n > window) {
     n = window;
     const int64_t first = (at + 1) % window;  // the oldest position's slot
-    ordered.resize(2 * n * dh);
+    std::vector<float> ordered(2 * n * dh);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t slot = (first + j) % window;
-      std::memcpy(ordered.data() + j * dh, keys + slot * dh, dh * sizeof(float));
-      std::memcpy(ordered.data() + (n + j) * dh, values + slot * dh, dh * sizeof(float));
+      keys.read(slot, ordered.data() + j * dh);
+      values.read(slot, ordered.data() + (n + j) * dh);
     }
-    keys = ordered.data();
-    values = ordered.data() + n * dh;
+    linserve::attend_group(q, ordered.data(), ordered.data() + n * dh, rep, n, dh, out,
+                           scores.data());
+    return;
   }
-  std::vector<float> scores(std::min(rep, linserve::kGroupHeads) * n);
-  linserve::attend_group(q, keys, values, rep, n, dh, out, scores.data());
+  linserve::attend_group_stored(q, keys, values, rep, n, dh, out, scores.data());
 }
 
 // Attention (the struct's comment); position t of row r at cache position lengths[r] + t.
@@ -116,7 +145,6 @@ inline at::Tensor run(const Attention& p, const at::Tensor& h, at::Tensor* state
   at::Tensor& kc = state[0];
   at::Tensor& vc = state[1];
   const int64_t rows = h.size(0) / c.pos.count, dh = p.head_dim, rep = p.heads / p.kv_heads;
-  const int64_t cap = kc.size(2);
   const at::Tensor qkv = linserve::project(h, p.qkv);
   at::Tensor o = at::empty({h.size(0), p.heads * dh}, h.options());
   std::vector<int64_t> at_pos(c.lengths, c.lengths + rows);
@@ -127,9 +155,8 @@ inline at::Tensor run(const Attention& p, const at::Tensor& h, at::Tensor* state
     at::parallel_for(0, rows * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t r = task / p.kv_heads, g = task % p.kv_heads;
-        const int64_t at_group = (r * p.kv_heads + g) * cap * dh;
-        attend_cached(q.data() + (r * p.heads + g * rep) * dh, kc.data_ptr<float>() + at_group,
-                      vc.data_ptr<float>() + at_group, rep, at_pos[r], p.window, dh,
+        attend_cached(q.data() + (r * p.heads + g * rep) * dh, stored(kc, r, g, dh),
+                      stored(vc, r, g, dh), rep, at_pos[r], p.window, dh,
                       o_t + (r * p.heads + g * rep) * dh);
       }
     });

@@ -3,7 +3,8 @@ on all, part or none of each head, a custom score scale and a key multiplier. Th
 LFM2's, Granite's, Nemotron-H's and Falcon-H1's attention layers (Qwen3.5's adds an output
 gate: :mod:`linserve.model.architectures.qwen3_5`).
 
-State: a :class:`linserve.model.state.KVEntry` ``{"kv"}``, fp32, written at each row's own position.
+State: a :class:`linserve.model.state.KVEntry` ``{"kv"}`` (fp32, bf16 or int8:
+``--kv-cache-dtype``), written at each row's own position.
 """
 
 from __future__ import annotations
@@ -155,10 +156,9 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, torch.arange(start, start + t)[None], delta)
         if self.shape.window:
             return self._out(self._attend_ring(q, k, v, kv, rows, start), x)
-        kv.k[rows, :, start : start + t] = k
-        kv.v[rows, :, start : start + t] = v
-        keys = kv.k[rows, :, : start + t]
-        values = self.values_of(keys, kv.v[rows, :, : start + t])
+        kv.put(rows, slice(start, start + t), k, v)
+        keys = kv.keys(rows, start + t)
+        values = self.values_of(keys, kv.values(rows, start + t))
         return self._out(invariant.attention(q, keys, values, start), x)
 
     def _attend_ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVEntry,
@@ -167,18 +167,18 @@ class Attention(nn.Module):
         ``[b, Hkv, T, D]``) over the ring's past keys any of them sees and their own; then the
         last min(T, W) new keys go into their slots (position mod W). -> ``[b, H, T, D]``."""
         w, t = self.shape.window, q.shape[2]
+        k, v = kv.as_stored(k), kv.as_stored(v)  # as a step reads them back
         pos = torch.arange(start, start + t)
         past = torch.arange(max(0, start - w + 1), start)
-        keys = torch.cat([kv.k[rows][:, :, past % w], k], dim=2)
-        values = torch.cat([kv.v[rows][:, :, past % w], v], dim=2)
+        keys = torch.cat([kv.read("k", rows, past % w), k], dim=2)
+        values = torch.cat([kv.read("v", rows, past % w), v], dim=2)
         if modes.active():
             o = self._ring_invariant(q, keys, values, start - len(past))
         else:
             mask = local_mask(pos, torch.cat([past, pos]), w)
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         keep = pos[-w:]
-        kv.k[rows, :, keep % w] = k[:, :, -w:]
-        kv.v[rows, :, keep % w] = v[:, :, -w:]
+        kv.put(rows, keep % w, k[:, :, -w:], v[:, :, -w:])
         return o
 
     def _ring_invariant(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -222,12 +222,11 @@ class Attention(nn.Module):
                             None if delta is None else delta.unsqueeze(1))
         rows = torch.arange(x.shape[0])
         slots = lengths % self.shape.window if self.shape.window else lengths
-        kv.k[rows, :, slots] = k[:, :, 0]
-        kv.v[rows, :, slots] = v[:, :, 0]
+        kv.put(rows, slots, k[:, :, 0], v[:, :, 0])
         outs = []
         for i, n in enumerate(kv.slots_used(lengths + 1).tolist()):  # each row alone
-            keys = kv.k[i : i + 1, :, :n]
-            values = self.values_of(keys, kv.v[i : i + 1, :, :n])
+            keys = kv.keys(slice(i, i + 1), n)
+            values = self.values_of(keys, kv.values(slice(i, i + 1), n))
             if self.shape.window and int(lengths[i]) + 1 > n:  # a full ring: in position order,
                 order = (torch.arange(n) + int(lengths[i]) + 1) % n  # as a prefill reads them
                 keys, values = keys[:, :, order], values[:, :, order]

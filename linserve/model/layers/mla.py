@@ -116,7 +116,8 @@ class LatentAttention(Attention):
 
     def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
         """The latent cache: keys ``[B, 1, C, rank + rope]``, zero-wide values."""
-        entry = KVEntry.empty(batch, 1, self.shape.head_dim, max_context)
+        # fp32 whatever --kv-cache-dtype: the native step's latent attention reads fp32
+        entry = KVEntry.empty(batch, 1, self.shape.head_dim, max_context, dtype="fp32")
         return {"kv": KVEntry(entry.k, entry.v[..., :0].contiguous(), max_context)}
 
     def values_of(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

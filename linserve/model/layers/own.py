@@ -270,17 +270,18 @@ class SoftmaxAttention(nn.Module):
         start = 0 if state is None else int(state.lengths[0])
         pos = torch.arange(start, start + t, device=x.device)
         q, k, v = self._qkv(x, pos.unsqueeze(0))
+        if cache is not None:  # the chunk's own keys as the cache holds them, as a step sees
+            k, v = cache.as_stored(k), cache.as_stored(v)
         if self.cfg.window:
             o = self._window_forward(q, k, v, pos, cache)
         else:
             k_past = v_past = None
             if cache is not None:
-                k_past = cache.k[:, :, :start]
-                v_past = cache.v[:, :, :start]
+                k_past = cache.keys(slice(None), start)
+                v_past = cache.values(slice(None), start)
             o = softmax_parallel(q, k, v, k_past, v_past)
             if cache is not None:
-                cache.k[:, :, start : start + t] = k
-                cache.v[:, :, start : start + t] = v
+                cache.put(slice(None), slice(start, start + t), k, v)
         return self.out(o.transpose(1, 2).reshape(b, t, -1).to(x.dtype))
 
     def _window_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -293,14 +294,13 @@ class SoftmaxAttention(nn.Module):
         if cache is not None and start > 0:
             past = torch.arange(max(0, start - w + 1), start)  # the past keys any query sees
             slots = past % w
-            keys = torch.cat([cache.k[:, :, slots], k], dim=2)
-            values = torch.cat([cache.v[:, :, slots], v], dim=2)
+            keys = torch.cat([cache.read("k", slice(None), slots), k], dim=2)
+            values = torch.cat([cache.read("v", slice(None), slots), v], dim=2)
             k_pos = torch.cat([past, pos])
         o = window_parallel(q, keys, values, pos, k_pos, w)
         if cache is not None:
             keep = pos[-w:]
-            cache.k[:, :, keep % w] = k[:, :, -w:]
-            cache.v[:, :, keep % w] = v[:, :, -w:]
+            cache.put(slice(None), keep % w, k[:, :, -w:], v[:, :, -w:])
         return o
 
     def step(self, x: torch.Tensor, state: State, layer: int) -> torch.Tensor:
@@ -311,10 +311,10 @@ class SoftmaxAttention(nn.Module):
         q, k, v = self._qkv(x.unsqueeze(1), pos)
         rows = torch.arange(b)
         slot = lengths % self.cfg.window if self.cfg.window else lengths
-        k_l, v_l = cache.k, cache.v  # [B, H, C, D]
-        k_l[rows, :, slot] = k[:, :, 0]
-        v_l[rows, :, slot] = v[:, :, 0]
-        o = softmax_step(q[:, :, 0], k_l, v_l, cache.slots_used(lengths + 1))
+        cache.put(rows, slot, k[:, :, 0], v[:, :, 0])
+        every = cache.capacity
+        k_l, v_l = cache.keys(slice(None), every), cache.values(slice(None), every)
+        o = softmax_step(q[:, :, 0], k_l, v_l, cache.slots_used(lengths + 1))  # [B, H, C, D]
         return self.out(o.reshape(b, -1).to(x.dtype))
 
 

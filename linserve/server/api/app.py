@@ -213,7 +213,7 @@ async def startup(app: FastAPI, settings: Settings) -> None:
         "bf16_gemm": app.state.bf16_gemm,
         "decode_step": info.decode_step, "batch_invariant": settings.batch_invariant,
         "speculative": app.state.speculative, "quantization": info.quantization,
-        "weight_bytes": info.weight_bytes,
+        "kv_cache_dtype": info.kv_cache_dtype or None, "weight_bytes": info.weight_bytes,
         "state_bytes_per_session": info.state_bytes,
         "state_note": "grows with context" if info.state_grows else "constant",
         "session_store": settings.session_store.split("@")[-1],

@@ -73,7 +73,7 @@ def load_engine_model(settings: Settings) -> ServedModel:
     start = time.perf_counter()
     apply_image_settings(settings)
     model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
-                 settings.quantization)
+                 settings.quantization, kv_cache_dtype=settings.kv_cache_dtype)
     apply_initial_state(model, settings)
     info = model.info
     torch.set_num_threads(engine_threads(settings, info.weight_bytes))
@@ -103,7 +103,7 @@ def describe_model(settings: Settings) -> ServedModel:
     ``info`` is replaced by the engine's once that has loaded."""
     apply_image_settings(settings)
     model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
-                 settings.quantization, weights=False)
+                 settings.quantization, weights=False, kv_cache_dtype=settings.kv_cache_dtype)
     apply_initial_state(model, settings)
     # reading a tokenizer leaves ~100 MB of free heap; one read later (a kept GGUF
     # vocabulary) is read while the engine loads, and trimmed after

@@ -248,17 +248,16 @@ class GatedAttention(nn.Module):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """T new tokens ``[B, T, d]`` at cache slots start … start+T−1 (every row alike),
         their rotary positions the slots' own or ``positions`` ``[3, B, T]`` (:mod:`.mrope`)."""
-        return self._attend(x, kv.k, kv.v, start, positions)
+        return self._attend(x, kv, slice(None), start, positions)
 
-    def _attend(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                start: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def _attend(self, x: torch.Tensor, kv: KVEntry, rows: slice, start: int,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """T new tokens ``[b, T, d]`` of cache rows ``rows`` at slots start … start+T−1."""
         t = x.shape[1]
         pos = torch.arange(start, start + t)[None] if positions is None else positions
         q, k, v, gate = self._qkv(x, pos)
-        k_cache[:, :, start : start + t] = k
-        v_cache[:, :, start : start + t] = v
-        keys, values = k_cache[:, :, : start + t], v_cache[:, :, : start + t]
-        o = invariant.attention(q, keys, values, start)
+        kv.put(rows, slice(start, start + t), k, v)
+        o = invariant.attention(q, kv.keys(rows, start + t), kv.values(rows, start + t), start)
         return self._out(o, gate, x)
 
     def forward_ragged(self, x: torch.Tensor, kv: KVEntry, starts: torch.Tensor,
@@ -270,8 +269,8 @@ class GatedAttention(nn.Module):
         for i, (start, n) in enumerate(zip(starts.tolist(), new.tolist(), strict=True)):
             pos = None if offsets is None else \
                 torch.arange(start, start + n)[None] + offsets[i]
-            out[i : i + 1, :n] = self._attend(x[i : i + 1, :n], kv.k[i : i + 1],
-                                              kv.v[i : i + 1], start, pos)
+            out[i : i + 1, :n] = self._attend(x[i : i + 1, :n], kv, slice(i, i + 1), start,
+                                              pos)
         return out
 
     def step(self, x: torch.Tensor, kv: KVEntry, lengths: torch.Tensor,
@@ -282,12 +281,12 @@ class GatedAttention(nn.Module):
         pos = lengths if offsets is None else lengths + offsets
         q, k, v, gate = self._qkv(x.unsqueeze(1), pos[:, None])
         rows = torch.arange(b)
-        kv.k[rows, :, lengths] = k[:, :, 0]
-        kv.v[rows, :, lengths] = v[:, :, 0]
+        kv.put(rows, lengths, k[:, :, 0], v[:, :, 0])
         outs = []
         for i, n in enumerate((lengths + 1).tolist()):  # each row over its own keys alone
-            outs.append(invariant.attention(q[i : i + 1], kv.k[i : i + 1, :, :n],
-                                            kv.v[i : i + 1, :, :n], n - 1))
+            one = slice(i, i + 1)
+            outs.append(invariant.attention(q[i : i + 1], kv.keys(one, n), kv.values(one, n),
+                                            n - 1))
         return self._out(torch.cat(outs), gate, x.unsqueeze(1)).squeeze(1)
 
 

@@ -54,7 +54,9 @@ class QwenMTP(nn.Module):
         """One request's MTP KV caches (one row)."""
         cfg = self.cfg
         ctx = max_context or cfg.max_position_embeddings
-        return State([{"kv": KVEntry.empty(1, cfg.num_key_value_heads, cfg.head_dim, ctx)}],
+        # fp32 whatever --kv-cache-dtype: the draft's own short cache, run by decoder_mtp
+        return State([{"kv": KVEntry.empty(1, cfg.num_key_value_heads, cfg.head_dim, ctx,
+                                           dtype="fp32")}],
                      torch.zeros(1, dtype=torch.long))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, state: State) -> torch.Tensor:

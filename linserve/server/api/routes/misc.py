@@ -28,6 +28,7 @@ async def list_models(request: Request, _: Owner) -> dict[str, Any]:
         "state_grows": st.model.info.state_grows,
         "state_bytes_per_token": st.model.info.state_bytes_per_token,
         "quantization": st.model.info.quantization,
+        "kv_cache_dtype": st.model.info.kv_cache_dtype or None,
         "weight_bytes": st.model.info.weight_bytes,
         "input_modalities": ["text", *st.model.info.input_kinds]}]}
 
