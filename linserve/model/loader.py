@@ -64,7 +64,7 @@ def pick_dtype(requested: str, flags: frozenset[str] | None = None) -> tuple[str
 
 def load(path: Path, dtype: str = "auto", fused: bool = True,
          batch_invariant: bool = True, quantization: str = "none",
-         weights: bool = True, kv_cache_dtype: str = "fp32") -> ServedModel:
+         weights: bool = True, kv_cache_dtype: str = "auto") -> ServedModel:
     """Load the checkpoint at ``path`` with weights in ``dtype`` (see :func:`pick_dtype`),
     the native fused step where the architecture has one, batch-invariant kernels
     (:mod:`linserve.model.invariant`) unless turned off, and GEMM weights quantized to

@@ -176,7 +176,7 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     4 bytes (as llama.cpp's q8_0 blocks, the scales gathered at the row's end): scale =
     max |x| / 127, value = round(x / scale), half to even (an all-zero block: scale 0,
     values 0). The native step quantizes with the same operations."""
-    blocks = x.reshape(*x.shape[:-1], -1, QUANT_BLOCK)
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // QUANT_BLOCK, QUANT_BLOCK)
     scale = blocks.abs().amax(-1) / 127.0
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     values = torch.round(blocks / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
@@ -187,7 +187,7 @@ def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
     """An int8 cache's rows ``[..., D + D / 8]`` (:func:`quantize_rows`) -> fp32 ``[..., D]``."""
     d = rows.shape[-1] * 8 // 9
     scale = rows[..., d:].contiguous().view(torch.float32)
-    blocks = rows[..., :d].reshape(*rows.shape[:-1], -1, QUANT_BLOCK).float()
+    blocks = rows[..., :d].reshape(*rows.shape[:-1], d // QUANT_BLOCK, QUANT_BLOCK).float()
     return (blocks * scale.unsqueeze(-1)).reshape(*rows.shape[:-1], d)
 
 
@@ -219,13 +219,10 @@ class KVEntry(Entry):
 
     @classmethod
     def empty(cls, batch: int, heads: int, head_dim: int, max_context: int, window: int = 0,
-              capacity: int = 0, dtype: str | None = None) -> KVEntry:
-        """An empty cache; ``dtype`` None: the process's ``--kv-cache-dtype``
-        (:func:`linserve.model.modes.kv_cache_dtype`); an int8 cache whose head size is not
-        a multiple of 32 is held in bf16."""
-        from linserve.model import modes
-
-        dtype = dtype or modes.kv_cache_dtype()
+              capacity: int = 0, dtype: str = "fp32") -> KVEntry:
+        """An empty cache holding ``dtype`` (a model's, bound when it was built from
+        ``--kv-cache-dtype``); an int8 cache whose head size is not a multiple of 32 is held
+        in bf16."""
         if dtype == "int8" and head_dim % QUANT_BLOCK:
             dtype = "bf16"
         cap = min(max(capacity, 16), window or max_context)

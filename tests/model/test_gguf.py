@@ -257,7 +257,8 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
 
 
 def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
-    model = loader.load(path, dtype="float32")
+    """Every position's logits, the KV caches fp32 whether or not the file is quantized."""
+    model = loader.load(path, dtype="float32", kv_cache_dtype="fp32")
     return model.prefill(ids, all_logits=True)[0]
 
 
@@ -480,7 +481,7 @@ def test_a_block_file_runs_on_its_blocks_and_dtype_dequantizes(
     ids = torch.randint(0, 8192, (1, 33), generator=torch.Generator().manual_seed(5))
     want = _logits(flat, ids)
     torch.testing.assert_close(_logits(q4, ids), want, rtol=0, atol=0)  # float32: dequantized
-    native = loader.load(q4, dtype="auto")
+    native = loader.load(q4, dtype="auto", kv_cache_dtype="fp32")  # the blocks, not the cache
     assert packing.pending_blocks() == 0  # the untied table's blocks were never kept
     # int4 / q8 matrices (the embedding table stays in floats for its lookups)
     ratio = {"Q4_0": 0.7, "Q8_0": 0.8, "Q4_1": 0.75, "Q5_0": 0.85}[qtype.name]
@@ -518,7 +519,7 @@ def test_a_projection_of_mixed_formats_runs_on_its_blocks(
         else GGMLQuantizationType.Q4_0 if name.endswith(("attn_gate.weight", "ssm_beta.weight",
                                                          "ssm_alpha.weight")) else None)
     flat = gguf_fixtures.dequantized_copy(mixed, tmp_path / "flat.gguf")
-    native = loader.load(mixed, dtype="auto")
+    native = loader.load(mixed, dtype="auto", kv_cache_dtype="fp32")  # the blocks alone
     assert packing.pending_blocks() == 0
     delta = [m for m in native.module.modules() if hasattr(m, "in_weight")]
     assert delta and all(quantize.mode_of(m.in_weight()) == "mixed" for m in delta)
@@ -542,7 +543,7 @@ def test_a_merged_matrix_runs_on_its_parts_blocks(tmp_path: Path, auto_dtype: st
         file, tmp_path / "q8.gguf", lambda name, shape: GGMLQuantizationType.Q8_0
         if len(shape) == 2 and shape[-1] % 32 == 0 and "shexp" in name else None)
     flat = gguf_fixtures.dequantized_copy(q8, tmp_path / "flat.gguf")
-    native = loader.load(q8, dtype="auto")
+    native = loader.load(q8, dtype="auto", kv_cache_dtype="fp32")  # the blocks alone
     assert packing.pending_blocks() == 0
     from linserve.model.gguf.checkpoint import checkpoint
 

@@ -72,12 +72,14 @@ def test_int8_rows_hold_values_then_scales_and_round_to_within_half_a_step() -> 
 @pytest.mark.parametrize("kv", DTYPES)
 def test_a_stored_cache_costs_its_bytes(checkpoint: Path, kv: str) -> None:
     """A bf16 cache is half an fp32 one's bytes per token, an int8 one 9/32 (the scales
-    included); the model's info says so, and a head size int8 cannot block is held bf16."""
-    fp32 = _load(checkpoint, "fp32").info.state_bytes_per_token
+    included); the model's info says so, and a head size int8 cannot block is held bf16.
+    Each model keeps the dtype it was loaded with, whatever is loaded after it."""
+    first = _load(checkpoint, "fp32")
+    fp32 = first.info.state_bytes_per_token
     per_token = _load(checkpoint, kv).info.state_bytes_per_token
+    assert first.new_state().kv_dtype == "fp32"
     assert per_token * (2 if kv == "bf16" else 32) == fp32 * (1 if kv == "bf16" else 9)
-    modes.set_kv_cache_dtype("int8")
-    assert KVEntry.empty(1, 2, 48, 100).dtype == "bf16"
+    assert KVEntry.empty(1, 2, 48, 100, dtype="int8").dtype == "bf16"
 
 
 @pytest.mark.parametrize("kv", DTYPES)
@@ -188,3 +190,24 @@ def test_stored_caches_keep_the_next_token_distributions(checkpoint: Path) -> No
         got = torch.log_softmax(_load(checkpoint, kv).prefill(ids)[0], -1)
         kl = (want.exp() * (want - got)).sum(-1).max().item()
         assert kl <= bound, (kv, kl)
+
+
+@pytest.mark.parametrize("kv", DTYPES)
+def test_the_softmax_baselines_forms_agree_over_a_stored_cache(kv: str) -> None:
+    """The shipped softmax baseline (every layer attention; its step eager over a stored
+    cache, the fused kernel reading fp32 only): a prompt whole, in chunks and with its last
+    tokens stepped give its logits within fp32 rounding (its parallel form is not
+    split-invariant, fp32 cache or not)."""
+    from tests.paths import ROOT
+
+    model = _load(ROOT / "weights" / "softmax", kv)
+    assert model.info.decode_step == "eager" and model.info.kv_cache_dtype == kv
+    ids = torch.randint(0, 8192, (1, 40), generator=torch.Generator().manual_seed(4))
+    whole, _ = model.prefill(ids)
+    _, state = model.prefill(ids[:, :17])
+    tail, state = model.prefill(ids[:, 17:], state)
+    assert (whole - tail).abs().max().item() <= 1e-4
+    _, state = model.prefill(ids[:, :37])
+    for i in range(37, 40):
+        logits = model.step(ids[0, i : i + 1], state)
+    assert (logits - whole).abs().max().item() <= 1e-4

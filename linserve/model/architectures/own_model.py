@@ -37,7 +37,7 @@ from linserve.model.tokenizer import Tokenizer
 from linserve.model.verify import Trail, verify_by_steps
 
 
-def empty_state(cfg: ModelConfig, batch: int = 1) -> State:
+def empty_state(cfg: ModelConfig, batch: int = 1, kv_dtype: str = "fp32") -> State:
     """An empty state: per layer a recurrent entry (s, z) and the short-conv window for
     linear / FAVOR+ models, a KV cache (a ring for window models) for softmax ones."""
     lengths = torch.zeros(batch, dtype=torch.long)
@@ -47,7 +47,8 @@ def empty_state(cfg: ModelConfig, batch: int = 1) -> State:
                        "conv": ConvEntry.empty(batch, cfg.conv_size, 3 * cfg.d_model)}
                       for _ in range(cfg.n_layers)], lengths)
     return State([{"kv": KVEntry.empty(batch, cfg.n_heads, cfg.head_dim, cfg.max_context,
-                                       cfg.window)} for _ in range(cfg.n_layers)], lengths)
+                                       cfg.window, dtype=kv_dtype)}
+                  for _ in range(cfg.n_layers)], lengths)
 
 
 class LanguageModel(nn.Module):
@@ -67,6 +68,7 @@ class LanguageModel(nn.Module):
         self.layers: list[Block] = [cast(Block, b) for b in self.blocks]
         self.norm = nn.RMSNorm(cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
+        self.kv_dtype = modes.kv_cache_dtype()  # what its caches hold, bound at the load
         self.apply(self._init)
         for block in self.layers:  # GPT-2 style scaled residual projections
             for lin in (block.attn.out, block.mlp.down):
@@ -90,7 +92,7 @@ class LanguageModel(nn.Module):
         """An empty state of ``batch`` rows (its KV caches grow as they fill, whatever
         ``max_context`` says)."""
         del max_context
-        return empty_state(self.cfg, batch)
+        return empty_state(self.cfg, batch, self.kv_dtype)
 
     def verify(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, Trail]:
         """Speculative decoding's verify, step by step (:mod:`linserve.model.verify`)."""
@@ -262,7 +264,7 @@ def max_state_bytes(path: Path) -> int:
     """The largest one-row state this checkpoint can have (a full KV cache), without loading
     weights: the bound of an importable blob."""
     cfg = ModelConfig.load(path / "config.json")
-    state = empty_state(cfg, 1)
+    state = empty_state(cfg, 1, modes.kv_cache_dtype())
     per_slot = sum(e.nbytes // e.capacity for e in state.kv_entries)
     slots = cfg.window or cfg.max_context
     return state.nbytes + per_slot * slots

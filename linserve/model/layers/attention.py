@@ -81,6 +81,7 @@ class Attention(nn.Module):
         super().__init__()
         s = shape
         self.shape = s
+        self.kv_dtype = modes.kv_cache_dtype()  # what its caches hold, bound at the load
         if s.heads % s.kv_heads or s.rotary_dim % 2 or s.rotary_dim > s.head_dim:
             raise ValueError("attention heads, kv heads and rotary dimension do not fit")
         self.q_proj = Linear(s.hidden, s.heads * s.head_dim, bias=s.bias)
@@ -100,7 +101,7 @@ class Attention(nn.Module):
 
     def new_entries(self, batch: int, max_context: int) -> dict[str, Any]:
         return {"kv": KVEntry.empty(batch, self.shape.kv_heads, self.shape.head_dim,
-                                    max_context, window=self.shape.window)}
+                                    max_context, window=self.shape.window, dtype=self.kv_dtype)}
 
     def qkv_weight(self) -> torch.Tensor:
         """q, k and v as one GEMM weight ``[d, (H + 2·Hkv)·D]``."""

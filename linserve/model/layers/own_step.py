@@ -15,7 +15,7 @@ from typing import Protocol, cast
 
 import torch
 
-from linserve.model import kernels, modes, packing
+from linserve.model import kernels, packing
 from linserve.model.layers.own import Block
 from linserve.model.own_config import EAGER_ONLY_FIELDS, ModelConfig
 from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
@@ -30,6 +30,7 @@ class Fusable(Protocol):
     embed: torch.nn.Embedding
     norm: torch.nn.RMSNorm
     layers: list[Block]
+    kv_dtype: str  # what its KV caches hold
 
 
 
@@ -37,7 +38,7 @@ def supports(model: Fusable) -> bool:
     """The kernels cover elu+1 linear attention (gated or not) and softmax attention (full or
     windowed, over an fp32 cache), with RMSNorm eps left at its default."""
     eager_only = any(getattr(model.cfg, f) for f in EAGER_ONLY_FIELDS)
-    if model.cfg.attention == "softmax" and modes.kv_cache_dtype() != "fp32":
+    if model.cfg.attention == "softmax" and model.kv_dtype != "fp32":
         return False  # its kernel reads an fp32 cache; a bf16 / int8 one steps eagerly
     return model.cfg.attention in ("linear", "softmax") and not eager_only and all(
         n.eps is None for n in (model.norm, *(b.norm1 for b in model.layers),

@@ -47,6 +47,7 @@ class Qwen35ForCausalLM(DecoderLM):
                          qwen_norm(cfg.hidden_size, cfg.rms_norm_eps), cfg.tie_word_embeddings)
         self.mtp = QwenMTP(cfg) if cfg.mtp_layers else None
         self.visual = QwenVisionTower(cfg.vision) if cfg.vision is not None else None
+        self.kv_dtype = modes.kv_cache_dtype()  # what its caches hold, bound at the load
 
     def encoders(self) -> dict[str, Encoder]:
         """The image encoder where the vision tower is loaded."""
@@ -105,7 +106,8 @@ class Qwen35ForCausalLM(DecoderLM):
                     "conv": ConvEntry.empty(batch, cfg.linear_conv_kernel_dim, cfg.delta.conv_dim)})
             else:
                 layers.append({"kv": KVEntry.empty(batch, cfg.num_key_value_heads, cfg.head_dim,
-                                                   max_context or cfg.max_position_embeddings)})
+                                                   max_context or cfg.max_position_embeddings,
+                                                   dtype=self.kv_dtype)})
                 if self.visual is not None:  # images move the positions after them
                     layers[-1]["position"] = PositionEntry.empty(batch)
         return State(layers, torch.zeros(batch, dtype=torch.long))
