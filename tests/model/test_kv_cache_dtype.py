@@ -206,8 +206,8 @@ def test_the_softmax_baselines_forms_agree_over_a_stored_cache(kv: str) -> None:
     whole, _ = model.prefill(ids)
     _, state = model.prefill(ids[:, :17])
     tail, state = model.prefill(ids[:, 17:], state)
-    assert (whole - tail).abs().max().item() <= 1e-4
+    assert (whole - tail).abs().max().item() <= 1e-3
     _, state = model.prefill(ids[:, :37])
     for i in range(37, 40):
         logits = model.step(ids[0, i : i + 1], state)
-    assert (logits - whole).abs().max().item() <= 1e-4
+    assert (logits - whole).abs().max().item() <= 1e-3
