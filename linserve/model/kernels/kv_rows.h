@@ -13,6 +13,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "attention.h"
 
 namespace linserve {
@@ -62,25 +66,67 @@ inline void store_row(KvKind kind, const float* x, int64_t dim, uint8_t* dst) {
   }
 }
 
-// One stored row back to D fp32 values (bf16 exactly; int8 value times its block's scale).
+// bf16 values [i, n) of src back to fp32 (exact), one at a time.
+inline void bf16_tail(const uint8_t* src, int64_t i, int64_t n, float* out) {
+  for (; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, src + 2 * i, 2);
+    const uint32_t u = static_cast<uint32_t>(h) << 16;
+    std::memcpy(out + i, &u, 4);
+  }
+}
+
+// int8 values [i, n) of src times scale, one at a time.
+inline void int8_tail(const int8_t* src, int64_t i, int64_t n, float scale, float* out) {
+  for (; i < n; ++i) out[i] = static_cast<float>(src[i]) * scale;
+}
+
+// One stored row back to D fp32 values (bf16 exactly; int8 value times its block's scale),
+// 16 or 8 lanes at a time where the build has them: the same conversions and one product
+// per value, so the same bits as the scalar tails.
 inline void load_row(KvKind kind, const uint8_t* src, int64_t dim, float* out) {
   if (kind == KvKind::kFp32) {
     std::memcpy(out, src, dim * 4);
-  } else if (kind == KvKind::kBf16) {
-    for (int64_t i = 0; i < dim; ++i) {
-      uint16_t h;
-      std::memcpy(&h, src + 2 * i, 2);
-      const uint32_t u = static_cast<uint32_t>(h) << 16;
-      std::memcpy(out + i, &u, 4);
+    return;
+  }
+  int64_t i = 0;
+  if (kind == KvKind::kBf16) {
+#if defined(__AVX512F__)
+    for (; i + 16 <= dim; i += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i));
+      _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(h), 16)));
     }
-  } else {
-    const auto* values = reinterpret_cast<const int8_t*>(src);
-    for (int64_t b = 0; b < dim / kQuantBlock; ++b) {
-      float scale;
-      std::memcpy(&scale, src + dim + 4 * b, 4);
-      for (int64_t i = 0; i < kQuantBlock; ++i)
-        out[b * kQuantBlock + i] = static_cast<float>(values[b * kQuantBlock + i]) * scale;
+#elif defined(__AVX2__)
+    for (; i + 8 <= dim; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i));
+      _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                    _mm256_cvtepu16_epi32(h), 16)));
     }
+#endif
+    bf16_tail(src, i, dim, out);
+    return;
+  }
+  const auto* values = reinterpret_cast<const int8_t*>(src);
+  for (int64_t b = 0; b < dim / kQuantBlock; ++b) {
+    float scale;
+    std::memcpy(&scale, src + dim + 4 * b, 4);
+    const int64_t end = (b + 1) * kQuantBlock;
+    i = b * kQuantBlock;
+#if defined(__AVX512F__)
+    const __m512 s16 = _mm512_set1_ps(scale);
+    for (; i + 16 <= end; i += 16) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + i));
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s16));
+    }
+#elif defined(__AVX2__)
+    const __m256 s8 = _mm256_set1_ps(scale);
+    for (; i + 8 <= end; i += 8) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + i));
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s8));
+    }
+#endif
+    int8_tail(values, i, end, scale, out);
   }
 }
 
