@@ -8,12 +8,19 @@ perplexity of the validation and test works read through the stateful form: wind
 that every position but a chunk's own attends to keys and values read back from the cache
 as stored. Also the bytes a token of context costs. Needs the corpus
 (``python -m linserve.model.training.data``). Writes ``bench/results/kv_cache.json``.
+
+``--step FILE --depth N``: instead, the native decode step of a GGUF file (or any
+checkpoint) at position N for each dtype, in alternating rounds (a fresh process per
+measurement, the cache held full to N), milliseconds a step.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +69,38 @@ def measure(weights: Path, dtypes: list[str], context: int, chunk: int, data_dir
     return rows
 
 
+@torch.inference_mode()
+def step_ms(path: Path, kv: str, depth: int, steps: int = 24) -> float:
+    """Milliseconds of one native step at position ``depth`` over a ``kv`` cache (its first
+    64 positions prefilled, the rest held as zeros: a step's cost does not depend on the
+    values)."""
+    model = loader.load(path, kv_cache_dtype=kv)
+    logits, state = model.prefill(torch.randint(0, 1000, (1, 64)))
+    state.reserve(depth + 8)
+    state.lengths.fill_(depth)
+    token = logits.argmax(-1)
+    for _ in range(3):
+        model.step(token, state)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        model.step(token, state)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def steps_table(path: Path, dtypes: list[str], depth: int, rounds: int) -> dict[str, Any]:
+    """:func:`step_ms` per dtype, each in a fresh process, alternating; the best round."""
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for kv in dtypes:
+            code = ("from pathlib import Path; from bench.kv_cache import step_ms; "
+                    f"print(step_ms(Path({str(path)!r}), {kv!r}, {depth}))")
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 check=True).stdout.split()[-1]
+            best[kv] = min(best.get(kv, math.inf), float(out))
+            print(kv, depth, f"{float(out):.1f} ms")
+    return {"file": path.name, "depth": depth, "step_ms": best}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--weights", type=Path, nargs="+",
@@ -71,8 +110,17 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=128)
     p.add_argument("--data-dir", type=Path, default=DATA_DIR)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--step", type=Path, help="time the decode step of this checkpoint instead")
+    p.add_argument("--depth", type=int, default=16384)
+    p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.step is not None:
+        write_json("kv_cache_step", {"command": "python -m bench.kv_cache --step",
+                                     "machine": machine(),
+                                     **steps_table(args.step, args.dtypes, args.depth,
+                                                   args.rounds)})
+        return
     rows = [r for w in args.weights
             for r in measure(w, args.dtypes, args.context, args.chunk, args.data_dir)]
     write_json("kv_cache", {"command": "python -m bench.kv_cache", "machine": machine(),
