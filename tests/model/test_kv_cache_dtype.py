@@ -195,19 +195,28 @@ def test_stored_caches_keep_the_next_token_distributions(checkpoint: Path) -> No
 @pytest.mark.parametrize("kv", DTYPES)
 def test_the_softmax_baselines_forms_agree_over_a_stored_cache(kv: str) -> None:
     """The shipped softmax baseline (every layer attention; its step eager over a stored
-    cache, the fused kernel reading fp32 only): a prompt whole, in chunks and with its last
-    tokens stepped give its logits within fp32 rounding (its parallel form is not
-    split-invariant, fp32 cache or not)."""
+    cache, the fused kernel reading fp32 only): a prompt whole and in chunks give its
+    logits within fp32 rounding (its parallel form is not split-invariant, fp32 cache or
+    not), and so do its last tokens stepped over a bf16 cache. Over an int8 cache a key the
+    two forms compute 1e-6 apart may round to the next level: the caches they leave agree
+    within one level, and the logits within what one level moves them (1e-3)."""
     from tests.paths import ROOT
 
     model = _load(ROOT / "weights" / "softmax", kv)
     assert model.info.decode_step == "eager" and model.info.kv_cache_dtype == kv
     ids = torch.randint(0, 8192, (1, 40), generator=torch.Generator().manual_seed(4))
-    whole, _ = model.prefill(ids)
+    whole, done = model.prefill(ids)
     _, state = model.prefill(ids[:, :17])
     tail, state = model.prefill(ids[:, 17:], state)
-    assert (whole - tail).abs().max().item() <= 1e-3
+    assert (whole - tail).abs().max().item() <= 1e-4
     _, state = model.prefill(ids[:, :37])
     for i in range(37, 40):
         logits = model.step(ids[0, i : i + 1], state)
-    assert (logits - whole).abs().max().item() <= 1e-3
+    gap = (logits - whole).abs().max().item()
+    if kv == "bf16":
+        assert gap <= 1e-4
+        return
+    for mine, theirs in zip(state.kv_entries, done.kv_entries, strict=True):
+        x, y = mine.keys(slice(None), 40), theirs.keys(slice(None), 40)
+        assert (x - y).abs().max().item() <= y.abs().amax().item() / 127 + 1e-6
+    assert gap <= 1e-3
