@@ -100,12 +100,15 @@ class ServedModel(Protocol):
         ...
 
     def prefill(self, tokens: torch.Tensor, state: State | None = None,
-                all_logits: bool = False, inserts: InsertTable | None = None
-                ) -> tuple[torch.Tensor, State]:
+                all_logits: bool = False, inserts: InsertTable | None = None,
+                room: int = 0) -> tuple[torch.Tensor, State]:
         """Tokens ``[B, T]`` after ``state`` (None: empty; not modified) -> last logits
         ``[B, V]`` (``[B, T, V]`` with ``all_logits``) and a new state. ``inserts``: the
         embeddings of the items (:mod:`linserve.model.inputs`) whose virtual ids ``tokens``
-        holds; only a model with an encoder of their kind is given any."""
+        holds; only a model with an encoder of their kind is given any. ``room``: the
+        tokens still to come in this prompt's prefill, this chunk's included; the new state
+        makes room for them, so that the states of one chunked prefill share one buffer of
+        keys (:class:`linserve.model.state.SharedKV`)."""
         ...
 
     def encoders(self) -> dict[str, Encoder]:

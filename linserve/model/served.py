@@ -88,12 +88,12 @@ class ServedModule:
         return state
 
     def prefill(self, tokens: torch.Tensor, state: State | None = None,
-                all_logits: bool = False, inserts: InsertTable | None = None
-                ) -> tuple[torch.Tensor, State]:
+                all_logits: bool = False, inserts: InsertTable | None = None,
+                room: int = 0) -> tuple[torch.Tensor, State]:
         if state is None:
             state = self.new_state(tokens.shape[0])
         out: tuple[torch.Tensor, State] = self.module.prefill(tokens, state, all_logits,
-                                                              inserts)
+                                                              inserts, room)
         return out
 
     def encoders(self) -> dict[str, Encoder]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -81,7 +81,7 @@ class Entry:
     def params(self) -> dict[str, Any]:
         """Everything but the tensors: what a blob's layout records."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in self.TENSORS}
+                if f.name not in self.TENSORS and f.init}
 
     @property
     def batch_size(self) -> int:
@@ -191,6 +191,26 @@ def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
     return (blocks * scale.unsqueeze(-1)).reshape(*rows.shape[:-1], d)
 
 
+@dataclass(eq=False)
+class SharedKV:
+    """Keys and values ``[B, H, C, D]`` that the states of one prefill path share: a long
+    prompt's state after each chunk, several of which the prefix cache keeps (every 1,024
+    tokens, at a branch point, at the prompt's end), each reading its first ``length``
+    slots. Positions are only ever appended, so the states agree on every slot below their
+    own length, and one buffer holds them all (as vLLM's prefix blocks are shared).
+
+    Only the entry whose ``id`` is ``owner`` writes, at or past the length at which it took
+    the buffer, which no other state sharing it has passed; any other copies the buffer
+    before it writes (:meth:`KVEntry.own`). ``owner`` None: every state reading the buffer
+    stays as it is (the prefix cache keeps them) and the one of length ``end``, the
+    furthest, may hand the buffer on to a prefill that extends it."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    owner: int | None
+    end: int
+
+
 @dataclass
 class KVEntry(Entry):
     """Keys and values ``[B, H, C, D]``, written at each row's own position. C grows in
@@ -209,6 +229,7 @@ class KVEntry(Entry):
     max_context: int
     window: int = 0
     dtype: str = "fp32"
+    shared: SharedKV | None = dataclasses.field(default=None, init=False, repr=False)
     KIND: ClassVar[str] = "kv"
     TENSORS: ClassVar[tuple[str, ...]] = ("k", "v")
 
@@ -244,6 +265,7 @@ class KVEntry(Entry):
     def put(self, rows: Index, slots: Index, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store fp32 keys and values ``[b, H, t, D]`` at ``[rows, :, slots]`` (each slot
         index a tensor ``[b]`` or ``[t]``, or a slice), converted to the cache's dtype."""
+        self.own()
         for held, x in ((self.k, k), (self.v, v)):
             if self.dtype == "int8":
                 held[rows, :, slots] = quantize_rows(x)
@@ -311,14 +333,64 @@ class KVEntry(Entry):
         elif positions > self.max_context:
             raise ValueError(f"context of {positions} tokens exceeds max_context "
                              f"{self.max_context}")
+        self.own()
         if positions <= self.capacity:
             return
         self.resize(min(_blocks(positions), self.slot_limit), live)
 
+    def own(self) -> None:
+        """Before writing in place: a buffer this cache shares but may not write
+        (:class:`SharedKV`) is copied first, and this cache writes its copy."""
+        if self.shared is not None and self.shared.owner != id(self):
+            self.k, self.v = (t.clone(memory_format=torch.contiguous_format)
+                              for t in (self.k, self.v))
+            self.shared = None
+
+    def disown(self) -> None:
+        """This cache is about to be cut back: writing below its length again would change
+        what others sharing its buffer read, so it writes a copy from now on."""
+        if self.shared is not None and self.shared.owner == id(self):
+            self.shared.owner = -1  # nobody's: the states on it stay, none extends it
+            self.own()
+
+    def extended(self, lengths: torch.Tensor, positions: int) -> KVEntry:
+        """A cache holding this one's first ``lengths`` slots (rows of one length L) with
+        room for ``positions``, to write ``[L, positions)`` in; this one is left as it is.
+        It writes into this one's buffer (:class:`SharedKV`) where this cache may hand it
+        on and it has room, else into a fresh one (blocks of ``positions`` slots, whose
+        untouched pages cost nothing) that its own extensions will share."""
+        used = int(lengths.max()) if lengths.numel() else 0
+        if self.window:  # a ring overwrites its slots: nothing to share
+            ring = self.select(slice(None), lengths)
+            ring.reserve(positions)
+            return ring
+        if positions > self.max_context:
+            raise ValueError(f"context of {positions} tokens exceeds max_context "
+                             f"{self.max_context}")
+        s = self.shared
+        if (s is None or s.k.shape[2] < positions
+                or not (s.owner == id(self) or (s.owner is None and s.end == used))):
+            cap = min(_blocks(positions), self.slot_limit)
+            k, v = (torch.zeros(*t.shape[:2], cap, t.shape[3], dtype=t.dtype)
+                    for t in (self.k, self.v))
+            k[:, :, :used], v[:, :, :used] = self.k[:, :, :used], self.v[:, :, :used]
+            s = SharedKV(k, v, None, used)
+        new = cast(KVEntry, self._with({"k": s.k, "v": s.v}))
+        new.shared, s.owner = s, id(new)
+        return new
+
     def trim(self, lengths: torch.Tensor) -> None:
         """Keep only the slots the rows use (rounded up to 16), as :meth:`select` does: for
-        a state that is kept (a prefix-cache entry), not grown."""
+        a state that is kept (a prefix-cache entry), not grown. A cache sharing a buffer
+        keeps reading it (views of its slots: no copy), and gives up writing it: the
+        buffer is then the furthest kept state's to hand on (:class:`SharedKV`)."""
         cap = self._trimmed(lengths)
+        s = self.shared
+        if s is not None:
+            if s.owner == id(self):
+                s.owner, s.end = None, int(lengths.max())
+            self.k, self.v = s.k[:, :, :cap], s.v[:, :, :cap]
+            return
         if cap < self.capacity:
             self.resize(cap)
 
@@ -344,6 +416,7 @@ class KVEntry(Entry):
             new[:rows, :, :keep] = old[:rows, :, :keep]
             new[:rows, :, keep:] = 0  # masked-out slots must hold numbers, not garbage
             setattr(self, name, new)
+        self.shared = None  # its own buffer now
 
     def reserve_like(self, src: Entry, live: int | None = None) -> None:
         assert isinstance(src, KVEntry)
@@ -370,9 +443,14 @@ class KVEntry(Entry):
     def cat(cls, entries: Sequence[Entry]) -> Entry:
         kvs = [e for e in entries if isinstance(e, KVEntry)]
         cap = max(e.capacity for e in kvs)
-        for e in kvs:
-            e.resize(cap)
-        return super().cat(kvs)
+        return super().cat([e if e.capacity == cap else e._padded(cap) for e in kvs])
+
+    def _padded(self, capacity: int) -> KVEntry:
+        """A copy with ``capacity`` slots, the new ones zero (the entries it is made from,
+        a prefix cache's perhaps, stay as they are)."""
+        padded = cast(KVEntry, self._with({n: t.clone() for n, t in self.tensors().items()}))
+        padded.resize(capacity)
+        return padded
 
 
 @dataclass
@@ -429,6 +507,8 @@ class State:
         """Cut every row back to its first ``positions`` tokens (a truncatable state)."""
         if not self.truncatable:
             raise ValueError("this state cannot be cut back to a prefix")
+        for e in self.kv_entries:
+            e.disown()
         self.lengths.fill_(positions)
 
     @property
@@ -458,6 +538,15 @@ class State:
 
     def copy(self) -> State:
         return self.select(slice(None))
+
+    def extended(self, positions: int) -> State:
+        """A copy to write up to ``positions`` tokens per row in (a prefill's), leaving this
+        state as it is: its KV caches share this one's buffers where they may
+        (:meth:`KVEntry.extended`), so the states of one long prefill hold one copy of
+        their keys; every other entry is copied."""
+        lengths = self.lengths.clone()
+        return self._map(lambda e: e.extended(lengths, positions) if isinstance(e, KVEntry)
+                         else e.select(slice(None), lengths), lengths)
 
     def to(self, dtype: torch.dtype) -> State:
         """A copy with floating tensors in ``dtype`` (float64 references in tests)."""
@@ -568,3 +657,19 @@ class State:
                 layer[name] = etype(**named, **params)
             layers.append(layer)
         return cls(layers, tensors["lengths"])
+
+
+def prefill_state(state: State | None, fresh: Callable[[], State], tokens: int,
+                  room: int = 0) -> State:
+    """The state a prefill of ``tokens`` more per row writes, with room for
+    ``max(tokens, room)`` more (``room``: the rest of the prompt, so that the states a
+    chunked prefill leaves share one buffer of keys, :class:`SharedKV`). ``fresh()`` makes
+    one where ``state`` is None; else ``state`` is extended and left as it is."""
+    if state is not None:
+        return state.extended(int(state.lengths.max()) + max(tokens, room))
+    state = fresh()
+    state.reserve(max(tokens, room))
+    for e in state.kv_entries:
+        if not e.window:  # nobody else holds it: its extensions may write it
+            e.shared = SharedKV(e.k, e.v, id(e), 0)
+    return state

@@ -11,7 +11,7 @@ from linserve.model.sampling import SamplingParams
 from linserve.model.tokenizer import Tokenizer
 from linserve.server.engine.engine import Engine, EngineLimits
 from linserve.server.engine.types import GenerationRequest, Output
-from linserve.server.prefix_cache.engine_side import MIN_BRANCH
+from linserve.server.prefix_cache.engine_side import MIN_BRANCH, memory_parts
 from tests.model.helpers import served, tiny_model
 
 KINDS = ["linear", "favor", "gated", "softmax", "window"]
@@ -137,3 +137,18 @@ def test_evictions_never_change_outputs(tok: Tokenizer) -> None:
     both(on, off, prompts + prompts[::-1])
     cache = on.prefix.cache if on.prefix else None
     assert cache is not None and cache.stats.evictions > 0 and cache.bytes <= 2 * model_bytes
+
+
+def test_a_long_prefills_entries_hold_its_keys_once(tok: Tokenizer) -> None:
+    on, off = engines("softmax", tok)
+    p = tok.encode("Now is the winter of our discontent made glorious summer. " * 30)
+    assert len(p) > 4 * 64  # several interval entries, a chunk of 64 at a time
+    run_many(on, [req(p)])
+    cache = on.prefix.cache if on.prefix else None
+    assert cache is not None
+    path = [st for st in cache.states() if int(st.lengths[0]) <= len(p)]
+    buffers = {e.k.untyped_storage().data_ptr() for st in path for e in st.kv_entries}
+    assert len(path) >= 4 and len(buffers) == len(path[0].kv_entries)
+    held = {k: n for st in path for k, n in memory_parts(st).items()}
+    assert sum(held.values()) < sum(st.nbytes for st in path) / 2
+    both(on, off, [p, p[:200] + tok.encode(" Enter GLOUCESTER."), p[:130]])

@@ -60,3 +60,19 @@ def test_random_inserts_agree_with_a_brute_force_search() -> None:
         depth, got, shared = cache.match(query, limit)
         assert got == want and depth == (len(want) if want else 0)
         assert shared == max(common_prefix(k, query) for k in stored)
+
+
+def test_memory_shared_by_entries_is_counted_once_and_freed_with_the_last() -> None:
+    cache: PrefixCache[str] = PrefixCache(100)
+    cache.insert([1], "a", {"kv": 40, "a": 5})  # a long prefill's states: one KV buffer
+    cache.insert([1, 2], "b", {"kv": 40, "b": 5})
+    cache.insert([1, 2, 3], "c", {"kv": 40, "c": 5})
+    assert cache.bytes == 40 + 15
+    cache.insert([7], "x", {"x": 50})  # over budget: "a" goes, the buffer stays
+    assert cache.bytes == 40 + 10 + 50 and cache.stats.evictions == 1
+    assert cache.match([1, 2, 3], 3).state == "c"  # the LRU order: b, x, c
+    cache.insert([8], "y", {"y": 20})  # "b" goes (5 bytes: not enough), then "x"
+    assert cache.bytes == 40 + 5 + 20 and cache.stats.evictions == 3
+    cache.insert([9], "z", {"z": 40})  # then "c", and the buffer with it
+    assert cache.bytes == 20 + 40 and len(cache) == 2
+    assert not cache.insert([5], "w", {"kv2": 60, "w": 41})  # more than the budget alone

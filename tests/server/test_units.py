@@ -176,6 +176,28 @@ def test_the_pool_allocates_rows_as_sequences_join_and_gives_them_back(kind: str
     assert pool.rows == 4
 
 
+def test_the_pool_gives_back_a_long_prompts_kv_slots_when_it_leaves() -> None:
+    """A long prompt's row grows every row's KV capacity; when it leaves, the caches are
+    cut back to what the rows still there use (an idle pool held a 30k prompt's slots)."""
+    import torch
+
+    from linserve.server.engine.pool import SPARE_KV_SLOTS, SlotPool
+    from tests.model.helpers import served, tiny_model
+
+    model = tiny_model("softmax", max_context=4 * SPARE_KV_SLOTS)
+    pool = SlotPool(served(model), 8)
+    _, short = model.prefill(torch.randint(0, 97, (1, 20)))
+    _, long = model.prefill(torch.randint(0, 97, (1, 2 * SPARE_KV_SLOTS)))
+    pool.add(short, [], [])
+    pool.add(long, [], [])
+    kv = pool.state.kv_entries[0]
+    assert kv.capacity >= 2 * SPARE_KV_SLOTS
+    expect = model.step(torch.tensor([3]), short.copy())
+    pool.remove(1)
+    assert pool.state.kv_entries[0].capacity < 64
+    assert torch.allclose(model.step(torch.tensor([3]), pool.view()), expect, atol=1e-6)
+
+
 def test_loading_the_engine_model_freezes_what_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
     """The objects the load makes are moved out of the collector's reach (``gc.freeze``),
     and from then on the heap keeps the engine's scratch (``heap.keep_scratch``: recorded

@@ -32,7 +32,7 @@ from linserve.model.layers.own import Block
 from linserve.model.layers.own_step import FusedStep
 from linserve.model.own_config import ModelConfig
 from linserve.model.served import ServedModule
-from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State
+from linserve.model.state import ConvEntry, KVEntry, RecurrentEntry, State, prefill_state
 from linserve.model.tokenizer import Tokenizer
 from linserve.model.verify import Trail, verify_by_steps
 
@@ -114,8 +114,8 @@ class LanguageModel(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, state: State | None = None,
-                all_logits: bool = False, inserts: InsertTable | None = None
-                ) -> tuple[torch.Tensor, State]:
+                all_logits: bool = False, inserts: InsertTable | None = None,
+                room: int = 0) -> tuple[torch.Tensor, State]:
         """Run tokens ``[B, T]`` in the parallel form after ``state`` (None: empty).
 
         Returns logits ``[B, V]`` for the last position (``[B, T, V]`` with ``all_logits``) and
@@ -125,11 +125,9 @@ class LanguageModel(nn.Module):
         if inserts:
             raise ValueError("the project's own models take text only")
         b, t = tokens.shape
-        state = self.new_state(b) if state is None else state.copy()
-        if not self.cfg.is_recurrent:
-            if bool((state.lengths != state.lengths[0]).any()):
-                raise ValueError("softmax prefill needs rows of equal length")
-            state.reserve(int(state.lengths[0]) + t)
+        state = prefill_state(state, lambda: self.new_state(b), t, room)
+        if not self.cfg.is_recurrent and bool((state.lengths != state.lengths[0]).any()):
+            raise ValueError("softmax prefill needs rows of equal length")
         x = self.embed(tokens)
         for i, block in enumerate(self.layers):
             x = block(x, state, i)

@@ -24,7 +24,7 @@ from linserve.model.inputs import InsertTable
 from linserve.model.invariant import Linear
 from linserve.model.layers import native_step
 from linserve.model.layers.block import build_weights
-from linserve.model.state import State
+from linserve.model.state import State, prefill_state
 from linserve.model.verify import Trail, verify_by_steps
 
 
@@ -106,16 +106,16 @@ class DecoderLM(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, state: State | None = None,
-                all_logits: bool = False, inserts: InsertTable | None = None
-                ) -> tuple[torch.Tensor, State]:
+                all_logits: bool = False, inserts: InsertTable | None = None,
+                room: int = 0) -> tuple[torch.Tensor, State]:
         """tokens ``[B, T]`` after ``state`` (None: empty; every row at one length; not
         modified) -> last logits ``[B, V]`` (``[B, T, V]`` with ``all_logits``), new state.
-        ``inserts``: the embeddings of the items whose virtual ids ``tokens`` holds."""
+        ``inserts``: the embeddings of the items whose virtual ids ``tokens`` holds;
+        ``room``: the prompt's tokens still to prefill (:meth:`ServedModel.prefill`)."""
         b, t = tokens.shape
-        state = self.new_state(b) if state is None else state.copy()
+        state = prefill_state(state, lambda: self.new_state(b), t, room)
         if bool((state.lengths != state.lengths[0]).any()):
             raise ValueError("prefill needs rows of equal length")
-        state.reserve(int(state.lengths[0]) + t)
         x = self._run(self.embed_prompt(tokens, inserts), state)
         state.lengths += t
         return self.head(x if all_logits else x[:, -1]), state

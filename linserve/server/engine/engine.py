@@ -315,7 +315,7 @@ class Engine:
             ids = torch.tensor([todo[:n]])
             logits, seq.state = self.model.prefill(
                 ids, seq.state, all_logits=seq.prompt_logprobs is not None,
-                inserts=seq.inserts)
+                inserts=seq.inserts, room=seq.prefill_target - seq.prefilled)
             if seq.prompt_logprobs is not None:
                 self._add_prompt_logprobs(seq, logits[0], todo[:n])
                 logits = logits[:, -1]

@@ -24,7 +24,7 @@ and when, and the metrics. Runs on the engine thread only (no locks).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 from linserve.model.interface import State
 from linserve.server import metrics
@@ -32,6 +32,13 @@ from linserve.server.engine.sequence import Sequence
 from linserve.server.prefix_cache.radix import PrefixCache
 
 Publish = Callable[[list[int], State], None]
+
+
+def memory_parts(state: State) -> dict[Hashable, int]:
+    """The bytes of ``state``'s tensors by the storage they are in: the entries of one long
+    prefill share their keys' (:class:`linserve.model.state.SharedKV`), counted once."""
+    storages = (t.untyped_storage() for t in state.tensors().values())
+    return {s.data_ptr(): s.nbytes() for s in storages if s.nbytes()}
 MIN_BRANCH = 8  # a shared stretch shorter than this is not worth a state of its own
 
 
@@ -91,7 +98,7 @@ class EnginePrefixCache:
 
     def _insert(self, tokens: list[int], state: State, publish: bool = True) -> None:
         state.trim_kv()  # a prompt's state has KV room for its growth, which an entry never uses
-        if self.cache.insert(tokens, state, state.nbytes) and publish and self.publish:
+        if self.cache.insert(tokens, state, memory_parts(state)) and publish and self.publish:
             self.publish(tokens, state)
         self._update_metrics()
 

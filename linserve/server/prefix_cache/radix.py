@@ -10,13 +10,19 @@ under (vLLM's 528-token recurrent blocks never hit below 528 tokens).
 Entries are immutable: the engine never advances a state in place that it did not create
 (``prefill`` copies its input; the batch pool copies rows in), so a hit hands out the stored
 object itself and an eviction only drops the cache's reference; a running sequence that took
-a state keeps it. LRU under a byte budget that counts each stored state's bytes.
+a state keeps it. LRU under a byte budget.
+
+Entries may share memory: the states a long prefill leaves along one prompt read one buffer
+of keys and values (:class:`linserve.model.state.SharedKV`). An entry is inserted with its
+*parts*, bytes by a key naming the memory (the engine's: a tensor storage's address), and the
+budget counts each part once while any entry holds it: evicting an entry frees only the
+parts no other entry holds.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
 
@@ -48,7 +54,7 @@ class _Node(Generic[S]):
     parent: _Node[S] | None
     children: dict[int, _Node[S]] = field(default_factory=dict)
     state: S | None = None
-    nbytes: int = 0
+    parts: Mapping[Hashable, int] = field(default_factory=dict)
 
 
 class PrefixCache(Generic[S]):
@@ -58,7 +64,8 @@ class PrefixCache(Generic[S]):
         self.max_bytes = max_bytes
         self.root: _Node[S] = _Node((), 0, None)
         self.lru: OrderedDict[_Node[S], None] = OrderedDict()
-        self.bytes = 0
+        self.bytes = 0  # each part counted once
+        self._held: dict[Hashable, list[int]] = {}  # part -> [entries holding it, bytes]
         self.stats = CacheStats()
 
     def __len__(self) -> int:
@@ -94,21 +101,39 @@ class PrefixCache(Generic[S]):
         self.stats.hit_tokens += best.depth
         return Match(best.depth, best.state, i)
 
-    def insert(self, tokens: Sequence[int], state: S, nbytes: int) -> bool:
+    def insert(self, tokens: Sequence[int], state: S,
+               parts: int | Mapping[Hashable, int]) -> bool:
         """Store ``state`` as the state after ``tokens`` (replacing an entry there); False
-        if it cannot fit the budget at all."""
-        if not tokens or nbytes > self.max_bytes:
+        if it cannot fit the budget at all. ``parts``: its bytes by the memory they are
+        in, shared with other entries where the keys agree (an int: all its own)."""
+        if isinstance(parts, int):
+            parts = {object(): parts}
+        if not tokens or sum(parts.values()) > self.max_bytes:
             return False
         node = self._node_for(tuple(tokens))
         if node.state is not None:
-            self.bytes -= node.nbytes
-        node.state, node.nbytes = state, nbytes
-        self.bytes += nbytes
+            self._release(node)
+        node.state, node.parts = state, dict(parts)
+        for key, nbytes in node.parts.items():
+            held = self._held.setdefault(key, [0, nbytes])
+            if held[0] == 0:
+                self.bytes += nbytes
+            held[0] += 1
         self.lru[node] = None
         self.lru.move_to_end(node)
         self.stats.inserts += 1
         self._evict(keep=node)
         return True
+
+    def _release(self, node: _Node[S]) -> None:
+        """Let go of ``node``'s parts; the bytes of those no other entry holds are freed."""
+        for key in node.parts:
+            held = self._held[key]
+            held[0] -= 1
+            if held[0] == 0:
+                self.bytes -= held[1]
+                del self._held[key]
+        node.parts = {}
 
     def _node_for(self, tokens: tuple[int, ...]) -> _Node[S]:
         """The node at exactly ``tokens``, creating it (and splitting an edge) if needed."""
@@ -149,8 +174,8 @@ class PrefixCache(Generic[S]):
     def drop(self, node: _Node[S]) -> None:
         """Remove a node's entry and prune the branch it leaves empty."""
         self.lru.pop(node, None)
-        self.bytes -= node.nbytes
-        node.state, node.nbytes = None, 0
+        self._release(node)
+        node.state = None
         while node.parent is not None and node.state is None and not node.children:
             del node.parent.children[node.edge[0]]
             node = node.parent

@@ -28,7 +28,14 @@ from linserve.model.inputs import Encoder, InsertTable
 from linserve.model.interface import CheckpointError
 from linserve.model.layers import native_step
 from linserve.model.layers.decoder import DecoderLM
-from linserve.model.state import ConvEntry, KVEntry, PositionEntry, RecurrentEntry, State
+from linserve.model.state import (
+    ConvEntry,
+    KVEntry,
+    PositionEntry,
+    RecurrentEntry,
+    State,
+    prefill_state,
+)
 from linserve.model.vision.qwen_prep import QwenImageSpec
 from linserve.model.vision.qwen_tower import QwenImageEncoder, QwenVisionTower, VisionConfig
 
@@ -57,18 +64,17 @@ class Qwen35ForCausalLM(DecoderLM):
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, state: State | None = None,
-                all_logits: bool = False, inserts: InsertTable | None = None
-                ) -> tuple[torch.Tensor, State]:
+                all_logits: bool = False, inserts: InsertTable | None = None,
+                room: int = 0) -> tuple[torch.Tensor, State]:
         """:meth:`DecoderLM.prefill`, with (t, row, column) positions (:mod:`.mrope`) where
         the model reads images: an image's tokens at its grid's, and each row's offset kept
         in its state."""
         if self.visual is None:
-            return super().prefill(tokens, state, all_logits, inserts)
+            return super().prefill(tokens, state, all_logits, inserts, room)
         b, t = tokens.shape
-        state = self.new_state(b) if state is None else state.copy()
+        state = prefill_state(state, lambda: self.new_state(b), t, room)
         if bool((state.lengths != state.lengths[0]).any()):
             raise ValueError("prefill needs rows of equal length")
-        state.reserve(int(state.lengths[0]) + t)
         held = [e for e in state.entries() if isinstance(e, PositionEntry)]
         pos, after = mrope.positions(tokens, state.lengths, held[0].offset, inserts)
         x = self._run(self.embed_prompt(tokens, inserts), state, positions=pos)
