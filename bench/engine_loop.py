@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     warm_up(model)
     limits = EngineLimits(args.clients, 10**9, settings["prefill_chunk"],
                           settings["step_token_budget"],
-                          0 if args.no_prefix_cache else settings["prefix_cache_bytes"],
+                          0 if args.no_prefix_cache else 512 << 20,
                           settings["prefix_cache_interval"])
     engine = Engine(model, limits, dispatch)  # in place: no event loop, no queue
     loop = ClosedLoop(engine, model.info.vocab_size, args)

@@ -46,6 +46,12 @@ PREFIX_HIT_RATE = Gauge("linserve_prefix_cache_hit_rate", "Cached prompt tokens 
                         "tokens looked up, since start")
 PREFIX_BYTES = Gauge("linserve_prefix_cache_bytes", "Bytes of state held by the prefix cache")
 PREFIX_ENTRIES = Gauge("linserve_prefix_cache_entries", "States held by the prefix cache")
+PREFIX_BUDGET = Gauge("linserve_prefix_cache_budget_bytes", "The prefix cache's byte budget "
+                      "(--prefix-cache-bytes)")
+PREFIX_LONGEST = Gauge("linserve_prefix_cache_longest_tokens", "Tokens of the longest prefix "
+                       "the prefix cache holds a state after")
+PREFIX_SHARED = Gauge("linserve_prefix_cache_shared_bytes", "Bytes of the prefix cache's "
+                      "entries that other entries read too (a long prompt's keys, held once)")
 PREFIX_REMOTE_HITS = Counter("linserve_prefix_cache_remote_hits", "Prompt tokens served from "
                              "a prefix state another replica published to Redis")
 PREFIX_REMOTE_FETCHES = Counter("linserve_prefix_cache_remote_fetches", "Prefix states read "

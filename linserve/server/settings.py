@@ -141,8 +141,9 @@ class Settings(BaseSettings):
     step_token_budget: int = Field(
         512, ge=1, description="prompt tokens prefilled per engine iteration")
     prefix_cache_bytes: int = Field(
-        512 << 20, ge=0, description="byte budget of the automatic prefix-state cache for "
-        "requests without a session_id (LRU; 0 turns it off)")
+        -1, ge=-1, description="byte budget of the automatic prefix-state cache for "
+        "requests without a session_id (LRU; 0 turns it off). -1: a thirty-second of "
+        "--max-memory, from 64 MiB to 4 GiB (536 MiB of 18 GB)")
     next_turn_cache: bool = Field(
         True, description="after a stateless chat reply with a checkpoint's template, "
         "prefill the conversation as the template renders it for the next turn into the "

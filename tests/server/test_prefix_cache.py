@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -46,3 +47,7 @@ def test_stateless_chat_hits_the_cache_and_matches_no_cache(server: ServerProces
     assert metric(server.url, "linserve_prefix_cache_hits_total") > 0
     assert metric(server.url, "linserve_prefix_cache_bytes") > 0
     assert 0 < metric(server.url, "linserve_prefix_cache_hit_rate") <= 1
+    held = httpx.get(f"{server.url}/health").json()["prefix_cache"]
+    assert held["entries"] > 0 and 0 < held["bytes"] <= held["budget_bytes"]
+    assert 64 << 20 <= held["budget_bytes"] <= 4 << 30  # a share of --max-memory
+    assert held["longest_tokens"] >= on[-1][1] - 25

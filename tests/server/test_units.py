@@ -320,3 +320,19 @@ def test_a_long_context_holds_no_spare_rows() -> None:
     while pool.n > 1:
         pool.remove(pool.n - 1)
     assert pool.rows == 1
+
+
+def test_the_prefix_caches_default_budget_follows_max_memory() -> None:
+    """Unset (-1), the budget is a thirty-second of --max-memory within 64 MiB .. 4 GiB;
+    one given, or 0 (off), is kept."""
+    from linserve.server.engine.loading import resolve_checkpoint
+    from linserve.server.settings import Settings
+
+    def budget(**given: int) -> int:
+        return resolve_checkpoint(Settings(**given)).prefix_cache_bytes  # type: ignore[arg-type]
+
+    assert budget(max_memory=16 << 30) == 512 << 20
+    assert budget(max_memory=1 << 30) == 64 << 20
+    assert budget(max_memory=1 << 40) == 4 << 30
+    assert budget(max_memory=16 << 30, prefix_cache_bytes=0) == 0
+    assert budget(max_memory=16 << 30, prefix_cache_bytes=123) == 123

@@ -45,6 +45,8 @@ TRIM_ABOVE = 256 << 20
 # core left to it.
 ALL_CPUS_ABOVE = 64 << 20
 
+PREFIX_MIN_BYTES, PREFIX_MAX_BYTES = 64 << 20, 4 << 30  # the prefix cache's default bounds
+
 
 def engine_threads(settings: Settings, weight_bytes: int) -> int:
     """The engine's torch threads: ``--threads``, else every CPU this process may use for
@@ -63,7 +65,18 @@ def resolve_checkpoint(settings: Settings) -> Settings:
         settings = settings.model_copy(update={"weights": resolve(settings.model)})
     if not settings.max_memory:
         settings = settings.model_copy(update={"max_memory": int(0.8 * available_memory())})
+    if settings.prefix_cache_bytes < 0:
+        budget = prefix_budget(settings.max_memory)
+        settings = settings.model_copy(update={"prefix_cache_bytes": budget})
     return settings
+
+
+def prefix_budget(max_memory: int) -> int:
+    """The prefix cache's default budget: a thirty-second of ``--max-memory``, from 64 MiB
+    to 4 GiB. Running requests come first (their KV caches take the rest); a long
+    document's entries share their keys, so 536 MiB of 18 GB hold a 32k-token document of
+    Qwen3.5-0.8B's shapes in bf16 (384 MiB of keys) and a few of its states."""
+    return min(max(max_memory // 32, PREFIX_MIN_BYTES), PREFIX_MAX_BYTES)
 
 
 def load_engine_model(settings: Settings) -> ServedModel:

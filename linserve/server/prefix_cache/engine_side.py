@@ -109,5 +109,8 @@ class EnginePrefixCache:
             self._evictions = stats.evictions
         metrics.PREFIX_BYTES.set(self.cache.bytes)
         metrics.PREFIX_ENTRIES.set(len(self.cache))
+        metrics.PREFIX_BUDGET.set(self.cache.max_bytes)
+        metrics.PREFIX_LONGEST.set(self.cache.longest)
+        metrics.PREFIX_SHARED.set(self.cache.shared_bytes)
         if stats.queried_tokens:
             metrics.PREFIX_HIT_RATE.set(stats.hit_tokens / stats.queried_tokens)

@@ -71,6 +71,16 @@ class PrefixCache(Generic[S]):
     def __len__(self) -> int:
         return len(self.lru)
 
+    @property
+    def longest(self) -> int:
+        """Tokens of the deepest entry (0: none)."""
+        return max((node.depth for node in self.lru), default=0)
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes held by more than one entry (counted once in :attr:`bytes`)."""
+        return sum(nbytes for count, nbytes in self._held.values() if count > 1)
+
     def states(self) -> list[S]:
         """Every state held, least recently used first."""
         return [node.state for node in self.lru if node.state is not None]

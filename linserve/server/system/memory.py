@@ -36,3 +36,15 @@ def report(engine_pid: int | None) -> dict[str, Any]:
     for part in ("sessions", "runtime"):
         metrics.MEMORY.labels(part=part).set(parts[part])
     return {"parts": parts, "rss": {"http": http, "engine": engine, "total": http + engine}}
+
+
+def prefix_cache_report() -> dict[str, float]:
+    """What the prefix cache holds, from the engine's gauges: entries, bytes (memory
+    shared by entries counted once, ``shared_bytes`` of it read by several), the budget,
+    the longest prefix kept, and the share of prompt tokens it served."""
+    name = "linserve_prefix_cache_"
+    return {"entries": _gauge(name + "entries"), "bytes": _gauge(name + "bytes"),
+            "shared_bytes": _gauge(name + "shared_bytes"),
+            "budget_bytes": _gauge(name + "budget_bytes"),
+            "longest_tokens": _gauge(name + "longest_tokens"),
+            "hit_rate": float(REGISTRY.get_sample_value(name + "hit_rate") or 0.0)}

@@ -13,6 +13,7 @@ from linserve.server.api.chat_template import render_chat
 from linserve.server.api.errors import APIError
 from linserve.server.api.protocol import DetokenizeRequest, TokenizeRequest, now
 from linserve.server.api.routes.docs import ERRORS
+from linserve.server.system.memory import prefix_cache_report
 from linserve.server.system.memory import report as memory_report
 
 router = APIRouter()
@@ -95,7 +96,8 @@ async def health(request: Request) -> Response:
             "weight_bytes": st.model.info.weight_bytes,
             "batch_invariant": st.batch_invariant,
             "speculative": st.speculative,
-            "memory": memory_report(st.client.health.pid)}
+            "memory": memory_report(st.client.health.pid),
+            "prefix_cache": prefix_cache_report()}
     return _json(body, 200 if ready else 503)
 
 
