@@ -79,6 +79,12 @@ def streams(url: str, n: int, context: int, seed: int) -> dict[str, Any]:
             "prompt_tokens": sum(d["prompt_tokens"] for d in done)}
 
 
+def held(url: str) -> dict[str, Any]:
+    """Where our memory is (``/health``'s parts, bytes) and what the prefix cache holds."""
+    health = httpx.get(url + "/health", timeout=30).json()
+    return {"memory": health["memory"], "prefix_cache": health.get("prefix_cache")}
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     port = lc.free_port()
     ours_cmd = [sys.executable, "-m", "linserve", "serve", str(args.file), "--port", str(port),
@@ -100,6 +106,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 row[who] = run(url, document(length, 1000 * i + len(who)), args.tokens)
                 time.sleep(1.0)
                 row[who]["pss_bytes"] = memory.pss_bytes(pids[who])
+            row["ours"]["health"] = held(urls["ours"])
             out["lengths"][str(length)] = row
             print(length, json.dumps(row))
         if args.streams:
