@@ -379,6 +379,22 @@ class KVEntry(Entry):
         new.shared, s.owner = s, id(new)
         return new
 
+    def join(self, base: KVEntry, start: int, end: int) -> None:
+        """This one-row cache holds ``base``'s first ``start`` slots, then its own up to
+        ``end`` (a generation after the prompt ``base`` was kept at): where ``base`` is the
+        furthest state kept on a shared buffer with room, write slots ``[start, end)`` there
+        and read the buffer from now on, as if this cache had extended ``base``; else keep
+        its own memory."""
+        s = base.shared
+        if (self.window or s is None or s.owner is not None or s.end != start
+                or s.k.shape[2] < end or self.dtype != base.dtype or self.batch_size != 1):
+            return
+        with torch.inference_mode():  # the buffer is a prefill's (an inference tensor)
+            s.k[:, :, start:end] = self.k[:, :, start:end]
+            s.v[:, :, start:end] = self.v[:, :, start:end]
+        s.end = end
+        self.k, self.v, self.shared = s.k[:, :, :end], s.v[:, :, :end], s
+
     def trim(self, lengths: torch.Tensor) -> None:
         """Keep only the slots the rows use (rounded up to 16), as :meth:`select` does: for
         a state that is kept (a prefix-cache entry), not grown. A cache sharing a buffer
@@ -602,6 +618,15 @@ class State:
         self.reserve(int(self.lengths[:live].max()) + tokens, live)
         return [e.capacity for e in kvs] != before
 
+    def join(self, base: State) -> None:
+        """This one-row state continues ``base`` (its first ``base`` length positions are
+        ``base``'s): its KV caches read ``base``'s shared buffers where they may
+        (:meth:`KVEntry.join`), so a prompt's kept states and the one after its reply hold
+        the prompt's keys once."""
+        start, end = int(base.lengths[0]), int(self.lengths[0])
+        for mine, theirs in zip(self.kv_entries, base.kv_entries, strict=True):
+            mine.join(theirs, start, end)
+
     def trim_kv(self) -> None:
         """Cut every KV cache down to the slots its rows use (:meth:`KVEntry.trim`)."""
         for e in self.kv_entries:
@@ -664,12 +689,12 @@ def prefill_state(state: State | None, fresh: Callable[[], State], tokens: int,
     """The state a prefill of ``tokens`` more per row writes, with room for
     ``max(tokens, room)`` more (``room``: the rest of the prompt, so that the states a
     chunked prefill leaves share one buffer of keys, :class:`SharedKV`). ``fresh()`` makes
-    one where ``state`` is None; else ``state`` is extended and left as it is."""
+    one where ``state`` is None (its KV caches given fresh buffers, whose untouched pages
+    cost nothing; nothing else copied); else ``state`` is extended and left as it is."""
     if state is not None:
         return state.extended(int(state.lengths.max()) + max(tokens, room))
     state = fresh()
-    state.reserve(max(tokens, room))
-    for e in state.kv_entries:
-        if not e.window:  # nobody else holds it: its extensions may write it
-            e.shared = SharedKV(e.k, e.v, id(e), 0)
-    return state
+    positions = int(state.lengths.max()) + max(tokens, room)
+    layers = [{name: e.extended(state.lengths, positions) if isinstance(e, KVEntry) else e
+               for name, e in layer.items()} for layer in state.layers]
+    return State(layers, state.lengths)

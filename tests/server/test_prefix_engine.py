@@ -146,9 +146,26 @@ def test_a_long_prefills_entries_hold_its_keys_once(tok: Tokenizer) -> None:
     run_many(on, [req(p)])
     cache = on.prefix.cache if on.prefix else None
     assert cache is not None
-    path = [st for st in cache.states() if int(st.lengths[0]) <= len(p)]
+    path = cache.states()  # every 64 tokens, the prompt's end, and after the reply
+    assert max(int(st.lengths[0]) for st in path) == len(p) + 7
     buffers = {e.k.untyped_storage().data_ptr() for st in path for e in st.kv_entries}
-    assert len(path) >= 4 and len(buffers) == len(path[0].kv_entries)
+    assert len(path) >= 6 and len(buffers) == len(path[0].kv_entries)
     held = {k: n for st in path for k, n in memory_parts(st).items()}
     assert sum(held.values()) < sum(st.nbytes for st in path) / 2
     both(on, off, [p, p[:200] + tok.encode(" Enter GLOUCESTER."), p[:130]])
+
+
+def test_a_prompts_room_for_its_reply_stays_out_of_the_batch(tok: Tokenizer) -> None:
+    """The prefill leaves room in its buffers for the reply's keys (the entry after the
+    reply writes them there); the batch row copies only what the prompt uses."""
+    on, _ = engines("softmax", tok)
+    p = tok.encode("To be, or not to be, that is the question.")
+    on.submit(req(p, n=900), "long-reply")
+    for _ in range(50):
+        on.iterate()
+        if on.running:
+            break
+    assert on.running and on.pool.state.kv_entries[0].capacity <= 256
+    kept = on.prefix.cache.get(p) if on.prefix else None
+    assert kept is not None and kept.kv_entries[0].shared is not None
+    assert kept.kv_entries[0].shared.k.shape[2] >= len(p) + 900

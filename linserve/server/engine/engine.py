@@ -315,7 +315,7 @@ class Engine:
             ids = torch.tensor([todo[:n]])
             logits, seq.state = self.model.prefill(
                 ids, seq.state, all_logits=seq.prompt_logprobs is not None,
-                inserts=seq.inserts, room=seq.prefill_target - seq.prefilled)
+                inserts=seq.inserts, room=self._room(seq))
             if seq.prompt_logprobs is not None:
                 self._add_prompt_logprobs(seq, logits[0], todo[:n])
                 logits = logits[:, -1]
@@ -324,6 +324,12 @@ class Engine:
             self.prefilling.popleft()
             self._prefill_done(seq, logits)
         return n
+
+    def _room(self, seq: Sequence) -> int:
+        """The tokens ``seq``'s prefill state makes room for: the rest of its prompt, and
+        where the prefix cache keeps the state after the reply, the reply's."""
+        rest = seq.prefill_target - seq.prefilled
+        return rest + (self.prefix.room(seq) if self.prefix is not None else 0)
 
     def _consumed(self, seq: Sequence, n: int) -> None:
         """``seq``'s state now holds ``n`` more of its prompt's tokens."""

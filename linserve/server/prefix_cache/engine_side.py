@@ -40,6 +40,7 @@ def memory_parts(state: State) -> dict[Hashable, int]:
     storages = (t.untyped_storage() for t in state.tensors().values())
     return {s.data_ptr(): s.nbytes() for s in storages if s.nbytes()}
 MIN_BRANCH = 8  # a shared stretch shorter than this is not worth a state of its own
+GENERATION_ROOM = 1024  # the most slots a prompt's buffers keep for its reply's keys
 
 
 class EnginePrefixCache:
@@ -89,8 +90,22 @@ class EnginePrefixCache:
             self._insert(seq.req.input_ids[:done], seq.state, publish=landmark)
 
     def after_generation(self, seq: Sequence, take_row: State) -> None:
-        """Keep the state after input + generated[:-1] (``take_row``: a copy of the row)."""
+        """Keep the state after input + generated[:-1] (``take_row``: a copy of the row),
+        its KV caches in the prompt's buffers where the prompt's state is kept (the reply
+        after a long document adds its own tokens' keys, not a second copy of the
+        document's)."""
+        prompt = self.cache.get(seq.req.input_ids)
+        if prompt is not None:
+            take_row.join(prompt)
         self._insert(seq.req.input_ids + seq.generated[:-1], take_row)
+
+    @staticmethod
+    def room(seq: Sequence) -> int:
+        """Slots past the prompt its prefill leaves in its KV buffers for the reply's keys,
+        which the entry kept after the reply then writes there (:meth:`after_generation`);
+        untouched, they cost address space only."""
+        return min(seq.params.max_tokens, GENERATION_ROOM) if EnginePrefixCache.eligible(seq) \
+            else 0
 
     def insert(self, tokens: list[int], state: State) -> None:
         """Keep ``state`` as the state after ``tokens`` (a replay's result)."""

@@ -111,6 +111,16 @@ class PrefixCache(Generic[S]):
         self.stats.hit_tokens += best.depth
         return Match(best.depth, best.state, i)
 
+    def get(self, tokens: Sequence[int]) -> S | None:
+        """The state kept after exactly ``tokens`` (None: none), counting nothing."""
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None or tuple(tokens[i : i + len(child.edge)]) != child.edge:
+                return None
+            node, i = child, i + len(child.edge)
+        return node.state
+
     def insert(self, tokens: Sequence[int], state: S,
                parts: int | Mapping[Hashable, int]) -> bool:
         """Store ``state`` as the state after ``tokens`` (replacing an entry there); False
