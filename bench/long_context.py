@@ -56,7 +56,7 @@ def run(url: str, prompt: str, tokens: int) -> dict[str, Any]:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text") and first is None:
+            if chunk.get("choices") and "text" in chunk["choices"][0] and first is None:
                 first = time.perf_counter()
             if chunk.get("usage"):
                 usage = chunk["usage"]
