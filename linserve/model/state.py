@@ -364,9 +364,7 @@ class KVEntry(Entry):
             ring = self.select(slice(None), lengths)
             ring.reserve(positions)
             return ring
-        if positions > self.max_context:
-            raise ValueError(f"context of {positions} tokens exceeds max_context "
-                             f"{self.max_context}")
+        positions = min(positions, self.max_context)  # room is a hint; reserve checks
         s = self.shared
         if (s is None or s.k.shape[2] < positions
                 or not (s.owner == id(self) or (s.owner is None and s.end == used))):
@@ -692,9 +690,14 @@ def prefill_state(state: State | None, fresh: Callable[[], State], tokens: int,
     one where ``state`` is None (its KV caches given fresh buffers, whose untouched pages
     cost nothing; nothing else copied); else ``state`` is extended and left as it is."""
     if state is not None:
-        return state.extended(int(state.lengths.max()) + max(tokens, room))
-    state = fresh()
-    positions = int(state.lengths.max()) + max(tokens, room)
-    layers = [{name: e.extended(state.lengths, positions) if isinstance(e, KVEntry) else e
-               for name, e in layer.items()} for layer in state.layers]
-    return State(layers, state.lengths)
+        start = int(state.lengths.max())
+        state = state.extended(start + max(tokens, room))
+    else:
+        state = fresh()
+        start = int(state.lengths.max())
+        layers = [{name: e.extended(state.lengths, start + max(tokens, room))
+                   if isinstance(e, KVEntry) else e for name, e in layer.items()}
+                  for layer in state.layers]
+        state = State(layers, state.lengths)
+    state.reserve(start + tokens)  # a prompt past the context is refused here
+    return state

@@ -4,6 +4,7 @@ the buffer copies it first; and the outputs are those of unshared states, bit fo
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from linserve.model.state import KVEntry, State
@@ -106,3 +107,12 @@ def test_every_kv_dtype_shares() -> None:
         assert _buffers(s1) == _buffers(s2), dtype
         assert _same(s1, kept)
         assert all(isinstance(e, KVEntry) and e.dtype == s1.kv_dtype for e in s2.kv_entries)
+
+
+def test_room_is_a_hint_but_the_context_is_a_limit() -> None:
+    model = tiny_model("softmax", max_context=64)
+    _, s1 = model.prefill(TOKENS[:, :40], room=500)  # room past the context: capped
+    assert s1.kv_entries[0].shared is not None
+    assert s1.kv_entries[0].shared.k.shape[2] <= 256
+    with pytest.raises(ValueError, match="exceeds max_context"):
+        model.prefill(TOKENS[:, 40:90], s1)
