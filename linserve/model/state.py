@@ -462,8 +462,8 @@ class KVEntry(Entry):
     def _padded(self, capacity: int) -> KVEntry:
         """A copy with ``capacity`` slots, the new ones zero (the entries it is made from,
         a prefix cache's perhaps, stay as they are)."""
-        padded = cast(KVEntry, self._with({n: t.clone() for n, t in self.tensors().items()}))
-        padded.resize(capacity)
+        padded = cast(KVEntry, self._with(self.tensors()))
+        padded.resize(capacity)  # new tensors on ``padded``: this entry's are not touched
         return padded
 
 
