@@ -28,9 +28,9 @@ from bench.common import machine, print_table, write_json
 from bench.concurrency import raw_step_tokens_per_s
 from linserve.model import loader, modes
 from linserve.model.sampling import SamplingParams
-from linserve.server.engine.client import dispatch
 from linserve.server.engine.engine import Engine, EngineLimits
 from linserve.server.engine.loading import pick_dtype, warm_up
+from linserve.server.engine.thread_client import dispatch
 from linserve.server.engine.types import GenerationRequest, Output
 from linserve.server.settings import Settings
 from linserve.server.system.malloc import pin_mmap_threshold

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"== {checkpoint.name} {kind}: {file}", flush=True)
             key = f"{checkpoint.name}/{kind}"
             if args.starts_only:  # the starts alone, into the entry of an earlier run
-                entry = result["runs"][key]
+                entry = result["runs"].setdefault(key, {"ratios": {}})
                 entry["starts"] = start_rounds(file, args)
                 entry["ratios"]["load_s"] = entry["starts"]["ratio"]
                 print(entry["starts"]["median_s"], flush=True)

@@ -44,3 +44,9 @@ def files_fingerprint(files: Iterable[Path], prefix: bytes = b"") -> str:
     for f in files:
         update_with_file(h, f)
     return h.hexdigest()
+
+
+def short_digest(data: bytes) -> str:
+    """A short digest of a small file's bytes (a state file's: what an initial state adds to
+    the fingerprint, and ``GET /v1/states`` shows)."""
+    return hashlib.blake2b(data, digest_size=8).hexdigest()

@@ -16,9 +16,10 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # torch-free at run time: the HTTP process places items, the engine
+    import torch  # encodes them
 
 SPAN = 1 << 16  # positions an item may cover (an id's offset within its item)
 ENCODED_CACHE_BYTES = 64 << 20  # the engine's cache of encoded items (EncodedCache)

@@ -10,57 +10,20 @@ modules under ``linserve/model/architectures/`` (``linserve.py``: the project's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from linserve.model.info import STATE_FORMAT_VERSION, CheckpointError, ModelInfo, StateError
 from linserve.model.inputs import Encoder, InsertTable
-from linserve.model.state import State, StateError
-from linserve.model.state_blob import STATE_FORMAT_VERSION
-from linserve.model.state_codec import PackedState, pack_state, unpack_state
+from linserve.model.state import State
 from linserve.model.tokenizer import TextTokenizer
 from linserve.model.verify import Trail
 
 # The state is the server's to hold, copy, compress and ship, never to look inside.
-__all__ = ["STATE_FORMAT_VERSION", "CheckpointError", "ModelInfo", "PackedState",
-           "ServedModel", "State", "StateError", "pack_state", "unpack_state"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint this server cannot load; the message is one line for the startup log."""
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the server may know about a loaded model.
-
-    ``context_limit``: the longest sequence it serves (None: no limit). ``ragged_prefill``:
-    whether :meth:`ServedModel.prefill_ragged` takes prompts of different lengths in one pass.
-    ``state_bytes``: one fresh session's state; ``state_grows``: whether that grows with the
-    context (a KV cache), by ``state_bytes_per_token``. ``state_layout``: per layer, what it
-    holds. ``weight_bytes``: what the weights hold in memory as served (packed, quantized),
-    of which ``embedding_bytes`` are an embedding table held beside the head."""
-
-    architecture: str
-    vocab_size: int
-    context_limit: int | None
-    params: int
-    dtype: str
-    decode_step: str  # "fused" (one native call per step) or "eager"
-    ragged_prefill: bool
-    state_bytes: int
-    state_grows: bool
-    state_layout: list[dict[str, dict[str, Any]]] = field(default_factory=list)
-    state_bytes_per_token: int = 0  # what each token adds (its KV entries); 0: constant
-    weight_bytes: int = 0
-    embedding_bytes: int = 0
-    quantization: str = "none"  # "int8" / "int4" GEMM weights (model.quantize), or none
-    notes: tuple[str, ...] = ()
-    kv_cache_dtype: str = ""  # what its KV caches hold (fp32, bf16, int8); "": none
-    input_kinds: tuple[str, ...] = ()  # what it takes besides text ("image"): its encoders
-    image_spec: Any = None  # how its images become tokens (linserve.model.vision; torch-free)
+__all__ = ["STATE_FORMAT_VERSION", "CheckpointError", "ModelInfo", "ServedModel", "State",
+           "StateError"]
 
 
 class DraftHead(Protocol):

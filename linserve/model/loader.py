@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from linserve.model import kernels, memory, modes, packing
+from linserve.model import checkpoint_path, kernels, memory, modes, packing
 from linserve.model.architectures import hf, registry, rwkv_pth
 from linserve.model.architectures.registry import CheckpointLoader, Family
 from linserve.model.gguf.files import is_gguf
@@ -48,7 +48,7 @@ def family_loader(path: Path) -> CheckpointLoader:
 
 def resolve(path_or_id: str | Path) -> Path:
     """A checkpoint folder, or a Hugging Face repo id through the local cache / the Hub."""
-    return hf.resolve(path_or_id)
+    return checkpoint_path.resolve(path_or_id)
 
 
 def pick_dtype(requested: str, flags: frozenset[str] | None = None) -> tuple[str, str]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from linserve.model import invariant, kernels, modes, packing, state_files
+from linserve.model.fingerprint import short_digest
 from linserve.model.inputs import Encoder, InsertTable
 from linserve.model.interface import DraftHead, ModelInfo
 from linserve.model.state import State
@@ -156,5 +157,5 @@ class ServedModule:
     def set_initial_state_bytes(self, data: bytes) -> None:
         fresh = self.module.new_state(1, self.context_limit)
         self._initial = state_files.read(self.module, data, fresh)
-        self._fp_suffix += "-s" + state_files.digest_bytes(data)
+        self._fp_suffix += "-s" + short_digest(data)
         self._fp = None

@@ -26,6 +26,8 @@ from typing import Any, ClassVar, cast
 
 import torch
 
+from linserve.model.info import StateError  # noqa: F401 (re-exported: a state's error)
+
 Index = torch.Tensor | Sequence[int] | slice
 
 
@@ -35,10 +37,6 @@ KV_BLOCK = 256  # slots a KV cache grows by
 def _blocks(positions: int) -> int:
     """``positions`` rounded up to whole :data:`KV_BLOCK` blocks."""
     return -(-positions // KV_BLOCK) * KV_BLOCK
-
-
-class StateError(ValueError):
-    """A state blob that cannot be used with this model (wrong model, shape, dtype or format)."""
 
 
 def _rows(t: torch.Tensor, idx: Index) -> torch.Tensor:

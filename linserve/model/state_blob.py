@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from linserve.model.info import STATE_FORMAT_VERSION
 from linserve.model.state import (
     KV_DTYPES,
     ConvEntry,
@@ -26,7 +27,6 @@ from linserve.model.state import (
     StateError,
 )
 
-STATE_FORMAT_VERSION = 3
 READABLE_FORMAT_VERSIONS = ("1", "2", "3")
 
 

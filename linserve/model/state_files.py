@@ -11,9 +11,7 @@ needs more is unpickled.
 
 from __future__ import annotations
 
-import hashlib
 import io
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,15 +52,6 @@ def write(module: Any, state: State) -> bytes:
     if not supported(module):
         raise StateError("this model has no state-file format")
     return to_bytes(module.state_to_file(state))
-
-
-def digest(path: Path) -> str:
-    """A short digest of a state file (what an initial state adds to the fingerprint)."""
-    return digest_bytes(path.read_bytes())
-
-
-def digest_bytes(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
 def to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:

@@ -13,6 +13,7 @@ character. A vocabulary of another kind (a greedy longest match over bytes, say)
 from __future__ import annotations
 
 import codecs
+import functools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -199,6 +200,11 @@ class Tokenizer(TextTokenizer):
 
         threading.Thread(target=read, name="tokenizer-read", daemon=True).start()
 
+    def __reduce__(self) -> tuple[Callable[..., Tokenizer], tuple[object, ...]]:
+        """Pickled as its JSON, end ids, size and byte table (the engine hands the HTTP
+        process its tokenizer so); read again lazily where it is unpickled."""
+        return _unpickle, (self.to_json(), self.eos_ids, self.vocab_size, self.token_bytes)
+
     @classmethod
     def from_file(cls, path: str | Path, eos_ids: Sequence[int] | None = None,
                   size: int | None = None) -> Tokenizer:
@@ -222,6 +228,11 @@ class Tokenizer(TextTokenizer):
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text).ids)
+
+
+def _unpickle(text: str, eos_ids: tuple[int, ...], size: int, token_bytes: list[bytes]
+              ) -> Tokenizer:
+    return Tokenizer(functools.partial(HFTokenizer.from_str, text), eos_ids, size, token_bytes)
 
 
 class IncrementalDetokenizer:

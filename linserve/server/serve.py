@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -13,28 +13,17 @@ from fastapi import FastAPI
 from pydantic import ValidationError
 
 from linserve import __version__
-from linserve.model import kernels, loader
+from linserve.model.info import CheckpointError
 from linserve.server.api.app import create_app, wrap
-from linserve.server.engine.loading import (
-    apply_image_settings,
-    describe_model,
-    resolve_checkpoint,
-)
-from linserve.server.sessions.named_states import load_named_states
-from linserve.server.settings import parse_cli
-from linserve.server.speculative.draft import check_speculative
+from linserve.server.engine.prelaunch import prelaunch
+from linserve.server.engine.sizing import resolve_checkpoint
+from linserve.server.settings import Settings, parse_cli
 from linserve.server.system.malloc import pin_mmap_threshold
 
 if TYPE_CHECKING:
-    from linserve.server.engine.child import Prelaunched
+    from linserve.server.engine.channels import Prelaunched
 
 log = logging.getLogger("linserve")
-
-
-def max_state_bytes(weights: Path) -> int:
-    """Upper bound on an importable state's size for the configured model (its largest
-    state, plus room for the blob's header)."""
-    return loader.max_state_bytes(weights) + (1 << 16)
 
 
 class DrainingServer(uvicorn.Server):
@@ -59,38 +48,61 @@ class DrainingServer(uvicorn.Server):
 
 def main(argv: list[str] | None = None, boot: float | None = None,
          prelaunched: Prelaunched | None = None) -> None:
-    """Parse the settings from ``argv`` (default: ``sys.argv[1:]``), check the checkpoint
-    (a bad one is one line and exit status 1), make the native kernels ready (compiled on a
-    machine's first start, and said so) and serve until SIGTERM / SIGINT. ``boot``: the
-    command's start (``time.monotonic()``; default now), which the ready line counts from.
-    ``prelaunched``: the engine process ``linserve serve`` forked first thing, if any."""
+    """Parse the settings from ``argv`` (default: ``sys.argv[1:]``), have the checkpoint
+    checked (a bad one is one line and exit status 1) and serve until SIGTERM / SIGINT.
+    ``boot``: the command's start (``time.monotonic()``; default now), which the ready line
+    counts from. ``prelaunched``: the engine process ``linserve serve`` forked first thing,
+    if any (else one is forked here, where the engine runs in a process of its own)."""
     boot = time.monotonic() if boot is None else boot
+    args = sys.argv[1:] if argv is None else argv
     try:
-        settings = parse_cli(argv)
+        settings = parse_cli(args)
     except ValidationError as exc:  # a bad flag or variable: say which, without a traceback
         raise SystemExit(f"linserve: invalid settings\n{exc}") from None
+    own = prelaunched is None and settings.engine_mode == "process"
+    if own:
+        prelaunched = prelaunch(args)
+    try:
+        serve(settings, boot, prelaunched)
+    finally:
+        if own and prelaunched is not None:
+            prelaunched.cancel()
+
+
+def checked(settings: Settings, prelaunched: Prelaunched | None) -> tuple[Settings, int]:
+    """``settings`` resolved, and the largest state an import may send, once the checkpoint
+    passed its checks: the engine process's (``prelaunched``'s verdict), or this process's
+    in the thread mode. Raises SystemExit with the one line saying why it cannot load."""
+    try:
+        settings = resolve_checkpoint(settings)
+    except (CheckpointError, OSError, ValueError) as exc:
+        raise SystemExit(f"linserve: cannot load {settings.model or settings.weights}: "
+                         f"{exc}") from None
+    if prelaunched is not None:
+        problem, state_limit = prelaunched.wait_verdict()
+    else:  # the engine runs in this process, which imports the model code anyway
+        from linserve.server.engine.loading import check_settings
+
+        try:
+            problem, state_limit = None, check_settings(settings)
+        except (CheckpointError, OSError, ValueError) as exc:
+            problem = f"cannot load {settings.model or settings.weights}: {exc}"
+    if problem is not None:
+        raise SystemExit(f"linserve: {problem}")
+    return settings, state_limit
+
+
+def serve(settings: Settings, boot: float, prelaunched: Prelaunched | None) -> None:
+    """Serve ``settings`` (parsed) until SIGTERM / SIGINT."""
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     pin_mmap_threshold(settings.malloc_mmap_threshold)
-    try:
-        settings = resolve_checkpoint(settings)
-        apply_image_settings(settings)  # a vision tower, --mmproj's too, is checked with it
-        loader.check(settings.weights, settings.dtype, settings.quantization,
-                     settings.max_memory)
-        state_limit = max_state_bytes(settings.weights)
-        if settings.speculative is not None:
-            check_speculative(settings.speculative, settings.weights)
-        if settings.initial_state or settings.state_dir:  # read against the model's state,
-            load_named_states(describe_model(settings), settings.state_dir)  # before serving
-    except (loader.CheckpointError, OSError, ValueError) as exc:  # one line, no traceback
-        raise SystemExit(f"linserve: cannot load {settings.model or settings.weights}: "
-                         f"{exc}") from None
+    settings, state_limit = checked(settings, prelaunched)
     log.info("linserve %s: starting %s on %s:%d (engine: %s; every setting: linserve serve "
              "--help)", __version__, settings.model or settings.weights, settings.host,
              settings.port, settings.engine_mode)
     if settings.speculative is not None:
         log.info("speculative decoding: %s", settings.speculative.describe())
-    kernels.load()  # here, logged, before either process needs them: a first start compiles
     app = create_app(settings)
     app.state.boot_time = boot
     app.state.prelaunched = prelaunched

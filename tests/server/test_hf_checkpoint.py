@@ -127,7 +127,7 @@ def test_a_repo_id_resolves_from_the_local_cache_offline(checkpoint: Path, tmp_p
     """A Hub cache laid out as huggingface_hub writes it (models--owner--name, a snapshot and
     refs/main) serves ``--model owner/name`` with HF_HUB_OFFLINE=1; an id not in the cache is
     one clear line."""
-    from linserve.model.architectures.hf import resolve
+    from linserve.model.checkpoint_path import resolve
     from linserve.model.interface import CheckpointError
 
     repo = tmp_path / "hub" / "models--acme--qwen-tiny"
@@ -135,7 +135,7 @@ def test_a_repo_id_resolves_from_the_local_cache_offline(checkpoint: Path, tmp_p
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0123abc")
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    code = ("import sys; from linserve.model.architectures.hf import resolve; "
+    code = ("import sys; from linserve.model.checkpoint_path import resolve; "
             "print(resolve(sys.argv[1]))")
     out = subprocess.run([sys.executable, "-c", code, "acme/qwen-tiny"], cwd=ROOT, text=True,
                          capture_output=True, env={**os.environ, **env})

@@ -219,36 +219,40 @@ def test_loading_the_engine_model_freezes_what_it_made(monkeypatch: pytest.Monke
         torch.set_num_threads(threads)
 
 
-def test_a_prelaunched_engine_loads_on_the_command_lines_settings(
+def test_a_prelaunched_engine_checks_then_loads_on_the_command_lines_settings(
         monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
-    """``load_early``: the model loaded on ``linserve serve``'s own arguments, served only
-    where the server's settings agree on what is loaded; nothing loaded, and nothing said,
-    for a checkpoint that fails its check (the HTTP process says why) or settings that do
-    not parse."""
+    """``check_early``: the checkpoint checked on ``linserve serve``'s own arguments, quietly,
+    its verdict the one line the HTTP process says (and the largest state an import may
+    send); settings that do not parse are the HTTP process's to report. ``load_prepared``:
+    the model loaded on them, served only where the server's settings agree."""
     from bench.serverproc import ROOT
-    from linserve.server.engine import loading
+    from linserve.server.engine import loading, sizing
     from linserve.server.settings import Settings
 
     linear, ungated = str(ROOT / "weights" / "linear"), str(ROOT / "weights" / "linear-ungated")
 
     threads = torch.get_num_threads()
     try:
-        early = loading.load_early(["--model", linear, "--threads", "1"])
+        settings, problem, limit = loading.check_early(["--model", linear, "--threads", "1"])
+        assert settings is not None and problem is None and limit > 1 << 16
+        early = loading.load_prepared(settings)
         assert early is not None and early.model.info.params > 0
-        assert early.serves(loading.resolve_checkpoint(
+        assert early.serves(sizing.resolve_checkpoint(
             Settings(model=linear, threads=1, port=9999, max_running=3)))
-        assert not early.serves(loading.resolve_checkpoint(
+        assert not early.serves(sizing.resolve_checkpoint(
             Settings(model=linear, threads=1, dtype="bfloat16")))
-        assert not early.serves(loading.resolve_checkpoint(
+        assert not early.serves(sizing.resolve_checkpoint(
             Settings(model=ungated, threads=1)))
     finally:
         torch.set_num_threads(threads)
     capfd.readouterr()
-    assert loading.load_early(["--model", "weights/no-such-model"]) is None
-    assert loading.load_early(["--no-such-flag"]) is None
-    assert loading.load_early(["--model", linear, "--speculative-config",
-                               '{"method": "draft_model", "model": "/nonexistent/x", '
-                               '"num_speculative_tokens": 2}']) is None
+    _, problem, _ = loading.check_early(["--model", "weights/no-such-model"])
+    assert problem is not None and problem.startswith("cannot load weights/no-such-model")
+    assert loading.check_early(["--no-such-flag"]) == (None, None, 0)
+    _, problem, _ = loading.check_early(["--model", linear, "--speculative-config",
+                                         '{"method": "draft_model", "model": "/nonexistent/x",'
+                                         ' "num_speculative_tokens": 2}'])
+    assert problem is not None and "/nonexistent/x" in problem
     out, err = capfd.readouterr()
     assert out == "" and err == ""
 
@@ -275,17 +279,17 @@ def test_the_engine_takes_every_cpu_for_a_model_of_some_size(
     """``--threads 0``: every CPU for weights of 64 MB or more (the 0.8B shapes decoded 1.7x
     faster on both of two cores), one left to the HTTP process for a model of a few MB;
     ``--threads N`` as given."""
-    from linserve.server.engine import loading
+    from linserve.server.engine import sizing
     from linserve.server.settings import Settings
 
-    monkeypatch.setattr(loading, "available_cpus", lambda: 4)
+    monkeypatch.setattr(sizing, "available_cpus", lambda: 4)
     auto = Settings(weights=Path("weights/linear"))
-    assert loading.engine_threads(auto, 600 << 20) == 4
-    assert loading.engine_threads(auto, 20 << 20) == 3
-    assert loading.engine_threads(Settings(weights=Path("weights/linear"), threads=2),
-                                  600 << 20) == 2
-    monkeypatch.setattr(loading, "available_cpus", lambda: 1)
-    assert loading.engine_threads(auto, 20 << 20) == 1
+    assert sizing.engine_threads(auto, 600 << 20) == 4
+    assert sizing.engine_threads(auto, 20 << 20) == 3
+    assert sizing.engine_threads(Settings(weights=Path("weights/linear"), threads=2),
+                                 600 << 20) == 2
+    monkeypatch.setattr(sizing, "available_cpus", lambda: 1)
+    assert sizing.engine_threads(auto, 20 << 20) == 1
 
 
 def test_a_long_context_holds_no_spare_rows() -> None:
@@ -325,7 +329,7 @@ def test_a_long_context_holds_no_spare_rows() -> None:
 def test_the_prefix_caches_default_budget_follows_max_memory() -> None:
     """Unset (-1), the budget is a thirty-second of --max-memory within 64 MiB .. 4 GiB;
     one given, or 0 (off), is kept."""
-    from linserve.server.engine.loading import resolve_checkpoint
+    from linserve.server.engine.sizing import resolve_checkpoint
     from linserve.server.settings import Settings
 
     def budget(**given: int) -> int:

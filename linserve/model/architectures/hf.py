@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -44,62 +43,6 @@ from linserve.model.world_tokenizer import (
 )
 
 log = logging.getLogger("linserve")
-ALLOW = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
-
-
-def resolve(path_or_id: str | Path) -> Path:
-    """A local folder or GGUF file as it is; otherwise a Hub repo id (``owner/name``, or
-    ``owner/name:FILE.gguf`` for one GGUF file of it), through huggingface_hub's cache."""
-    path = Path(path_or_id)
-    if path.is_dir() or (path.is_file() and (is_gguf(path) or rwkv_pth.is_pth(path))):
-        return path
-    repo, _, file = str(path_or_id).partition(":")
-    if file and is_gguf(file) and repo.count("/") == 1 and not path.exists():
-        return _hub_file(repo, file)
-    if is_gguf(path):
-        raise CheckpointError(f"{path_or_id}: no such GGUF file")
-    if path.exists() or str(path_or_id).count("/") != 1:
-        raise CheckpointError(f"{path_or_id}: not a checkpoint folder, a GGUF file or a repo "
-                              f"id (owner/name)")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    try:
-        return Path(snapshot_download(str(path_or_id), allow_patterns=ALLOW,
-                                      local_files_only=offline))
-    except (LocalEntryNotFoundError, HFValidationError, OSError) as exc:
-        where = "the local Hugging Face cache" if offline else "the Hub or the local cache"
-        raise CheckpointError(f"{path_or_id}: not found in {where} "
-                              f"({type(exc).__name__})") from None
-
-
-def _hub_file(repo: str, file: str) -> Path:
-    """One GGUF file of a Hub repo (every shard of a split one), through the cache."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    try:
-        first = Path(hf_hub_download(repo, file, local_files_only=offline))
-        for shard in gguf_shard_names(first)[1:]:
-            hf_hub_download(repo, str(Path(file).with_name(shard)), local_files_only=offline)
-        return first
-    except (LocalEntryNotFoundError, HFValidationError, OSError) as exc:
-        where = "the local Hugging Face cache" if offline else "the Hub or the local cache"
-        raise CheckpointError(f"{repo}:{file}: not found in {where} "
-                              f"({type(exc).__name__})") from None
-
-
-def gguf_shard_names(first: Path) -> list[str]:
-    """The file names of every shard of the split GGUF model ``first`` names."""
-    from linserve.model.gguf.files import SPLIT
-
-    hit = SPLIT.match(first.name)
-    if hit is None:
-        return [first.name]
-    n = int(hit.group("n"))
-    return [f"{hit.group('stem')}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
 
 
 def gguf(path: Path) -> GGUFCheckpoint:

@@ -19,22 +19,9 @@ from typing import Any
 
 import torch
 
-from linserve.model.interface import CheckpointError
-
-
-def pth_file(path: Path) -> Path | None:
-    """The ``.pth`` checkpoint ``path`` is or holds (a folder with exactly one and no
-    ``config.json``); None otherwise."""
-    if path.is_file():
-        return path if path.suffix == ".pth" else None
-    if path.is_dir() and not (path / "config.json").exists():
-        found = sorted(path.glob("*.pth"))
-        return found[0] if len(found) == 1 else None
-    return None
-
-
-def is_pth(path: Path) -> bool:
-    return pth_file(path) is not None
+from linserve.model.checkpoint_path import is_pth as is_pth  # re-exported
+from linserve.model.checkpoint_path import pth_file
+from linserve.model.info import CheckpointError
 
 
 @functools.lru_cache(maxsize=2)

@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
-from linserve.model.interface import CheckpointError
+from linserve.model.info import CheckpointError
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 

@@ -1,9 +1,9 @@
-"""The FastAPI application: lifespan (load weights once, warm up, start the engine thread),
-body-size limits, CORS, error handlers and the routers."""
+"""The FastAPI application: lifespan (start the engine, which loads the weights once and
+warms up), body-size limits, CORS, error handlers and the routers. Torch-free: the model
+runs in the engine process (or, in the thread mode, in :mod:`..engine.thread_client`)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -14,22 +14,14 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from linserve.model import kernels
 from linserve.server.api.errors import body_for, install_error_handlers
 from linserve.server.api.openapi import install_openapi
 from linserve.server.api.routes import completions, messages, misc, responses, sessions
 from linserve.server.api.service import GenerationService
-from linserve.server.engine.client import EngineBackend, EngineClient
-from linserve.server.engine.engine import Engine, EngineLimits
-from linserve.server.engine.loading import (
-    bf16_gemm,
-    describe_model,
-    engine_threads,
-    load_engine,
-    pick_dtype,
-    state_budget,
-)
+from linserve.server.engine.client import EngineBackend
+from linserve.server.engine.description import ModelDescription
 from linserve.server.engine.process import ProcessEngineClient
+from linserve.server.engine.sizing import engine_threads
 from linserve.server.playground.routes import install_playground
 from linserve.server.prefix_cache.remote import RemotePrefixes
 from linserve.server.sessions.store import MemorySessionStore, SessionStore
@@ -153,50 +145,31 @@ def wrap(app: FastAPI, settings: Settings, state_limit: int) -> ASGIApp:
 
 
 async def startup(app: FastAPI, settings: Settings) -> None:
-    """Load the model (in the engine process, or here in thread mode), start the engine and
-    say so: the ``startup`` event's ``load_seconds`` counts from the command's start
-    (``app.state.boot_time``, set by :func:`linserve.server.serve.main`), kernel build
-    included."""
+    """Start the engine (in its own process, or a thread of this one) and say so once it
+    has loaded the model: the ``startup`` event's ``load_seconds`` counts from the
+    command's start (``app.state.boot_time``, set by :func:`linserve.server.serve.main`),
+    kernel build included."""
     t0 = getattr(app.state, "boot_time", time.monotonic())
-    process = settings.engine_mode == "process"
     client: EngineBackend
-    if process:
-        # only the engine process reads the weights, and it starts first: this one describes
-        # the model (tokenizer, template, states and their codec) while that one loads
-        client = ProcessEngineClient(settings,
-                                     prelaunched=getattr(app.state, "prelaunched", None))
-        loading = asyncio.create_task(client.start_async())
-        try:
-            model = await asyncio.to_thread(describe_model, settings)
-        except BaseException:
-            loading.cancel()
-            await client.stop()
-            raise
-        client.model = model
-        await loading
-    else:
-        loaded = await asyncio.to_thread(load_engine, settings)
-        model, draft, info = loaded.model, loaded.draft, loaded.model.info
-        limits = EngineLimits(settings.max_running, settings.max_waiting,
-                              settings.prefill_chunk, settings.step_token_budget,
-                              settings.prefix_cache_bytes, settings.prefix_cache_interval,
-                              state_budget(settings, info))
-        client = EngineClient(
-            lambda deliver, beat: Engine(model, limits, deliver, beat,
-                                         speculative=settings.speculative, draft=draft),
-            settings.engine_stall_seconds)
-        await client.start_async()
-    if isinstance(client, ProcessEngineClient):
-        model.info = info = client.engine_info  # what the weights hold as the engine packed them
+    if settings.engine_mode == "process":
+        process = ProcessEngineClient(settings,
+                                      prelaunched=getattr(app.state, "prelaunched", None))
+        await process.start_async()
+        client, model = process, process.description
+    else:  # the debugging mode: the model in this process (torch imported here)
+        from linserve.server.engine.thread_client import start_thread_engine
+
+        client, model = await start_thread_engine(settings)
+    info = model.info
     store = make_store(settings)
     bind = getattr(store, "bind_model", None)
     if bind is not None:
-        bind(model)
+        bind(model.fingerprint())
     app.state.model = model
     app.state.model_name = settings.served_name
     app.state.max_model_len = info.context_limit
-    app.state.dtype = pick_dtype(settings.dtype)
-    app.state.bf16_gemm = bf16_gemm()
+    app.state.dtype = model.dtype
+    app.state.bf16_gemm = model.bf16_gemm
     app.state.batch_invariant = settings.batch_invariant
     spec = settings.speculative
     app.state.speculative = None if spec is None else spec.describe()
@@ -206,23 +179,31 @@ async def startup(app: FastAPI, settings: Settings) -> None:
     app.state.service.draining = lambda: bool(app.state.draining)
     app.state.service.remote = shared_prefixes(settings, client, model.fingerprint())
     install_openapi(app, info.vocab_size, settings.max_tokens_limit)
-    log.info(json.dumps({
+    log.info(json.dumps(startup_event(settings, model, app.state.speculative,
+                                      time.monotonic() - t0)))
+    log.info("ready in %.1f s from the command's start (native kernels: %s)",
+             time.monotonic() - t0, model.kernels)
+
+
+def startup_event(settings: Settings, model: ModelDescription, speculative: str | None,
+                  seconds: float) -> dict[str, object]:
+    """The ``startup`` log event: what is served, how, and how long it took to load."""
+    info = model.info
+    return {
         "event": "startup", "model": settings.served_name, "weights": str(settings.weights),
         "architecture": info.architecture, "params": info.params,
-        "dtype": app.state.dtype[0], "dtype_reason": app.state.dtype[1],
-        "bf16_gemm": app.state.bf16_gemm,
+        "dtype": model.dtype[0], "dtype_reason": model.dtype[1],
+        "bf16_gemm": model.bf16_gemm,
         "decode_step": info.decode_step, "batch_invariant": settings.batch_invariant,
-        "speculative": app.state.speculative, "quantization": info.quantization,
+        "speculative": speculative, "quantization": info.quantization,
         "kv_cache_dtype": info.kv_cache_dtype or None, "weight_bytes": info.weight_bytes,
         "state_bytes_per_session": info.state_bytes,
         "state_note": "grows with context" if info.state_grows else "constant",
         "session_store": settings.session_store.split("@")[-1],
         "engine": settings.engine_mode,
         "threads": engine_threads(settings, info.weight_bytes),
-        "kernel_build_seconds": round(kernels.build_seconds(), 2),
-        "load_seconds": round(time.monotonic() - t0, 2)}))
-    log.info("ready in %.1f s from the command's start (native kernels: %s)",
-             time.monotonic() - t0, kernels.describe())
+        "kernel_build_seconds": round(model.kernel_build_seconds, 2),
+        "load_seconds": round(seconds, 2)}
 
 
 def shared_prefixes(settings: Settings, client: EngineBackend, fingerprint: str

@@ -23,7 +23,7 @@ from pydantic import (
 )
 from pydantic.json_schema import SkipJsonSchema
 
-from linserve.model.sampling import SamplingParams
+from linserve.model.sampling_params import SamplingParams
 from linserve.server.api.tool_calls import forced_schema
 from linserve.server.grammar.spec import GrammarError, GrammarSpec, from_request
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from linserve.model.blob_view import StateBlob
 from linserve.model.inputs import Insert
-from linserve.model.interface import ServedModel, State
-from linserve.model.sampling import SamplingParams
+from linserve.model.sampling_params import SamplingParams
 from linserve.server.api.chat_session import ChatTurn
 from linserve.server.api.chat_template import TemplateChat
 from linserve.server.api.errors import APIError
@@ -25,13 +25,12 @@ from linserve.server.api.next_turn import NextTurns
 from linserve.server.api.protocol import SamplingFields, new_id
 from linserve.server.api.tool_calls import default_parser
 from linserve.server.engine.client import EngineBackend, EngineUnavailable, RequestHandle
-from linserve.server.engine.engine import Overloaded
-from linserve.server.engine.loading import state_budget
-from linserve.server.engine.types import GenerationRequest, Output
+from linserve.server.engine.description import ModelDescription
+from linserve.server.engine.sizing import state_budget
+from linserve.server.engine.types import GenerationRequest, Output, Overloaded
 from linserve.server.grammar.compiler import GrammarCompiler
 from linserve.server.grammar.spec import GrammarError, GrammarSpec
 from linserve.server.prefix_cache.remote import RemotePrefixes
-from linserve.server.sessions.named_states import load_named_states
 from linserve.server.sessions.store import (
     Session,
     SessionStore,
@@ -81,7 +80,7 @@ def engine_error(out: Output) -> APIError:
     return APIError(500, out.error, None, "internal_error")
 
 
-def chat_template_source(settings: Settings, model: ServedModel) -> str | None:
+def chat_template_source(settings: Settings, model: ModelDescription) -> str | None:
     """``--chat-template FILE``, else the checkpoint's own template (None: the plain one)."""
     if settings.chat_template:
         return Path(settings.chat_template).read_text()
@@ -94,7 +93,7 @@ class GenerationService:
         eos = self.tok.eos_id
         return "", "" if eos is None else self.tok.token_text(eos)
 
-    def __init__(self, client: EngineBackend, store: SessionStore, model: ServedModel,
+    def __init__(self, client: EngineBackend, store: SessionStore, model: ModelDescription,
                  settings: Settings) -> None:
         self.client = client
         self.store = store
@@ -108,7 +107,7 @@ class GenerationService:
         self.tool_parser = settings.tool_call_parser or default_parser(template)
         self.prompt_tokens = PromptTokens(self.tok)
         self.settings = settings
-        self.named_states = load_named_states(model, settings.state_dir)
+        self.named_states = model.named_states
         self._tasks: set[asyncio.Task[None]] = set()
         self.draining: Callable[[], bool] = lambda: False
         self.remote: RemotePrefixes | None = None  # prefix states shared through Redis
@@ -210,7 +209,8 @@ class GenerationService:
             return self._submit(req)
         return await self._start_in_session(prep)
 
-    def named_state(self, name: str | None, session_id: str | None = None) -> State | None:
+    def named_state(self, name: str | None, session_id: str | None = None
+                    ) -> StateBlob | None:
         """The named initial state a request asks for (None: none asked); 400 for a name
         the server does not hold, or one asked with a session (which has its own state)."""
         if name is None:
@@ -225,14 +225,14 @@ class GenerationService:
                            "state", "state_not_found")
         return found.state
 
-    def _request(self, prep: Prepared, feed: list[int], start: State | None,
+    def _request(self, prep: Prepared, feed: list[int], start: StateBlob | None,
                  start_tokens: int = 0, seed_offset: int | None = None) -> GenerationRequest:
         """A request for ``prep`` feeding ``feed`` after ``start`` (sample ``seed_offset``
         of n, its seed moved by that much where one is given)."""
         params = prep.params
         if seed_offset is not None and params.seed is not None:
             params = replace(params, seed=params.seed + seed_offset)
-        return GenerationRequest(new_id("cmpl"), feed, params, prep.stop, start_state=start,
+        return GenerationRequest(new_id("cmpl"), feed, params, prep.stop, start_blob=start,
                                  start_tokens=start_tokens,
                                  prompt_logprobs=prep.prompt_logprobs, chat=prep.chat,
                                  fault=prep.fault, grammar=prep.grammar, inserts=prep.inserts)
@@ -267,7 +267,7 @@ class GenerationService:
         self._check_open()
         self._check_stateless(prep)
         ids = prep.prompt_ids
-        base: State | None = self.named_state(prep.state_name, prep.session_id)
+        base: StateBlob | None = self.named_state(prep.state_name, prep.session_id)
         feed, cached = ids, 0
         if len(ids) > 1 and not prep.prompt_logprobs and base is None and not prep.inserts:
             if self.next_turns is not None:
@@ -299,7 +299,7 @@ class GenerationService:
             consumed = sess.tokens - len(sess.pending)
             self._check_context(consumed, len(input_ids), prep.params.max_tokens)
             req = GenerationRequest(new_id("cmpl"), input_ids, prep.params, prep.stop,
-                                    start_state=sess.state, start_tokens=consumed,
+                                    start_blob=sess.state, start_tokens=consumed,
                                     prompt_logprobs=prep.prompt_logprobs,
                                     want_state=prep.turn is None,
                                     chat=prep.chat, fault=prep.fault, grammar=prep.grammar,
@@ -387,9 +387,9 @@ class GenerationService:
             if out.finish_reason in ("cancelled", "error"):
                 return None
             return await self._after_turn(sess, turn, handle.text)
-        if out.final_state is None:
+        if out.final_blob is None:
             return None
-        return Session(sess.id, sess.owner, out.final_state, out.final_pending,
+        return Session(sess.id, sess.owner, out.final_blob, out.final_pending,
                        out.final_tokens, sess.created, time.time(), sess.version,
                        meta=sess.meta)
 
@@ -425,21 +425,21 @@ class GenerationService:
                        sess.created, time.time(), sess.version, transcript.to_json(), old.meta)
 
     # ---- sessions ------------------------------------------------------------------------
-    async def build_state(self, prompt_ids: list[int]) -> tuple[State, list[int]]:
+    async def build_state(self, prompt_ids: list[int]) -> tuple[StateBlob, list[int]]:
         """Prefill ``prompt_ids`` in the engine (no sampling): the state and pending tokens."""
         state, pending, _ = await self._prefill(prompt_ids)
         return state, pending
 
-    async def _prefill(self, prompt_ids: list[int], start: State | None = None,
-                       start_tokens: int = 0) -> tuple[State, list[int], int]:
+    async def _prefill(self, prompt_ids: list[int], start: StateBlob | None = None,
+                       start_tokens: int = 0) -> tuple[StateBlob, list[int], int]:
         """A prefill-only request (after ``start``, which holds ``start_tokens``): the state,
         the pending tokens, and how many prompt tokens the prefix cache served."""
         out = await self._run_prefill(GenerationRequest(
             new_id("prefill"), prompt_ids, SamplingParams(max_tokens=0), want_state=True,
-            start_state=start, start_tokens=start_tokens))
-        if out.final_state is None:
+            start_blob=start, start_tokens=start_tokens))
+        if out.final_blob is None:
             raise APIError(503, "engine could not build the session state", None)
-        return out.final_state, out.final_pending, out.cached_tokens
+        return out.final_blob, out.final_pending, out.cached_tokens
 
     async def warm(self, prompt_ids: list[int], kind: str,
                    inserts: tuple[Insert, ...] = ()) -> None:
@@ -465,7 +465,7 @@ class GenerationService:
         start = self.named_state(state_name)
         pending: list[int] = []
         if start is not None and not prompt_ids:
-            state = start.copy()
+            state = start  # blobs are immutable: the session shares it
         else:
             state, pending, _ = await self._prefill(prompt_ids, start)
         sess = Session(new_session_id(), owner, state, pending, len(prompt_ids))

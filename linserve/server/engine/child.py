@@ -1,85 +1,62 @@
-"""The engine process's side: what it runs (:func:`child_main`), the channels it is given
-(:func:`channels`), and an engine process forked before the server's own imports that waits
-for its settings (:class:`Prelaunched`, :func:`waiting_child`).
+"""The engine process's side: what it runs (:func:`child_main`), and an engine process
+forked before the server's own imports that checks the checkpoint, loads it and waits for
+its settings (:func:`waiting_child`). The channels it is given are :mod:`.channels`'.
 
 It talks to the HTTP process (:mod:`.process`) through two ``multiprocessing`` queues:
-- parent → child: ``("submit", (request, state bytes))``, ``("cancel", (id, sent))``,
-  ``("finish_all", None)``, ``("stop", None)``;
-- child → parent: first the weightless :class:`ModelInfo`, then once per engine iteration
-  ``(outputs, metric events, published prefix entries)``, each output
-  ``(request id, Output, state bytes)``.
-Session states cross as safetensors bytes (the export format), never as pickled tensors.
+- parent → child: ``("submit", request)``, ``("cancel", (id, sent))``,
+  ``("call", (call id, name, args))`` (:data:`.calls.CALLS`), ``("finish_all", None)``,
+  ``("stop", None)``;
+- child → parent: first the :class:`~.description.ModelDescription`, then once per engine
+  iteration ``(outputs, metric events, published prefix entries, call answers)``, each
+  output ``(request id, Output)``, each answer ``(call id, status, result or why)``.
+Session states cross as blobs (safetensors bytes, the export format), never as pickled
+tensors, and the parent never decodes them: it imports no torch.
 The child's Prometheus updates are recorded (:class:`_Recorder`) and replayed into the
 parent's registry.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from linserve.model.heap import trim
-from linserve.model.interface import ServedModel, State
+from linserve.model.interface import ServedModel, State, StateError
 from linserve.server import metrics
+from linserve.server.engine.calls import CALLS, describe, give_output, take_request
+from linserve.server.engine.channels import MetricEvent
 from linserve.server.engine.engine import Engine, EngineLimits
 from linserve.server.engine.loading import (
     LoadedEngine,
+    check_early,
     load_engine,
     load_prepared,
     setup_engine_process,
-    state_budget,
 )
 from linserve.server.engine.progress import ProgressWatch
+from linserve.server.engine.sizing import state_budget
 from linserve.server.engine.types import Output
 from linserve.server.settings import Settings
 
 log = logging.getLogger("linserve.engine")
-MetricEvent = tuple[str, tuple[tuple[str, str], ...], str, float]
 
 
-@dataclass
-class Prelaunched:
-    """A forked engine process waiting for its settings on ``go``, and what it was given:
-    the command and output queues, the ready event and the heartbeat (:func:`channels`)."""
-
-    process: Any
-    go: Any
-    inbox: Any
-    outbox: Any
-    ready: Any
-    heartbeat: Any
-    taken: bool = False  # by the server's engine client, which then owns the process
-
-    def cancel(self) -> None:
-        """Unless the server took the process: tell it that no settings will come, and it
-        exits without a word."""
-        if self.taken:
-            return
-        self.taken = True
-        self.go.put(None)
-        self.process.join(timeout=0.5)
-        if self.process.is_alive():  # still loading on the command line's settings
-            self.process.kill()
-
-
-def channels(ctx: Any) -> tuple[Any, Any, Any, Any]:
-    """What an engine process is given (:func:`child_main`'s): its command and output
-    queues, its ready event and its heartbeat (a shared double)."""
-    return ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0, lock=False)
-
-
-def waiting_child(prepared: Any, go: Any, inbox: Any, outbox: Any, ready: Any,
-                  heartbeat: Any) -> None:
-    """A prelaunched process: the model loaded on the command line's own settings
-    (``prepared``: ``prepare_early``'s, None where they cannot be loaded quietly), then the
-    server's settings from ``go`` (None: the server is not starting), then the engine
-    (:func:`child_main`, which serves the early load if the settings agree)."""
-    early = None if prepared is None else load_prepared(prepared)
+def waiting_child(argv: list[str], verdict: Any, go: Any, inbox: Any, outbox: Any,
+                  ready: Any, heartbeat: Any) -> None:
+    """A prelaunched process: the checkpoint checked on the command line's own settings
+    (``loading.check_early``), the verdict put on ``verdict`` for the HTTP process (a
+    problem's one line, or None, and the largest importable state), the model loaded on
+    those settings, then the server's settings from ``go`` (None: the server is not
+    starting), then the engine (:func:`child_main`, which serves the early load if the
+    settings agree)."""
+    settings, problem, state_limit = check_early(argv)
+    verdict.put((problem, state_limit))
+    if settings is None:
+        return
+    early = load_prepared(settings)
     settings = go.get()
     if settings is not None:
         child_main(settings, inbox, outbox, ready, heartbeat, early)
@@ -143,17 +120,11 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
         return out
 
     def deliver(batch: list[tuple[Any, Output]]) -> None:
-        wire = []
-        for rid, out in batch:
-            blob = None
-            if out.final_state is not None:
-                blob = model.state_to_bytes(out.final_state)
-                out = dataclasses.replace(out, final_state=None)
-            wire.append((rid, out, blob))
-        outbox.put((wire, take_events(), []))
+        outbox.put(([(rid, give_output(model, out)) for rid, out in batch], take_events(),
+                    [], []))
 
     def publish(tokens: list[int], state: State) -> None:  # a prefix entry for Redis
-        outbox.put(([], [], [(tokens, model.state_to_bytes(state))]))
+        outbox.put(([], [], [(tokens, model.state_to_bytes(state))], []))
 
     limits = EngineLimits(settings.max_running, 10**9, settings.prefill_chunk,
                           settings.step_token_budget, settings.prefix_cache_bytes,
@@ -181,9 +152,9 @@ def child_main(settings: Settings, inbox: Any, outbox: Any, ready: Any, heartbea
                 os._exit(1)
             pending = take_events()
             if pending:
-                outbox.put(([], pending, []))
+                outbox.put(([], pending, [], []))
 
-    outbox.put(model.info)  # the first message: the parent describes the model without weights
+    outbox.put(describe(model, settings))  # the first message: what the parent serves
     pump_thread.start()
     threading.Thread(target=flush_metrics, daemon=True).start()
     ready.set()
@@ -203,13 +174,9 @@ def _pump(inbox: Any, outbox: Any, model: ServedModel, engine: Engine) -> None:
         cmd, arg = inbox.get()
         try:
             if cmd == "submit":
-                req, blob = arg
-                if blob is not None:
-                    req.start_state = model.state_from_bytes(blob)[0]
-                if req.prefix_blob is not None:
-                    req.prefix_state = model.state_from_bytes(req.prefix_blob)[0]
-                    req.prefix_blob = None
-                engine.submit(req, req.request_id)
+                engine.submit(take_request(model, arg), arg.request_id)
+            elif cmd == "call":
+                outbox.put(([], [], [], [answer(model, *arg)]))
             elif cmd == "cancel":
                 engine.cancel(*arg)
             elif cmd == "finish_all":
@@ -222,4 +189,17 @@ def _pump(inbox: Any, outbox: Any, model: ServedModel, engine: Engine) -> None:
             if cmd == "submit":
                 out = Output(finish_reason="error", error=f"the engine rejected the request: "
                              f"{exc}")
-                outbox.put(([(arg[0].request_id, out, None)], [], []))
+                outbox.put(([(arg.request_id, out)], [], [], []))
+
+
+def answer(model: ServedModel, call_id: int, name: str, args: tuple[Any, ...]
+           ) -> tuple[int, str, Any]:
+    """A call's answer: ``(call_id, "ok", result)``, ``(call_id, "invalid", why)`` for bytes
+    the model cannot use (a StateError's message), ``(call_id, "failed", why)`` otherwise."""
+    try:
+        return call_id, "ok", CALLS[name](model, *args)
+    except StateError as exc:
+        return call_id, "invalid", str(exc)
+    except Exception as exc:  # the caller answers a 500; the engine goes on
+        log.exception("engine call %r failed", name)
+        return call_id, "failed", f"{type(exc).__name__}: {exc}"

@@ -1,17 +1,16 @@
-"""The async side of the engine: runs the engine thread and hands each request's deltas to
-an asyncio queue. One ``call_soon_threadsafe`` per engine iteration carries all deltas."""
+"""What the HTTP side holds of an engine, torch-free: the interface both kinds implement
+(:class:`EngineBackend`: a process, :mod:`.process`, or a thread, :mod:`.thread_client`),
+its health, and a submitted request's handle, whose deltas arrive on an asyncio queue."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
 
 from linserve.server import metrics
-from linserve.server.engine.engine import Engine, Sink
-from linserve.server.engine.progress import ProgressWatch
+from linserve.server.engine.description import EngineCalls
 from linserve.server.engine.types import GenerationRequest, Output
 
 
@@ -47,9 +46,10 @@ class EngineHealth:
         self._set("failed", reason)
 
 
-class EngineBackend(Protocol):
-    """What the HTTP side needs from an engine: a thread (:class:`EngineClient`) or a
-    process (:class:`linserve.server.engine.process.ProcessEngineClient`)."""
+class EngineBackend(EngineCalls, Protocol):
+    """What the HTTP side needs from an engine: a thread
+    (:class:`linserve.server.engine.thread_client.EngineClient`) or a process
+    (:class:`linserve.server.engine.process.ProcessEngineClient`)."""
 
     loop: asyncio.AbstractEventLoop
     health: EngineHealth
@@ -120,72 +120,3 @@ class RequestHandle:
         """Stop generating; the session keeps exactly the tokens sent so far."""
         if not self.finished:
             self.client.cancel(self.req.request_id, self.sent_tokens)
-
-
-EngineFactory = Callable[[Callable[[list[tuple[Sink, Output]]], None], Callable[[], None]],
-                         Engine]
-
-
-class EngineClient:
-    """Starts the engine thread and routes its deltas to request handles (the debugging
-    mode: a stalled engine thread is reported by ``/health`` but cannot be restarted)."""
-
-    def __init__(self, engine_factory: EngineFactory, stall_seconds: float = 10.0) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.last_beat = time.monotonic()
-        self.stall_seconds = stall_seconds
-        self.engine = engine_factory(self._deliver, self._beat)
-        self.thread = threading.Thread(target=self.engine.run, name="engine", daemon=True)
-        self.health = EngineHealth()
-        self._watchdog: asyncio.Task[None] | None = None
-
-    def _beat(self) -> None:
-        self.last_beat = time.monotonic()
-
-    def start(self) -> None:
-        self.thread.start()
-        ProgressWatch.start(self.thread, self._beat, self.stall_seconds)
-        self.health.set_up()
-
-    async def start_async(self) -> None:
-        self.start()
-        self._watchdog = asyncio.create_task(self._watch())
-
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(0.1)
-            stalled = time.monotonic() - self.last_beat
-            if not self.thread.is_alive():
-                self.health.set_failed("the engine thread exited")
-            elif stalled > self.stall_seconds:
-                self.health.set_down(f"the engine made no progress for {stalled:.1f} s")
-            elif not self.health.up:
-                self.health.set_up()
-
-    def cancel(self, request_id: str, sent_tokens: int | None = None) -> None:
-        self.engine.cancel(request_id, sent_tokens)
-
-    def finish_all(self) -> None:
-        self.engine.finish_all()
-
-    async def stop(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        self.engine.stop()
-        await asyncio.to_thread(self.thread.join, 10)
-
-    def _deliver(self, batch: list[tuple[Sink, Output]]) -> None:
-        """Called on the engine thread once per iteration."""
-        self.loop.call_soon_threadsafe(dispatch, batch)
-
-    def submit(self, req: GenerationRequest) -> RequestHandle:
-        """Queue a request; raises ``Overloaded`` when the engine is at capacity."""
-        handle = RequestHandle(self, req)
-        self.engine.submit(req, handle._push)
-        return handle
-
-
-def dispatch(batch: list[tuple[Sink, Output]]) -> None:
-    """Hand each delta of an engine iteration to its request's sink."""
-    for sink, out in batch:
-        sink(out)

@@ -30,7 +30,7 @@ from linserve.server.engine.replay import Replay, ReplayQueue
 from linserve.server.engine.row_sampler import RowSampler
 from linserve.server.engine.sequence import Sequence
 from linserve.server.engine.speculation import Speculator
-from linserve.server.engine.types import GenerationRequest, Output, TokenLogprob
+from linserve.server.engine.types import GenerationRequest, Output, Overloaded, TokenLogprob
 from linserve.server.grammar.engine_side import EngineGrammars
 from linserve.server.prefix_cache.engine_side import EnginePrefixCache, Publish
 from linserve.server.sessions.transcript import (
@@ -44,10 +44,6 @@ from linserve.server.speculative.config import SpeculativeConfig
 log = logging.getLogger("linserve.engine")
 Sink = Callable[[Output], None]
 Deliver = Callable[[list[tuple[Sink, Output]]], None]
-
-
-class Overloaded(Exception):
-    """The engine's queue is full; the caller should answer 429."""
 
 
 @dataclass

@@ -16,21 +16,21 @@ from pathlib import Path
 
 import torch
 
-from linserve.model import kernels, modes
+from linserve.model import modes
 from linserve.model.heap import keep_scratch, trim
-from linserve.model.inputs import ENCODED_CACHE_BYTES
-from linserve.model.interface import ModelInfo, ServedModel
-from linserve.model.kernels import bf16_gemm  # noqa: F401 (re-exported for the app's startup)
+from linserve.model.interface import CheckpointError, ServedModel
 from linserve.model.loader import (
-    available_memory,
     batch_invariant_active,
     check,
     load,
+    max_state_bytes,
     pick_dtype,
-    resolve,
 )
+from linserve.server.engine.calls import import_state
+from linserve.server.engine.sizing import engine_threads, resolve_checkpoint
+from linserve.server.sessions.named_states import load_named_states
 from linserve.server.settings import Settings, parse_cli
-from linserve.server.speculative.draft import load_draft
+from linserve.server.speculative.draft import check_speculative, load_draft
 from linserve.server.system.cpus import available_cpus
 
 log = logging.getLogger("linserve")
@@ -38,45 +38,6 @@ log = logging.getLogger("linserve")
 # the few MB left are reused by the server's own allocations, so nothing is trimmed.
 TRIM_ABOVE = 256 << 20
 
-# Weights from which the engine takes every CPU by default (``--threads 0``): the step's
-# arithmetic then dwarfs what the HTTP process does per token. The 0.8B shapes' Q4_K_M file
-# decoded at 73 ms a token on one of two cores and 43 ms on both, over HTTP; a model of
-# a few MB, whose thousands of tokens a second keep the HTTP process busy, ran faster with a
-# core left to it.
-ALL_CPUS_ABOVE = 64 << 20
-
-PREFIX_MIN_BYTES, PREFIX_MAX_BYTES = 64 << 20, 4 << 30  # the prefix cache's default bounds
-
-
-def engine_threads(settings: Settings, weight_bytes: int) -> int:
-    """The engine's torch threads: ``--threads``, else every CPU this process may use for
-    weights of :data:`ALL_CPUS_ABOVE` or more, one fewer (at least one) below."""
-    if settings.threads:
-        return settings.threads
-    cpus = available_cpus()
-    return cpus if weight_bytes >= ALL_CPUS_ABOVE else max(1, cpus - 1)
-
-
-def resolve_checkpoint(settings: Settings) -> Settings:
-    """``settings`` with what both processes must agree on resolved: ``--model`` (a folder,
-    a GGUF file or a repo id) as the ``weights`` path, and an unset ``--max-memory`` as 0.8
-    of the memory available."""
-    if settings.model:
-        settings = settings.model_copy(update={"weights": resolve(settings.model)})
-    if not settings.max_memory:
-        settings = settings.model_copy(update={"max_memory": int(0.8 * available_memory())})
-    if settings.prefix_cache_bytes < 0:
-        budget = prefix_budget(settings.max_memory)
-        settings = settings.model_copy(update={"prefix_cache_bytes": budget})
-    return settings
-
-
-def prefix_budget(max_memory: int) -> int:
-    """The prefix cache's default budget: a thirty-second of ``--max-memory``, from 64 MiB
-    to 4 GiB. Running requests come first (their KV caches take the rest); a long
-    document's entries share their keys, so 536 MiB of 18 GB hold a 32k-token document of
-    Qwen3.5-0.8B's shapes in bf16 (384 MiB of keys) and a few of its states."""
-    return min(max(max_memory // 32, PREFIX_MIN_BYTES), PREFIX_MAX_BYTES)
 
 
 def load_engine_model(settings: Settings) -> ServedModel:
@@ -141,18 +102,6 @@ def apply_initial_state(model: ServedModel, settings: Settings) -> None:
         model.set_initial_state(Path(settings.initial_state))
 
 
-def state_budget(settings: Settings, info: ModelInfo) -> int:
-    """Bytes the engine's growing states (KV caches) may take: ``--max-memory`` less the
-    weights, the slot pool's fixed part (a fresh state per row) and the prefix cache. 0 when
-    states do not grow (nothing to limit)."""
-    if not info.state_grows:
-        return 0
-    fixed = info.weight_bytes + info.state_bytes * settings.max_running
-    if info.input_kinds:  # the encoded items' cache (an image's embeddings, by content)
-        fixed += ENCODED_CACHE_BYTES
-    return max(settings.max_memory - fixed - settings.prefix_cache_bytes, 1)
-
-
 def warm_up(model: ServedModel) -> None:
     """Run each form once so the first request does not pay for lazy initialisation."""
     _, state = model.prefill(torch.zeros(1, 8, dtype=torch.long))
@@ -202,34 +151,42 @@ def load_engine(settings: Settings) -> LoadedEngine:
     return LoadedEngine(settings, model, draft)
 
 
-def load_early(argv: list[str]) -> LoadedEngine | None:
-    """The engine loaded on ``linserve serve argv``'s own settings (:func:`prepare_early`,
-    then :func:`load_prepared`), or None where that cannot be done quietly."""
-    settings = prepare_early(argv)
-    return None if settings is None else load_prepared(settings)
+def check_settings(settings: Settings) -> int:
+    """Everything about ``settings``' checkpoint that can be checked before serving (its
+    memory, its family's checks, a vision tower, a speculative config, the state files of
+    ``--initial-state`` and ``--state-dir``); returns the bytes of its largest state (what an
+    import may send). Raises CheckpointError, OSError or ValueError (a StateError) with the
+    one line to say."""
+    apply_image_settings(settings)  # a vision tower, --mmproj's too, is checked with it
+    check(settings.weights, settings.dtype, settings.quantization, settings.max_memory)
+    state_limit = max_state_bytes(settings.weights) + (1 << 16)  # and the blob's header
+    if settings.speculative is not None:
+        check_speculative(settings.speculative, settings.weights)
+    if settings.initial_state or settings.state_dir:  # read against the model's state
+        described = describe_model(settings)
+        load_named_states(lambda data: import_state(described, data)[0], settings.state_dir)
+    return state_limit
 
 
-def prepare_early(argv: list[str]) -> Settings | None:
-    """``linserve serve argv``'s own settings, resolved, with the checkpoint checked
-    quietly (``loader.check``: its memory, then the family's checks, which are not run
-    again for the same files): what a prelaunched engine process loads early. Run before
-    that process is forked (:mod:`.prelaunch`), so it has the file's metadata read, its
-    names matched and the check done. None where the settings do not parse, the checkpoint
-    fails its check (the HTTP process says why, once), or the kernels are not built yet for
-    this CPU (a first start: the HTTP process compiles them, logged)."""
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            settings = resolve_checkpoint(parse_cli(argv))
-            if not kernels.cached():
-                return None
-            check(settings.weights, settings.dtype, settings.quantization, settings.max_memory)
-    except (Exception, SystemExit):  # the HTTP process reports it, once
-        return None
-    return settings
+def check_early(argv: list[str]) -> tuple[Settings | None, str | None, int]:
+    """``linserve serve argv``'s settings, resolved and checked quietly
+    (:func:`check_settings`), in a prelaunched engine process: (the settings, None, the
+    largest state's bytes), or (None, the one line saying why it cannot load, 0), or (None,
+    None, 0) where the settings do not parse (the HTTP process says why)."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            settings = parse_cli(argv)
+        except (Exception, SystemExit):  # the HTTP process reports it, once
+            return None, None, 0
+        try:
+            settings = resolve_checkpoint(settings)
+            return settings, None, check_settings(settings)
+        except (CheckpointError, OSError, ValueError) as exc:
+            return None, f"cannot load {settings.model or settings.weights}: {exc}", 0
 
 
 def load_prepared(settings: Settings) -> LoadedEngine | None:
-    """The engine loaded on ``settings`` (:func:`prepare_early`'s), in a prelaunched engine
+    """The engine loaded on ``settings`` (:func:`check_early`'s), in a prelaunched engine
     process while the HTTP process imports and checks, or None where the load fails (a
     draft model that is not there: the HTTP process says why, once; the engine loads again
     on its settings if it does start). Used only if the server's settings agree

@@ -18,10 +18,14 @@ once, in the first part that holds it, in the order above.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+from linserve.model.info import ModelInfo
 
-from linserve.model.interface import ModelInfo, State
+if TYPE_CHECKING:  # the HTTP process reads ENGINE_PARTS without them
+    import torch
+
+    from linserve.model.state import State
 
 ENGINE_PARTS = ("weights", "embeddings", "slot_states", "kv_cache", "request_states",
                 "prefix_cache")

@@ -7,7 +7,7 @@ The process's own side, and the protocol between the two, are :mod:`.child`'s.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import itertools
 import json
 import logging
 import multiprocessing as mp
@@ -15,14 +15,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-from linserve.model.interface import ModelInfo, ServedModel
+from linserve.model.blob_view import StateBlob
+from linserve.model.info import StateError
 from linserve.server import metrics
-from linserve.server.engine.child import MetricEvent, Prelaunched, channels, child_main
+from linserve.server.engine.channels import MetricEvent, Prelaunched, channels, engine_entry
 from linserve.server.engine.client import EngineHealth, EngineUnavailable, RequestHandle
-from linserve.server.engine.engine import Overloaded
-from linserve.server.engine.types import GenerationRequest, Output
+from linserve.server.engine.description import ModelDescription
+from linserve.server.engine.types import GenerationRequest, Output, Overloaded
 from linserve.server.settings import Settings
 
 log = logging.getLogger("linserve.engine")
@@ -51,16 +52,15 @@ class ProcessEngineClient:
     up: liveness then fails, so the orchestrator replaces the whole server.
     """
 
-    def __init__(self, settings: Settings, model: ServedModel | None = None,
-                 prelaunched: Prelaunched | None = None) -> None:
-        """``model``: the weightless description (:func:`describe_model`); it may be set
-        after :meth:`start_async` began (the engine loads while this process describes), but
-        before the first request. ``prelaunched``: an engine process ``linserve serve``
-        forked first thing (:mod:`.prelaunch`), taken as the first engine instead of
-        spawning one."""
+    def __init__(self, settings: Settings, prelaunched: Prelaunched | None = None) -> None:
+        """``prelaunched``: an engine process ``linserve serve`` forked first thing
+        (:mod:`.prelaunch`), taken as the first engine instead of spawning one. The model's
+        :attr:`description` is the engine's first message, once it has loaded."""
         self.loop = asyncio.get_running_loop()
         self.settings = settings
-        self.model = cast(ServedModel, model)
+        self.description: ModelDescription
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
         self.ctx = mp.get_context("spawn")
         self.handles: dict[str, RequestHandle] = {}
         self.capacity = settings.max_running + settings.max_waiting
@@ -91,7 +91,7 @@ class ProcessEngineClient:
             early.go.put(self.settings)
         else:
             self.inbox, outbox, ready, self.heartbeat = channels(self.ctx)
-            self.proc = self.ctx.Process(target=child_main, name="linserve-engine",
+            self.proc = self.ctx.Process(target=engine_entry, name="linserve-engine",
                                          daemon=True, args=(self.settings, self.inbox, outbox,
                                                             ready, self.heartbeat))
             self.proc.start()
@@ -103,7 +103,7 @@ class ProcessEngineClient:
             if time.monotonic() > deadline:
                 self.proc.kill()
                 raise RuntimeError("the engine process did not start within 300 s")
-        self.engine_info: ModelInfo = await asyncio.to_thread(outbox.get, True, 60.0)
+        self.description = await asyncio.to_thread(outbox.get, True, 60.0)
         self.heartbeat.value = time.monotonic()
         self.health.pid = self.proc.pid
         threading.Thread(target=self._read, name="engine-reader", daemon=True,
@@ -116,11 +116,39 @@ class ProcessEngineClient:
             raise Overloaded
         handle = RequestHandle(self, req)
         self.handles[req.request_id] = handle
-        blob = None
-        if req.start_state is not None:
-            blob = self.model.state_to_bytes(req.start_state)
-        self.inbox.put(("submit", (dataclasses.replace(req, start_state=None), blob)))
+        self.inbox.put(("submit", req))
         return handle
+
+    async def import_state(self, data: bytes) -> tuple[StateBlob, dict[str, Any]]:
+        blob, extra = await self._call("import_state", (data,))
+        return blob, extra
+
+    async def state_file(self, state: StateBlob, extra: dict[str, Any]) -> bytes:
+        data: bytes = await self._call("state_file", (state, extra))
+        return data
+
+    async def _call(self, name: str, args: tuple[Any, ...]) -> Any:
+        """Run :data:`.calls.CALLS`' ``name`` on the engine's model; its StateError is
+        raised here, anything else a RuntimeError, an engine down EngineUnavailable."""
+        if not self.health.up:
+            raise EngineUnavailable(self.health.reason or "the engine is not running")
+        call_id = next(self._call_ids)
+        self._calls[call_id] = answer = self.loop.create_future()
+        self.inbox.put(("call", (call_id, name, args)))
+        try:
+            return await answer
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _answer(self, call_id: int, status: str, payload: Any) -> None:
+        answer = self._calls.get(call_id)
+        if answer is None or answer.done():
+            return
+        if status == "ok":
+            answer.set_result(payload)
+        else:
+            answer.set_exception(StateError(payload) if status == "invalid"
+                                 else RuntimeError(payload))
 
     def cancel(self, request_id: str, sent_tokens: int | None = None) -> None:
         if self.health.up:
@@ -202,25 +230,25 @@ class ProcessEngineClient:
         for handle in list(self.handles.values()):
             handle._push(Output(finish_reason="error", error=message, error_status=503))
         self.handles.clear()
+        for answer in self._calls.values():
+            if not answer.done():
+                answer.set_exception(EngineUnavailable(message))
 
     def _read(self, outbox: Any, proc: Any, generation: int) -> None:
-        """Reader thread of one engine process: decode states here (off the event loop),
-        then hand over. Ends when its process is gone and its queue is drained."""
+        """Reader thread of one engine process: unpickle its messages here (off the event
+        loop), then hand over. Ends when its process is gone and its queue is drained."""
         while generation == self.generation:
             try:
-                wire, events, published = outbox.get(timeout=0.2)
+                outputs, events, published, answers = outbox.get(timeout=0.2)
             except queue.Empty:
                 if not proc.is_alive():
                     return
                 continue
             except (EOFError, OSError):
                 return
-            decoded = []
-            for rid, out, blob in wire:
-                if blob is not None:
-                    out.final_state = self.model.state_from_bytes(blob)[0]
-                decoded.append((rid, out))
-            self.loop.call_soon_threadsafe(self._dispatch, decoded, events, generation)
+            self.loop.call_soon_threadsafe(self._dispatch, outputs, events, generation)
+            for answer in answers:
+                self.loop.call_soon_threadsafe(self._answer, *answer)
             if published and self.on_publish is not None:
                 for tokens, blob in published:
                     self.loop.call_soon_threadsafe(self.on_publish, tokens, blob)

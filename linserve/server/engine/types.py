@@ -1,14 +1,24 @@
-"""Plain data passed between the HTTP layer and the engine thread (no tensors cross, except
-opaque session states that only the engine and the session store look inside)."""
+"""Plain data passed between the HTTP process and the engine, torch-free. States cross as
+blobs (:class:`~linserve.model.blob_view.StateBlob`: ``start_blob``, ``final_blob``); the
+engine's side of the border (:mod:`linserve.server.engine.calls`) turns them into the
+model's :class:`~linserve.model.state.State` (``start_state``, ``final_state``) and back."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from linserve.model.blob_view import StateBlob
 from linserve.model.inputs import Insert
-from linserve.model.interface import State
-from linserve.model.sampling import SamplingParams
+from linserve.model.sampling_params import SamplingParams
 from linserve.server.grammar.spec import GrammarSpec
+
+if TYPE_CHECKING:
+    from linserve.model.state import State
+
+
+class Overloaded(Exception):
+    """The engine's queue is full; the caller should answer 429."""
 
 
 @dataclass(frozen=True)
@@ -22,13 +32,15 @@ class TokenLogprob:
 
 @dataclass
 class GenerationRequest:
-    """What to run: ``input_ids`` are fed after ``start_state`` (a session's state or None)."""
+    """What to run: ``input_ids`` are fed after ``start_blob`` (a session's state or None;
+    the engine reads it as ``start_state``)."""
 
     request_id: str
     input_ids: list[int]
     params: SamplingParams
     stop: tuple[str, ...] = ()
-    start_state: State | None = None
+    start_blob: StateBlob | None = None
+    start_state: State | None = None  # the engine's side only
     start_tokens: int = 0
     prompt_logprobs: bool = False
     want_state: bool = False
@@ -61,7 +73,8 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    final_state: State | None = None
+    final_state: State | None = None  # the engine's side only; crosses as final_blob
+    final_blob: StateBlob | None = None
     final_pending: list[int] = field(default_factory=list)
     final_tokens: int = 0  # tokens the session holds with final_state (pending included)
     error: str | None = None  # set (with finish_reason "error") when the request failed
@@ -80,6 +93,7 @@ class Output:
             completion_tokens=max(self.completion_tokens, later.completion_tokens),
             cached_tokens=max(self.cached_tokens, later.cached_tokens),
             final_state=later.final_state,
+            final_blob=later.final_blob,
             final_pending=later.final_pending,
             final_tokens=later.final_tokens,
             error=later.error,

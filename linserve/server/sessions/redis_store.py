@@ -26,7 +26,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.lock import Lock
 from redis.exceptions import LockError, RedisError
 
-from linserve.model.interface import STATE_FORMAT_VERSION, ServedModel, StateError
+from linserve.model.blob_view import StateBlob
+from linserve.model.info import STATE_FORMAT_VERSION, StateError
 from linserve.server.sessions.store import Session, SessionStore, SessionUnavailable, StaleWrite
 
 _PUT = """
@@ -50,13 +51,12 @@ class RedisSessionStore(SessionStore):
         self._renewers: dict[str, asyncio.Task[None]] = {}
         self._locks: dict[str, Lock] = {}
         self.prefix = prefix
-        self.model: ServedModel | None = None
         self.fingerprint = ""
         self._put = self.redis.register_script(_PUT)
 
-    def bind_model(self, model: ServedModel) -> None:
-        """States are (de)serialised for this model; others' sessions are invisible."""
-        self.model, self.fingerprint = model, model.fingerprint()
+    def bind_model(self, fingerprint: str) -> None:
+        """Sessions are this model's (its ``fingerprint``); others' sessions are invisible."""
+        self.fingerprint = fingerprint
 
     def _key(self, sid: str) -> str:
         return f"{self.prefix}sess:{sid}"
@@ -72,10 +72,12 @@ class RedisSessionStore(SessionStore):
         data: dict[bytes, bytes] = await self._call(self.redis.hgetall(key))
         if not data or data.get(b"owner", b"").decode() != owner:
             return None
-        if data.get(b"fingerprint", b"").decode() != self.fingerprint or self.model is None:
+        if data.get(b"fingerprint", b"").decode() != self.fingerprint or not self.fingerprint:
             return None
-        try:
-            state, _ = await asyncio.to_thread(self.model.state_from_bytes, data[b"state"])
+        try:  # the engine validates the tensors when it runs the state
+            state = StateBlob(data[b"state"])
+            if state.fingerprint != self.fingerprint:
+                return None
         except (StateError, KeyError):
             return None
         await self._call(self.redis.pexpire(key, self.ttl_ms))
@@ -86,8 +88,8 @@ class RedisSessionStore(SessionStore):
                        int(data[b"version"]), chat, meta)
 
     async def put(self, session: Session) -> Session:
-        assert self.model is not None, "bind_model first"
-        blob = await asyncio.to_thread(self.model.state_to_bytes, session.state)
+        assert self.fingerprint, "bind_model first"
+        blob = session.state.data
         now = time.time()
         new_version = session.version + 1
         fields: list[Any] = [

@@ -18,9 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-
-from linserve.model.interface import ModelInfo, PackedState, State, pack_state, unpack_state
+from linserve.model.blob_view import PackedBlob, StateBlob
+from linserve.model.info import ModelInfo
 from linserve.server import metrics
 
 
@@ -38,7 +37,7 @@ def new_session_id() -> str:
 class Session:
     id: str
     owner: str
-    state: State
+    state: StateBlob  # its blob, as the engine wrote it
     pending: list[int]
     tokens: int  # every token of the session, pending included
     created: float = field(default_factory=time.time)
@@ -56,12 +55,12 @@ class Session:
         return self.state.nbytes
 
 
-def session_problem(state: State, tokens: object, pending: object, info: ModelInfo
+def session_problem(state: StateBlob, tokens: object, pending: object, info: ModelInfo
                     ) -> str | None:
     """Why a session's metadata cannot go with its state (None if it can): one row, a token
     count that covers the pending tokens, pending ids in the vocabulary, and a state whose
     length is the tokens consumed, within the model's context."""
-    if state.batch_size != 1:
+    if state.rows != 1:
         return "a session state has exactly one row"
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
         return "'tokens' must be a non-negative integer"
@@ -71,7 +70,7 @@ def session_problem(state: State, tokens: object, pending: object, info: ModelIn
         return "'pending' must be a list of at most one token id in the vocabulary"
     if tokens < len(pending):
         return "'tokens' is smaller than the pending tokens"
-    cached = int(state.lengths[0])
+    cached = state.tokens
     if cached != tokens - len(pending):
         return (f"the state holds {cached} positions but the session says "
                 f"{tokens - len(pending)} tokens were consumed")
@@ -83,7 +82,7 @@ def session_problem(state: State, tokens: object, pending: object, info: ModelIn
 
 # What a stored session's ``state`` field holds while the real state is compressed: an
 # empty state, so no tensors of the session stay alive twice.
-_PLACEHOLDER = State([], torch.zeros(0, dtype=torch.long))
+_PLACEHOLDER = StateBlob(b"")
 
 
 class SessionUnavailable(Exception):
@@ -142,17 +141,17 @@ class SessionStore(abc.ABC):
 @dataclass
 class _Stored:
     """A session at rest in the memory store: its fields, with the state compressed
-    losslessly (:mod:`linserve.model.state_codec`, ~90% of the raw fp32 bytes)."""
+    losslessly (:meth:`StateBlob.pack`, ~90% of the raw fp32 bytes)."""
 
     session: Session  # every field but ``state`` is current; the state lives in ``packed``
-    packed: PackedState
+    packed: PackedBlob
 
     @property
     def state_bytes(self) -> int:
         return self.packed.nbytes
 
     def restore(self) -> Session:
-        return replace(self.session, state=unpack_state(self.packed))
+        return replace(self.session, state=self.packed.unpack())
 
 
 class MemorySessionStore(SessionStore):
@@ -200,7 +199,7 @@ class MemorySessionStore(SessionStore):
         return await asyncio.to_thread(stored.restore)
 
     async def put(self, session: Session) -> Session:
-        packed = await asyncio.to_thread(pack_state, session.state)
+        packed = await asyncio.to_thread(session.state.pack)
         async with self._mutex:
             old = self._items.get(session.id)
             if old is not None and old.session.version != session.version:

@@ -131,7 +131,7 @@ async def _start_all(svc: GenerationService, body: CompletionRequest, owner: str
 def cached_of(handles: list[RequestHandle], outs: list[Output]) -> int:
     """Prompt tokens the prefix cache served: per prompt, its shared prefill's hit (n > 1)
     or its one request's (n = 1)."""
-    forked = {id(h.req.start_state): h.forked_from for h in handles if h.forked_from is not None}
+    forked = {id(h.req.start_blob): h.forked_from for h in handles if h.forked_from is not None}
     alone = sum(o.cached_tokens for h, o in zip(handles, outs, strict=True)
                 if h.forked_from is None)
     return alone + sum(v for v in forked.values() if v is not None)

@@ -3,19 +3,20 @@ that made it; any other key gets 404. Also the named initial states (``--state-d
 
 from __future__ import annotations
 
-import asyncio
 import time
-from typing import Any, Literal
+from collections.abc import Awaitable
+from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Request, Response
 
-from linserve.model.interface import StateError
+from linserve.model.info import StateError
 from linserve.server.api.auth import Owner
 from linserve.server.api.chat_session import Transcript
 from linserve.server.api.errors import APIError
 from linserve.server.api.protocol import SessionCreate, SessionInfo
 from linserve.server.api.routes.docs import ERRORS
 from linserve.server.api.service import GenerationService
+from linserve.server.engine.client import EngineUnavailable
 from linserve.server.sessions.store import (
     Session,
     SessionUnavailable,
@@ -24,6 +25,7 @@ from linserve.server.sessions.store import (
 )
 
 router = APIRouter(tags=["sessions"])
+T = TypeVar("T")
 
 
 def _svc(request: Request) -> GenerationService:
@@ -45,6 +47,19 @@ async def _get(svc: GenerationService, sid: str, owner: str) -> Session:
     if sess is None:
         raise APIError(404, f"session {sid!r} not found", "session_id")
     return sess
+
+
+async def engine_call(call: Awaitable[T]) -> T:
+    """An engine call's result (a state read or written by the model): 503 while the engine
+    is down, 500 if it failed; its StateError passes (the caller's 400)."""
+    try:
+        return await call
+    except EngineUnavailable as exc:
+        raise APIError(503, f"the engine is unavailable ({exc}); retry shortly", None,
+                       "engine_unavailable") from exc
+    except RuntimeError as exc:
+        raise APIError(500, f"the engine could not read the state: {exc}", None,
+                       "internal_error") from exc
 
 
 @router.get("/v1/states", responses=ERRORS)
@@ -113,9 +128,9 @@ async def export_session(session_id: str, request: Request, owner: Owner,
     extra: dict[str, Any] = {"tokens": sess.tokens, "pending": sess.pending}
     if sess.chat is not None:
         extra["chat"] = sess.chat
-    kind = "pth" if format == "pth" else "blob"
     try:
-        blob = await asyncio.to_thread(svc.model.state_to_bytes, sess.state, extra, kind)
+        blob = (await engine_call(svc.client.state_file(sess.state, extra)) if format == "pth"
+                else sess.state.with_extra(extra).data)
     except StateError as exc:
         raise APIError(400, str(exc), "format", "unsupported_format") from exc
     disposition = f'attachment; filename="{sess.id}.{format}"'
@@ -132,7 +147,7 @@ async def import_session(request: Request, owner: Owner) -> SessionInfo:
     svc = _svc(request)
     data = await request.body()
     try:
-        state, extra = await asyncio.to_thread(svc.model.state_from_bytes, data)
+        state, extra = await engine_call(svc.client.import_state(data))
     except StateError as exc:
         raise APIError(400, f"invalid state: {exc}", "body", "invalid_state") from exc
     pending, tokens = extra.get("pending", []), extra.get("tokens", 0)
