@@ -9,8 +9,6 @@ import queue
 from dataclasses import dataclass
 from typing import Any
 
-MetricEvent = tuple[str, tuple[tuple[str, str], ...], str, float]  # (metric, labels, op, value)
-
 
 @dataclass
 class Prelaunched:

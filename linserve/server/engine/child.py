@@ -27,7 +27,6 @@ from linserve.model.heap import trim
 from linserve.model.interface import ServedModel, State, StateError
 from linserve.server import metrics
 from linserve.server.engine.calls import CALLS, describe, give_output, take_request
-from linserve.server.engine.channels import MetricEvent
 from linserve.server.engine.engine import Engine, EngineLimits
 from linserve.server.engine.loading import (
     LoadedEngine,
@@ -38,7 +37,7 @@ from linserve.server.engine.loading import (
 )
 from linserve.server.engine.progress import ProgressWatch
 from linserve.server.engine.sizing import state_budget
-from linserve.server.engine.types import Output
+from linserve.server.engine.types import MetricEvent, Output
 from linserve.server.settings import Settings
 
 log = logging.getLogger("linserve.engine")

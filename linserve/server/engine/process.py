@@ -20,10 +20,10 @@ from typing import Any
 from linserve.model.blob_view import StateBlob
 from linserve.model.info import StateError
 from linserve.server import metrics
-from linserve.server.engine.channels import MetricEvent, Prelaunched, channels, engine_entry
+from linserve.server.engine.channels import Prelaunched, channels, engine_entry
 from linserve.server.engine.client import EngineHealth, EngineUnavailable, RequestHandle
 from linserve.server.engine.description import ModelDescription
-from linserve.server.engine.types import GenerationRequest, Output, Overloaded
+from linserve.server.engine.types import GenerationRequest, MetricEvent, Output, Overloaded
 from linserve.server.settings import Settings
 
 log = logging.getLogger("linserve.engine")

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from linserve.model.state import State
 
 
+# A Prometheus call the engine process made, replayed in the HTTP process's registry:
+# (metric, labels, op, value).
+MetricEvent = tuple[str, tuple[tuple[str, str], ...], str, float]
+
+
 class Overloaded(Exception):
     """The engine's queue is full; the caller should answer 429."""
 
