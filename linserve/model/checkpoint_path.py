@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from linserve.model.gguf.files import is_gguf
+from linserve.model.gguf import vocab_cache
+from linserve.model.gguf.files import is_gguf, shards
 from linserve.model.info import CheckpointError
 
 ALLOW = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
@@ -82,3 +83,20 @@ def gguf_shard_names(first: Path) -> list[str]:
         return [first.name]
     n = int(hit.group("n"))
     return [f"{hit.group('stem')}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+
+
+def tokenizer_source(path: Path) -> Path | None:
+    """The ``tokenizers`` file the checkpoint at ``path`` reads its vocabulary from, where
+    one is known without its config: a folder's (or a ``.pth``'s folder's)
+    ``tokenizer.json``, or the vocabulary kept for a GGUF file (:mod:`.gguf.vocab_cache`).
+    None where there is none (a GGUF file read for the first time, RWKV's world
+    vocabulary)."""
+    if is_gguf(path):
+        try:
+            kept = vocab_cache.cache_file(shards(path))
+        except (OSError, ValueError):  # a shard missing: the check says so
+            return None
+        return kept if kept.is_file() else None
+    folder = path.parent if path.is_file() else path
+    file = folder / "tokenizer.json"
+    return file if file.is_file() else None

@@ -145,12 +145,15 @@ class Tokenizer(TextTokenizer):
 
     def __init__(self, tok: HFTokenizer | Callable[[], HFTokenizer],
                  eos_ids: Sequence[int] | None = None, size: int | None = None,
-                 token_bytes: list[bytes] | None = None) -> None:
+                 token_bytes: list[bytes] | None = None, source: Path | None = None) -> None:
         """``eos_ids``: the ids that end a generation (default: ``<|endoftext|>``'s);
         ``size``: the model's vocabulary when it is larger than the tokenizer's (ids past the
         tokenizer decode to nothing); ``token_bytes``: the byte table :func:`byte_table`
         made of ``tok`` before (kept on disk: a 250k-token vocabulary's takes a second;
-        required where ``tok`` is a function, whose tokenizer has exactly its tokens)."""
+        required where ``tok`` is a function, whose tokenizer has exactly its tokens);
+        ``source``: a ``tokenizers`` JSON file that holds exactly ``tok`` (where it was
+        read from), which a pickled copy reads again instead of carrying it."""
+        self.source = source
         self._read: Future[HFTokenizer] = Future()
         self._reader: Callable[[], HFTokenizer] | None = None
         self._lock = threading.Lock()
@@ -201,14 +204,19 @@ class Tokenizer(TextTokenizer):
         threading.Thread(target=read, name="tokenizer-read", daemon=True).start()
 
     def __reduce__(self) -> tuple[Callable[..., Tokenizer], tuple[object, ...]]:
-        """Pickled as its JSON, end ids, size and byte table (the engine hands the HTTP
-        process its tokenizer so); read again lazily where it is unpickled."""
-        return _unpickle, (self.to_json(), self.eos_ids, self.vocab_size, self.token_bytes)
+        """Pickled as its source file (else its JSON), end ids, size and byte table (the
+        engine hands the HTTP process its tokenizer so), and read again lazily where it is
+        unpickled: a 250k-token vocabulary's JSON written out and read back cost a start
+        1.2 s, its file is read in the HTTP process's own time."""
+        read = (functools.partial(read_file, self.source)
+                if self.source is not None and self.source.is_file() else
+                functools.partial(HFTokenizer.from_str, self.to_json()))
+        return _unpickle, (read, self.eos_ids, self.vocab_size, self.token_bytes, self.source)
 
     @classmethod
     def from_file(cls, path: str | Path, eos_ids: Sequence[int] | None = None,
                   size: int | None = None) -> Tokenizer:
-        return cls(HFTokenizer.from_file(str(path)), eos_ids, size)
+        return cls(HFTokenizer.from_file(str(path)), eos_ids, size, source=Path(path))
 
     def token_text(self, token_id: int) -> str:
         return str(self._tok.id_to_token(token_id) or "")
@@ -230,9 +238,40 @@ class Tokenizer(TextTokenizer):
         return list(self._tok.encode(text).ids)
 
 
-def _unpickle(text: str, eos_ids: tuple[int, ...], size: int, token_bytes: list[bytes]
-              ) -> Tokenizer:
-    return Tokenizer(functools.partial(HFTokenizer.from_str, text), eos_ids, size, token_bytes)
+# Tokenizer files being read ahead (preread), by path: the HTTP process starts reading its
+# model's while the engine process imports torch, and the tokenizer the engine then sends
+# (pickled with its source) takes what was read.
+_AHEAD: dict[Path, Future[HFTokenizer]] = {}
+
+
+def preread(path: Path) -> None:
+    """Start reading the ``tokenizers`` file ``path`` in a daemon thread, for
+    :func:`read_file` (a 250k-token vocabulary's takes 0.9 s, holding the GIL)."""
+    if path in _AHEAD:
+        return
+    ahead: Future[HFTokenizer] = Future()
+    _AHEAD[path] = ahead
+
+    def read() -> None:
+        try:
+            ahead.set_result(HFTokenizer.from_file(str(path)))
+        except BaseException as exc:  # read again by read_file, which raises it there
+            ahead.set_exception(exc)
+
+    threading.Thread(target=read, name="tokenizer-preread", daemon=True).start()
+
+
+def read_file(path: Path) -> HFTokenizer:
+    """The ``tokenizers`` file ``path``, as :func:`preread` read it ahead, else read now."""
+    ahead = _AHEAD.pop(path, None)
+    if ahead is not None and ahead.exception() is None:
+        return ahead.result()
+    return HFTokenizer.from_file(str(path))
+
+
+def _unpickle(read: Callable[[], HFTokenizer], eos_ids: tuple[int, ...], size: int,
+              token_bytes: list[bytes], source: Path | None) -> Tokenizer:
+    return Tokenizer(read, eos_ids, size, token_bytes, source)
 
 
 class IncrementalDetokenizer:

@@ -13,7 +13,9 @@ from fastapi import FastAPI
 from pydantic import ValidationError
 
 from linserve import __version__
+from linserve.model.checkpoint_path import tokenizer_source
 from linserve.model.info import CheckpointError
+from linserve.model.tokenizer import preread
 from linserve.server.api.app import create_app, wrap
 from linserve.server.engine.prelaunch import prelaunch
 from linserve.server.engine.sizing import resolve_checkpoint
@@ -79,16 +81,22 @@ def checked(settings: Settings, prelaunched: Prelaunched | None) -> tuple[Settin
         raise SystemExit(f"linserve: cannot load {settings.model or settings.weights}: "
                          f"{exc}") from None
     if prelaunched is not None:
+        source = tokenizer_source(settings.weights)
+        if source is not None:  # read here while the engine process imports torch
+            preread(source)
         problem, state_limit = prelaunched.wait_verdict()
     else:  # the engine runs in this process, which imports the model code anyway
         from linserve.server.engine.loading import check_settings
 
         try:
-            problem, state_limit = None, check_settings(settings)
+            problem, state_limit = None, check_settings(settings)[0]
         except (CheckpointError, OSError, ValueError) as exc:
             problem = f"cannot load {settings.model or settings.weights}: {exc}"
     if problem is not None:
         raise SystemExit(f"linserve: {problem}")
+    if prelaunched is not None and prelaunched.description is not None:
+        # its vocabulary, read here while the engine loads (a 250k-token one: 0.9 s)
+        prelaunched.description.tokenizer().prefetch()
     return settings, state_limit
 
 

@@ -233,8 +233,10 @@ def test_a_prelaunched_engine_checks_then_loads_on_the_command_lines_settings(
 
     threads = torch.get_num_threads()
     try:
-        settings, problem, limit = loading.check_early(["--model", linear, "--threads", "1"])
+        settings, problem, limit, described = loading.check_early(
+            ["--model", linear, "--threads", "1"])
         assert settings is not None and problem is None and limit > 1 << 16
+        assert described is not None and described.fingerprint()
         early = loading.load_prepared(settings)
         assert early is not None and early.model.info.params > 0
         assert early.serves(sizing.resolve_checkpoint(
@@ -246,10 +248,10 @@ def test_a_prelaunched_engine_checks_then_loads_on_the_command_lines_settings(
     finally:
         torch.set_num_threads(threads)
     capfd.readouterr()
-    _, problem, _ = loading.check_early(["--model", "weights/no-such-model"])
+    _, problem, _, _ = loading.check_early(["--model", "weights/no-such-model"])
     assert problem is not None and problem.startswith("cannot load weights/no-such-model")
-    assert loading.check_early(["--no-such-flag"]) == (None, None, 0)
-    _, problem, _ = loading.check_early(["--model", linear, "--speculative-config",
+    assert loading.check_early(["--no-such-flag"]) == (None, None, 0, None)
+    _, problem, _, _ = loading.check_early(["--model", linear, "--speculative-config",
                                          '{"method": "draft_model", "model": "/nonexistent/x",'
                                          ' "num_speculative_tokens": 2}'])
     assert problem is not None and "/nonexistent/x" in problem

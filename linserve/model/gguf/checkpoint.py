@@ -339,7 +339,8 @@ class GGUFCheckpoint:
             files = self.model.files
             table = vocab_cache.load_bytes(files, meta)
             if table is not None:
-                tok = Tokenizer(self._vocab, self.end_ids(), vocab_size, table)
+                tok = Tokenizer(self._vocab, self.end_ids(), vocab_size, table,
+                                source=vocab_cache.cache_file(files))
             else:
                 hf_tok = self._vocab()
                 tok = Tokenizer(hf_tok, self.end_ids(), vocab_size)

@@ -26,8 +26,8 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from linserve.model import tokenizer
+from linserve.model.cache_dirs import cache_root
 from linserve.model.gguf import vocab
-from linserve.model.kernels.build import cache_root
 
 _RULES = hashlib.sha1(Path(vocab.__file__).read_bytes()
                       + Path(tokenizer.__file__).read_bytes()).hexdigest()[:12]

@@ -31,6 +31,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from linserve.model.cache_dirs import cache_root
+
 log = logging.getLogger("linserve.kernels")
 HERE = Path(__file__).parent
 NAME = "linserve_kernels"
@@ -124,13 +126,6 @@ def write_ninja(build_dir: Path, arch: str) -> Path:
               f"default {library.name}", ""]
     (build_dir / "build.ninja").write_text("\n".join(lines))
     return library
-
-
-def cache_root() -> Path:
-    """Where the server keeps what it builds once (the kernels, GGUF vocabularies):
-    ``$LINSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/linserve`` or ``~/.cache/linserve``."""
-    return Path(os.environ.get("LINSERVE_CACHE_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "linserve")
 
 
 def default_build_dir(name: str) -> Path:

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from linserve.model.heap import trim
 from linserve.server.api.errors import body_for, install_error_handlers
 from linserve.server.api.openapi import install_openapi
 from linserve.server.api.routes import completions, messages, misc, responses, sessions
@@ -161,6 +162,8 @@ async def startup(app: FastAPI, settings: Settings) -> None:
 
         client, model = await start_thread_engine(settings)
     info = model.info
+    # a vocabulary the engine read from a file is read here again, beside the first requests
+    model.tokenizer().prefetch(then=trim)
     store = make_store(settings)
     bind = getattr(store, "bind_model", None)
     if bind is not None:

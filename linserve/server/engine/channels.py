@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import queue
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from linserve.server.engine.description import ModelDescription
 
 
 @dataclass
 class Prelaunched:
     """A forked engine process checking the checkpoint, then waiting for its settings on
     ``go``, and what it was given: the verdict queue (``(problem or None, the largest
-    importable state)``, once), the command and output queues, the ready event and the
-    heartbeat (:func:`channels`)."""
+    importable state, the model described)``, once), the command and output queues, the
+    ready event and the heartbeat (:func:`channels`)."""
 
     process: Any
     verdict: Any
@@ -26,13 +29,18 @@ class Prelaunched:
     heartbeat: Any
     taken: bool = False  # by the server's engine client, which then owns the process
     checked: tuple[str | None, int] | None = None  # the verdict, once read
+    # the model described without its weights, with the verdict: its tokenizer is read here
+    # while the engine loads
+    description: ModelDescription | None = None
 
     def wait_verdict(self) -> tuple[str | None, int]:
         """The checkpoint's check: a problem's one line (None: it loads) and the bytes of
-        its largest state (what an import may send)."""
+        its largest state (what an import may send); :attr:`description` is then set where
+        it loads."""
         while self.checked is None:
             try:
-                self.checked = self.verdict.get(timeout=0.25)
+                problem, limit, self.description = self.verdict.get(timeout=0.25)
+                self.checked = problem, limit
             except queue.Empty:
                 if not self.process.is_alive():
                     self.checked = (f"the engine process exited (exit code "

@@ -26,9 +26,9 @@ from linserve.model.loader import (
     max_state_bytes,
     pick_dtype,
 )
-from linserve.server.engine.calls import import_state
+from linserve.server.engine.calls import describe
+from linserve.server.engine.description import ModelDescription
 from linserve.server.engine.sizing import engine_threads, resolve_checkpoint
-from linserve.server.sessions.named_states import load_named_states
 from linserve.server.settings import Settings, parse_cli
 from linserve.server.speculative.draft import check_speculative, load_draft
 from linserve.server.system.cpus import available_cpus
@@ -72,17 +72,13 @@ def load_engine_model(settings: Settings) -> ServedModel:
 
 
 def describe_model(settings: Settings) -> ServedModel:
-    """The model without its weights (:func:`linserve.model.loader.load` with ``weights=False``):
-    what the HTTP process needs beside an engine process that holds the weights. Its
-    ``info`` is replaced by the engine's once that has loaded."""
+    """The model without its weights (:func:`linserve.model.loader.load` with
+    ``weights=False``: config, tokenizer, template, fingerprint, states and their codec),
+    which the checks read state files against and the early description is made of."""
     apply_image_settings(settings)
     model = load(settings.weights, settings.dtype, settings.fused_step, settings.batch_invariant,
                  settings.quantization, weights=False, kv_cache_dtype=settings.kv_cache_dtype)
     apply_initial_state(model, settings)
-    # reading a tokenizer leaves ~100 MB of free heap; one read later (a kept GGUF
-    # vocabulary) is read while the engine loads, and trimmed after
-    model.tokenizer().prefetch(then=trim)
-    trim()
     return model
 
 
@@ -151,38 +147,40 @@ def load_engine(settings: Settings) -> LoadedEngine:
     return LoadedEngine(settings, model, draft)
 
 
-def check_settings(settings: Settings) -> int:
+def check_settings(settings: Settings) -> tuple[int, ModelDescription]:
     """Everything about ``settings``' checkpoint that can be checked before serving (its
     memory, its family's checks, a vision tower, a speculative config, the state files of
     ``--initial-state`` and ``--state-dir``); returns the bytes of its largest state (what an
-    import may send). Raises CheckpointError, OSError or ValueError (a StateError) with the
-    one line to say."""
+    import may send) and the model described without its weights (the HTTP process reads
+    its tokenizer while the engine loads). Raises CheckpointError, OSError or ValueError (a
+    StateError) with the one line to say."""
     apply_image_settings(settings)  # a vision tower, --mmproj's too, is checked with it
     check(settings.weights, settings.dtype, settings.quantization, settings.max_memory)
     state_limit = max_state_bytes(settings.weights) + (1 << 16)  # and the blob's header
     if settings.speculative is not None:
         check_speculative(settings.speculative, settings.weights)
-    if settings.initial_state or settings.state_dir:  # read against the model's state
-        described = describe_model(settings)
-        load_named_states(lambda data: import_state(described, data)[0], settings.state_dir)
-    return state_limit
+    return state_limit, describe(describe_model(settings), settings)  # state files read
 
 
-def check_early(argv: list[str]) -> tuple[Settings | None, str | None, int]:
+Verdict = tuple[Settings | None, str | None, int, ModelDescription | None]
+
+
+def check_early(argv: list[str]) -> Verdict:
     """``linserve serve argv``'s settings, resolved and checked quietly
     (:func:`check_settings`), in a prelaunched engine process: (the settings, None, the
-    largest state's bytes), or (None, the one line saying why it cannot load, 0), or (None,
-    None, 0) where the settings do not parse (the HTTP process says why)."""
+    largest state's bytes, the model described), or (None, the one line saying why it
+    cannot load, 0, None), or (None, None, 0, None) where the settings do not parse (the
+    HTTP process says why)."""
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
             settings = parse_cli(argv)
         except (Exception, SystemExit):  # the HTTP process reports it, once
-            return None, None, 0
+            return None, None, 0, None
         try:
             settings = resolve_checkpoint(settings)
-            return settings, None, check_settings(settings)
+            return settings, None, *check_settings(settings)
         except (CheckpointError, OSError, ValueError) as exc:
-            return None, f"cannot load {settings.model or settings.weights}: {exc}", 0
+            return None, f"cannot load {settings.model or settings.weights}: {exc}", 0, None
 
 
 def load_prepared(settings: Settings) -> LoadedEngine | None:

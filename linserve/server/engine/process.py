@@ -104,6 +104,8 @@ class ProcessEngineClient:
                 self.proc.kill()
                 raise RuntimeError("the engine process did not start within 300 s")
         self.description = await asyncio.to_thread(outbox.get, True, 60.0)
+        if early is not None and early.description is not None:
+            self.description.tok = early.description.tok  # read here while it loaded
         self.heartbeat.value = time.monotonic()
         self.health.pid = self.proc.pid
         threading.Thread(target=self._read, name="engine-reader", daemon=True,
