@@ -74,11 +74,12 @@ def load(path: Path, dtype: str = "auto", fused: bool = True,
     beside an engine process. ``kv_cache_dtype``: what attention caches hold
     (:func:`kv_dtype_for`)."""
     fam = family(path)
-    kernels.load()  # the invariant GEMM and the native sampler serve every architecture
-    if quantization != "none" and not kernels.available():
-        raise CheckpointError(f"--quantization {quantization} needs the native kernels, "
-                              f"which did not load ({kernels.load_error()})")
-    modes.set_enabled(batch_invariant)
+    if weights:  # described only, nothing runs: the kernels are not built for it
+        kernels.load()  # the invariant GEMM and the native sampler serve every architecture
+        if quantization != "none" and not kernels.available():
+            raise CheckpointError(f"--quantization {quantization} needs the native kernels, "
+                                  f"which did not load ({kernels.load_error()})")
+        modes.set_enabled(batch_invariant)
     modes.set_quantization(quantization)
     # a GGUF file's Q4_0 matrices stay in their blocks unless --dtype asks for floats
     packing.set_native_blocks(is_gguf(path) and dtype == "auto" and quantization == "none")

@@ -307,8 +307,7 @@ class OwnFamily:
 
     def load(self, path: Path, dtype: torch.dtype, fused: bool, weights: bool = True
              ) -> ServedModule:
-        del weights
-        return load_served(path, dtype, fused)
+        return load_served(path, dtype, fused and weights)  # described: no fused step built
 
     def max_state_bytes(self, path: Path) -> int:
         return max_state_bytes(path)
