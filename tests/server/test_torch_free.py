@@ -93,3 +93,26 @@ def test_states_cross_the_border_as_blobs(rwkv_server: ServerProcess) -> None:
 
     want = go(sid)
     assert [go(c) for c in copies] == [want] * len(copies)
+
+
+def test_a_tokenizer_crosses_as_its_source_file(tmp_path: Path) -> None:
+    """The engine hands the HTTP process its tokenizer as the file it was read from (not its
+    JSON), read again lazily on the other side, from what the HTTP process read ahead."""
+    import pickle
+
+    from linserve.model import tokenizer as tokenizer_module
+    from linserve.model.tokenizer import Tokenizer, preread
+
+    source = tmp_path / "tokenizer.json"
+    source.write_bytes((ROOT / "weights" / "tokenizer.json").read_bytes())
+    tok = Tokenizer.from_file(source)
+    data = pickle.dumps(tok)
+    assert len(data) < len(source.read_bytes()) and b'"merges"' not in data
+    preread(source)
+    copy = pickle.loads(data)
+    assert copy.source == source and copy.eos_ids == tok.eos_ids
+    text = "ROMEO. But soft, what light through yonder window breaks?"
+    assert copy.encode(text) == tok.encode(text)
+    assert source not in tokenizer_module._AHEAD  # taken by the copy's read
+    source.unlink()  # no file: its JSON crosses instead
+    assert pickle.loads(pickle.dumps(tok)).encode(text) == tok.encode(text)
