@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from linserve.model.blob_view import read_header
 from linserve.model.info import STATE_FORMAT_VERSION
 from linserve.model.state import (
     KV_DTYPES,
@@ -37,27 +38,12 @@ def state_to_bytes(state: State, fingerprint: str, extra: dict[str, Any] | None 
     return st_save({k: v.contiguous() for k, v in state.tensors().items()}, metadata=meta)
 
 
-def _read_header(data: bytes) -> dict[str, Any]:
-    if len(data) < 8:
-        raise StateError("state blob is truncated")
-    n = int.from_bytes(data[:8], "little")
-    if n <= 0 or 8 + n > len(data):
-        raise StateError("state blob is truncated or not safetensors")
-    try:
-        header = json.loads(data[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise StateError("state blob header is not valid safetensors JSON") from exc
-    if not isinstance(header, dict):
-        raise StateError("state blob header is not a JSON object")
-    return header
-
-
 def state_from_bytes(data: bytes, template: State, fingerprint: str
                      ) -> tuple[State, dict[str, Any]]:
     """Parse and validate a blob against ``template`` (the model's one-row empty state);
     returns (state, extra). Raises :class:`StateError` for another model's state, a wrong
     layout, shape or dtype, or anything that is not a well-formed safetensors blob."""
-    meta = _read_header(data).get("__metadata__") or {}
+    meta = read_header(data)[0].get("__metadata__") or {}
     version = meta.get("format_version")
     if version not in READABLE_FORMAT_VERSIONS:
         raise StateError(f"unsupported state format version {version!r} "
