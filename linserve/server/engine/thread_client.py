@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from linserve.model.blob_view import StateBlob
-from linserve.model.interface import ServedModel
+from linserve.model.interface import ServedModel, StateError
 from linserve.server.engine import calls
 from linserve.server.engine.calls import describe, give_output, take_request
 from linserve.server.engine.client import EngineHealth, RequestHandle
@@ -107,7 +107,13 @@ class EngineClient:
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Queue a request; raises ``Overloaded`` when the engine is at capacity."""
         handle = RequestHandle(self, req)
-        self.engine.submit(take_request(self.model, req), handle._push)
+        try:
+            taken = take_request(self.model, req)
+        except StateError as exc:  # as the engine process answers a blob it cannot read
+            handle._push(Output(finish_reason="error", error=f"the engine rejected the "
+                                f"request: {exc}"))
+            return handle
+        self.engine.submit(taken, handle._push)
         return handle
 
     async def import_state(self, data: bytes) -> tuple[StateBlob, dict[str, Any]]:
