@@ -48,10 +48,9 @@ def waiting_child(argv: list[str], verdict: Any, go: Any, inbox: Any, outbox: An
     """A prelaunched process: the checkpoint checked on the command line's own settings
     (``loading.check_early``), the verdict put on ``verdict`` for the HTTP process (a
     problem's one line, or None, the largest importable state and the model described
-    without its weights), the model loaded on
-    those settings, then the server's settings from ``go`` (None: the server is not
-    starting), then the engine (:func:`child_main`, which serves the early load if the
-    settings agree)."""
+    without its weights), the model loaded on those settings, then the server's settings
+    from ``go`` (None: the server is not starting), then the engine (:func:`child_main`,
+    which serves the early load if the settings agree)."""
     settings, problem, state_limit, described = check_early(argv)
     verdict.put((problem, state_limit, described))
     if settings is None:
